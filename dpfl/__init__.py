@@ -1,0 +1,3 @@
+"""dpfl: differentially private federated learning with clipping-aware optimizers on Flower."""
+
+__version__ = "0.1.0"

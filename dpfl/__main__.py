@@ -1,0 +1,5 @@
+import sys
+
+from dpfl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+"""The ``algorithm=`` registry."""
+
+from dpfl.registry import Registry
+
+ALGORITHMS: Registry = Registry("algorithm")

@@ -1,0 +1,1 @@
+"""Client side: the shared client runtime, the NumPyClient and the ClientApp."""

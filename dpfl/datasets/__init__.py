@@ -1,0 +1,14 @@
+"""Datasets (real files, torchvision, synthetic problems) and their split over clients.
+
+``load_dataset(name, seed=...)`` returns a :class:`Dataset` of dense tensors;
+``partition(dataset, partitioner=..., num_partitions=..., seed=...)`` splits its
+training rows with flwr-datasets' partitioners. Registered names are listed by
+``DATASETS.names()`` and ``PARTITIONERS.names()``.
+"""
+
+from dpfl.datasets import bank, digits, libsvm, synthetic, vision  # noqa: F401  (they register loaders)
+from dpfl.datasets.base import Dataset, natural_partition
+from dpfl.datasets.loading import DATASETS, load_dataset
+from dpfl.datasets.partition import PARTITIONERS, partition
+
+__all__ = ["DATASETS", "PARTITIONERS", "Dataset", "load_dataset", "natural_partition", "partition"]

@@ -1,0 +1,51 @@
+"""LIBSVM binary-classification sets (Chang & Lin 2011): a9a, duke, w8a.
+
+Read with ``sklearn.datasets.load_svmlight_file`` from ``<data_dir>/libsvm``
+(``.bz2`` read directly) into dense float32 tensors. Labels are mapped to
+float32 ``{-1, +1}`` (task ``"binary"``, logistic loss). By default each row is
+scaled to unit ℓ2 norm, as the Clip21 logistic-regression experiments do
+(clip21-sgd2m spec §9 D3); pass ``normalize=False`` for the raw features.
+
+a9a is evaluated on a9a.t. duke and w8a ship no test file here, so their test
+set *is* the training set (the same tensors): the papers using them report
+training-objective metrics (gradient norm, training loss).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from sklearn.datasets import load_svmlight_file
+
+from dpfl.datasets.base import Dataset
+from dpfl.datasets.loading import DATASETS, Loader, local_file
+
+
+def _read(path: Path, n_features: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    sparse, labels = load_svmlight_file(str(path), n_features=n_features, dtype=np.float32)
+    x = torch.from_numpy(sparse.toarray())
+    if normalize:
+        x = x / x.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return x, torch.from_numpy(np.where(labels > 0, 1.0, -1.0).astype(np.float32))
+
+
+def _libsvm_loader(name: str, train_file: str, test_file: str | None, n_features: int) -> Loader:
+    def load(*, data_dir: Path | None, download: bool, normalize: bool = True) -> Dataset:
+        def read(filename: str) -> tuple[torch.Tensor, torch.Tensor]:
+            path = local_file(data_dir, f"libsvm/{filename}", dataset=name, download=download)
+            return _read(path, n_features, normalize)
+
+        train_x, train_y = read(train_file)
+        test_x, test_y = read(test_file) if test_file else (train_x, train_y)
+        return Dataset(name, train_x, train_y, test_x, test_y, task="binary", num_classes=1)
+
+    test = f"test on {test_file}" if test_file else "test set = training set"
+    load.__doc__ = f"LIBSVM {name} ({n_features} features; {test}); ``normalize``: unit-norm rows."
+    return load
+
+
+DATASETS.add("a9a", _libsvm_loader("a9a", "a9a", "a9a.t", n_features=123))
+DATASETS.add("duke", _libsvm_loader("duke", "duke.bz2", None, n_features=7129))
+DATASETS.add("w8a", _libsvm_loader("w8a", "w8a", None, n_features=300))

@@ -1,0 +1,121 @@
+"""MNIST, Fashion-MNIST and CIFAR-10 through torchvision's own loaders.
+
+MNIST and Fashion-MNIST: the four original ``*-idx?-ubyte.gz`` files in
+``<data_dir>/mnist`` (``fashion_mnist``) are symlinked into
+``<cache_dir>/MNIST/raw`` (``FashionMNIST/raw``), and torchvision is called with
+``download=True``: it verifies each file's MD5, skips the download and
+decompresses next to the links, without network. Only when the files are not in
+the data folder does ``download=True`` let torchvision fetch them into the cache
+(a later ``download=True`` reuses that copy).
+
+CIFAR-10: ``<data_dir>/cifar10`` is a torchvision root (holding
+``cifar-10-batches-py``), read in place; otherwise downloaded into the cache on
+request.
+
+Pixels are scaled to [0, 1], then standardised per channel with the usual
+dataset statistics. Tensors are ``[n, channels, height, width]`` float32 with
+int64 labels 0-9, on the standard train/test splits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from torchvision.datasets import CIFAR10, MNIST, FashionMNIST
+
+from dpfl.datasets.base import Dataset
+from dpfl.datasets.loading import DATA_DIR_ENV, DATASETS, Loader
+from dpfl.errors import ConfigError
+
+
+def _not_found(dataset: str, folder: Path | None, wanted: str) -> ConfigError:
+    where = (
+        f"{folder} does not hold {wanted}" if folder else f"no data folder is set ({DATA_DIR_ENV})"
+    )
+    return ConfigError(
+        "dataset",
+        f"{dataset!r} is not available locally: {where}; "
+        f"set {DATA_DIR_ENV} to a folder holding it, or pass download=true",
+    )
+
+
+def _standardised(
+    pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]
+) -> torch.Tensor:
+    """uint8 ``[n, c, h, w]`` pixels to float32, scaled to [0, 1], then per-channel standardised."""
+    shape = (1, len(mean), 1, 1)
+    scaled = pixels.to(torch.float32) / 255.0
+    return ((scaled - torch.tensor(mean).view(shape)) / torch.tensor(std).view(shape)).contiguous()
+
+
+def _idx_loader(name: str, source: type[MNIST], subdir: str, mean: float, std: float) -> Loader:
+    def load(*, data_dir: Path | None, cache_dir: Path, download: bool) -> Dataset:
+        folder = data_dir / subdir if data_dir else None
+        files = [filename for filename, _ in source.resources]
+        local = folder is not None and all((folder / f).is_file() for f in files)
+        if not (local or download):
+            raise _not_found(name, folder, ", ".join(files))
+        raw = cache_dir / source.__name__ / "raw"
+        raw.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(cache_dir / f"{source.__name__}.lock")):
+            for filename in files:
+                link = raw / filename
+                if local or link.is_symlink():
+                    link.unlink(missing_ok=True)
+                if local:
+                    link.symlink_to((folder / filename).resolve())
+            splits = [source(str(cache_dir), train=train, download=True) for train in (True, False)]
+        (train_x, train_y), (test_x, test_y) = [
+            (_standardised(s.data.unsqueeze(1), (mean,), (std,)), s.targets.to(torch.int64))
+            for s in splits
+        ]
+        return Dataset(
+            name, train_x, train_y, test_x, test_y, task="classification", num_classes=10
+        )
+
+    load.__doc__ = (
+        f"{source.__name__}: 60,000 train / 10,000 test images, [n, 1, 28, 28], "
+        f"standardised with mean {mean}, std {std}."
+    )
+    return load
+
+
+DATASETS.add("mnist", _idx_loader("mnist", MNIST, "mnist", 0.1307, 0.3081))
+DATASETS.add(
+    "fashion-mnist", _idx_loader("fashion-mnist", FashionMNIST, "fashion_mnist", 0.2860, 0.3530)
+)
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+@DATASETS.register("cifar10")
+def load_cifar10(*, data_dir: Path | None, cache_dir: Path, download: bool) -> Dataset:
+    """CIFAR-10 (50,000 train / 10,000 test, [n, 3, 32, 32]), per-channel standardised.
+
+    Mean and std are the per-channel statistics of the training images.
+    """
+    folder = data_dir / "cifar10" if data_dir else None
+    if folder is not None and (folder / CIFAR10.base_folder).is_dir():
+        root = folder
+    elif download:
+        root = cache_dir
+    else:
+        raise _not_found("cifar10", folder, CIFAR10.base_folder)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache_dir / "CIFAR10.lock")):
+        splits = [
+            CIFAR10(str(root), train=train, download=root == cache_dir) for train in (True, False)
+        ]
+    (train_x, train_y), (test_x, test_y) = [
+        (
+            _standardised(torch.from_numpy(s.data).permute(0, 3, 1, 2), CIFAR10_MEAN, CIFAR10_STD),
+            torch.tensor(s.targets, dtype=torch.int64),
+        )
+        for s in splits
+    ]
+    return Dataset(
+        "cifar10", train_x, train_y, test_x, test_y, task="classification", num_classes=10
+    )

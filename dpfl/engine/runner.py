@@ -1,0 +1,61 @@
+"""The in-process engine: every client batched, same math and seeds as Flower.
+
+It drives the algorithm's ``client_step`` over all participants in one call and
+``server_step`` on their uploads, round after round, through the same client and
+server runtimes the Flower apps use, so that a seed gives the same model here
+and under ``flwr run``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpfl.algorithms import State
+from dpfl.client.runtime import ClientRuntime, exceeds_budget, new_ledger
+from dpfl.config import RunConfig
+from dpfl.server.runtime import ServerRuntime
+from dpfl.setup import build_problem
+
+
+def _rows(states: State, positions: torch.Tensor) -> State:
+    return {k: v[positions] for k, v in states.items()}
+
+
+def _scatter(states: State, positions: torch.Tensor, rows: State) -> State:
+    out = {k: v.clone() for k, v in states.items()}
+    for k, v in rows.items():
+        out[k][positions] = v
+    return out
+
+
+def run(config: RunConfig, *, echo: bool = True) -> dict[str, Any]:
+    """Run ``config`` to the end (or to ``max-epsilon``); returns the summary."""
+    problem = build_problem(config)
+    server = ServerRuntime(problem, "engine", echo=echo)
+    clients = ClientRuntime(problem)
+    cohort = problem.full_cohort()
+    states = problem.algorithm.init_client_state(problem.num_clients)
+    ledgers = [new_ledger(problem) for _ in range(problem.num_clients)]
+    server.open()
+    for round in range(1, int(config["num-server-rounds"]) + 1):
+        if server.should_stop(round):
+            break
+        ids = server.participants(round)
+        if any(exceeds_budget(problem, c, ledgers[c]) for c in ids):
+            server.stop_reason = f"max-epsilon: a client refused round {round}"
+            break
+        positions = torch.tensor(ids, dtype=torch.long)
+        part = cohort.select(ids)
+        for exchange in problem.algorithm.exchanges:
+            broadcast = server.broadcast(exchange, round)
+            uploads, new_rows, metrics = clients.step(exchange, round, broadcast,
+                                                      _rows(states, positions), part,
+                                                      [ledgers[c] for c in ids])
+            states = _scatter(states, positions, new_rows)
+            server.aggregate(exchange, round,
+                             {c: {k: v[i] for k, v in uploads.items()} for i, c in enumerate(ids)})
+        server.end_round(round, {c: {k: float(v[i]) for k, v in metrics.items()}
+                                 for i, c in enumerate(ids)})
+    return server.finish()

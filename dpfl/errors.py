@@ -1,0 +1,25 @@
+"""The one error users see: a bad run-config value, named by its key."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class ConfigError(ValueError):
+    """A run-config value is unknown, of the wrong type, or out of range.
+
+    The message names the offending ``key`` and, where the choice is from a
+    set, the ``allowed`` values. The command-line entry points print it on one
+    line and exit with status 2, without a traceback.
+    """
+
+    def __init__(self, key: str, problem: str, allowed: Iterable[object] | str | None = None):
+        self.key = key
+        self.problem = problem
+        if allowed is not None and not isinstance(allowed, str):
+            allowed = ", ".join(str(a) for a in allowed)
+        self.allowed = allowed
+        text = f"run config key '{key}': {problem}"
+        if allowed:
+            text += f" (allowed: {allowed})"
+        super().__init__(text)

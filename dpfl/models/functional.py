@@ -1,0 +1,316 @@
+"""A torch module seen as a function of its flat trainable parameter vector, batched over clients.
+
+Every algorithm in dpfl works on flat parameter vectors (the trainable parameters concatenated in
+``named_parameters()`` order) with a leading client axis: ``x`` is ``[C, b, ...]``, ``y`` is
+``[C, b]``, and the point is shared (``[d]``) or per client (``[C, d]``).
+
+How per-sample gradients are computed. One forward pass records, for every layer with trainable
+parameters, its input ``a`` (forward hooks), and one backward pass of the summed per-sample
+losses gives each such layer's output gradient ``g`` (``torch.autograd.grad`` with respect to the
+layer outputs only, so no parameter gradient is ever formed by autograd). The per-sample
+gradients follow layer by layer (``dpfl.models.grad_sample``). ``clipped_mean`` never forms the
+``[b, d]`` matrix: per-sample norms of ``Linear`` layers come from ``‖g_j‖·‖a_j‖`` and their
+clipped sum from one weighted GEMM; conv and norm layers are materialised (``b × d_layer``),
+which is cheap for the small conv layers of the papers' models.
+
+Reproducibility. Clients are processed one at a time, in fixed chunks of ``chunk_size`` samples,
+on 64-byte-aligned copies of their data, so client i's result does not depend on how many other
+clients share the call: a Flower client (C = 1) and the in-process engine (C = 100) agree bit for
+bit on CPU. (Batching clients into one GEMM or grouped convolution would let the kernel choice,
+and with it the rounding, depend on C.)
+
+The nonconvex regulariser. ``nonconvex_reg = λ`` adds ``(λ/2) Σ_k x_k² / (1 + x_k²)`` to every
+per-sample loss, the convention of PriSMA eq. 22. Clip21's logistic regression (spec E1) writes
+``λ Σ_k x_k² / (1 + x_k²)``: pass ``nonconvex_reg = 2 λ_clip21`` (2e-3 for λ = 1e-3).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from dpfl.models import grad_sample
+from dpfl.models.losses import LOSSES
+
+_ALIGNMENT = 64  # bytes; PyTorch's CPU allocator aligns every fresh tensor to this
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """A layer with trainable parameters and where they sit in the flat vector."""
+
+    module: nn.Module
+    trainable: tuple[bool, bool]  # (weight, bias)
+    slices: tuple[slice, ...]  # flat positions of the trainable ones, in that order
+    shapes: tuple[torch.Size, ...]
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` itself if contiguous and 64-byte aligned, else an aligned copy (same values)."""
+    if t.is_contiguous() and t.data_ptr() % _ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+class FlatModel:
+    """A torch module seen as a function of its flat trainable parameter vector.
+
+    Parameters
+    ----------
+    module : nn.Module
+        The model; copied, never modified. Its trainable parameters must belong to ``Linear``,
+        ``Conv2d`` or ``GroupNorm`` layers, each called once per forward pass; parameters with
+        ``requires_grad=False`` stay fixed and are not part of the flat vector.
+    loss : str
+        A name in ``LOSSES``: ``cross-entropy``, ``logistic`` (labels ±1) or ``squared``.
+    nonconvex_reg : float, default 0.0
+        λ of the regulariser ``(λ/2) Σ_k x_k²/(1 + x_k²)`` added to every per-sample loss
+        (PriSMA eq. 22; Clip21's λ is half of this one).
+    chunk_size : int, default 256
+        Samples per forward/backward pass in the per-sample methods; bounds their memory.
+    """
+
+    def __init__(self, module: nn.Module, loss: str, nonconvex_reg: float = 0.0, chunk_size: int = 256):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.loss = LOSSES.get(loss)
+        self.nonconvex_reg = float(nonconvex_reg)
+        self.chunk_size = int(chunk_size)
+        self._template = copy.deepcopy(module)
+        self._module = copy.deepcopy(module)
+
+        self._names: list[str] = []
+        self._shapes: list[torch.Size] = []
+        self._numels: list[int] = []
+        where: dict[str, slice] = {}
+        for name, p in self._module.named_parameters():
+            if p.requires_grad:
+                where[name] = slice(sum(self._numels), sum(self._numels) + p.numel())
+                self._names.append(name)
+                self._shapes.append(p.shape)
+                self._numels.append(p.numel())
+        self.d = sum(self._numels)
+
+        self._layers: list[_Layer] = []
+        for prefix, m in self._module.named_modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                raise TypeError("per-sample gradients: BatchNorm mixes samples; use GroupNorm")
+            own = [(n, p) for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            grad_sample.check_supported(m)
+            if any(n not in ("weight", "bias") for n, _ in own):
+                raise TypeError(f"per-sample gradients: unexpected parameter in {type(m).__name__}")
+            full = [f"{prefix}.{n}" if prefix else n for n, _ in own]
+            layer = _Layer(
+                module=m,
+                trainable=(getattr(m, "weight", None) is not None and m.weight.requires_grad,
+                           getattr(m, "bias", None) is not None and m.bias.requires_grad),
+                slices=tuple(where[f] for f in full),
+                shapes=tuple(p.shape for _, p in own),
+            )
+            self._layers.append(layer)
+            m.register_forward_hook(partial(self._capture, layer))
+        self._tape: list[tuple[_Layer, Tensor, Tensor]] | None = None
+
+    # ----------------------------------------------------------------------------- parameters
+
+    def initial_params(self) -> Tensor:
+        """The module's initial trainable parameters, flattened: ``[d]`` float32."""
+        trainable = [p for p in self._template.parameters() if p.requires_grad]
+        return torch.cat([p.detach().reshape(-1) for p in trainable]).to(torch.float32)
+
+    def load_into(self, flat: Tensor) -> nn.Module:
+        """A copy of the module holding ``flat`` (``[d]``) as its trainable parameters."""
+        module = copy.deepcopy(self._template)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for p, v in zip(trainable, flat.detach().split(self._numels)):
+                p.copy_(v.view_as(p))
+        return module
+
+    # ----------------------------------------------------------------------------- evaluation
+
+    def losses(self, flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
+        """Per-sample losses, regulariser included, without gradients.
+
+        ``flat [d]`` with ``x [B, ...]`` gives ``[B]``; ``flat [C, d]`` with ``x [C, B, ...]``
+        gives ``[C, B]``.
+        """
+        with torch.no_grad():
+            if flat.dim() == 1:
+                return self._losses(flat, x, y)
+            return torch.stack([self._losses(_aligned(flat[c]), _aligned(x[c]), y[c]) for c in range(len(flat))])
+
+    def evaluate(self, flat: Tensor, x: Tensor, y: Tensor, batch_size: int = 1024) -> dict[str, float | None]:
+        """Mean loss (regulariser included) and accuracy (``None`` for regression) of ``flat [d]``
+        on the samples ``x [N, ...]``, ``y [N]``, in batches of ``batch_size``."""
+        total, correct = 0.0, 0
+        with torch.no_grad():
+            for start in range(0, len(x), batch_size):
+                xs, ys = x[start : start + batch_size], y[start : start + batch_size]
+                out = self._forward(flat, xs)
+                total += self.loss.per_sample(out, ys).double().sum().item()
+                if self.loss.correct is not None:
+                    correct += int(self.loss.correct(out, ys).sum())
+            loss = total / len(x) + (self._reg_value(flat).item() if self.nonconvex_reg else 0.0)
+        accuracy = correct / len(x) if self.loss.correct is not None else None
+        return {"loss": loss, "accuracy": accuracy}
+
+    # ------------------------------------------------------------------------------ gradients
+
+    def batch_gradients(self, flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
+        """``[C, d]``: the gradient of each client's mean loss over its ``b`` samples."""
+        n_clients = x.shape[0]
+        out = x.new_empty(n_clients, self.d)
+        for c in range(n_clients):
+            point = self._point(flat, c).detach().requires_grad_()
+            with torch.enable_grad():
+                loss = self.loss.per_sample(self._forward(point, _aligned(x[c])), y[c]).mean()
+                if self.nonconvex_reg:
+                    loss = loss + self._reg_value(point)
+                out[c] = torch.autograd.grad(loss, point)[0]
+        return out
+
+    def per_sample_gradients(self, flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
+        """``[C, b, d]``: every sample's gradient (materialised; use ``clipped_mean`` to clip)."""
+        n_clients, b = x.shape[:2]
+        out = x.new_zeros(n_clients, b, self.d)
+        for c in range(n_clients):
+            point = self._point(flat, c)
+            reg = self._reg_grad(point) if self.nonconvex_reg else None
+            for start, xs, ys in self._chunks(x, y, c):
+                rows = out[c, start : start + len(xs)]
+                for layer, a, g in self._record(point, xs, ys):
+                    for grads, where in zip(grad_sample.materialise(layer.module, a, g, layer.trainable), layer.slices):
+                        rows[:, where] = grads
+                if reg is not None:
+                    rows += reg
+        return out
+
+    def clipped_mean(self, flat: Tensor, x: Tensor, y: Tensor, clip: float | Tensor) -> tuple[Tensor, Tensor]:
+        """Per-sample clipping: ``(1/b) Σ_j clip_C(g_ij)`` for each client, with
+        ``clip_C(g) = min(1, C/‖g‖)·g`` (``g`` unchanged when ``‖g‖ ≤ C``, including ``g = 0``).
+
+        ``clip`` is one radius or one per client (``[C]``). Returns the ``[C, d]`` clipped means
+        and the ``[C, b]`` norms of the unclipped per-sample gradients. Memory stays about
+        ``chunk_size`` × (largest conv/norm layer) floats beyond an ordinary training step.
+        """
+        n_clients, b = x.shape[:2]
+        radii = self._radii(clip, n_clients)
+        out = x.new_zeros(n_clients, self.d)
+        norms = x.new_empty(n_clients, b)
+        for c in range(n_clients):
+            point = self._point(flat, c)
+            reg = self._reg_grad(point) if self.nonconvex_reg else None
+            for start, xs, ys in self._chunks(x, y, c):
+                tape = self._record(point, xs, ys)
+                norm, sums = self._clip_chunk(tape, reg, radii[c], len(xs))
+                norms[c, start : start + len(xs)] = norm
+                row = out[c]
+                for where, part in sums:
+                    row[where] += part
+        return out.div_(b), norms
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _clip_chunk(
+        self, tape: list[tuple[_Layer, Tensor, Tensor]], reg: Tensor | None, radius: float, n: int
+    ) -> tuple[Tensor, list[tuple[slice, Tensor]]]:
+        """Norms of one chunk's per-sample gradients and Σ_j w_j g_j, w_j = min(1, C/‖g_j‖)."""
+        sq = torch.zeros(n)
+        materialised: list[list[Tensor] | None] = []
+        for layer, a, g in tape:
+            if grad_sample.has_ghost(layer.module, a):
+                sq += grad_sample.ghost_sq_norms(a, g, layer.trainable)
+                if reg is not None:
+                    parts = [reg[s].view(shape) for s, shape in zip(layer.slices, layer.shapes)]
+                    sq += 2 * grad_sample.ghost_dots(a, g, layer.trainable, parts)
+                materialised.append(None)
+            else:
+                grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
+                for p, where in zip(grads, layer.slices):
+                    sq += p.square().sum(dim=1)
+                    if reg is not None:
+                        sq += 2 * torch.mv(p, reg[where])
+                materialised.append(grads)
+        if reg is not None:
+            sq += reg.square().sum()
+        norm = sq.clamp_min_(0).sqrt_()
+        w = radius / norm.clamp_min(radius)
+        sums: list[tuple[slice, Tensor]] = []
+        for (layer, a, g), grads in zip(tape, materialised):
+            if grads is None:
+                parts = grad_sample.ghost_weighted_sum(a, g, layer.trainable, w)
+            else:
+                parts = [torch.mv(p.t(), w) for p in grads]
+            sums += zip(layer.slices, parts)
+        if reg is not None:
+            sums.append((slice(0, self.d), w.sum() * reg))
+        return norm, sums
+
+    def _capture(self, layer: _Layer, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor | None:
+        tape = self._tape
+        if tape is None:
+            return None
+        if any(entry[0] is layer for entry in tape):
+            raise RuntimeError(f"per-sample gradients: {type(module).__name__} is called twice in one forward")
+        if not output.requires_grad:
+            # Nothing below this layer is trainable: start the graph here.
+            output = output.detach().requires_grad_()
+        tape.append((layer, inputs[0].detach(), output))
+        return output
+
+    def _record(self, point: Tensor, x: Tensor, y: Tensor) -> list[tuple[_Layer, Tensor, Tensor]]:
+        """One forward and backward pass: (layer, input, output gradient) per trainable layer."""
+        self._tape = []
+        try:
+            with torch.enable_grad():
+                losses = self.loss.per_sample(self._forward(point.detach(), x), y)
+            tape = self._tape
+        finally:
+            self._tape = None
+        if not tape:
+            return []
+        outputs = [out for _, _, out in tape]
+        grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
+        return [
+            (layer, a, torch.zeros_like(out) if g is None else g)
+            for (layer, a, out), g in zip(tape, grads)
+        ]
+
+    def _forward(self, point: Tensor, x: Tensor) -> Tensor:
+        views = (v.view(s) for v, s in zip(point.split(self._numels), self._shapes))
+        return functional_call(self._module, dict(zip(self._names, views)), (x,))
+
+    def _losses(self, point: Tensor, x: Tensor, y: Tensor) -> Tensor:
+        losses = self.loss.per_sample(self._forward(point, x), y)
+        return losses + self._reg_value(point) if self.nonconvex_reg else losses
+
+    def _reg_value(self, point: Tensor) -> Tensor:
+        sq = point.square()
+        return 0.5 * self.nonconvex_reg * (sq / (1 + sq)).sum()
+
+    def _reg_grad(self, point: Tensor) -> Tensor:
+        return self.nonconvex_reg * point / (1 + point.square()).square()
+
+    def _point(self, flat: Tensor, c: int) -> Tensor:
+        return _aligned(flat if flat.dim() == 1 else flat[c])
+
+    def _chunks(self, x: Tensor, y: Tensor, c: int):
+        """(start, x, y) for client c's fixed-size sample chunks, each on aligned memory."""
+        for start in range(0, x.shape[1], self.chunk_size):
+            stop = start + self.chunk_size
+            yield start, _aligned(x[c, start:stop]), _aligned(y[c, start:stop])
+
+    @staticmethod
+    def _radii(clip: float | Tensor, n_clients: int) -> list[float]:
+        radii = [float(v) for v in clip] if isinstance(clip, Tensor) and clip.dim() == 1 else [float(clip)] * n_clients
+        if len(radii) != n_clients or not all(0 < r < float("inf") for r in radii):
+            raise ValueError(f"clip must be one positive finite radius or one per client, got {clip}")
+        return radii

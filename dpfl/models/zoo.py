@@ -1,0 +1,144 @@
+"""The models of the four papers, by the name a run config gives them.
+
+``build_model(name, input_shape=, num_classes=, seed=)`` draws the initial weights from ``seed``
+alone (the global RNG is left as it was), so every client and every runtime starts from the same
+point. No model has BatchNorm: it mixes samples, which per-sample clipping and the DP analyses
+exclude.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from dpfl.models.resnet import ResNet20
+from dpfl.registry import Registry
+
+ModelBuilder = Callable[..., nn.Module]
+MODELS: Registry[ModelBuilder] = Registry("model")
+
+
+def build_model(
+    name: str, *, input_shape: tuple[int, ...], num_classes: int, seed: int, **options: object
+) -> nn.Module:
+    """Build model ``name`` for inputs of ``input_shape`` (no batch axis), initialised from ``seed``.
+
+    ``options`` go to the model's builder (e.g. ``hidden=`` for ``random-feature-mlp``).
+    Raises ``ConfigError`` (key ``model``) for an unknown name.
+    """
+    builder = MODELS.get(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return builder(tuple(input_shape), num_classes, **options)
+
+
+def _features(input_shape: tuple[int, ...]) -> int:
+    return math.prod(input_shape)
+
+
+@MODELS.register("logistic")
+def logistic(
+    input_shape: tuple[int, ...], num_classes: int, *, bias: bool = True, zero_init: bool = False
+) -> nn.Module:
+    """Linear model on the flattened input: multinomial logistic regression with
+    ``cross-entropy``, or with ``num_classes=1`` the ±1-label model of Clip21 E1 paired with the
+    ``logistic`` loss (Clip21 uses ``bias=False, zero_init=True``: x⁰ = 0, §9 D3)."""
+    linear = nn.Linear(_features(input_shape), num_classes, bias=bias)
+    if zero_init:
+        nn.init.zeros_(linear.weight)
+        if bias:
+            nn.init.zeros_(linear.bias)
+    return nn.Sequential(nn.Flatten(), linear)
+
+
+@MODELS.register("least-squares")
+def least_squares(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """f(x; a) = aᵀx, no bias, x⁰ = 0 (PriSMA eq. 22 with the ``squared`` loss)."""
+    linear = nn.Linear(_features(input_shape), 1, bias=False)
+    nn.init.zeros_(linear.weight)
+    return nn.Sequential(nn.Flatten(), linear)
+
+
+@MODELS.register("mlp")
+def mlp(input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 256) -> nn.Module:
+    """Flatten → Linear(in, 256) → tanh → Linear(256, classes): Clip21 E3's 784-256-10 MLP."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(_features(input_shape), hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, num_classes),
+    )
+
+
+@MODELS.register("clip21-cnn")
+def clip21_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Clip21 §9 D4: Conv(1→16, k5) → tanh → Conv(16→16, k5) → tanh → MaxPool(2) → Linear.
+
+    For 1×28×28 inputs the head is Linear(16·10·10 = 1600 → classes); d = 22,842 for 10 classes.
+    """
+    channels, height, width = input_shape
+    flat = 16 * ((height - 8) // 2) * ((width - 8) // 2)
+    return nn.Sequential(
+        nn.Conv2d(channels, 16, 5),
+        nn.Tanh(),
+        nn.Conv2d(16, 16, 5),
+        nn.Tanh(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(flat, num_classes),
+    )
+
+
+@MODELS.register("dpftrl-cnn")
+def dpftrl_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """PriSMA §5.2: the DP-FTRL ``vgg128`` tanh CNN; d = 550,570 for 3×32×32 and 10 classes.
+
+    Init as the DP-FTRL code: conv weights N(0, 1/fan_in), linear weights Xavier-normal, zero
+    biases.
+    """
+    channels, height, width = input_shape
+    layers: list[nn.Module] = []
+    for c_in, c_out in ((channels, 32), (32, 64), (64, 128)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.Tanh()]
+        layers += [nn.Conv2d(c_out, c_out, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2)]
+    layers += [
+        nn.Flatten(),
+        nn.Linear(128 * (height // 8) * (width // 8), 128),
+        nn.Tanh(),
+        nn.Linear(128, num_classes),
+    ]
+    model = nn.Sequential(*layers)
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.normal_(m.weight, std=1.0 / math.sqrt(m.weight[0].numel()))
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Linear):
+            nn.init.xavier_normal_(m.weight)
+            nn.init.zeros_(m.bias)
+    return model
+
+
+@MODELS.register("random-feature-mlp")
+def random_feature_mlp(
+    input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 512, zero_head: bool = False
+) -> nn.Module:
+    """Adaptive-clipping spec §8 item 17: a frozen random ``Linear(in, hidden)`` (PyTorch default
+    init, ``requires_grad=False``, so it is not among the trainable parameters but is in the
+    ``state_dict``), ReLU, and a trainable ``Linear(hidden, classes)`` head. The loss is convex
+    in the head."""
+    features = nn.Linear(_features(input_shape), hidden)
+    features.requires_grad_(False)
+    head = nn.Linear(hidden, num_classes)
+    if zero_head:
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+    return nn.Sequential(nn.Flatten(), features, nn.ReLU(), head)
+
+
+@MODELS.register("resnet20")
+def resnet20(input_shape: tuple[int, ...], num_classes: int, *, norm_groups: int = 2) -> nn.Module:
+    """CIFAR ResNet-20 with GroupNorm (Clip21 §9 D5); see ``dpfl.models.resnet``."""
+    return ResNet20(input_shape[0], num_classes, norm_groups=norm_groups)

@@ -1,0 +1,70 @@
+"""The results folder of a run: config, per-round records, summary, model, plots.
+
+``<results-dir>/<run-name>/`` receives ``config.json`` when the run starts (after
+every input has been validated), one line of ``rounds.jsonl`` per round, and
+``summary.json``, ``model.pt`` and PNG plots when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpfl.config import RunConfig
+from dpfl.errors import ConfigError
+
+
+def jsonable(value: Any) -> Any:
+    """Floats that JSON can hold: ±inf and NaN become None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def run_name(config: RunConfig, runtime: str) -> str:
+    if config["run-name"]:
+        return str(config["run-name"])
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return f"{config['algorithm']}-{config['dataset']}-s{config['seed']}-{runtime}-{stamp}"
+
+
+def results_path(config: RunConfig, runtime: str) -> Path:
+    """The run's folder; refuses one that already holds a run."""
+    path = Path(str(config["results-dir"])).expanduser() / run_name(config, runtime)
+    if (path / "config.json").exists():
+        raise ConfigError("run-name", f"results folder {path} already holds a run",
+                          allowed="a new name, or empty for an automatic one")
+    return path
+
+
+class ResultsWriter:
+    """Writes one run's results folder."""
+
+    def __init__(self, path: Path, config: RunConfig, meta: dict[str, Any]) -> None:
+        self.path = path
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.rounds: list[dict[str, Any]] = []
+        (path / "config.json").write_text(json.dumps(
+            {"run_config": config.as_dict(), **jsonable(meta)}, indent=2))
+        (path / "rounds.jsonl").write_text("")
+
+    def add_round(self, record: dict[str, Any]) -> None:
+        self.rounds.append(record)
+        with (self.path / "rounds.jsonl").open("a") as f:
+            f.write(json.dumps(jsonable(record)) + "\n")
+
+    def finish(self, summary: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> None:
+        torch.save(state_dict, self.path / "model.pt")
+        (self.path / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))
+        from dpfl.plots import plot_rounds
+
+        plot_rounds(self.rounds, self.path)

@@ -1,0 +1,1 @@
+"""Server side: the shared server runtime and the ServerApp."""

@@ -1,0 +1,103 @@
+"""Everything a run needs, built from its configuration (the same on every runtime)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpfl.algorithms import ALGORITHMS, Algorithm, Cohort, Release
+from dpfl.config import RunConfig
+from dpfl.datasets import Dataset, load_dataset, partition
+from dpfl.errors import ConfigError
+from dpfl.models import FlatModel, build_model
+
+LOSS_OF_TASK = {"classification": "cross-entropy", "binary": "logistic", "regression": "squared"}
+
+
+def data_dir(config: RunConfig) -> str:
+    """``data-dir``, else ``$DPFL_DATA_DIR``, else ``../shared/data`` beside the checkout."""
+    if config["data-dir"]:
+        return str(config["data-dir"])
+    default = Path(__file__).resolve().parents[2] / "shared" / "data"
+    return os.environ.get("DPFL_DATA_DIR", str(default))
+
+
+def resolve_device(config: RunConfig) -> torch.device:
+    name = str(config["device"])
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "CUDA is not available on this machine",
+                          allowed="cpu, auto" + (", cuda" if torch.cuda.is_available() else ""))
+    return torch.device(name)
+
+
+@dataclass
+class Problem:
+    """Data, partition, model, algorithm and initial point of a run."""
+
+    config: RunConfig
+    dataset: Dataset
+    partitions: list[np.ndarray]
+    model: FlatModel
+    algorithm: Algorithm
+    x0: torch.Tensor
+    device: torch.device
+    _releases: dict[int, list[Release]] = field(default_factory=dict)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.partitions)
+
+    def cohort(self, client_ids: list[int]) -> Cohort:
+        """The given clients' data, holding only their own rows."""
+        rows = np.concatenate([self.partitions[c] for c in client_ids])
+        x = self.dataset.train_x[torch.from_numpy(rows)]
+        y = self.dataset.train_y[torch.from_numpy(rows)]
+        offsets = np.cumsum([0] + [len(self.partitions[c]) for c in client_ids])
+        indices = [torch.arange(offsets[i], offsets[i + 1]) for i in range(len(client_ids))]
+        return Cohort(list(client_ids), x, y, indices)
+
+    def full_cohort(self) -> Cohort:
+        """All clients over the whole training set (the engine's view)."""
+        return Cohort(list(range(self.num_clients)), self.dataset.train_x, self.dataset.train_y,
+                      [torch.from_numpy(p) for p in self.partitions])
+
+    def releases(self, client: int) -> list[Release]:
+        """The calibrated mechanisms of ``client`` (calibrated once per distinct data size)."""
+        size = len(self.partitions[client])
+        if size not in self._releases:
+            self._releases[size] = self.algorithm.releases(size)
+        return self._releases[size]
+
+
+def build_problem(config: RunConfig) -> Problem:
+    """Load, partition and initialise; raises ConfigError on bad input."""
+    device = resolve_device(config)
+    dataset = load_dataset(str(config["dataset"]), seed=int(config["seed"]),
+                           data_dir=data_dir(config), download=bool(config["download"]))
+    parts = partition(dataset, partitioner=str(config["partitioner"]),
+                      num_partitions=int(config["num-partitions"]), seed=int(config["seed"]),
+                      alpha=float(config["alpha"]),
+                      shards_per_partition=int(config["shards-per-partition"]))
+    smallest = min(len(p) for p in parts)
+    if int(config["batch-size"]) > smallest:
+        raise ConfigError("batch-size", f"{config['batch-size']} exceeds the smallest client's "
+                          f"{smallest} records", allowed=f"1..{smallest}")
+    module = build_model(str(config["model"]), input_shape=dataset.input_shape,
+                         num_classes=dataset.num_classes, seed=int(config["seed"]))
+    model = FlatModel(module, LOSS_OF_TASK[dataset.task],
+                      nonconvex_reg=float(config["nonconvex-reg"]))
+    algorithm = ALGORITHMS.get(str(config["algorithm"]))(config, model)
+    return Problem(config, dataset, parts, model, algorithm, model.initial_params(), device)
+
+
+@functools.lru_cache(maxsize=4)
+def cached_problem(items: tuple[tuple[str, object], ...]) -> Problem:
+    """One Problem per configuration per process (Flower rebuilds ClientApps every round)."""
+    return build_problem(RunConfig(dict(items)))

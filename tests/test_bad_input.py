@@ -1,0 +1,44 @@
+"""Bad input: one clear line naming the key (and allowed values), exit 2, no traceback,
+no results folder."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+CASES = {
+    "unknown_key": ("clipp=1.0", "clipp", "unknown key"),
+    "wrong_type": ('clip="big"', "clip", "expected float"),
+    "clip_not_positive": ("clip=0.0", "clip", "must be > 0"),
+    "epsilon_not_positive": ("epsilon=-1.0", "epsilon", "must be > 0"),
+    "delta_zero": ("delta=0.0", "delta", "(0, 1)"),
+    "delta_above_one": ("delta=1.5", "delta", "(0, 1)"),
+    "more_partitions_than_samples": ("num-partitions=5000", "num-partitions", "1797"),
+    "unknown_dataset": ('dataset="imagenet"', "dataset", "allowed: a9a"),
+    "unknown_model": ('model="gpt"', "model", "allowed:"),
+    "unknown_algorithm": ('algorithm="sgd"', "algorithm", "allowed: dpsgd-gc"),
+    "unknown_accountant": ('accountant="gdp"', "accountant", "allowed: rdp, prv"),
+    "missing_data_directory": ('dataset="mnist" data-dir="/nonexistent/data"', "dataset",
+                               "/nonexistent/data"),
+    "batch_larger_than_client": ("batch-size=1000", "batch-size", "allowed: 1.."),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_gives_one_clear_line(name, tmp_path):
+    override, key, fragment = CASES[name]
+    results = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpfl", "run", "--run-config",
+         f'{override} results-dir="{results}" num-server-rounds=1'],
+        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert f"'{key}'" in lines[0] and fragment in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not results.exists() or not any(results.iterdir())

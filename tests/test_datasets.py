@@ -1,0 +1,452 @@
+"""dpfl.datasets: the real datasets' known counts, synthetic problems, partitioners, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dpfl.datasets import DATASETS, PARTITIONERS, load_dataset, natural_partition, partition
+from dpfl.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_DIR = os.environ.get("DPFL_DATA_DIR") or str(REPO.parent / "shared" / "data")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh torchvision cache, so that every run goes through the local files."""
+    with pytest.MonkeyPatch.context() as patch:
+        folder = tmp_path_factory.mktemp("dpfl-cache")
+        patch.setenv("DPFL_CACHE_DIR", str(folder))
+        yield folder
+
+
+def _offline(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a dataset loader tried to use the network")
+
+
+@pytest.fixture(scope="module")
+def mnist(cache_dir: Path):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(urllib.request, "urlopen", _offline)
+        return load_dataset("mnist", seed=0, data_dir=DATA_DIR)
+
+
+@pytest.fixture(scope="module")
+def fashion(cache_dir: Path):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(urllib.request, "urlopen", _offline)
+        return load_dataset("fashion-mnist", seed=0, data_dir=DATA_DIR)
+
+
+def load(name: str, seed: int = 0, **options):
+    return load_dataset(name, seed=seed, data_dir=DATA_DIR, **options)
+
+
+def assert_disjoint_and_sorted(parts: list[np.ndarray]) -> np.ndarray:
+    for part in parts:
+        assert part.dtype == np.int64 and np.all(np.diff(part) > 0)
+    every = np.concatenate(parts)
+    assert len(np.unique(every)) == len(every)
+    return every
+
+
+# --- real datasets: sizes, shapes, dtypes, labels -------------------------------------------------
+
+
+def test_registered_dataset_names():
+    assert DATASETS.names() == sorted(
+        [
+            "a9a",
+            "bank-marketing",
+            "cifar10",
+            "digits",
+            "duke",
+            "fashion-mnist",
+            "mnist",
+            "prisma-least-squares",
+            "quadratic",
+            "w8a",
+        ]
+    )
+
+
+def test_mnist_sizes_shapes_labels_and_normalisation(mnist):
+    assert (mnist.train_x.shape, mnist.test_x.shape) == ((60000, 1, 28, 28), (10000, 1, 28, 28))
+    assert mnist.input_shape == (1, 28, 28)
+    assert mnist.train_x.dtype == torch.float32 and mnist.train_y.dtype == torch.int64
+    assert (mnist.task, mnist.num_classes) == ("classification", 10)
+    assert mnist.train_y.bincount().tolist()[:2] == [5923, 6742]
+    assert (mnist.test_y.bincount().min(), mnist.test_y.bincount().max()) == (892, 1135)
+    assert abs(mnist.train_x.mean().item()) < 0.01 and abs(mnist.train_x.std().item() - 1) < 0.01
+
+
+def test_mnist_is_read_from_the_data_folder_through_links(mnist, cache_dir):
+    raw = cache_dir / "MNIST" / "raw"
+    for name in ("train-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        assert (raw / name).is_symlink()
+        assert (raw / name).resolve() == (Path(DATA_DIR) / "mnist" / name).resolve()
+
+
+def test_fashion_mnist_has_6000_train_and_1000_test_images_per_class(fashion):
+    assert fashion.train_x.shape == (60000, 1, 28, 28)
+    assert fashion.train_y.bincount().tolist() == [6000] * 10
+    assert fashion.test_y.bincount().tolist() == [1000] * 10
+    assert (
+        abs(fashion.train_x.mean().item()) < 0.01 and abs(fashion.train_x.std().item() - 1) < 0.01
+    )
+
+
+def test_repeated_loads_return_the_cached_object(mnist):
+    assert load_dataset("mnist", seed=5, data_dir=DATA_DIR) is mnist
+    assert load("a9a") is load("a9a")
+
+
+def test_a9a_sizes_labels_and_unit_rows():
+    a9a = load("a9a")
+    assert (a9a.train_x.shape, a9a.test_x.shape) == ((32561, 123), (16281, 123))
+    assert (a9a.task, a9a.num_classes, a9a.train_y.dtype) == ("binary", 1, torch.float32)
+    assert set(a9a.train_y.unique().tolist()) == {-1.0, 1.0}
+    assert int((a9a.train_y > 0).sum()) == 7841 and int((a9a.test_y > 0).sum()) == 3846
+    assert torch.allclose(a9a.train_x.norm(dim=1), torch.ones(32561))
+
+
+def test_libsvm_normalize_false_keeps_the_raw_binary_features():
+    raw = load("a9a", normalize=False)
+    assert set(raw.train_x.unique().tolist()) == {0.0, 1.0}
+    assert raw.train_x.sum(dim=1).max() == 14
+
+
+def test_duke_is_44_by_7129_and_tested_on_its_training_set():
+    duke = load("duke")
+    assert duke.train_x.shape == (44, 7129) and int((duke.train_y > 0).sum()) == 23
+    assert duke.test_x is duke.train_x and duke.test_y is duke.train_y
+
+
+def test_w8a_is_49749_by_300_with_1479_positives():
+    w8a = load("w8a")
+    assert w8a.train_x.shape == (49749, 300) and int((w8a.train_y > 0).sum()) == 1479
+    assert w8a.test_x is w8a.train_x
+
+
+def test_bank_marketing_has_51_features_and_5289_positives():
+    bank = load("bank-marketing")
+    assert bank.train_x.shape == (45211, 51) and bank.train_x.dtype == torch.float32
+    assert (bank.task, bank.num_classes) == ("classification", 2)
+    assert int(bank.train_y.sum()) == 5289
+    numeric, onehot = bank.train_x[:, :7], bank.train_x[:, 7:]
+    assert torch.allclose(numeric.mean(0), torch.zeros(7), atol=1e-4)
+    assert torch.allclose(numeric.std(0, unbiased=False), torch.ones(7), atol=1e-4)
+    assert torch.equal(
+        onehot.sum(1), torch.full((45211,), 9.0)
+    )  # one category of each of 9 attributes
+
+
+def test_bank_marketing_test_set_is_a_seeded_tenth_of_the_rows():
+    bank, again, other = (
+        load("bank-marketing", 1),
+        load("bank-marketing", 1),
+        load("bank-marketing", 2),
+    )
+    assert bank.test_x.shape == (4521, 51)
+    assert torch.equal(bank.test_x, again.test_x) and not torch.equal(bank.test_x, other.test_x)
+    rows = {tuple(r) for r in bank.train_x.tolist()}
+    assert all(tuple(r) in rows for r in bank.test_x.tolist())  # drawn from the training rows
+
+
+def test_digits_is_a_seeded_stratified_80_20_split_of_1797_images():
+    digits = load("digits", seed=3)
+    assert (digits.train_x.shape, digits.test_x.shape) == ((1437, 64), (360, 64))
+    assert 0 <= digits.train_x.min() and digits.train_x.max() == 1
+    test_share = digits.test_y.bincount() / (digits.test_y.bincount() + digits.train_y.bincount())
+    assert torch.all((test_share - 0.2).abs() < 0.01)
+    assert torch.equal(load("digits", seed=3).test_x, digits.test_x)
+    assert not torch.equal(load("digits", seed=4).test_x, digits.test_x)
+
+
+# --- synthetic problems ---------------------------------------------------------------------------
+
+
+def test_prisma_least_squares_follows_section_5_1():
+    data = load("prisma-least-squares", seed=1)
+    assert data.train_x.shape == (20000, 10) and data.test_x.shape == (2000, 10)
+    assert (data.task, data.train_y.dtype, data.client_sizes) == (
+        "regression",
+        torch.float32,
+        (2000,) * 10,
+    )
+    assert data.train_x.abs().max() <= 1
+    x64, y64 = data.train_x.double(), data.train_y.double()
+    solution = torch.linalg.lstsq(x64, y64.unsqueeze(1)).solution
+    residual = y64 - (x64 @ solution).squeeze(1)
+    assert abs(residual.var().item() - 2.0) < 0.1  # φ ~ N(0, 2): variance 2
+
+
+def test_prisma_duplicate_repeats_each_clients_rows():
+    base = load("prisma-least-squares", seed=1, num_clients=3, samples_per_client=50)
+    doubled = load(
+        "prisma-least-squares", seed=1, num_clients=3, samples_per_client=50, duplicate=2
+    )
+    assert doubled.client_sizes == (100, 100, 100)
+    for i, rows in enumerate(natural_partition(doubled)):
+        assert torch.equal(doubled.train_x[rows], base.train_x[i * 50 : (i + 1) * 50].repeat(2, 1))
+
+
+def test_quadratic_targets_interpolate_at_a_reference_of_norm_sqrt_7_8():
+    data = load("quadratic", seed=2)
+    assert (data.train_x.shape, data.test_x.shape, data.task) == (
+        (3000, 100),
+        (1000, 100),
+        "regression",
+    )
+    b = torch.linalg.lstsq(
+        data.train_x.double(), data.train_y.double().unsqueeze(1)
+    ).solution.squeeze(1)
+    assert abs(b.norm().item() - 7.8**0.5) < 1e-3
+    assert torch.allclose(data.test_x.double() @ b, data.test_y.double(), atol=1e-3)
+    assert abs(0.5 * data.train_y.pow(2).mean().item() - 3.9) < 0.5  # f(0) ≈ ½‖b‖²
+
+
+@pytest.mark.parametrize("name", ["prisma-least-squares", "quadratic"])
+def test_synthetic_data_is_fixed_by_the_seed(name):
+    first, again, other = (
+        load(name, seed=7, dim=5),
+        load(name, seed=7, dim=5),
+        load(name, seed=8, dim=5),
+    )
+    assert first is again
+    assert torch.equal(
+        first.train_x, DATASETS.get(name)(seed=7, dim=5).train_x
+    )  # a fresh, uncached draw
+    assert not torch.equal(first.train_x, other.train_x)
+    assert not torch.equal(first.train_x[: len(first.test_x)], first.test_x)
+
+
+def test_natural_partition_only_for_datasets_that_have_one(mnist):
+    data = load("prisma-least-squares", seed=0, num_clients=4, samples_per_client=10)
+    assert [p.tolist() for p in natural_partition(data)] == [
+        list(range(i * 10, i * 10 + 10)) for i in range(4)
+    ]
+    assert natural_partition(mnist) is None
+
+
+# --- partitioners ---------------------------------------------------------------------------------
+
+COVERING = [
+    ("iid", {}),
+    ("contiguous", {}),
+    ("dirichlet", {"alpha": 0.3}),
+    ("dirichlet", {"alpha": 100.0}),
+]
+
+
+def test_registered_partitioner_names():
+    assert PARTITIONERS.names() == ["contiguous", "dirichlet", "iid", "natural", "shards"]
+
+
+@pytest.mark.parametrize(("name", "options"), COVERING)
+def test_partitions_are_disjoint_and_cover_every_row(mnist, name, options):
+    parts = partition(mnist, partitioner=name, num_partitions=20, seed=0, **options)
+    assert len(parts) == 20 and min(map(len, parts)) > 0
+    assert np.array_equal(np.sort(assert_disjoint_and_sorted(parts)), np.arange(60000))
+
+
+def test_iid_sizes_differ_by_at_most_one_and_rows_are_shuffled():
+    digits = load("digits")
+    parts = partition(digits, partitioner="iid", num_partitions=10, seed=0)
+    assert sorted({len(p) for p in parts}) == [143, 144]
+    assert not np.array_equal(parts[0], np.arange(len(parts[0])))
+
+
+def test_contiguous_cuts_blocks_in_file_order():
+    duke = load("duke")
+    parts = partition(duke, partitioner="contiguous", num_partitions=4, seed=0)
+    assert [p.tolist() for p in parts] == [list(range(i * 11, i * 11 + 11)) for i in range(4)]
+
+
+def test_shards_give_equal_partitions_of_few_labels(mnist):
+    parts = partition(
+        mnist, partitioner="shards", num_partitions=100, seed=0, shards_per_partition=2
+    )
+    assert_disjoint_and_sorted(parts)
+    assert {len(p) for p in parts} == {600}
+    labels = [len(np.unique(mnist.train_y.numpy()[p])) for p in parts]
+    assert (
+        max(labels) <= 4 and np.mean(labels) < 2.5
+    )  # a shard of 300 rows straddles at most 2 labels
+
+
+def test_shards_leave_out_the_rows_that_do_not_fill_a_shard():
+    digits = load("digits")  # 1437 rows, 20 shards of 71 rows
+    parts = partition(digits, partitioner="shards", num_partitions=10, seed=0)
+    assert len(assert_disjoint_and_sorted(parts)) == 20 * 71
+
+
+def test_small_dirichlet_alpha_skews_label_histograms(mnist):
+    def dominant_share(alpha: float) -> float:
+        parts = partition(mnist, partitioner="dirichlet", num_partitions=10, seed=0, alpha=alpha)
+        return float(np.mean([np.bincount(mnist.train_y.numpy()[p]).max() / len(p) for p in parts]))
+
+    assert dominant_share(0.1) > 0.5
+    assert dominant_share(1000.0) < 0.15
+
+
+def test_dirichlet_splits_binary_labels_as_two_classes():
+    a9a = load("a9a")
+    parts = partition(a9a, partitioner="dirichlet", num_partitions=10, seed=0, alpha=0.1)
+    positive = [float((a9a.train_y[p] > 0).float().mean()) for p in parts]
+    assert max(positive) - min(positive) > 0.5
+
+
+def test_natural_partitioner_returns_the_client_blocks():
+    data = load("prisma-least-squares", seed=0, num_clients=5, samples_per_client=20)
+    parts = partition(data, partitioner="natural", num_partitions=5, seed=9)
+    assert [p.tolist() for p in parts] == [p.tolist() for p in natural_partition(data)]
+
+
+@pytest.mark.parametrize("name", ["iid", "dirichlet", "shards"])
+def test_partition_is_fixed_by_the_seed(name):
+    digits = load("digits")
+    first = partition(digits, partitioner=name, num_partitions=8, seed=11)
+    again = partition(digits, partitioner=name, num_partitions=8, seed=11)
+    other = partition(digits, partitioner=name, num_partitions=8, seed=12)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other, strict=True))
+
+
+def test_partition_is_a_pure_function_across_processes():
+    script = f"""
+import json
+from dpfl.datasets import load_dataset, partition
+d = load_dataset("digits", seed=0, data_dir={DATA_DIR!r})
+names = ("iid", "dirichlet", "shards")
+split = {{n: partition(d, partitioner=n, num_partitions=6, seed=4) for n in names}}
+print(json.dumps({{n: [p.tolist() for p in parts] for n, parts in split.items()}}))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "123"},
+    )
+    fresh = json.loads(out.stdout.strip().splitlines()[-1])
+    digits = load("digits")
+    for name, parts in fresh.items():
+        here = partition(digits, partitioner=name, num_partitions=6, seed=4)
+        assert [p.tolist() for p in here] == parts
+
+
+def test_changing_a_returned_partition_does_not_change_the_next_result():
+    parts = partition(load("digits"), partitioner="iid", num_partitions=3, seed=0)
+    first = parts[0][0]
+    parts[0][0] = -1
+    assert partition(load("digits"), partitioner="iid", num_partitions=3, seed=0)[0][0] == first
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+
+def test_missing_mnist_without_download_names_the_folder(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        load_dataset("mnist", seed=0, data_dir=str(tmp_path))
+    assert error.value.key == "dataset"
+    message = str(error.value)
+    assert (
+        str(tmp_path / "mnist") in message
+        and "DPFL_DATA_DIR" in message
+        and "download=true" in message
+    )
+
+
+def test_missing_cifar10_without_download_is_a_config_error():
+    with pytest.raises(ConfigError, match="cifar10") as error:
+        load_dataset("cifar10", seed=0, data_dir=DATA_DIR)
+    assert error.value.key == "dataset"
+
+
+def test_missing_local_file_names_it(tmp_path):
+    with pytest.raises(ConfigError, match="libsvm/a9a") as error:
+        load_dataset("a9a", seed=0, data_dir=str(tmp_path))
+    assert error.value.key == "dataset"
+    with pytest.raises(ConfigError, match="no download source") as error:
+        load_dataset("bank-marketing", seed=0, data_dir=str(tmp_path), download=True)
+    assert error.value.key == "download"
+
+
+def test_unknown_dataset_lists_the_registered_names():
+    with pytest.raises(ConfigError, match="mnist") as error:
+        load_dataset("imagenet", seed=0)
+    assert error.value.key == "dataset"
+
+
+def test_unknown_or_invalid_dataset_option_is_a_config_error():
+    with pytest.raises(ConfigError, match="num-samples") as error:
+        load_dataset("quadratic", seed=0, num_clients=3)
+    assert error.value.key == "num-clients"
+    with pytest.raises(ConfigError) as error:
+        load_dataset("prisma-least-squares", seed=0, duplicate=0)
+    assert error.value.key == "duplicate"
+
+
+def test_unknown_partitioner_lists_the_registered_names():
+    with pytest.raises(ConfigError, match="dirichlet") as error:
+        partition(load("digits"), partitioner="pathological", num_partitions=2, seed=0)
+    assert error.value.key == "partitioner"
+
+
+@pytest.mark.parametrize("count", [0, -1, 1438])
+def test_partition_count_outside_one_to_n_is_a_config_error(count):
+    with pytest.raises(ConfigError, match="1..1437") as error:
+        partition(load("digits"), partitioner="iid", num_partitions=count, seed=0)
+    assert error.value.key == "num-partitions"
+
+
+@pytest.mark.parametrize("alpha", [0.0, -0.5])
+def test_non_positive_alpha_is_a_config_error(alpha):
+    with pytest.raises(ConfigError) as error:
+        partition(load("digits"), partitioner="dirichlet", num_partitions=2, seed=0, alpha=alpha)
+    assert error.value.key == "alpha"
+
+
+def test_dirichlet_that_cannot_fill_every_partition_is_a_config_error():
+    with pytest.warns(UserWarning), pytest.raises(ConfigError, match="larger alpha") as error:
+        partition(load("duke"), partitioner="dirichlet", num_partitions=44, seed=0, alpha=0.01)
+    assert error.value.key == "num-partitions"
+
+
+def test_too_many_shards_is_a_config_error():
+    with pytest.raises(ConfigError) as error:
+        partition(
+            load("duke"), partitioner="shards", num_partitions=4, seed=0, shards_per_partition=12
+        )
+    assert error.value.key == "shards-per-partition"
+
+
+@pytest.mark.parametrize("name", ["dirichlet", "shards"])
+def test_label_partitioners_refuse_regression_data(name):
+    with pytest.raises(ConfigError) as error:
+        partition(load("quadratic"), partitioner=name, num_partitions=2, seed=0)
+    assert (
+        error.value.key == "partitioner"
+        and "iid" in error.value.allowed
+        and "dirichlet" not in error.value.allowed
+    )
+
+
+def test_natural_partitioner_errors(mnist):
+    with pytest.raises(ConfigError, match="no natural") as error:
+        partition(mnist, partitioner="natural", num_partitions=10, seed=0)
+    assert error.value.key == "partitioner"
+    with pytest.raises(ConfigError) as error:
+        partition(load("prisma-least-squares"), partitioner="natural", num_partitions=3, seed=0)
+    assert error.value.key == "num-partitions"

@@ -1,0 +1,55 @@
+"""The engine end to end: results folder, reproducibility, budget stop."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from dpfl.engine import run
+
+
+def test_results_folder_has_every_artifact(small_config):
+    summary = run(small_config(), echo=False)
+    path = summary["results"]
+    from pathlib import Path
+
+    folder = Path(path)
+    assert json.loads((folder / "config.json").read_text())["run_config"]["num-partitions"] == 4
+    rounds = [json.loads(line) for line in (folder / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    for r in rounds:
+        assert set(r["epsilon"]) == {"0", "1", "2", "3"}
+        for key in ("train_loss", "test_loss", "test_accuracy", "clip", "seconds", "epsilon_max"):
+            assert r[key] is not None, key
+    assert rounds[-1]["epsilon_max"] > rounds[0]["epsilon_max"] > 0
+    saved = json.loads((folder / "summary.json").read_text())
+    assert saved["rounds_completed"] == 3 and saved["epsilon_max"] <= 8.0
+    state = torch.load(folder / "model.pt")
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    assert (folder / "metrics.png").stat().st_size > 0 and (folder / "epsilon.png").exists()
+
+
+def test_same_seed_same_model_different_seed_different_model(small_config, tmp_path):
+    a = torch.load(run(small_config(run_name="a"), echo=False)["results"] + "/model.pt")
+    b = torch.load(run(small_config(run_name="b"), echo=False)["results"] + "/model.pt")
+    c = torch.load(run(small_config(run_name="c", seed=1), echo=False)["results"] + "/model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_max_epsilon_stops_before_the_budget_is_exceeded(small_config):
+    summary = run(small_config(num_server_rounds=40, noise_multiplier=1.0, max_epsilon=3.0),
+                  echo=False)
+    assert 0 < summary["rounds_completed"] < 40
+    assert summary["epsilon_max"] <= 3.0
+    assert "max-epsilon" in summary["stopped_early"]
+
+
+def test_training_reduces_the_test_loss(small_config):
+    summary = run(small_config(num_server_rounds=30, epsilon=8.0, learning_rate=1.0,
+                               num_partitions=10, batch_size=32), echo=False)
+    rounds = [json.loads(line) for line in
+              open(summary["results"] + "/rounds.jsonl").read().splitlines()]
+    assert rounds[-1]["test_loss"] < 0.7 * rounds[0]["test_loss"]
+    assert summary["test_accuracy"] > 0.6

@@ -1,0 +1,34 @@
+"""Flower runtime: `flwr run` (Ray simulation) gives the engine's model, bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dpfl.config import RunConfig
+from dpfl.engine import run
+from dpfl.launch import flwr_run, started_processes
+
+pytestmark = pytest.mark.flower
+
+
+def test_flower_simulation_equals_engine_bitwise(tmp_path):
+    overrides = {"algorithm": "dpsgd-gc", "num-partitions": 4, "num-server-rounds": 3,
+                 "batch-size": 16, "seed": 3, "results-dir": str(tmp_path / "results")}
+    home = tmp_path / "flwr-home"
+    code = flwr_run({**overrides, "run-name": "flower"}, flwr_home=home, timeout=600)
+    assert code == 0
+    assert started_processes(home) == []  # the managed SuperLink was stopped
+    run(RunConfig({**overrides, "run-name": "engine"}), echo=False)
+    flower = torch.load(tmp_path / "results" / "flower" / "model.pt")
+    engine = torch.load(tmp_path / "results" / "engine" / "model.pt")
+    assert flower.keys() == engine.keys()
+    for k in flower:
+        assert torch.equal(flower[k], engine[k]), k
+    f_rounds = (tmp_path / "results" / "flower" / "rounds.jsonl").read_text().splitlines()
+    e_rounds = (tmp_path / "results" / "engine" / "rounds.jsonl").read_text().splitlines()
+    for f, e in zip(f_rounds, e_rounds, strict=True):
+        f, e = json.loads(f), json.loads(e)
+        assert f["epsilon"] == e["epsilon"] and f["test_loss"] == e["test_loss"]
