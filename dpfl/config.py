@@ -98,7 +98,7 @@ COMMON: tuple[Param, ...] = (
     Param("num-server-rounds", 30, "Communication rounds.", check=at_least(1), symbol="T"),
     Param("batch-size", 32, "Per-client mini-batch size, sampled without replacement.",
           check=at_least(1), symbol="b"),
-    Param("learning-rate", 0.5, "Server/client step size.", check=positive, symbol="η, γ"),
+    Param("learning-rate", 2.0, "Server/client step size.", check=positive, symbol="η, γ"),
     Param("clip", 1.0, "Clipping threshold (max grad norm).", check=positive, symbol="C, τ"),
     Param("noise-multiplier", -1.0,
           "Noise std on the sum of clipped vectors divided by clip (Opacus convention); "

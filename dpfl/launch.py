@@ -82,7 +82,9 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
     env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
     env.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").resolve()))
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    flwr = Path(sys.executable).with_name("flwr")
+    bindir = Path(sys.executable).parent  # flwr starts flower-superlink from PATH
+    env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
+    flwr = bindir / "flwr"
     cmd = [str(flwr), "run", str(app_dir), "--stream", "--run-config", format_overrides(values),
            "--federation-config",
            f"num-supernodes={num_supernodes or int(config['num-partitions'])}"]

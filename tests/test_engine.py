@@ -39,10 +39,10 @@ def test_same_seed_same_model_different_seed_different_model(small_config, tmp_p
 
 
 def test_max_epsilon_stops_before_the_budget_is_exceeded(small_config):
-    summary = run(small_config(num_server_rounds=40, noise_multiplier=1.0, max_epsilon=3.0),
+    summary = run(small_config(num_server_rounds=40, noise_multiplier=4.0, max_epsilon=0.5),
                   echo=False)
     assert 0 < summary["rounds_completed"] < 40
-    assert summary["epsilon_max"] <= 3.0
+    assert summary["epsilon_max"] <= 0.5
     assert "max-epsilon" in summary["stopped_early"]
 
 

@@ -32,7 +32,6 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from dpfl.models import grad_sample
 from dpfl.models.losses import LOSSES
@@ -84,14 +83,17 @@ class FlatModel:
         self._template = copy.deepcopy(module)
         self._module = copy.deepcopy(module)
 
-        self._names: list[str] = []
+        # Trainable parameters in named_parameters() order, as (owner module, attribute name).
+        self._slots: list[tuple[nn.Module, str]] = []
         self._shapes: list[torch.Size] = []
         self._numels: list[int] = []
         where: dict[str, slice] = {}
+        owners = dict(self._module.named_modules())
         for name, p in self._module.named_parameters():
             if p.requires_grad:
                 where[name] = slice(sum(self._numels), sum(self._numels) + p.numel())
-                self._names.append(name)
+                prefix, _, attr = name.rpartition(".")
+                self._slots.append((owners[prefix], attr))
                 self._shapes.append(p.shape)
                 self._numels.append(p.numel())
         self.d = sum(self._numels)
@@ -210,20 +212,23 @@ class FlatModel:
             reg = self._reg_grad(point) if self.nonconvex_reg else None
             for start, xs, ys in self._chunks(x, y, c):
                 tape = self._record(point, xs, ys)
-                norm, sums = self._clip_chunk(tape, reg, radii[c], len(xs))
-                norms[c, start : start + len(xs)] = norm
-                row = out[c]
-                for where, part in sums:
-                    row[where] += part
-        return out.div_(b), norms
+                norms[c, start : start + len(xs)] = self._clip_chunk(tape, reg, radii[c], len(xs), b, out[c])
+        return out, norms
 
     # ------------------------------------------------------------------------------ internals
 
     def _clip_chunk(
-        self, tape: list[tuple[_Layer, Tensor, Tensor]], reg: Tensor | None, radius: float, n: int
-    ) -> tuple[Tensor, list[tuple[slice, Tensor]]]:
-        """Norms of one chunk's per-sample gradients and Σ_j w_j g_j, w_j = min(1, C/‖g_j‖)."""
-        sq = torch.zeros(n)
+        self,
+        tape: list[tuple[_Layer, Tensor, Tensor]],
+        reg: Tensor | None,
+        radius: float,
+        n: int,
+        b: int,
+        row: Tensor,
+    ) -> Tensor:
+        """Add (1/b) Σ_j w_j g_j over one chunk of n samples to ``row``, w_j = min(1, C/‖g_j‖);
+        return the norms ‖g_j‖."""
+        sq = row.new_zeros(n)
         materialised: list[list[Tensor] | None] = []
         for layer, a, g in tape:
             if grad_sample.has_ghost(layer.module, a):
@@ -242,17 +247,17 @@ class FlatModel:
         if reg is not None:
             sq += reg.square().sum()
         norm = sq.clamp_min_(0).sqrt_()
-        w = radius / norm.clamp_min(radius)
-        sums: list[tuple[slice, Tensor]] = []
+        w = (radius / b) / norm.clamp_min(radius)
         for (layer, a, g), grads in zip(tape, materialised):
+            targets = [row[s].view(shape) for s, shape in zip(layer.slices, layer.shapes)]
             if grads is None:
-                parts = grad_sample.ghost_weighted_sum(a, g, layer.trainable, w)
+                grad_sample.ghost_add_weighted_sum(a, g, layer.trainable, w, targets)
             else:
-                parts = [torch.mv(p.t(), w) for p in grads]
-            sums += zip(layer.slices, parts)
+                for target, p in zip(targets, grads):
+                    target.view(-1).addmv_(p.t(), w)
         if reg is not None:
-            sums.append((slice(0, self.d), w.sum() * reg))
-        return norm, sums
+            row.add_(reg, alpha=w.sum().item())
+        return norm
 
     def _capture(self, layer: _Layer, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor | None:
         tape = self._tape
@@ -285,8 +290,17 @@ class FlatModel:
         ]
 
     def _forward(self, point: Tensor, x: Tensor) -> Tensor:
-        views = (v.view(s) for v, s in zip(point.split(self._numels), self._shapes))
-        return functional_call(self._module, dict(zip(self._names, views)), (x,))
+        """The private module's output with its trainable parameters replaced by views of
+        ``point`` (a cheaper ``torch.func.functional_call``; the originals are put back)."""
+        originals = [module._parameters[attr] for module, attr in self._slots]
+        views = point.split(self._numels)
+        try:
+            for (module, attr), view, shape in zip(self._slots, views, self._shapes):
+                module._parameters[attr] = view.view(shape)  # type: ignore[assignment]
+            return self._module(x)
+        finally:
+            for (module, attr), original in zip(self._slots, originals):
+                module._parameters[attr] = original
 
     def _losses(self, point: Tensor, x: Tensor, y: Tensor) -> Tensor:
         losses = self.loss.per_sample(self._forward(point, x), y)
@@ -310,7 +324,9 @@ class FlatModel:
 
     @staticmethod
     def _radii(clip: float | Tensor, n_clients: int) -> list[float]:
-        radii = [float(v) for v in clip] if isinstance(clip, Tensor) and clip.dim() == 1 else [float(clip)] * n_clients
-        if len(radii) != n_clients or not all(0 < r < float("inf") for r in radii):
-            raise ValueError(f"clip must be one positive finite radius or one per client, got {clip}")
+        """One float32-representable radius per client, so that a radius given as a Python float
+        and the same radius in a float32 tensor clip identically."""
+        radii = torch.as_tensor(clip, dtype=torch.float32).reshape(-1).expand(n_clients).tolist()
+        if not all(0 < r < float("inf") for r in radii):
+            raise ValueError(f"clip radii must be positive and finite, got {clip}")
         return radii

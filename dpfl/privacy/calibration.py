@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 
 from opacus.accountants.utils import get_noise_multiplier
@@ -30,9 +31,12 @@ def accountant_noise_multiplier(*, epsilon: float, delta: float, sample_rate: fl
                                 steps: int, accountant: str) -> float:
     """Smallest multiplier with ε(accountant; multiplier, sample_rate, steps) ≤ epsilon."""
     try:
-        return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta,
-                                          sample_rate=sample_rate, steps=steps,
-                                          accountant=accountant, epsilon_tolerance=0.01))
+        with warnings.catch_warnings():  # "optimal order is the largest alpha" at tiny ε
+            warnings.simplefilter("ignore", UserWarning)
+            return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta,
+                                              sample_rate=sample_rate, steps=steps,
+                                              accountant=accountant,
+                                              epsilon_tolerance=0.01))
     except ValueError as exc:  # Opacus: "The privacy budget is too low."
         raise ConfigError("epsilon", f"ε={epsilon} at δ={delta} over {steps} steps is not "
                           f"reachable: {exc}") from None

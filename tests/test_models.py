@@ -1,0 +1,133 @@
+"""The model zoo and the losses: sizes from the specs, no BatchNorm, seeded init, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from opacus.validators import ModuleValidator
+
+from dpfl.errors import ConfigError
+from dpfl.models import LOSSES, MODELS, build_model
+
+# Every registered model, with the input it is meant for: a model registered without an entry
+# here fails test_no_registered_model_has_batchnorm.
+SHAPES = {
+    "logistic": ((1, 28, 28), 10),
+    "least-squares": ((20,), 1),
+    "mlp": ((1, 28, 28), 10),
+    "clip21-cnn": ((1, 28, 28), 10),
+    "dpftrl-cnn": ((3, 32, 32), 10),
+    "random-feature-mlp": ((784,), 10),
+    "resnet20": ((3, 32, 32), 10),
+}
+
+
+def _build(name: str, seed: int = 0, **options) -> torch.nn.Module:
+    shape, classes = SHAPES[name]
+    return build_model(name, input_shape=shape, num_classes=classes, seed=seed, **options)
+
+
+def _trainable(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("mlp", 203_530),  # Clip21 §9 D4: 784·256 + 256 + 256·10 + 10
+        ("clip21-cnn", 22_842),  # 416 + 6,416 + 16,010 (Clip21 §9 D4 says ≈ 22.8k)
+        ("dpftrl-cnn", 550_570),  # PriSMA §5.2
+        ("resnet20", 269_722),  # He et al. 2016: 0.27M
+        ("logistic", 7_850),
+        ("least-squares", 20),
+        ("random-feature-mlp", 5_130),  # adaptive-clipping §8 item 17: 512·10 + 10
+    ],
+)
+def test_parameter_counts_match_the_specs(name, expected):
+    assert _trainable(_build(name)) == expected
+
+
+@pytest.mark.parametrize("name", MODELS.names())
+def test_no_registered_model_has_batchnorm(name):
+    model = _build(name)
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert ModuleValidator.validate(model, strict=False) == []
+
+
+@pytest.mark.parametrize("name", MODELS.names())
+def test_output_has_one_column_per_class(name):
+    shape, classes = SHAPES[name]
+    assert _build(name)(torch.randn(3, *shape)).shape == (3, classes)
+
+
+@pytest.mark.parametrize("name", MODELS.names())
+def test_init_is_determined_by_the_seed(name):
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a, b, other = _build(name, seed=7), _build(name, seed=7), _build(name, seed=8)
+    assert torch.equal(torch.rand(1), before)  # the global RNG is left alone
+    for key, value in a.state_dict().items():
+        assert torch.equal(value, b.state_dict()[key])
+    if name != "least-squares":  # zero init whatever the seed
+        assert any(not torch.equal(v, other.state_dict()[k]) for k, v in a.state_dict().items())
+
+
+def test_unknown_model_is_a_config_error_listing_the_models():
+    with pytest.raises(ConfigError) as info:
+        build_model("vgg-16", input_shape=(3, 32, 32), num_classes=10, seed=0)
+    assert info.value.key == "model"
+    for name in MODELS.names():
+        assert name in str(info.value)
+
+
+def test_unknown_loss_is_a_config_error():
+    with pytest.raises(ConfigError, match="loss"):
+        LOSSES.get("hinge")
+
+
+def test_dpftrl_cnn_init_follows_the_dpftrl_code():
+    model = _build("dpftrl-cnn")
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for m in convs + linears:
+        assert m.bias.abs().max() == 0
+    for m in convs[1:]:  # enough weights for a tight std estimate
+        assert m.weight.std().item() == pytest.approx(1 / math.sqrt(m.weight[0].numel()), rel=0.05)
+    first = linears[0]
+    assert first.weight.std().item() == pytest.approx(math.sqrt(2 / sum(first.weight.shape)), rel=0.05)
+
+
+def test_least_squares_starts_at_zero():
+    assert _build("least-squares")[1].weight.abs().max() == 0
+
+
+def test_random_feature_layer_is_frozen_and_head_is_trainable():
+    model = _build("random-feature-mlp", hidden=128)
+    assert not model[1].weight.requires_grad and not model[1].bias.requires_grad
+    assert _trainable(model) == 128 * 10 + 10
+    assert "1.weight" in model.state_dict()  # shipped with x_0
+
+
+def test_logistic_loss_is_stable_softplus_of_the_negative_margin():
+    out = torch.tensor([[0.3], [-2.0], [200.0], [-200.0]])
+    y = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss = LOSSES.get("logistic").per_sample(out, y)
+    assert torch.isfinite(loss).all()
+    assert loss[:2].tolist() == pytest.approx([math.log1p(math.exp(-0.3)), math.log1p(math.exp(2.0))])
+    assert loss[2].item() == pytest.approx(200.0) and loss[3].item() == pytest.approx(0.0, abs=1e-30)
+    assert LOSSES.get("logistic").correct(out, y).tolist() == [True, False, False, True]
+
+
+def test_squared_loss_is_half_the_squared_residual():
+    loss = LOSSES.get("squared").per_sample(torch.tensor([[1.0], [3.0]]), torch.tensor([0.0, 1.0]))
+    assert loss.tolist() == [0.5, 2.0]
+    assert LOSSES.get("squared").correct is None
+
+
+def test_cross_entropy_is_per_sample():
+    out, y = torch.randn(4, 3), torch.tensor([0, 2, 1, 1])
+    expected = torch.nn.functional.cross_entropy(out, y, reduction="none")
+    assert torch.equal(LOSSES.get("cross-entropy").per_sample(out, y), expected)

@@ -1,0 +1,250 @@
+"""Per-sample gradients and per-sample clipping of ``FlatModel``.
+
+Tolerances: "close" means max|ours − reference| ≤ rtol · max|reference| (relative to the
+largest entry), with rtol = 1e-6, and 1e-5 for the deep nets (ResNet-20, the 8-layer DP-FTRL CNN)
+when the reference is float64: their float32 gradients are themselves ~2e-6 off. Clipping
+references are computed in float64 from materialised gradients (a float32 ``Tensor.norm`` over
+10⁵ entries is off by up to 2e-5). Reproducibility properties are checked bit for bit with
+``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from opacus import GradSampleModule
+
+from dpfl.models import FlatModel, build_model
+
+RTOL = 1e-6
+
+# name -> (input shape, classes, loss)
+CASES = {
+    "mlp": ((1, 28, 28), 10, "cross-entropy"),
+    "clip21-cnn": ((1, 28, 28), 10, "cross-entropy"),
+    "logistic": ((13,), 1, "logistic"),  # 13 features: per-client rows start misaligned
+    "random-feature-mlp": ((20,), 4, "cross-entropy"),
+    "resnet20": ((3, 16, 16), 10, "cross-entropy"),
+    "dpftrl-cnn": ((3, 32, 32), 10, "cross-entropy"),
+    "least-squares": ((7,), 1, "squared"),
+}
+
+
+def _setup(name: str, clients: int = 2, batch: int = 5, seed: int = 0, **kwargs):
+    shape, classes, loss = CASES[name]
+    flat_model = FlatModel(build_model(name, input_shape=shape, num_classes=classes, seed=seed), loss, **kwargs)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(clients, batch, *shape, generator=gen)
+    if loss == "cross-entropy":
+        y = torch.randint(0, classes, (clients, batch), generator=gen)
+    elif loss == "logistic":
+        y = torch.randint(0, 2, (clients, batch), generator=gen).float() * 2 - 1
+    else:
+        y = torch.randn(clients, batch, generator=gen)
+    flat = flat_model.initial_params() + 0.05 * torch.randn(flat_model.d, generator=gen)
+    return flat_model, flat, x, y
+
+
+DEEP = {"resnet20", "dpftrl-cnn"}
+
+
+def _rtol(name: str) -> float:
+    return 1e-5 if name in DEEP else RTOL
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor, rtol: float = RTOL) -> bool:
+    err = (ours.double() - ref.double()).abs().max().item()
+    return err <= rtol * max(ref.double().abs().max().item(), 1e-12)
+
+
+def _per_sample_loss(flat_model: FlatModel, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return flat_model.loss.per_sample(out, y)
+
+
+def _naive(flat_model: FlatModel, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[b, d]: one ``torch.autograd.grad`` per sample, regulariser included, in float64."""
+    module = flat_model.load_into(flat).double()
+    params = [p for p in module.parameters() if p.requires_grad]
+    rows = []
+    for j in range(len(x)):
+        loss = _per_sample_loss(flat_model, module(x[j : j + 1].double()), y[j : j + 1]).sum()
+        if flat_model.nonconvex_reg:
+            sq = torch.cat([p.reshape(-1) for p in params]).square()
+            loss = loss + 0.5 * flat_model.nonconvex_reg * (sq / (1 + sq)).sum()
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+    return torch.stack(rows)
+
+
+def _clip_then_mean(grads: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference clipping of materialised [b, d] gradients, in float64."""
+    grads = grads.double()
+    norms = grads.norm(dim=1)
+    scale = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
+    return (grads * scale[:, None]).mean(dim=0), norms
+
+
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic", "random-feature-mlp", "resnet20"])
+def test_per_sample_gradients_equal_opacus_grad_sample(name):
+    flat_model, flat, x, y = _setup(name, clients=1, batch=4)
+    ours = flat_model.per_sample_gradients(flat, x, y)[0]
+    module = GradSampleModule(flat_model.load_into(flat), loss_reduction="sum")
+    _per_sample_loss(flat_model, module(x[0]), y[0]).sum().backward()
+    ref = torch.cat([p.grad_sample.reshape(len(x[0]), -1) for p in module.parameters() if p.requires_grad], dim=1)
+    assert _close(ours, ref)
+
+
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic", "resnet20", "dpftrl-cnn", "least-squares"])
+def test_per_sample_gradients_equal_naive_autograd_loop(name):
+    flat_model, flat, x, y = _setup(name, clients=2, batch=3)
+    ours = flat_model.per_sample_gradients(flat, x, y)
+    for c in range(2):
+        assert _close(ours[c], _naive(flat_model, flat, x[c], y[c]), _rtol(name))
+
+
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic", "resnet20", "dpftrl-cnn"])
+def test_clipped_mean_equals_clip_then_mean(name):
+    flat_model, flat, x, y = _setup(name, clients=2, batch=6)
+    grads = flat_model.per_sample_gradients(flat, x, y)
+    clip = grads.norm(dim=2).median().item()  # some samples clipped, some not
+    means, norms = flat_model.clipped_mean(flat, x, y, clip)
+    for c in range(2):
+        ref_mean, ref_norms = _clip_then_mean(grads[c], clip)
+        assert _close(means[c], ref_mean)
+        assert _close(norms[c], ref_norms)
+    assert grads.norm(dim=2).gt(clip).any() and grads.norm(dim=2).lt(clip).any()
+
+
+def test_clipped_mean_takes_one_radius_per_client():
+    flat_model, flat, x, y = _setup("clip21-cnn", clients=3, batch=4)
+    grads = flat_model.per_sample_gradients(flat, x, y)
+    radii = torch.tensor([0.01, 0.1, 100.0])
+    means, _ = flat_model.clipped_mean(flat, x, y, radii)
+    for c in range(3):
+        assert _close(means[c], _clip_then_mean(grads[c], radii[c].item())[0])
+    assert _close(means[2], grads[2].double().mean(dim=0))  # radius above every norm: no clipping
+
+
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn"])
+def test_every_clipped_per_sample_norm_is_at_most_the_radius(name):
+    flat_model, flat, x, y = _setup(name, clients=2, batch=8)
+    clip = 0.05
+    # One sample per "client": the clipped mean of a single sample is its clipped gradient.
+    singles_x, singles_y = x.reshape(16, 1, *x.shape[2:]), y.reshape(16, 1)
+    clipped, norms = flat_model.clipped_mean(flat, singles_x, singles_y, clip)
+    clipped_norms = clipped.double().norm(dim=1)
+    assert (clipped_norms <= clip * (1 + 1e-6)).all()
+    big = norms[:, 0] > clip
+    assert big.any() and torch.allclose(clipped_norms[big], torch.full_like(clipped_norms[big], clip), rtol=1e-5)
+
+
+def test_a_zero_gradient_is_left_unclipped():
+    flat_model, flat, x, y = _setup("least-squares", clients=1, batch=3)
+    y = (x[..., :] @ flat).detach()  # exact fit: every per-sample gradient is 0
+    means, norms = flat_model.clipped_mean(flat, x, y, 1.0)
+    assert torch.isfinite(means).all() and means.abs().max() == 0 and norms.abs().max() == 0
+
+
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "resnet20"])
+def test_chunking_gives_the_same_results(name):
+    flat_model, flat, x, y = _setup(name, clients=2, batch=9)
+    clip = 0.3
+    results = []
+    for chunk in (1, 7, 256):
+        flat_model.chunk_size = chunk
+        results.append((flat_model.per_sample_gradients(flat, x, y), *flat_model.clipped_mean(flat, x, y, clip)))
+    for other in results[1:]:
+        for ours, ref in zip(other, results[0]):
+            assert _close(ours, ref)
+
+
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn"])
+def test_per_client_points_equal_separate_calls(name):
+    flat_model, flat, x, y = _setup(name, clients=3, batch=4)
+    points = torch.stack([flat + 0.01 * k for k in range(3)])
+    means, norms = flat_model.clipped_mean(points, x, y, 0.2)
+    grads = flat_model.per_sample_gradients(points, x, y)
+    batch = flat_model.batch_gradients(points, x, y)
+    for c in range(3):
+        one = slice(c, c + 1)
+        m, n = flat_model.clipped_mean(points[c], x[one], y[one], 0.2)
+        assert torch.equal(means[c], m[0]) and torch.equal(norms[c], n[0])
+        assert torch.equal(grads[c], flat_model.per_sample_gradients(points[c], x[one], y[one])[0])
+        assert torch.equal(batch[c], flat_model.batch_gradients(points[c], x[one], y[one])[0])
+
+
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic", "resnet20"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_client_result_does_not_depend_on_the_other_clients_bitwise(name, shared):
+    """The Flower runtime calls with C = 1, the engine with C = 4: client 2 must agree bit for bit."""
+    flat_model, flat, x, y = _setup(name, clients=4, batch=5, nonconvex_reg=1e-3)
+    flat4 = flat if shared else torch.stack([flat + 0.01 * k for k in range(4)])
+    flat1 = flat.clone() if shared else flat4[2].clone()
+    x1, y1 = x[2:3].clone(), y[2:3].clone()
+    radii4 = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    m4, n4 = flat_model.clipped_mean(flat4, x, y, radii4)
+    m1, n1 = flat_model.clipped_mean(flat1, x1, y1, 0.3)
+    assert torch.equal(m4[2], m1[0]) and torch.equal(n4[2], n1[0])
+    assert torch.equal(flat_model.batch_gradients(flat4, x, y)[2], flat_model.batch_gradients(flat1, x1, y1)[0])
+    assert torch.equal(flat_model.per_sample_gradients(flat4, x, y)[2], flat_model.per_sample_gradients(flat1, x1, y1)[0])
+    if not shared:
+        assert torch.equal(flat_model.losses(flat4, x, y)[2], flat_model.losses(flat1[None], x1, y1)[0])
+
+
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic"])
+def test_regulariser_gradient_matches_autograd(name):
+    lam = 0.5
+    flat_model, flat, x, y = _setup(name, clients=1, batch=4, nonconvex_reg=lam)
+    naive = _naive(flat_model, flat, x[0], y[0])
+    assert _close(flat_model.per_sample_gradients(flat, x, y)[0], naive)
+    assert _close(flat_model.batch_gradients(flat, x, y)[0], naive.mean(dim=0))
+    clip = 0.5 * naive.norm(dim=1).median().item()
+    means, norms = flat_model.clipped_mean(flat, x, y, clip)
+    ref_mean, ref_norms = _clip_then_mean(naive, clip)
+    assert _close(means[0], ref_mean) and _close(norms[0], ref_norms)
+    sq = flat.double().square()
+    plain = FlatModel(flat_model.load_into(flat), CASES[name][2]).losses(flat, x[0], y[0])
+    expected = plain.double() + 0.5 * lam * (sq / (1 + sq)).sum()
+    assert _close(flat_model.losses(flat, x[0], y[0]), expected)
+
+
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "least-squares"])
+def test_batch_gradients_are_the_gradient_of_the_mean_loss(name):
+    flat_model, flat, x, y = _setup(name, clients=2, batch=5)
+    ours = flat_model.batch_gradients(flat, x, y)
+    for c in range(2):
+        assert _close(ours[c], _naive(flat_model, flat, x[c], y[c]).mean(dim=0))
+
+
+def test_frozen_random_features_are_not_trainable_parameters():
+    model = build_model("random-feature-mlp", input_shape=(784,), num_classes=10, seed=3)
+    flat_model = FlatModel(model, "cross-entropy")
+    assert flat_model.d == 512 * 10 + 10 == flat_model.initial_params().numel()
+    x, y = torch.randn(1, 4, 784), torch.randint(0, 10, (1, 4))
+    assert flat_model.per_sample_gradients(flat_model.initial_params(), x, y).shape == (1, 4, 5130)
+    loaded = flat_model.load_into(torch.zeros(flat_model.d))
+    assert torch.equal(loaded[1].weight, model[1].weight)  # the frozen layer travels unchanged
+    assert loaded[3].weight.abs().max() == 0
+
+
+def test_load_into_round_trips_the_flat_vector():
+    flat_model, flat, _, _ = _setup("resnet20")
+    module = flat_model.load_into(flat)
+    assert torch.equal(torch.cat([p.reshape(-1) for p in module.parameters()]), flat)
+    assert torch.equal(FlatModel(module, "cross-entropy").initial_params(), flat)
+
+
+def test_batchnorm_models_are_refused():
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4))
+    with pytest.raises(TypeError, match="BatchNorm"):
+        FlatModel(model, "cross-entropy")
+
+
+def test_evaluate_reports_mean_loss_and_accuracy():
+    flat_model, flat, x, y = _setup("mlp", clients=1, batch=30)
+    result = flat_model.evaluate(flat, x[0], y[0], batch_size=7)
+    out = flat_model.load_into(flat)(x[0])
+    assert result["loss"] == pytest.approx(F.cross_entropy(out, y[0]).item(), rel=1e-5)
+    assert result["accuracy"] == pytest.approx((out.argmax(1) == y[0]).float().mean().item())
+    ls_model, ls_flat, ls_x, ls_y = _setup("least-squares", clients=1, batch=10)
+    assert ls_model.evaluate(ls_flat, ls_x[0], ls_y[0])["accuracy"] is None
