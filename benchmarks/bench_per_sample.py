@@ -43,7 +43,9 @@ def _steps(name: str, n_clients: int) -> tuple[Callable[[], None], Callable[[], 
             optimizer.step()
 
     flat_model = FlatModel(model, "cross-entropy")
-    flat = flat_model.initial_params().repeat(n_clients, 1) if n_clients > 1 else flat_model.initial_params()
+    flat = flat_model.initial_params()
+    if n_clients > 1:  # clients at their own points, as after local steps
+        flat = flat.repeat(n_clients, 1)
 
     def clipped() -> None:
         update, _ = flat_model.clipped_mean(flat, x, y, CLIP)
@@ -52,7 +54,9 @@ def _steps(name: str, n_clients: int) -> tuple[Callable[[], None], Callable[[], 
     return plain, clipped
 
 
-def _median_times(plain: Callable[[], None], clipped: Callable[[], None], repeats: int, warmup: int) -> tuple[float, float]:
+def _median_times(
+    plain: Callable[[], None], clipped: Callable[[], None], repeats: int, warmup: int
+) -> tuple[float, float]:
     for _ in range(warmup):
         plain()
         clipped()

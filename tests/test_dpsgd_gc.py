@@ -68,3 +68,14 @@ def test_a_client_computes_the_same_alone_or_batched(small_config):
     together = _step(problem, [0, 1, 2, 3])[0]["v"]
     for i in range(4):
         assert torch.equal(_step(problem, [i])[0]["v"][0], together[i])
+
+
+def test_paper_calibration_uses_theorem_3_with_the_clients_data_size(small_config):
+    from dpfl.privacy import prisma_paper_calibration
+
+    problem = build_problem(small_config(calibration="paper", epsilon=4.0, delta=1e-5,
+                                         num_server_rounds=100))
+    n = len(problem.partitions[0])
+    expected = prisma_paper_calibration(epsilon=4.0, delta=1e-5, batch_size=16, num_samples=n,
+                                        rounds=100)
+    assert problem.releases(0)[0].noise_multiplier == expected.noise_multiplier

@@ -97,7 +97,8 @@ def test_dpftrl_cnn_init_follows_the_dpftrl_code():
     for m in convs[1:]:  # enough weights for a tight std estimate
         assert m.weight.std().item() == pytest.approx(1 / math.sqrt(m.weight[0].numel()), rel=0.05)
     first = linears[0]
-    assert first.weight.std().item() == pytest.approx(math.sqrt(2 / sum(first.weight.shape)), rel=0.05)
+    xavier_std = math.sqrt(2 / sum(first.weight.shape))
+    assert first.weight.std().item() == pytest.approx(xavier_std, rel=0.05)
 
 
 def test_least_squares_starts_at_zero():
@@ -116,8 +117,10 @@ def test_logistic_loss_is_stable_softplus_of_the_negative_margin():
     y = torch.tensor([1.0, 1.0, -1.0, -1.0])
     loss = LOSSES.get("logistic").per_sample(out, y)
     assert torch.isfinite(loss).all()
-    assert loss[:2].tolist() == pytest.approx([math.log1p(math.exp(-0.3)), math.log1p(math.exp(2.0))])
-    assert loss[2].item() == pytest.approx(200.0) and loss[3].item() == pytest.approx(0.0, abs=1e-30)
+    expected = [math.log1p(math.exp(-0.3)), math.log1p(math.exp(2.0))]
+    assert loss[:2].tolist() == pytest.approx(expected)
+    assert loss[2].item() == pytest.approx(200.0)
+    assert loss[3].item() == pytest.approx(0.0, abs=1e-30)
     assert LOSSES.get("logistic").correct(out, y).tolist() == [True, False, False, True]
 
 

@@ -33,7 +33,8 @@ CASES = {
 
 def _setup(name: str, clients: int = 2, batch: int = 5, seed: int = 0, **kwargs):
     shape, classes, loss = CASES[name]
-    flat_model = FlatModel(build_model(name, input_shape=shape, num_classes=classes, seed=seed), loss, **kwargs)
+    model = build_model(name, input_shape=shape, num_classes=classes, seed=seed)
+    flat_model = FlatModel(model, loss, **kwargs)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(clients, batch, *shape, generator=gen)
     if loss == "cross-entropy":
@@ -62,7 +63,7 @@ def _per_sample_loss(flat_model: FlatModel, out: torch.Tensor, y: torch.Tensor) 
     return flat_model.loss.per_sample(out, y)
 
 
-def _naive(flat_model: FlatModel, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _naive(flat_model: FlatModel, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor):
     """[b, d]: one ``torch.autograd.grad`` per sample, regulariser included, in float64."""
     module = flat_model.load_into(flat).double()
     params = [p for p in module.parameters() if p.requires_grad]
@@ -84,17 +85,23 @@ def _clip_then_mean(grads: torch.Tensor, clip: float) -> tuple[torch.Tensor, tor
     return (grads * scale[:, None]).mean(dim=0), norms
 
 
-@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic", "random-feature-mlp", "resnet20"])
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # Opacus, inputs need no grad
+@pytest.mark.parametrize(
+    "name", ["mlp", "clip21-cnn", "logistic", "random-feature-mlp", "resnet20"]
+)
 def test_per_sample_gradients_equal_opacus_grad_sample(name):
     flat_model, flat, x, y = _setup(name, clients=1, batch=4)
     ours = flat_model.per_sample_gradients(flat, x, y)[0]
     module = GradSampleModule(flat_model.load_into(flat), loss_reduction="sum")
     _per_sample_loss(flat_model, module(x[0]), y[0]).sum().backward()
-    ref = torch.cat([p.grad_sample.reshape(len(x[0]), -1) for p in module.parameters() if p.requires_grad], dim=1)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    ref = torch.cat([p.grad_sample.reshape(len(x[0]), -1) for p in trainable], dim=1)
     assert _close(ours, ref)
 
 
-@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic", "resnet20", "dpftrl-cnn", "least-squares"])
+@pytest.mark.parametrize(
+    "name", ["mlp", "clip21-cnn", "logistic", "resnet20", "dpftrl-cnn", "least-squares"]
+)
 def test_per_sample_gradients_equal_naive_autograd_loop(name):
     flat_model, flat, x, y = _setup(name, clients=2, batch=3)
     ours = flat_model.per_sample_gradients(flat, x, y)
@@ -135,7 +142,8 @@ def test_every_clipped_per_sample_norm_is_at_most_the_radius(name):
     clipped_norms = clipped.double().norm(dim=1)
     assert (clipped_norms <= clip * (1 + 1e-6)).all()
     big = norms[:, 0] > clip
-    assert big.any() and torch.allclose(clipped_norms[big], torch.full_like(clipped_norms[big], clip), rtol=1e-5)
+    assert big.any()
+    assert torch.allclose(clipped_norms[big], torch.full_like(clipped_norms[big], clip), rtol=1e-5)
 
 
 def test_a_zero_gradient_is_left_unclipped():
@@ -152,7 +160,8 @@ def test_chunking_gives_the_same_results(name):
     results = []
     for chunk in (1, 7, 256):
         flat_model.chunk_size = chunk
-        results.append((flat_model.per_sample_gradients(flat, x, y), *flat_model.clipped_mean(flat, x, y, clip)))
+        grads = flat_model.per_sample_gradients(flat, x, y)
+        results.append((grads, *flat_model.clipped_mean(flat, x, y, clip)))
     for other in results[1:]:
         for ours, ref in zip(other, results[0]):
             assert _close(ours, ref)
@@ -176,7 +185,7 @@ def test_per_client_points_equal_separate_calls(name):
 @pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic", "resnet20"])
 @pytest.mark.parametrize("shared", [True, False])
 def test_a_client_result_does_not_depend_on_the_other_clients_bitwise(name, shared):
-    """The Flower runtime calls with C = 1, the engine with C = 4: client 2 must agree bit for bit."""
+    """A Flower client calls with C = 1, the engine with C = 4: client 2 agrees bit for bit."""
     flat_model, flat, x, y = _setup(name, clients=4, batch=5, nonconvex_reg=1e-3)
     flat4 = flat if shared else torch.stack([flat + 0.01 * k for k in range(4)])
     flat1 = flat.clone() if shared else flat4[2].clone()
@@ -185,10 +194,11 @@ def test_a_client_result_does_not_depend_on_the_other_clients_bitwise(name, shar
     m4, n4 = flat_model.clipped_mean(flat4, x, y, radii4)
     m1, n1 = flat_model.clipped_mean(flat1, x1, y1, 0.3)
     assert torch.equal(m4[2], m1[0]) and torch.equal(n4[2], n1[0])
-    assert torch.equal(flat_model.batch_gradients(flat4, x, y)[2], flat_model.batch_gradients(flat1, x1, y1)[0])
-    assert torch.equal(flat_model.per_sample_gradients(flat4, x, y)[2], flat_model.per_sample_gradients(flat1, x1, y1)[0])
+    for method in (flat_model.batch_gradients, flat_model.per_sample_gradients):
+        assert torch.equal(method(flat4, x, y)[2], method(flat1, x1, y1)[0])
     if not shared:
-        assert torch.equal(flat_model.losses(flat4, x, y)[2], flat_model.losses(flat1[None], x1, y1)[0])
+        losses4, losses1 = flat_model.losses(flat4, x, y), flat_model.losses(flat1[None], x1, y1)
+        assert torch.equal(losses4[2], losses1[0])
 
 
 @pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic"])
@@ -248,3 +258,55 @@ def test_evaluate_reports_mean_loss_and_accuracy():
     assert result["accuracy"] == pytest.approx((out.argmax(1) == y[0]).float().mean().item())
     ls_model, ls_flat, ls_x, ls_y = _setup("least-squares", clients=1, batch=10)
     assert ls_model.evaluate(ls_flat, ls_x[0], ls_y[0])["accuracy"] is None
+
+
+class _Unused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(6, 3)
+        self.unused = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_a_layer_left_out_of_the_forward_pass_gets_zero_gradient():
+    flat_model = FlatModel(_Unused(), "cross-entropy")
+    x, y = torch.randn(2, 4, 6), torch.randint(0, 3, (2, 4))
+    flat = torch.full((flat_model.d,), float("nan"))
+    flat[:21] = flat_model.initial_params()[:21]  # the unused layer's parameters are never read
+    flat_model.clipped_mean(flat, x, y, 0.1)[0].fill_(float("nan"))  # leave NaNs on the heap, where
+    means, _ = flat_model.clipped_mean(flat, x, y, 0.1)  # the next result is likely allocated
+    grads = flat_model.per_sample_gradients(flat, x, y)
+    assert means[:, 21:].abs().max() == 0 and grads[:, :, 21:].abs().max() == 0
+    assert torch.isfinite(means).all()
+
+
+class _Odd(torch.nn.Module):
+    """Layer variants the zoo does not use: strided, dilated and grouped convolutions, a
+    GroupNorm, and a Linear applied along a sequence axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, stride=(2, 1), padding=(1, 2), dilation=(1, 2))
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1, groups=2, bias=False)
+        self.norm = torch.nn.GroupNorm(2, 8)
+        self.seq = torch.nn.Linear(11, 5)
+        self.head = torch.nn.Linear(8 * 6 * 5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.conv2(torch.tanh(self.conv1(x)))))  # [n, 8, 6, 11]
+        return self.head(torch.tanh(self.seq(h.reshape(len(h), 8 * 6, 11))).flatten(1))
+
+
+def test_layer_variants_match_naive_autograd():
+    torch.manual_seed(0)
+    flat_model = FlatModel(_Odd(), "cross-entropy")
+    flat = flat_model.initial_params()
+    x, y = torch.randn(1, 5, 3, 12, 11), torch.randint(0, 4, (1, 5))
+    naive = _naive(flat_model, flat, x[0], y[0])
+    assert _close(flat_model.per_sample_gradients(flat, x, y)[0], naive)
+    clip = naive.norm(dim=1).median().item()
+    means, norms = flat_model.clipped_mean(flat, x, y, clip)
+    ref_mean, ref_norms = _clip_then_mean(naive, clip)
+    assert _close(means[0], ref_mean) and _close(norms[0], ref_norms)

@@ -143,3 +143,11 @@ def test_ledger_survives_json():
     ledger.record(noise_multiplier=1.1, sample_rate=0.2, steps=3)
     back = PrivacyLedger.from_json(ledger.to_json())
     assert back == ledger
+
+
+def test_prv_ledger_matches_opacus_prv_accountant():
+    ledger = PrivacyLedger(accountant="prv", relation="replace-one")
+    ledger.record(noise_multiplier=1.2, sample_rate=0.05, steps=200)
+    acc = PRVAccountant()
+    acc.history = [(1.2, 0.05, 200)]
+    assert ledger.epsilon(1e-5) == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-9)

@@ -57,8 +57,8 @@ class DPSGDGC(Algorithm):
         x, y = cohort.sample(ctx.rng, ctx.round, "batch", b)
         x, y = x.to(ctx.device), y.to(ctx.device)
         params = broadcast["x"].to(ctx.device)
-        mean, norms = self.model.clipped_mean(params, x, y, clip)
-        losses = self.model.losses(params, x.flatten(0, 1), y.flatten(0, 1)).view(len(cohort), b)
+        losses = torch.empty(len(cohort), b, device=ctx.device)
+        mean, norms = self.model.clipped_mean(params, x, y, clip, losses=losses)
         std = ctx.noise_multiplier(exchange) * (2 * clip / b)
         noise = ctx.rng.normal(cohort.ids, ctx.round, "noise", (mean.shape[-1],), std,
                                device=ctx.device)

@@ -10,14 +10,14 @@ losses gives each such layer's output gradient ``g`` (``torch.autograd.grad`` wi
 layer outputs only, so no parameter gradient is ever formed by autograd). The per-sample
 gradients follow layer by layer (``dpfl.models.grad_sample``). ``clipped_mean`` never forms the
 ``[b, d]`` matrix: per-sample norms of ``Linear`` layers come from ``‖g_j‖·‖a_j‖`` and their
-clipped sum from one weighted GEMM; conv and norm layers are materialised (``b × d_layer``),
-which is cheap for the small conv layers of the papers' models.
+clipped sum from one weighted GEMM ("ghost clipping"); conv and norm layers are materialised
+(``b × d_layer``), which is cheap for the small conv layers of the papers' models.
 
 Reproducibility. Clients are processed one at a time, in fixed chunks of ``chunk_size`` samples,
 on 64-byte-aligned copies of their data, so client i's result does not depend on how many other
 clients share the call: a Flower client (C = 1) and the in-process engine (C = 100) agree bit for
-bit on CPU. (Batching clients into one GEMM or grouped convolution would let the kernel choice,
-and with it the rounding, depend on C.)
+bit on CPU. (Measured: stacking the clients' samples into the rows of one GEMM changes the
+rounding of every client's rows, because MKL picks its kernel by the matrix shape.)
 
 The nonconvex regulariser. ``nonconvex_reg = λ`` adds ``(λ/2) Σ_k x_k² / (1 + x_k²)`` to every
 per-sample loss, the convention of PriSMA eq. 22. Clip21's logistic regression (spec E1) writes
@@ -39,7 +39,7 @@ from dpfl.models.losses import LOSSES
 _ALIGNMENT = 64  # bytes; PyTorch's CPU allocator aligns every fresh tensor to this
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity
 class _Layer:
     """A layer with trainable parameters and where they sit in the flat vector."""
 
@@ -74,7 +74,9 @@ class FlatModel:
         Samples per forward/backward pass in the per-sample methods; bounds their memory.
     """
 
-    def __init__(self, module: nn.Module, loss: str, nonconvex_reg: float = 0.0, chunk_size: int = 256):
+    def __init__(
+        self, module: nn.Module, loss: str, nonconvex_reg: float = 0.0, chunk_size: int = 256
+    ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.loss = LOSSES.get(loss)
@@ -147,9 +149,13 @@ class FlatModel:
         with torch.no_grad():
             if flat.dim() == 1:
                 return self._losses(flat, x, y)
-            return torch.stack([self._losses(_aligned(flat[c]), _aligned(x[c]), y[c]) for c in range(len(flat))])
+            return torch.stack(
+                [self._losses(self._point(flat, c), _aligned(x[c]), y[c]) for c in range(len(flat))]
+            )
 
-    def evaluate(self, flat: Tensor, x: Tensor, y: Tensor, batch_size: int = 1024) -> dict[str, float | None]:
+    def evaluate(
+        self, flat: Tensor, x: Tensor, y: Tensor, batch_size: int = 1024
+    ) -> dict[str, float | None]:
         """Mean loss (regulariser included) and accuracy (``None`` for regression) of ``flat [d]``
         on the samples ``x [N, ...]``, ``y [N]``, in batches of ``batch_size``."""
         total, correct = 0.0, 0
@@ -189,30 +195,40 @@ class FlatModel:
             for start, xs, ys in self._chunks(x, y, c):
                 rows = out[c, start : start + len(xs)]
                 for layer, a, g in self._record(point, xs, ys):
-                    for grads, where in zip(grad_sample.materialise(layer.module, a, g, layer.trainable), layer.slices):
-                        rows[:, where] = grads
+                    grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
+                    for p, where in zip(grads, layer.slices):
+                        rows[:, where] = p
                 if reg is not None:
                     rows += reg
         return out
 
-    def clipped_mean(self, flat: Tensor, x: Tensor, y: Tensor, clip: float | Tensor) -> tuple[Tensor, Tensor]:
+    def clipped_mean(
+        self, flat: Tensor, x: Tensor, y: Tensor, clip: float | Tensor, *,
+        losses: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Per-sample clipping: ``(1/b) Σ_j clip_C(g_ij)`` for each client, with
-        ``clip_C(g) = min(1, C/‖g‖)·g`` (``g`` unchanged when ``‖g‖ ≤ C``, including ``g = 0``).
+        ``clip_C(g) = min(1, C/‖g‖)·g``; ``g`` is unchanged when ``‖g‖ ≤ C``, ``g = 0`` included.
 
         ``clip`` is one radius or one per client (``[C]``). Returns the ``[C, d]`` clipped means
-        and the ``[C, b]`` norms of the unclipped per-sample gradients. Memory stays about
+        and the ``[C, b]`` norms of the unclipped per-sample gradients; if ``losses`` (``[C, b]``)
+        is given, the per-sample losses of the forward pass are written into it (without the
+        regulariser). Memory stays about
         ``chunk_size`` × (largest conv/norm layer) floats beyond an ordinary training step.
         """
         n_clients, b = x.shape[:2]
         radii = self._radii(clip, n_clients)
-        out = x.new_zeros(n_clients, self.d)
+        out = x.new_empty(n_clients, self.d)  # the first chunk's GEMMs overwrite it (β = 0)
         norms = x.new_empty(n_clients, b)
         for c in range(n_clients):
             point = self._point(flat, c)
             reg = self._reg_grad(point) if self.nonconvex_reg else None
             for start, xs, ys in self._chunks(x, y, c):
-                tape = self._record(point, xs, ys)
-                norms[c, start : start + len(xs)] = self._clip_chunk(tape, reg, radii[c], len(xs), b, out[c])
+                tape = self._record(point, xs, ys,
+                                    None if losses is None else losses[c, start:start + len(xs)])
+                n = len(xs)
+                norms[c, start : start + n] = self._clip_chunk(
+                    tape, reg, radii[c], n, b, out[c], first=start == 0
+                )
         return out, norms
 
     # ------------------------------------------------------------------------------ internals
@@ -225,9 +241,10 @@ class FlatModel:
         n: int,
         b: int,
         row: Tensor,
+        first: bool,
     ) -> Tensor:
-        """Add (1/b) Σ_j w_j g_j over one chunk of n samples to ``row``, w_j = min(1, C/‖g_j‖);
-        return the norms ‖g_j‖."""
+        """Add (1/b) Σ_j w_j g_j over one chunk of n samples to ``row`` (overwrite it if
+        ``first``), with w_j = min(1, C/‖g_j‖); return the norms ‖g_j‖."""
         sq = row.new_zeros(n)
         materialised: list[list[Tensor] | None] = []
         for layer, a, g in tape:
@@ -247,32 +264,43 @@ class FlatModel:
         if reg is not None:
             sq += reg.square().sum()
         norm = sq.clamp_min_(0).sqrt_()
-        w = (radius / b) / norm.clamp_min(radius)
+        w = (radius / norm.clamp_min(radius)).div_(b)  # exactly 1/b where ‖g_j‖ ≤ C
+        beta = 0.0 if first else 1.0
         for (layer, a, g), grads in zip(tape, materialised):
             targets = [row[s].view(shape) for s, shape in zip(layer.slices, layer.shapes)]
             if grads is None:
-                grad_sample.ghost_add_weighted_sum(a, g, layer.trainable, w, targets)
+                grad_sample.ghost_add_weighted_sum(a, g, layer.trainable, w, targets, beta)
             else:
                 for target, p in zip(targets, grads):
-                    target.view(-1).addmv_(p.t(), w)
+                    target.view(-1).addmv_(p.t(), w, beta=beta)
+        if first:
+            for layer in set(self._layers) - {layer for layer, _, _ in tape}:  # unused in forward
+                for where in layer.slices:
+                    row[where] = 0
         if reg is not None:
             row.add_(reg, alpha=w.sum().item())
         return norm
 
-    def _capture(self, layer: _Layer, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor | None:
+    def _capture(
+        self, layer: _Layer, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor
+    ) -> Tensor | None:
+        """Forward hook: put (layer, input, output) on the tape while one is being recorded."""
         tape = self._tape
         if tape is None:
             return None
         if any(entry[0] is layer for entry in tape):
-            raise RuntimeError(f"per-sample gradients: {type(module).__name__} is called twice in one forward")
+            name = type(module).__name__
+            raise RuntimeError(f"per-sample gradients: {name} is called twice in one forward")
         if not output.requires_grad:
             # Nothing below this layer is trainable: start the graph here.
             output = output.detach().requires_grad_()
         tape.append((layer, inputs[0].detach(), output))
         return output
 
-    def _record(self, point: Tensor, x: Tensor, y: Tensor) -> list[tuple[_Layer, Tensor, Tensor]]:
-        """One forward and backward pass: (layer, input, output gradient) per trainable layer."""
+    def _record(self, point: Tensor, x: Tensor, y: Tensor, losses_out: Tensor | None = None
+                ) -> list[tuple[_Layer, Tensor, Tensor]]:
+        """One forward and backward pass: (layer, input, output gradient) per trainable layer;
+        the per-sample losses are copied into ``losses_out`` when given."""
         self._tape = []
         try:
             with torch.enable_grad():
@@ -280,6 +308,8 @@ class FlatModel:
             tape = self._tape
         finally:
             self._tape = None
+        if losses_out is not None:
+            losses_out.copy_(losses.detach())
         if not tape:
             return []
         outputs = [out for _, _, out in tape]

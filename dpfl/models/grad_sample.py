@@ -100,7 +100,9 @@ def _grouped_weight_grad(layer: nn.Conv2d, a: Tensor, g: Tensor) -> Tensor:
     )[1]
 
 
-def _group_norm(layer: nn.Module, a: Tensor, g: Tensor, trainable: tuple[bool, bool]) -> list[Tensor]:
+def _group_norm(
+    layer: nn.Module, a: Tensor, g: Tensor, trainable: tuple[bool, bool]
+) -> list[Tensor]:
     assert isinstance(layer, nn.GroupNorm)
     n, c = g.shape[:2]
     out: list[Tensor] = []
@@ -124,12 +126,17 @@ def check_supported(layer: nn.Module) -> None:
     rule = RULES.get(type(layer))
     if rule is None:
         allowed = ", ".join(t.__name__ for t in RULES)
-        raise TypeError(f"per-sample gradients: no rule for {type(layer).__name__} (supported: {allowed})")
-    if isinstance(layer, nn.Conv2d) and (isinstance(layer.padding, str) or layer.padding_mode != "zeros"):
+        name = type(layer).__name__
+        raise TypeError(f"per-sample gradients: no rule for {name} (supported: {allowed})")
+    if isinstance(layer, nn.Conv2d) and (
+        isinstance(layer.padding, str) or layer.padding_mode != "zeros"
+    ):
         raise TypeError("per-sample gradients: Conv2d needs numeric zero padding")
 
 
-def materialise(layer: nn.Module, a: Tensor, g: Tensor, trainable: tuple[bool, bool]) -> list[Tensor]:
+def materialise(
+    layer: nn.Module, a: Tensor, g: Tensor, trainable: tuple[bool, bool]
+) -> list[Tensor]:
     """Per-sample gradients ``[n, numel]`` of the layer's trainable (weight, bias)."""
     return RULES[type(layer)](layer, a, g, trainable)
 
@@ -159,12 +166,17 @@ def ghost_dots(a: Tensor, g: Tensor, trainable: tuple[bool, bool], r: list[Tenso
 
 
 def ghost_add_weighted_sum(
-    a: Tensor, g: Tensor, trainable: tuple[bool, bool], w: Tensor, targets: list[Tensor]
+    a: Tensor,
+    g: Tensor,
+    trainable: tuple[bool, bool],
+    w: Tensor,
+    targets: list[Tensor],
+    beta: float,
 ) -> None:
-    """targets += Σ_j w_j · (per-sample gradients of the layer's trainable parameters), one
-    weighted GEMM: ``(w∘g)ᵀ a`` for the weight, ``gᵀ w`` for the bias."""
+    """targets ← β·targets + Σ_j w_j · (per-sample gradients of the layer's trainable
+    parameters), in one weighted GEMM: ``(w∘g)ᵀ a`` for the weight, ``gᵀ w`` for the bias."""
     parts = iter(targets)
     if trainable[0]:
-        next(parts).addmm_(g.mul(w.unsqueeze(1)).t(), a)
+        next(parts).addmm_(g.mul(w.unsqueeze(1)).t(), a, beta=beta)
     if trainable[1]:
-        next(parts).addmv_(g.t(), w)
+        next(parts).addmv_(g.t(), w, beta=beta)

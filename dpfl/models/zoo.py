@@ -24,7 +24,8 @@ MODELS: Registry[ModelBuilder] = Registry("model")
 def build_model(
     name: str, *, input_shape: tuple[int, ...], num_classes: int, seed: int, **options: object
 ) -> nn.Module:
-    """Build model ``name`` for inputs of ``input_shape`` (no batch axis), initialised from ``seed``.
+    """Build model ``name`` for inputs of ``input_shape`` (no batch axis), with weights drawn
+    from ``seed``.
 
     ``options`` go to the model's builder (e.g. ``hidden=`` for ``random-feature-mlp``).
     Raises ``ConfigError`` (key ``model``) for an unknown name.
