@@ -48,13 +48,12 @@ class Randomness:
         """Gaussian noise ``[C, *shape]``, row ``i`` from client ``clients[i]``'s stream
         and scaled by ``std[i]``. Draws are made on the CPU so that they do not depend
         on the device."""
-        rows = [
-            torch.randn(tuple(shape), generator=self.generator(c, round, purpose), dtype=dtype)
-            for c in clients
-        ]
-        noise = torch.stack(rows) if rows else torch.empty((0, *shape), dtype=dtype)
-        std = std.to(dtype=dtype, device="cpu").reshape(-1, *([1] * len(shape)))
-        return (noise * std).to(device)
+        noise = torch.empty((len(clients), *shape), dtype=dtype)
+        for row, client in zip(noise, clients):
+            torch.randn(tuple(shape), generator=self.generator(client, round, purpose),
+                        dtype=dtype, out=row)
+        noise *= std.to(dtype=dtype, device="cpu").reshape(-1, *([1] * len(shape)))
+        return noise.to(device)
 
     def sample_without_replacement(self, clients: Sequence[int], sizes: Sequence[int],
                                    round: int, purpose: str, k: int) -> list[torch.Tensor]:

@@ -1,0 +1,56 @@
+"""A Flower ``Grid`` that delivers messages to the dpfl ClientApp in this process.
+
+It exercises the same strategy, message and ``Context.state`` code as a real
+run, without Ray or SuperLink processes, so that contract tests can use
+algorithms registered only inside the test process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from flwr.app import Context, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+
+class InProcessGrid(Grid):
+    """Nodes ``1..N`` with the given node configs, each with its own persistent Context."""
+
+    def __init__(self, app, run_config: dict, node_configs: list[dict]) -> None:
+        self.app = app
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+        self.contexts = {i + 1: Context(run_id=1, node_id=i + 1, node_config=cfg,
+                                        state=RecordDict(), run_config=dict(run_config))
+                         for i, cfg in enumerate(node_configs)}
+
+    def set_run(self, run_id: int) -> None:  # pragma: no cover - not used in process
+        pass
+
+    @property
+    def run(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def create_message(self, *args, **kwargs):  # pragma: no cover
+        raise NotImplementedError
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def get_nodes(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def push_messages(self, messages):  # pragma: no cover
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # pragma: no cover
+        raise NotImplementedError
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None
+                         ) -> Iterable[Message]:
+        replies = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            reply = self.app(message, self.contexts[node])
+            replies.append(reply)
+        return replies

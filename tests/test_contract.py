@@ -1,0 +1,156 @@
+"""The algorithm contract carries what later families need: two exchanges per round,
+several local steps, persistent client state, client sampling — and Flower's code path
+(strategy, messages, Context.state) gives the engine's result bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from flwr.app import Array, ArrayRecord
+
+from dpfl.algorithms import ALGORITHMS, Algorithm, Release
+from dpfl.config import RunConfig
+from dpfl.privacy import SERVER
+from tests.inprocess_grid import InProcessGrid
+
+LOCAL_STEPS = 2
+
+
+@ALGORITHMS.register_class
+class ContractProbe(Algorithm):
+    """A noisy statistic sets the clip radius, then momentum SGD with local steps.
+
+    Exercises every contract feature at once; it is not a published algorithm.
+    """
+
+    name = "test-contract-probe"
+    exchanges = ("statistic", "train")
+    protection = "test only"
+
+    def releases(self, num_samples):
+        q = int(self.config["batch-size"]) / num_samples
+        return [Release("statistic", 2.0, q, 1), Release("train", 1.0, q, LOCAL_STEPS)]
+
+    def init_server_state(self, x0):
+        return {"x": x0.clone(), "radius": torch.ones(1)}
+
+    def participants(self, round, clients, rng):
+        order = torch.randperm(len(clients), generator=rng.generator(SERVER, round, "clients"))
+        return sorted(clients[i] for i in order[: len(clients) // 2].tolist())
+
+    def broadcast(self, exchange, state, round):
+        return {"x": state["x"]} if exchange == "statistic" else dict(state)
+
+    def init_client_state(self, num_clients):
+        return {"m": torch.zeros(num_clients, self.model.d)}
+
+    def client_step(self, exchange, states, broadcast, cohort, ctx):
+        b = int(self.config["batch-size"])
+        x0 = broadcast["x"]
+        if exchange == "statistic":
+            xb, yb = cohort.sample(ctx.rng, ctx.round, "statistic", b)
+            _, norms = self.model.clipped_mean(x0, xb, yb, 1.0)
+            stat = norms.clamp(max=1.0).square().mean(dim=1, keepdim=True)
+            std = ctx.noise_multiplier(exchange) * 2 / b
+            return {"s": stat + ctx.rng.normal(cohort.ids, ctx.round, "stat-noise", (1,), std)}, \
+                states, {"statistic": stat[:, 0]}
+        radius = float(broadcast["radius"])
+        params = x0.unsqueeze(0).repeat(len(cohort), 1)
+        m = states["m"].clone()
+        for k in range(LOCAL_STEPS):
+            xb, yb = cohort.sample(ctx.rng, ctx.round, f"batch-{k}", b)
+            g, _ = self.model.clipped_mean(params, xb, yb, radius)
+            std = ctx.noise_multiplier(exchange) * 2 * radius / b
+            g = g + ctx.rng.normal(cohort.ids, ctx.round, f"noise-{k}", (self.model.d,), std)
+            m = 0.5 * m + g
+            params = params - float(self.config["learning-rate"]) * m
+        return {"delta": x0 - params}, {"m": m}, {}
+
+    def server_step(self, exchange, state, uploads, participants, round):
+        if exchange == "statistic":
+            radius = uploads["s"].mean().clamp(min=1e-4).sqrt().clamp(0.05, 5.0)
+            return {"x": state["x"], "radius": radius.reshape(1)}
+        return {"x": state["x"] - uploads["delta"].mean(dim=0), "radius": state["radius"]}
+
+
+def _config(tmp_path, name, **extra):
+    values = {"algorithm": "test-contract-probe", "num-partitions": 4, "num-server-rounds": 3,
+              "batch-size": 8, "learning-rate": 0.5, "seed": 5,
+              "results-dir": str(tmp_path), "run-name": name}
+    values.update(extra)
+    return values
+
+
+def _run_flower_code_path(values, node_configs):
+    from dpfl.client.app import app as client_app
+    from dpfl.server.runtime import ServerRuntime
+    from dpfl.setup import cached_problem
+    from dpfl.strategies import AlgorithmStrategy
+
+    config = RunConfig(values)
+    grid = InProcessGrid(client_app, config.as_dict(), node_configs)
+    problem = cached_problem(tuple(sorted(config.as_dict().items())))
+    strategy = AlgorithmStrategy(ServerRuntime(problem, "flower", echo=False))
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord({"x": Array(
+        problem.x0.numpy())}), num_rounds=int(config["num-server-rounds"]))
+    return grid, result
+
+
+def test_flower_code_path_equals_engine_with_two_exchanges_state_and_sampling(tmp_path):
+    from dpfl.engine import run
+
+    summary = run(RunConfig(_config(tmp_path, "engine")), echo=False)
+    grid, result = _run_flower_code_path(_config(tmp_path, "flower"),
+                                         [{"partition-id": i} for i in range(4)])
+    engine = torch.load(tmp_path / "engine" / "model.pt")
+    flower = torch.load(tmp_path / "flower" / "model.pt")
+    assert all(torch.equal(engine[k], flower[k]) for k in engine)
+    f_rounds = [json.loads(x) for x in (tmp_path / "flower" / "rounds.jsonl").read_text().splitlines()]
+    e_rounds = [json.loads(x) for x in (tmp_path / "engine" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["participants"] for r in e_rounds] == [2, 2, 2]
+    assert [r["epsilon"] for r in f_rounds] == [r["epsilon"] for r in e_rounds]
+    assert summary["rounds_completed"] == 3
+
+    # Context.state keeps momentum and ledger for the clients that took part; each
+    # participation recorded one statistic release and LOCAL_STEPS training steps.
+    for node, context in grid.contexts.items():
+        client = node - 1
+        ledger_record = context.state.get(f"dpfl.ledger.{client}")
+        if ledger_record is None:
+            assert f"dpfl.state.{client}" not in context.state
+            continue
+        ledger = json.loads(str(ledger_record["json"]))
+        steps = sum(e[2] for e in ledger["history"])
+        assert steps % (1 + LOCAL_STEPS) == 0 and steps > 0
+        momentum = context.state[f"dpfl.state.{client}"]["m"].numpy()
+        assert abs(momentum).sum() > 0
+
+
+def test_a_node_can_host_a_cohort_of_clients(tmp_path):
+    _run_flower_code_path(_config(tmp_path, "single"), [{"partition-id": i} for i in range(4)])
+    _run_flower_code_path(_config(tmp_path, "cohort"),
+                          [{"partition-ids": "0,2"}, {"partition-ids": "1,3"}])
+    single = torch.load(tmp_path / "single" / "model.pt")
+    cohort = torch.load(tmp_path / "cohort" / "model.pt")
+    assert all(torch.equal(single[k], cohort[k]) for k in single)
+
+
+def test_strategy_refuses_a_federation_that_does_not_match(tmp_path):
+    import pytest
+
+    from dpfl.strategies import FederationError
+
+    with pytest.raises(FederationError, match="num-supernodes=4"):
+        strategy_values = _config(tmp_path, "mismatch")
+        from dpfl.client.app import app as client_app
+        from dpfl.server.runtime import ServerRuntime
+        from dpfl.setup import cached_problem
+        from dpfl.strategies import AlgorithmStrategy
+
+        config = RunConfig(strategy_values)
+        grid = InProcessGrid(client_app, config.as_dict(), [{"partition-id": i} for i in range(3)])
+        problem = cached_problem(tuple(sorted(config.as_dict().items())))
+        strategy = AlgorithmStrategy(ServerRuntime(problem, "flower", echo=False),
+                                     connect_timeout=0.0)
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=1)
