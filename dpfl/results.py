@@ -38,11 +38,16 @@ def run_name(config: RunConfig, runtime: str) -> str:
 
 
 def results_path(config: RunConfig, runtime: str) -> Path:
-    """The run's folder; refuses one that already holds a run."""
-    path = Path(str(config["results-dir"])).expanduser() / run_name(config, runtime)
-    if (path / "config.json").exists():
-        raise ConfigError("run-name", f"results folder {path} already holds a run",
-                          allowed="a new name, or empty for an automatic one")
+    """The run's folder. A given ``run-name`` that already holds a run is refused; an
+    automatic name gets a numeric suffix instead."""
+    base = Path(str(config["results-dir"])).expanduser() / run_name(config, runtime)
+    path, n = base, 1
+    while (path / "config.json").exists():
+        if config["run-name"]:
+            raise ConfigError("run-name", f"results folder {path} already holds a run",
+                              allowed="a new name, or empty for an automatic one")
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
     return path
 
 

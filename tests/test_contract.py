@@ -85,7 +85,7 @@ def _config(tmp_path, name, **extra):
 def _run_flower_code_path(values, node_configs):
     from dpfl.client.app import app as client_app
     from dpfl.server.runtime import ServerRuntime
-    from dpfl.setup import cached_problem
+    from dpfl.problem import cached_problem
     from dpfl.strategies import AlgorithmStrategy
 
     config = RunConfig(values)
@@ -145,7 +145,7 @@ def test_strategy_refuses_a_federation_that_does_not_match(tmp_path):
         strategy_values = _config(tmp_path, "mismatch")
         from dpfl.client.app import app as client_app
         from dpfl.server.runtime import ServerRuntime
-        from dpfl.setup import cached_problem
+        from dpfl.problem import cached_problem
         from dpfl.strategies import AlgorithmStrategy
 
         config = RunConfig(strategy_values)
@@ -154,3 +154,17 @@ def test_strategy_refuses_a_federation_that_does_not_match(tmp_path):
         strategy = AlgorithmStrategy(ServerRuntime(problem, "flower", echo=False),
                                      connect_timeout=0.0)
         strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=1)
+
+
+def test_max_epsilon_stops_the_flower_code_path_where_the_engine_stops(tmp_path):
+    from dpfl.engine import run
+
+    values = {"algorithm": "dpsgd-gc", "num-partitions": 4, "num-server-rounds": 40,
+              "batch-size": 16, "noise-multiplier": 4.0, "max-epsilon": 0.5,
+              "results-dir": str(tmp_path)}
+    engine = run(RunConfig({**values, "run-name": "engine"}), echo=False)
+    _run_flower_code_path({**values, "run-name": "flower"},
+                          [{"partition-id": i} for i in range(4)])
+    flower = json.loads((tmp_path / "flower" / "summary.json").read_text())
+    assert 0 < flower["rounds_completed"] == engine["rounds_completed"] < 40
+    assert flower["epsilon_max"] == engine["epsilon_max"] <= 0.5

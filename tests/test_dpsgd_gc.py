@@ -7,7 +7,7 @@ import torch
 
 from dpfl.algorithms import StepContext
 from dpfl.privacy import Randomness, clip_by_norm
-from dpfl.setup import build_problem
+from dpfl.problem import build_problem
 
 
 def _step(problem, ids, round=1, seed=0):

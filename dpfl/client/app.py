@@ -6,7 +6,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 from dpfl.client.numpy_client import AlgorithmClient, node_clients
-from dpfl.setup import cached_problem
+from dpfl.problem import cached_problem
 
 app = ClientApp()
 

@@ -16,7 +16,7 @@ from flwr.client import NumPyClient
 from dpfl.algorithms import State
 from dpfl.client.runtime import ClientRuntime, exceeds_budget, new_ledger
 from dpfl.privacy import PrivacyLedger
-from dpfl.setup import Problem
+from dpfl.problem import Problem
 
 
 def node_clients(context: Context) -> list[int]:

@@ -10,7 +10,7 @@ import torch
 
 from dpfl.algorithms import Cohort, State, StepContext
 from dpfl.privacy import PrivacyLedger, Randomness
-from dpfl.setup import Problem
+from dpfl.problem import Problem
 
 
 def new_ledger(problem: Problem) -> PrivacyLedger:

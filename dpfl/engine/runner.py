@@ -16,7 +16,7 @@ from dpfl.algorithms import State
 from dpfl.client.runtime import ClientRuntime, exceeds_budget, new_ledger
 from dpfl.config import RunConfig
 from dpfl.server.runtime import ServerRuntime
-from dpfl.setup import build_problem
+from dpfl.problem import build_problem
 
 
 def _rows(states: State, positions: torch.Tensor) -> State:

@@ -11,7 +11,7 @@ from flwr.serverapp import Grid, ServerApp
 from dpfl.config import RunConfig
 from dpfl.errors import ConfigError
 from dpfl.server.runtime import ServerRuntime
-from dpfl.setup import cached_problem
+from dpfl.problem import cached_problem
 from dpfl.strategies import AlgorithmStrategy, FederationError
 
 app = ServerApp()

@@ -17,7 +17,7 @@ import torch
 from dpfl.algorithms import State
 from dpfl.privacy import Randomness
 from dpfl.results import ResultsWriter, results_path
-from dpfl.setup import Problem
+from dpfl.problem import Problem
 
 log = logging.getLogger("dpfl")
 
@@ -155,8 +155,7 @@ class ServerRuntime:
             "calibration": ("manual" if float(self.config["noise-multiplier"]) >= 0
                             else self.config["calibration"]),
             "protection": p.algorithm.protection,
-            "noise_multiplier": {c: p.releases(c)[0].noise_multiplier
-                                 for c in range(p.num_clients)},
+            "releases": {c: [r.__dict__ for r in p.releases(c)] for c in range(p.num_clients)},
             "wall_seconds": wall,
             "seconds_per_round": wall / max(self.rounds_done, 1),
             "results": str(self.path),

@@ -49,13 +49,20 @@ class Problem:
     x0: torch.Tensor
     device: torch.device
     _releases: dict[int, list[Release]] = field(default_factory=dict)
+    _cohorts: dict[tuple[int, ...], Cohort] = field(default_factory=dict)
 
     @property
     def num_clients(self) -> int:
         return len(self.partitions)
 
     def cohort(self, client_ids: list[int]) -> Cohort:
-        """The given clients' data, holding only their own rows."""
+        """The given clients' data, holding only their own rows (cached per client set)."""
+        key = tuple(client_ids)
+        if key not in self._cohorts:
+            self._cohorts[key] = self._gather(client_ids)
+        return self._cohorts[key]
+
+    def _gather(self, client_ids: list[int]) -> Cohort:
         rows = np.concatenate([self.partitions[c] for c in client_ids])
         x = self.dataset.train_x[torch.from_numpy(rows)]
         y = self.dataset.train_y[torch.from_numpy(rows)]
@@ -90,11 +97,11 @@ def build_problem(config: RunConfig) -> Problem:
         raise ConfigError("batch-size", f"{config['batch-size']} exceeds the smallest client's "
                           f"{smallest} records", allowed=f"1..{smallest}")
     module = build_model(str(config["model"]), input_shape=dataset.input_shape,
-                         num_classes=dataset.num_classes, seed=int(config["seed"]))
+                         num_classes=dataset.num_classes, seed=int(config["seed"])).to(device)
     model = FlatModel(module, LOSS_OF_TASK[dataset.task],
                       nonconvex_reg=float(config["nonconvex-reg"]))
     algorithm = ALGORITHMS.get(str(config["algorithm"]))(config, model)
-    return Problem(config, dataset, parts, model, algorithm, model.initial_params(), device)
+    return Problem(config, dataset, parts, model, algorithm, model.initial_params().cpu(), device)
 
 
 @functools.lru_cache(maxsize=4)
