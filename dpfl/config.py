@@ -110,8 +110,10 @@ COMMON: tuple[Param, ...] = (
     Param("accountant", "rdp", "Opacus accountant used for calibration and the ledger.",
           choices=("rdp", "prv")),
     Param("calibration", "accountant",
-          "How noise is calibrated when noise-multiplier=-1: 'accountant' (Opacus) or "
-          "'paper' (the paper's own formula).", choices=("accountant", "paper")),
+          "How noise is calibrated when noise-multiplier=-1: 'accountant' (Opacus), "
+          "'paper' (the paper's proven formula) or 'practice' (the formula the paper's "
+          "experiments used); each algorithm lists the ones it supports.",
+          choices=("accountant", "paper", "practice")),
     Param("max-epsilon", 0.0,
           "Stop the run before a round would take any client's ε above this; 0 = no stop.",
           check=at_least(0.0)),
@@ -167,6 +169,10 @@ class RunConfig(Mapping[str, Value]):
         for key, registry in (("algorithm", ALGORITHMS), ("dataset", DATASETS),
                               ("model", MODELS), ("partitioner", PARTITIONERS)):
             registry.get(self._values[key])  # raises ConfigError with the allowed names
+        algorithm = ALGORITHMS.get(self._values["algorithm"])
+        if self._values["calibration"] not in algorithm.calibrations:
+            raise ConfigError("calibration", f"{self._values['calibration']!r} is not offered "
+                              f"by algorithm {algorithm.name!r}", allowed=algorithm.calibrations)
 
     def __getitem__(self, key: str) -> Value:
         return self._values[key]

@@ -24,6 +24,8 @@ CASES = {
     "unknown_accountant": ('accountant="gdp"', "accountant", "allowed: rdp, prv"),
     "missing_data_directory": ('dataset="mnist" data-dir="/nonexistent/data"', "dataset",
                                "/nonexistent/data"),
+    "calibration_not_offered": ('calibration="practice"', "calibration",
+                                "allowed: accountant, paper"),
     "batch_larger_than_client": ("batch-size=1000", "batch-size", "allowed: 1.."),
 }
 

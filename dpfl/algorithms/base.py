@@ -107,6 +107,7 @@ class Algorithm(ABC):
     exchanges: ClassVar[tuple[str, ...]] = ("train",)
     relation: ClassVar[str] = "replace-one"
     protection: ClassVar[str]
+    calibrations: ClassVar[tuple[str, ...]] = ("accountant",)
 
     def __init__(self, config: RunConfig, model: FlatModel) -> None:
         self.config = config

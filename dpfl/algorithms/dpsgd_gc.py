@@ -28,6 +28,7 @@ class DPSGDGC(Algorithm):
     """Per-sample clipped, client-noised SGD with plain averaging, one step per round."""
 
     name = "dpsgd-gc"
+    calibrations = ("accountant", "paper")
     protection = "record-level local DP per client (replace-one neighbours), client-side noise"
 
     def releases(self, num_samples: int) -> list[Release]:

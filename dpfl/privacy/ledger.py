@@ -49,8 +49,8 @@ def _epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float
         return float(eps)
     acc = create_accountant(mechanism=accountant)
     acc.history = list(history)
-    with warnings.catch_warnings():  # "optimal order is the largest alpha" at tiny ε
-        warnings.simplefilter("ignore", UserWarning)
+    with warnings.catch_warnings():  # PRV's numerics warn (and give inf) at tiny noise
+        warnings.simplefilter("ignore")
         return float(acc.get_epsilon(delta=delta))
 
 
