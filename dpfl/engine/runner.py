@@ -12,22 +12,12 @@ from typing import Any
 
 import torch
 
-from dpfl.algorithms import State
 from dpfl.client.runtime import ClientRuntime, exceeds_budget, new_ledger
 from dpfl.config import RunConfig
 from dpfl.server.runtime import ServerRuntime
 from dpfl.problem import build_problem
 
 
-def _rows(states: State, positions: torch.Tensor) -> State:
-    return {k: v[positions] for k, v in states.items()}
-
-
-def _scatter(states: State, positions: torch.Tensor, rows: State) -> State:
-    out = {k: v.clone() for k, v in states.items()}
-    for k, v in rows.items():
-        out[k][positions] = v
-    return out
 
 
 def run(config: RunConfig, *, echo: bool = True) -> dict[str, Any]:
@@ -50,12 +40,12 @@ def run(config: RunConfig, *, echo: bool = True) -> dict[str, Any]:
         part = cohort.select(ids)
         for exchange in problem.algorithm.exchanges:
             broadcast = server.broadcast(exchange, round)
-            uploads, new_rows, metrics = clients.step(exchange, round, broadcast,
-                                                      _rows(states, positions), part,
-                                                      [ledgers[c] for c in ids])
-            states = _scatter(states, positions, new_rows)
-            server.aggregate(exchange, round,
-                             {c: {k: v[i] for k, v in uploads.items()} for i, c in enumerate(ids)})
+            rows = {k: v[positions] for k, v in states.items()}
+            uploads, rows, metrics = clients.step(exchange, round, broadcast, rows, part,
+                                                  [ledgers[c] for c in ids])
+            for k, v in rows.items():  # idle clients keep their state
+                states[k][positions] = v
+            server.aggregate(exchange, round, ids, uploads)
         server.end_round(round, {c: {k: float(v[i]) for k, v in metrics.items()}
                                  for i, c in enumerate(ids)})
     return server.finish()

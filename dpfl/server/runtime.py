@@ -74,18 +74,22 @@ class ServerRuntime:
         return False
 
     def participants(self, round: int) -> list[int]:
-        return self.problem.algorithm.participants(round, list(range(self.problem.num_clients)),
-                                                   self.rng)
+        """The clients of ``round``, in increasing id order."""
+        return sorted(self.problem.algorithm.participants(
+            round, list(range(self.problem.num_clients)), self.rng))
 
     def broadcast(self, exchange: str, round: int) -> State:
         if exchange == self.problem.algorithm.exchanges[0]:
             self.round_started = time.perf_counter()
         return self.problem.algorithm.broadcast(exchange, self.state, round)
 
-    def aggregate(self, exchange: str, round: int, uploads: dict[int, State]) -> None:
-        ids, stacked = stack_uploads(uploads)
-        stacked = {k: v.to(self.problem.device) for k, v in stacked.items()}
-        self.state = self.problem.algorithm.server_step(exchange, self.state, stacked, ids, round)
+    def aggregate(self, exchange: str, round: int, ids: list[int], uploads: State) -> None:
+        """``server_step`` on ``uploads`` stacked along axis 0 in the order of ``ids``
+        (increasing client id, see ``stack_uploads``)."""
+        if ids != sorted(ids):
+            raise ValueError("uploads must be stacked in increasing client-id order")
+        uploads = {k: v.to(self.problem.device) for k, v in uploads.items()}
+        self.state = self.problem.algorithm.server_step(exchange, self.state, uploads, ids, round)
 
     # ---- per round -------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from dpfl.algorithms import State
-from dpfl.server.runtime import ServerRuntime
+from dpfl.server.runtime import ServerRuntime, stack_uploads
 
 log = logging.getLogger("dpfl")
 
@@ -120,7 +120,7 @@ class AlgorithmStrategy(Strategy):
         missing = sorted(set(self.pending[exchange]) - set(uploads))
         if missing:
             raise FederationError(f"round {server_round}: no reply from clients {missing}")
-        self.server.aggregate(exchange, server_round, uploads)
+        self.server.aggregate(exchange, server_round, *stack_uploads(uploads))
         return metrics
 
     @staticmethod
