@@ -124,6 +124,10 @@ COMMON: tuple[Param, ...] = (
     Param("run-name", "", "Results sub-folder name; empty = <algorithm>-<dataset>-s<seed>-<time>."),
     Param("eval-every", 1, "Central evaluation every this many rounds (and the last).",
           check=at_least(1)),
+    Param("eval-train", False, "Also evaluate the full training objective at evaluation "
+          "rounds: its loss and gradient norm ‖∇F(x)‖."),
+    Param("model-options", "", "Options of the model builder as key=value pairs, e.g. "
+          "'bias=false zero_init=true' or 'hidden=512'."),
     Param("data-dir", "", "Folder of the offline datasets; empty = $DPFL_DATA_DIR."),
     Param("download", False, "Allow torchvision to download a dataset that is not on disk."),
     Param("nonconvex-reg", 0.0, "λ of the nonconvex regulariser (λ/2)Σx²/(1+x²) per sample.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,25 @@ class Problem:
         return self._releases[size]
 
 
+def model_options(config: RunConfig) -> dict[str, object]:
+    """``model-options`` parsed (``key=value`` pairs, keys with ``_`` or ``-``) and checked
+    against the model builder's keyword arguments."""
+    from dpfl.config import parse_overrides
+    from dpfl.models import MODELS
+
+    text = str(config["model-options"]).strip()
+    if not text:
+        return {}
+    options = {k.replace("-", "_"): v for k, v in parse_overrides(text).items()}
+    accepted = [p.name for p in inspect.signature(MODELS.get(str(config["model"]))).parameters
+                .values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    for key in options:
+        if key not in accepted:
+            raise ConfigError("model-options", f"model {config['model']!r} has no option "
+                              f"{key!r}", allowed=accepted or "none")
+    return options
+
+
 def build_problem(config: RunConfig) -> Problem:
     """Load, partition and initialise; raises ConfigError on bad input."""
     device = resolve_device(config)
@@ -97,7 +117,8 @@ def build_problem(config: RunConfig) -> Problem:
         raise ConfigError("batch-size", f"{config['batch-size']} exceeds the smallest client's "
                           f"{smallest} records", allowed=f"1..{smallest}")
     module = build_model(str(config["model"]), input_shape=dataset.input_shape,
-                         num_classes=dataset.num_classes, seed=int(config["seed"])).to(device)
+                         num_classes=dataset.num_classes, seed=int(config["seed"]),
+                         **model_options(config)).to(device)
     model = FlatModel(module, LOSS_OF_TASK[dataset.task],
                       nonconvex_reg=float(config["nonconvex-reg"]))
     algorithm = ALGORITHMS.get(str(config["algorithm"]))(config, model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from dpfl.engine import run
@@ -53,3 +54,29 @@ def test_training_reduces_the_test_loss(small_config):
               open(summary["results"] + "/rounds.jsonl").read().splitlines()]
     assert rounds[-1]["test_loss"] < 0.7 * rounds[0]["test_loss"]
     assert summary["test_accuracy"] > 0.6
+
+
+def test_eval_train_reports_the_full_objective_and_its_gradient_norm(small_config):
+    from dpfl.problem import build_problem
+
+    config = small_config(eval_train=True, num_server_rounds=1, noise_multiplier=0.0)
+    summary = run(config, echo=False)
+    problem = build_problem(config)
+    ds = problem.dataset
+    saved = torch.load(summary["results"] + "/model.pt")
+    flat = torch.cat([saved[k].reshape(-1) for k in saved])
+    x = flat.clone().requires_grad_()
+    loss = problem.model._losses(x, ds.train_x, ds.train_y).mean()
+    (grad,) = torch.autograd.grad(loss, x)
+    assert summary["grad_norm"] == pytest.approx(float(grad.norm()), rel=1e-4)
+    assert summary["train_loss_full"] == pytest.approx(float(loss.detach()), rel=1e-5)
+
+
+def test_model_options_reach_the_builder_and_are_checked(small_config):
+    from dpfl.errors import ConfigError
+    from dpfl.problem import build_problem
+
+    wide = build_problem(small_config(model_options="hidden=32"))
+    assert wide.model.d == 64 * 32 + 32 + 32 * 10 + 10
+    with pytest.raises(ConfigError, match="model-options.*'depth'.*allowed: hidden"):
+        build_problem(small_config(model_options="depth=3"))

@@ -185,6 +185,16 @@ class FlatModel:
                 out[c] = torch.autograd.grad(loss, point)[0]
         return out
 
+    def full_gradient(self, flat: Tensor, x: Tensor, y: Tensor, batch_size: int = 4096) -> Tensor:
+        """``[d]``: the gradient of the mean loss (regulariser included) over all of ``x [N, ...]``,
+        accumulated over batches of ``batch_size`` (an evaluation quantity, e.g. ‖∇F(x)‖)."""
+        total = flat.new_zeros(self.d, dtype=torch.float64)
+        for start in range(0, len(x), batch_size):
+            xs, ys = x[start : start + batch_size], y[start : start + batch_size]
+            grad = self.batch_gradients(flat, xs.unsqueeze(0), ys.unsqueeze(0))[0]
+            total += grad.double() * (len(xs) / len(x))
+        return total.to(flat.dtype)
+
     def per_sample_gradients(self, flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """``[C, b, d]``: every sample's gradient (materialised; use ``clipped_mean`` to clip)."""
         n_clients, b = x.shape[:2]

@@ -98,8 +98,15 @@ class ServerRuntime:
         with torch.no_grad():
             res = self.problem.model.evaluate(params, ds.test_x.to(self.problem.device),
                                               ds.test_y.to(self.problem.device))
-        return {"test_loss": float(res["loss"]),
-                "test_accuracy": None if res.get("accuracy") is None else float(res["accuracy"])}
+        out = {"test_loss": float(res["loss"]),
+               "test_accuracy": None if res.get("accuracy") is None else float(res["accuracy"])}
+        if self.config["eval-train"]:
+            x, y = ds.train_x.to(self.problem.device), ds.train_y.to(self.problem.device)
+            with torch.no_grad():
+                out["train_loss_full"] = float(self.problem.model.evaluate(params, x, y)["loss"])
+            grad = self.problem.model.full_gradient(params, x, y)
+            out["grad_norm"] = float(torch.linalg.vector_norm(grad.double()))
+        return out
 
     def end_round(self, round: int, metrics: dict[int, dict[str, float]]) -> dict[str, Any]:
         """Record round ``round`` from the participants' metrics (keyed by client id)."""
