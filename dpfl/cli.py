@@ -9,6 +9,7 @@ naming the key and the allowed values, and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 import sys
 
@@ -27,13 +28,42 @@ def _parser() -> argparse.ArgumentParser:
         if name == "flower":
             p.add_argument("--num-supernodes", type=int, default=None,
                            help="virtual SuperNodes (default: num-partitions)")
+    p = sub.add_parser("reproduce", help="run a paper reproduction on the engine and write "
+                       "its report (dpfl reproduce --list shows them)")
+    p.add_argument("paper", nargs="?")
+    p.add_argument("experiment", nargs="?")
+    p.add_argument("--smoke", action="store_true", help="a reduced version (what CI runs)")
+    p.add_argument("--results-dir", default="results")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="parallel engine processes (default: CPU cores)")
+    p.add_argument("--list", action="store_true", help="list the experiments")
     return parser
+
+
+def reproduce(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dpfl.experiments import EXPERIMENTS, Lab
+
+    if args.list or not args.paper:
+        for key in EXPERIMENTS.names():
+            print(f"{key:28s} {EXPERIMENTS.get(key).summary}")
+        return 0
+    exp = EXPERIMENTS.get(f"{args.paper}/{args.experiment}")
+    suffix = "-smoke" if args.smoke else ""
+    lab = Lab(Path(args.results_dir) / f"reproduce-{exp.paper}-{exp.name}{suffix}",
+              smoke=args.smoke, workers=args.workers)
+    title = exp.run(lab)
+    print(f"report: {lab.write(title)}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "reproduce":
+            return reproduce(args)
         overrides = parse_overrides(args.run_config) if args.run_config else {}
         if args.command == "run":
             from dpfl.engine import run

@@ -1,0 +1,115 @@
+"""``Lab``: runs an experiment's engine configurations and writes its report.
+
+An experiment (``dpfl reproduce <paper> <experiment>``) is a function of a
+``Lab``. The lab runs configurations through the engine — in parallel worker
+processes, one torch thread each — under ``<results-dir>/reproduce-<paper>-<experiment>/``,
+names each run by a hash of its configuration and reuses a run that already
+finished there, so an interrupted sweep resumes where it stopped. Tables and
+figures go to ``report.md`` next to the runs, with the wall time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from dpfl.config import RunConfig, Value  # noqa: E402
+
+
+def run_key(values: dict[str, Value]) -> str:
+    """A stable name for a configuration."""
+    text = json.dumps(values, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _run_one(values: dict[str, Value]) -> dict[str, Any]:
+    import torch
+
+    from dpfl.engine import run
+
+    torch.set_num_threads(1)
+    return run(RunConfig(values), echo=False)
+
+
+class Lab:
+    """Runs and reports one experiment."""
+
+    def __init__(self, folder: Path, *, smoke: bool, workers: int = 1) -> None:
+        self.folder = folder
+        self.smoke = smoke
+        self.workers = max(1, workers)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.sections: list[str] = []
+        self.started = time.perf_counter()
+
+    # ---- runs ----------------------------------------------------------------------------
+    def _values(self, values: dict[str, Value]) -> dict[str, Value]:
+        RunConfig(values)  # validate before anything runs
+        values = dict(values)
+        key = run_key(values)
+        values.update({"results-dir": str(self.folder / "runs"), "run-name": key})
+        return values
+
+    def summary(self, values: dict[str, Value]) -> dict[str, Any] | None:
+        path = self.folder / "runs" / run_key(values) / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def run_many(self, configs: Sequence[dict[str, Value]]) -> list[dict[str, Any]]:
+        """Run every configuration not already finished; summaries in the given order."""
+        todo = [c for c in configs if self.summary(c) is None]
+        for c in todo:  # a half-written folder from an interrupted run is started again
+            folder = self.folder / "runs" / run_key(c)
+            if folder.exists():
+                for f in folder.iterdir():
+                    f.unlink()
+                folder.rmdir()
+        prepared = [self._values(c) for c in todo]
+        if self.workers == 1 or len(prepared) <= 1:
+            for v in prepared:
+                _run_one(v)
+        else:
+            with ProcessPoolExecutor(max_workers=self.workers) as pool:
+                list(pool.map(_run_one, prepared))
+        return [self.summary(c) or {} for c in configs]
+
+    def rounds(self, values: dict[str, Value]) -> list[dict[str, Any]]:
+        path = self.folder / "runs" / run_key(values) / "rounds.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    # ---- report --------------------------------------------------------------------------
+    def text(self, markdown: str) -> None:
+        self.sections.append(markdown.strip() + "\n")
+
+    def table(self, title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        lines = [f"### {title}", "", "| " + " | ".join(header) + " |",
+                 "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+        self.sections.append("\n".join(lines) + "\n")
+
+    def figure(self, name: str, fig: plt.Figure, caption: str) -> None:
+        fig.tight_layout()
+        fig.savefig(self.folder / f"{name}.png", dpi=110)
+        plt.close(fig)
+        self.sections.append(f"![{caption}]({name}.png)\n\n*{caption}*\n")
+
+    def write(self, title: str) -> Path:
+        wall = time.perf_counter() - self.started
+        header = (f"# {title}\n\nMode: {'smoke (reduced)' if self.smoke else 'full'}; "
+                  f"wall time {wall:.1f} s on {os.cpu_count()} CPU cores "
+                  f"({self.workers} worker processes).\n")
+        path = self.folder / "report.md"
+        path.write_text("\n".join([header, *self.sections]))
+        (self.folder / "report.json").write_text(json.dumps(
+            {"title": title, "smoke": self.smoke, "wall_seconds": wall}, indent=2))
+        return path
