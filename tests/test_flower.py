@@ -14,9 +14,20 @@ from dpfl.launch import flwr_run, started_processes
 pytestmark = pytest.mark.flower
 
 
-def test_flower_simulation_equals_engine_bitwise(tmp_path):
-    overrides = {"algorithm": "dpsgd-gc", "num-partitions": 4, "num-server-rounds": 3,
-                 "batch-size": 16, "seed": 3, "results-dir": str(tmp_path / "results")}
+CASES = {
+    # issue 2: DPSGD-GC, 3 rounds, 4 clients
+    "dpsgd-gc": {"algorithm": "dpsgd-gc", "num-partitions": 4, "num-server-rounds": 3,
+                 "batch-size": 16, "seed": 3},
+    # issue 3: stateful clients (v_i, g_i in Context.state), 25 virtual clients, sampling
+    "clip21-sgd2m": {"algorithm": "clip21-sgd2m", "num-partitions": 25, "num-server-rounds": 3,
+                     "batch-size": 16, "seed": 4, "beta": 0.5, "beta-hat": 0.5, "clip": 0.1,
+                     "fraction-train": 0.8, "calibration": "practice", "learning-rate": 0.5},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_flower_simulation_equals_engine_bitwise(tmp_path, case):
+    overrides = {**CASES[case], "results-dir": str(tmp_path / "results")}
     home = tmp_path / "flwr-home"
     code = flwr_run({**overrides, "run-name": "flower"}, flwr_home=home, timeout=600)
     assert code == 0

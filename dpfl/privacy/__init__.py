@@ -3,6 +3,8 @@
 from dpfl.privacy.calibration import (
     PrismaCalibration,
     accountant_noise_multiplier,
+    clip21_paper_noise_std,
+    clip21_practice_noise_std,
     prisma_paper_calibration,
 )
 from dpfl.privacy.clipping import clip_by_norm, clip_factors
@@ -15,6 +17,8 @@ __all__ = [
     "PrivacyLedger",
     "Randomness",
     "accountant_noise_multiplier",
+    "clip21_paper_noise_std",
+    "clip21_practice_noise_std",
     "clip_by_norm",
     "clip_factors",
     "prisma_paper_calibration",

@@ -1,11 +1,13 @@
 """Noise calibration: from a target (ε, δ) to a noise multiplier.
 
-Two ways, chosen by the run-config key ``calibration``:
+Three ways, chosen by the run-config key ``calibration`` (each algorithm offers a subset):
 
 * ``accountant`` — Opacus' RDP or PRV accountant (``get_noise_multiplier``): the
   smallest multiplier whose composed ε over the run is at most the target.
-* ``paper`` — the paper's own closed form, where the paper gives one
-  (DPSGD-GC / PriSMA: Theorem 3 with Corollary 1, specs/prisma.md §4.4).
+* ``paper`` — the paper's own proven closed form, where the paper gives one
+  (DPSGD-GC / PriSMA: Theorem 3 with Corollary 1, specs/prisma.md §4.4; Clip21: App. G).
+* ``practice`` — the mapping the paper's experiments used when it differs from the
+  proof (Clip21: σ_ω = (τ/ε)·√(T·ln(1/δ)), specs/clip21-sgd2m.md §4, §9 A1).
 
 Noise multipliers here are always *accountant multipliers*: noise std divided by
 the sensitivity under the neighbouring relation the algorithm protects.
@@ -71,3 +73,28 @@ def prisma_paper_calibration(*, epsilon: float, delta: float, batch_size: int,
                     "T=%s (σ̂=%.4g); the ledger's accountant ε is the guarantee to rely on.",
                     epsilon, delta, batch_size, num_samples, rounds, z)
     return PrismaCalibration(noise_multiplier=z, alpha=alpha, rho=rho, valid=valid)
+
+
+def clip21_paper_noise_std(*, epsilon: float, delta: float, rounds: int, clip: float) -> float:
+    """Clip21-SGD2M's proven noise level (specs/clip21-sgd2m.md §4; 002 App. G = 004 App. F).
+
+    ``σ_ω = (8τ/ε)·sqrt(T·ln(5T/(4δ))·ln(1/δ))``: each of the T releases, of replace-one
+    sensitivity 2τ, is (ε̃, δ/T)-DP with ε̃ = ε/(2·sqrt(2T ln(1/δ))) (Dwork–Roth Thm 3.22), and
+    advanced composition gives (ε, δ) over T rounds (strictly (ε, 2δ), and Thm 3.22 needs
+    ε̃ < 1). ``clip`` is τ, half the sensitivity of the released vector. Returns σ_ω, the
+    per-coordinate standard deviation.
+    """
+    t = float(rounds)
+    return 8 * clip / epsilon * math.sqrt(t * math.log(5 * t / (4 * delta)) * math.log(1 / delta))
+
+
+def clip21_practice_noise_std(*, epsilon: float, delta: float, rounds: int,
+                              clip: float) -> float:
+    """The noise level of Clip21-SGD2M's DP experiments (specs/clip21-sgd2m.md §4, §9 A1).
+
+    ``σ_ω = (τ/ε)·sqrt(T·ln(1/δ))``, inferred from the authors' related public code (the
+    papers do not state it). It is not a DP guarantee: the ledger's accountant ε for this noise
+    is the one to report. For n = 25, batch 64, 150 epochs (T = 5625), δ = 1e-3:
+    σ_ω/τ = 65.7, 37.9, 21.9, 12.6, 7.30 for ε = 3, 5.2, 9, 15.6, 27.
+    """
+    return clip / epsilon * math.sqrt(float(rounds) * math.log(1 / delta))
