@@ -223,8 +223,8 @@ class Clip21Family(Algorithm):
         """``∇f_i(x, ξ_i)``: each client's mini-batch gradient ``[C, d]`` (and its loss), plus
         N(0, σ²I) with σ = ``gradient-noise`` (the Gaussian-added oracle of E1)."""
         xb, yb = self.batch(cohort, ctx)
-        grads = self.model.batch_gradients(x, xb, yb)
-        losses = self.model.losses(x.expand(len(cohort), -1), xb, yb)
+        losses = torch.empty(len(cohort), self.batch_size, device=ctx.device)
+        grads = self.model.batch_gradients(x, xb, yb, losses=losses)
         if (sigma := float(self.config["gradient-noise"])) > 0:  # the Gaussian-added oracle
             grads = grads + ctx.rng.normal(cohort.ids, ctx.round, "oracle", (self.model.d,),
                                            torch.full((len(cohort),), sigma), device=ctx.device)
@@ -313,18 +313,19 @@ class Clip21SGD2M(Clip21Family):
         else:
             fresh, metrics = self.gradient(x, cohort, ctx)
         g = states["g"].to(ctx.device)
-        v = fresh if self.beta == 1 else (1 - self.beta) * states["v"].to(ctx.device) \
-            + self.beta * fresh
-        u, norms = compress(self.compressor, v - g, self.config)
+        v = fresh if self.beta == 1 else torch.lerp(states["v"].to(ctx.device), fresh, self.beta)
+        u, norms = compress(self.compressor, v - g, self.config)  # u = C(v − g), fresh tensor
         g = g + self.beta_hat * u
         message = u
         if not self.noise_in_momentum and (noise := self.noise(cohort, ctx, self.model.d)) \
                 is not None:
-            message = u + noise
+            message = noise.add_(u)  # ω + u, in ω's buffer
         metrics["clip-input-norm"] = norms.float().cpu()
         if self.compressor is CLIP:
             metrics["clip-active"] = (norms > float(self.config["clip"])).float().cpu()
-        metrics["ef-residual"] = row_norms(g - v).square().float().cpu()
+        # ||g_i − v_i||² after the step = ||(1 − β̂·factor)(v − g)||² (the Lyapunov term, §2.7)
+        factor = self.compressor.factor(norms, self.config)
+        metrics["ef-residual"] = (norms * (1 - self.beta_hat * factor)).square().float().cpu()
         new = {"g": g.cpu(), "v": v.cpu()} if self.beta < 1 else {"g": g.cpu()}
         return {"c": message.cpu()}, new, metrics
 

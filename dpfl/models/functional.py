@@ -172,14 +172,19 @@ class FlatModel:
 
     # ------------------------------------------------------------------------------ gradients
 
-    def batch_gradients(self, flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
-        """``[C, d]``: the gradient of each client's mean loss over its ``b`` samples."""
+    def batch_gradients(self, flat: Tensor, x: Tensor, y: Tensor, *,
+                        losses: Tensor | None = None) -> Tensor:
+        """``[C, d]``: the gradient of each client's mean loss over its ``b`` samples; the
+        per-sample losses (without the regulariser) are written into ``losses [C, b]`` if given."""
         n_clients = x.shape[0]
         out = x.new_empty(n_clients, self.d)
         for c in range(n_clients):
             point = self._point(flat, c).detach().requires_grad_()
             with torch.enable_grad():
-                loss = self.loss.per_sample(self._forward(point, _aligned(x[c])), y[c]).mean()
+                per_sample = self.loss.per_sample(self._forward(point, _aligned(x[c])), y[c])
+                if losses is not None:
+                    losses[c].copy_(per_sample.detach())
+                loss = per_sample.mean()
                 if self.nonconvex_reg:
                     loss = loss + self._reg_value(point)
                 out[c] = torch.autograd.grad(loss, point)[0]

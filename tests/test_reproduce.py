@@ -1,0 +1,55 @@
+"""`dpfl reproduce clip21 <experiment> --smoke`: the reduced reproductions CI runs."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from dpfl.cli import main
+from dpfl.config import RunConfig, parse_overrides
+from dpfl.engine import run
+from dpfl.experiments.clip21 import command
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """Each smoke reproduction, run once for the module: name -> its folder."""
+    root = tmp_path_factory.mktemp("reproduce")
+    done = {}
+
+    def get(name):
+        if name not in done:
+            assert main(["reproduce", "clip21", name, "--smoke", "--results-dir",
+                         str(root)]) == 0
+            done[name] = root / f"reproduce-clip21-{name}-smoke"
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["logreg", "mnist-dp", "partial"])
+def test_smoke_reproduction_writes_a_report(name, smoke):
+    folder = smoke(name)
+    report = (folder / "report.md").read_text()
+    assert "wall time" in report and "dpfl run --run-config" in report
+    for method in ("clip-sgd", "clip21-sgd2m"):
+        assert f"| {method} |" in report
+    assert list(folder.glob("*.png"))
+
+
+def test_a_selected_cell_reruns_alone_with_its_dpfl_run_line(smoke, tmp_path):
+    """The report's command for a Table 1 cell gives that seed's accuracy again."""
+    cells = json.loads((smoke("mnist-dp") / "cells.json").read_text())
+    cell = next(c for c in cells if c["method"] == "clip21-sgd2m")
+    line = command(cell["selected"])
+    assert line in (smoke("mnist-dp") / "report.md").read_text()
+    overrides = parse_overrides(shlex.split(line)[-1])
+    summary = run(RunConfig({**overrides, "seed": 1, "results-dir": str(tmp_path)}), echo=False)
+    assert 100 * summary["test_accuracy"] == pytest.approx(cell["runs"][0], abs=1e-9)
+
+
+def test_unknown_experiment_names_the_allowed_ones(capsys):
+    assert main(["reproduce", "clip21", "cifar"]) == 2
+    assert "allowed: clip21/logreg, clip21/mnist-dp, clip21/partial" in capsys.readouterr().err
