@@ -48,14 +48,13 @@ class ClientRuntime:
                                                                  cohort, ctx)
         delta = float(problem.config["delta"])
         eps, eps_next = [], []
-        for ledger, rel in zip(ledgers, releases, strict=True):
+        for client, ledger, rel in zip(cohort.ids, ledgers, releases, strict=True):
             for r in rel:
                 if r.exchange == exchange:
                     ledger.record(noise_multiplier=r.noise_multiplier, sample_rate=r.sample_rate,
                                   steps=r.steps)
             eps.append(ledger.epsilon(delta))
-            eps_next.append(ledger.epsilon_after([(r.noise_multiplier, r.sample_rate, r.steps)
-                                                  for r in rel], delta))
+            eps_next.append(ledger.epsilon_after(round_events(problem, client), delta))
         metrics = dict(metrics)
         metrics["epsilon"] = torch.tensor(eps, dtype=torch.float64)
         metrics["epsilon-next"] = torch.tensor(eps_next, dtype=torch.float64)

@@ -148,6 +148,23 @@ class ServerRuntime:
         parts.append(f"{r['seconds']:.2f} s")
         return " | ".join(parts)
 
+    def calibration_check(self) -> str | None:
+        """How the ε the noise was calibrated for compares with the accountant's ε of the
+        noise actually used (None when noise-multiplier was given directly)."""
+        cfg = self.config
+        if float(cfg["noise-multiplier"]) >= 0 or not self.epsilon:
+            return None
+        target, spent = float(cfg["epsilon"]), max(self.epsilon.values())
+        if spent > target * 1.01:
+            verdict = "looser than the accountant: the accountant's ε exceeds the target"
+        elif spent < target * 0.99:
+            verdict = "tighter than the accountant: the accountant's ε is below the target"
+        else:
+            verdict = "matched by the accountant"
+        return (f"calibration={cfg['calibration']} for ε={target:g}: the {cfg['accountant']} "
+                f"accountant gives ε={spent:.4g} at δ={cfg['delta']:g} after {self.rounds_done} "
+                f"rounds; the mapping is {verdict}")
+
     def finish(self) -> dict[str, Any]:
         """Write summary, model and plots; returns the summary."""
         p = self.problem
@@ -171,6 +188,7 @@ class ServerRuntime:
             "seconds_per_round": wall / max(self.rounds_done, 1),
             "results": str(self.path),
         }
+        summary["calibration_check"] = self.calibration_check()
         params = p.algorithm.global_params(self.state).cpu()
         assert self.results is not None
         self.results.finish(summary, p.model.load_into(params).state_dict())
@@ -178,5 +196,7 @@ class ServerRuntime:
             stop = f" (stopped: {self.stop_reason})" if self.stop_reason else ""
             print(f"done: {self.rounds_done} rounds in {wall:.1f} s{stop}; results in {self.path}",
                   flush=True)
+            if summary["calibration_check"]:
+                print(summary["calibration_check"], flush=True)
         log.info("results written to %s", self.path)
         return summary
