@@ -9,8 +9,8 @@ naming the key and the allowed values, and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import os
 import logging
+import os
 import sys
 
 from dpfl.config import RunConfig, parse_overrides

@@ -39,7 +39,8 @@ def _cmdlines() -> dict[int, str]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                raw = (entry / "cmdline").read_bytes()
+                out[int(entry.name)] = raw.replace(b"\0", b" ").decode()
             except OSError:
                 continue
     return out

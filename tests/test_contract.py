@@ -84,8 +84,8 @@ def _config(tmp_path, name, **extra):
 
 def _run_flower_code_path(values, node_configs):
     from dpfl.client.app import app as client_app
-    from dpfl.server.runtime import ServerRuntime
     from dpfl.problem import cached_problem
+    from dpfl.server.runtime import ServerRuntime
     from dpfl.strategies import AlgorithmStrategy
 
     config = RunConfig(values)
@@ -106,8 +106,8 @@ def test_flower_code_path_equals_engine_with_two_exchanges_state_and_sampling(tm
     engine = torch.load(tmp_path / "engine" / "model.pt")
     flower = torch.load(tmp_path / "flower" / "model.pt")
     assert all(torch.equal(engine[k], flower[k]) for k in engine)
-    f_rounds = [json.loads(x) for x in (tmp_path / "flower" / "rounds.jsonl").read_text().splitlines()]
-    e_rounds = [json.loads(x) for x in (tmp_path / "engine" / "rounds.jsonl").read_text().splitlines()]
+    f_rounds, e_rounds = ([json.loads(x) for x in (tmp_path / run / "rounds.jsonl").read_text()
+                           .splitlines()] for run in ("flower", "engine"))
     assert [r["participants"] for r in e_rounds] == [2, 2, 2]
     for f, e in zip(f_rounds, e_rounds, strict=True):
         f.pop("seconds"), e.pop("seconds")
@@ -146,8 +146,8 @@ def test_strategy_refuses_a_federation_that_does_not_match(tmp_path):
     with pytest.raises(FederationError, match="num-supernodes=4"):
         strategy_values = _config(tmp_path, "mismatch")
         from dpfl.client.app import app as client_app
-        from dpfl.server.runtime import ServerRuntime
         from dpfl.problem import cached_problem
+        from dpfl.server.runtime import ServerRuntime
         from dpfl.strategies import AlgorithmStrategy
 
         config = RunConfig(strategy_values)

@@ -4,7 +4,8 @@ An algorithm is written once, over flat parameter vectors, with a leading
 client axis, and is driven unchanged by the Flower runtime (one client, or a
 cohort, per ClientApp call) and by the in-process engine (all clients at once):
 
-* ``client_step(exchange, states[C], broadcast, cohort, ctx) -> (uploads[C], states[C], metrics[C])``
+* ``client_step(exchange, states[C], broadcast, cohort, ctx)``
+  ``-> (uploads[C], states[C], metrics[C])``
   runs on the clients. Clipping, per-sample gradients and noise live here, so what
   leaves a client is already private.
 * ``server_step(exchange, server_state, uploads[S], participants) -> server_state``

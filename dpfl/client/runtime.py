@@ -27,7 +27,8 @@ def exceeds_budget(problem: Problem, client: int, ledger: PrivacyLedger) -> bool
     limit = float(problem.config["max-epsilon"])
     if limit <= 0:
         return False
-    return ledger.epsilon_after(round_events(problem, client), float(problem.config["delta"])) > limit
+    delta = float(problem.config["delta"])
+    return ledger.epsilon_after(round_events(problem, client), delta) > limit
 
 
 class ClientRuntime:

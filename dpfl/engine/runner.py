@@ -14,10 +14,8 @@ import torch
 
 from dpfl.client.runtime import ClientRuntime, exceeds_budget, new_ledger
 from dpfl.config import RunConfig
-from dpfl.server.runtime import ServerRuntime
 from dpfl.problem import build_problem
-
-
+from dpfl.server.runtime import ServerRuntime
 
 
 def run(config: RunConfig, *, echo: bool = True) -> dict[str, Any]:

@@ -135,7 +135,7 @@ def logreg(lab: Lab) -> str:
     return "Clip21 E1: non-convex logistic regression on duke"
 
 
-# ---- E3: MNIST with ε-calibrated local DP (§5 E3, §6.1, §9 A1, A4, D4, D7) ------------------------
+# ---- E3: MNIST with ε-calibrated local DP (§5 E3, §6.1, §9 A1, A4, D4, D7) ---------------------
 
 EPOCH_STEPS = 37  # 2400 records per client / batch 64, drop_last (§9 A4)
 MNIST_BASE: Config = {
@@ -153,8 +153,8 @@ MNIST_GRIDS: dict[str, list[Config]] = {  # §5 E3; Clip-SGD's τ only through �
     "clip-sgd": grid(learning_rate=[1e-3, 1e-2, 1e-1, 1.0], clip=[1e-4, 1e-3, 1e-2, 1e-1, 1.0]),
     "clip21-sgd": grid(learning_rate=[1e-3, 1e-2, 1e-1, 1.0],
                        clip=[1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]),
-    "alpha-normec": grid(learning_rate=[1e-3, 1e-2, 1e-1, 1.0], normec_alpha=[1e-2, 1e-1, 1.0, 10.0],
-                         beta_hat=[0.01, 0.1, 0.5, 0.9]),
+    "alpha-normec": grid(learning_rate=[1e-3, 1e-2, 1e-1, 1.0],
+                         normec_alpha=[1e-2, 1e-1, 1.0, 10.0], beta_hat=[0.01, 0.1, 0.5, 0.9]),
     "clip21-sgd2m": grid(learning_rate=[1e-3, 1e-2, 1e-1, 1.0], clip=[1e-5, 1e-4, 1e-3, 1e-2],
                          beta=[0.1, 0.5, 0.9], beta_hat=[0.01, 0.1, 0.5, 0.9]),
 }
@@ -281,7 +281,7 @@ def mnist_dp(lab: Lab) -> str:
     return "Clip21 E3: MNIST under local DP (Table 1)"
 
 
-# ---- E4: partial participation (§5 E4, Alg. 4, §9 A-PP, A3) ---------------------------------------
+# ---- E4: partial participation (§5 E4, Alg. 4, §9 A-PP, A3) ------------------------------------
 
 @experiment("clip21", "partial", "E4: partial participation, n = 24, s in {6, 12, 18} (Fig. 5)")
 def partial(lab: Lab) -> str:

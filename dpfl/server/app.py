@@ -10,8 +10,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from dpfl.config import RunConfig
 from dpfl.errors import ConfigError
-from dpfl.server.runtime import ServerRuntime
 from dpfl.problem import cached_problem
+from dpfl.server.runtime import ServerRuntime
 from dpfl.strategies import AlgorithmStrategy, FederationError
 
 app = ServerApp()

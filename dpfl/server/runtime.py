@@ -16,8 +16,8 @@ import torch
 
 from dpfl.algorithms import State
 from dpfl.privacy import Randomness
-from dpfl.results import ResultsWriter, results_path
 from dpfl.problem import Problem
+from dpfl.results import ResultsWriter, results_path
 
 log = logging.getLogger("dpfl")
 
