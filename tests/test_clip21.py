@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord
 from torch import nn
 
 from dpfl.algorithms import ALGORITHMS, Cohort, StepContext
@@ -22,7 +21,7 @@ from dpfl.privacy import (
     clip_by_norm,
 )
 from dpfl.problem import build_problem
-from tests.inprocess_grid import InProcessGrid
+from tests.inprocess_grid import InProcessGrid, run_flower_code_path
 
 CPU = torch.device("cpu")
 
@@ -397,20 +396,8 @@ class SnapshotGrid(InProcessGrid):
 
 
 def _flower(values, num_clients):
-    from dpfl.client.app import app as client_app
-    from dpfl.problem import cached_problem
-    from dpfl.server.runtime import ServerRuntime
-    from dpfl.strategies import AlgorithmStrategy
-
-    config = RunConfig(values)
-    grid = SnapshotGrid(client_app, config.as_dict(),
-                        [{"partition-id": i} for i in range(num_clients)])
-    problem = cached_problem(tuple(sorted(config.as_dict().items())))
-    strategy = AlgorithmStrategy(ServerRuntime(problem, "flower", echo=False))
-    strategy.start(grid=grid, initial_arrays=ArrayRecord({"x": Array(problem.x0.numpy())}),
-                   num_rounds=int(config["num-server-rounds"]))
-    return grid, problem
-
+    return run_flower_code_path(values, [{"partition-id": i} for i in range(num_clients)],
+                                grid_class=SnapshotGrid)
 
 def _rounds(path):
     rounds = [json.loads(x) for x in (path / "rounds.jsonl").read_text().splitlines()]

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
-from flwr.app import Array, ArrayRecord
 
 from dpfl.algorithms import ALGORITHMS, Algorithm, Release
 from dpfl.config import RunConfig
 from dpfl.privacy import SERVER
-from tests.inprocess_grid import InProcessGrid
+from tests.inprocess_grid import run_flower_code_path
 
 LOCAL_STEPS = 2
 
@@ -82,26 +82,11 @@ def _config(tmp_path, name, **extra):
     return values
 
 
-def _run_flower_code_path(values, node_configs):
-    from dpfl.client.app import app as client_app
-    from dpfl.problem import cached_problem
-    from dpfl.server.runtime import ServerRuntime
-    from dpfl.strategies import AlgorithmStrategy
-
-    config = RunConfig(values)
-    grid = InProcessGrid(client_app, config.as_dict(), node_configs)
-    problem = cached_problem(tuple(sorted(config.as_dict().items())))
-    strategy = AlgorithmStrategy(ServerRuntime(problem, "flower", echo=False))
-    result = strategy.start(grid=grid, initial_arrays=ArrayRecord({"x": Array(
-        problem.x0.numpy())}), num_rounds=int(config["num-server-rounds"]))
-    return grid, result
-
-
 def test_flower_code_path_equals_engine_with_two_exchanges_state_and_sampling(tmp_path):
     from dpfl.engine import run
 
     summary = run(RunConfig(_config(tmp_path, "engine")), echo=False)
-    grid, result = _run_flower_code_path(_config(tmp_path, "flower"),
+    grid, _ = run_flower_code_path(_config(tmp_path, "flower"),
                                          [{"partition-id": i} for i in range(4)])
     engine = torch.load(tmp_path / "engine" / "model.pt")
     flower = torch.load(tmp_path / "flower" / "model.pt")
@@ -130,8 +115,8 @@ def test_flower_code_path_equals_engine_with_two_exchanges_state_and_sampling(tm
 
 
 def test_a_node_can_host_a_cohort_of_clients(tmp_path):
-    _run_flower_code_path(_config(tmp_path, "single"), [{"partition-id": i} for i in range(4)])
-    _run_flower_code_path(_config(tmp_path, "cohort"),
+    run_flower_code_path(_config(tmp_path, "single"), [{"partition-id": i} for i in range(4)])
+    run_flower_code_path(_config(tmp_path, "cohort"),
                           [{"partition-ids": "0,2"}, {"partition-ids": "1,3"}])
     single = torch.load(tmp_path / "single" / "model.pt")
     cohort = torch.load(tmp_path / "cohort" / "model.pt")
@@ -139,24 +124,11 @@ def test_a_node_can_host_a_cohort_of_clients(tmp_path):
 
 
 def test_strategy_refuses_a_federation_that_does_not_match(tmp_path):
-    import pytest
-
     from dpfl.strategies import FederationError
 
     with pytest.raises(FederationError, match="num-supernodes=4"):
-        strategy_values = _config(tmp_path, "mismatch")
-        from dpfl.client.app import app as client_app
-        from dpfl.problem import cached_problem
-        from dpfl.server.runtime import ServerRuntime
-        from dpfl.strategies import AlgorithmStrategy
-
-        config = RunConfig(strategy_values)
-        grid = InProcessGrid(client_app, config.as_dict(), [{"partition-id": i} for i in range(3)])
-        problem = cached_problem(tuple(sorted(config.as_dict().items())))
-        strategy = AlgorithmStrategy(ServerRuntime(problem, "flower", echo=False),
-                                     connect_timeout=0.0)
-        strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=1)
-
+        run_flower_code_path(_config(tmp_path, "mismatch"),
+                             [{"partition-id": i} for i in range(3)], connect_timeout=0.0)
 
 def test_max_epsilon_stops_the_flower_code_path_where_the_engine_stops(tmp_path):
     from dpfl.engine import run
@@ -165,7 +137,7 @@ def test_max_epsilon_stops_the_flower_code_path_where_the_engine_stops(tmp_path)
               "batch-size": 16, "noise-multiplier": 4.0, "max-epsilon": 0.5,
               "results-dir": str(tmp_path)}
     engine = run(RunConfig({**values, "run-name": "engine"}), echo=False)
-    _run_flower_code_path({**values, "run-name": "flower"},
+    run_flower_code_path({**values, "run-name": "flower"},
                           [{"partition-id": i} for i in range(4)])
     flower = json.loads((tmp_path / "flower" / "summary.json").read_text())
     assert 0 < flower["rounds_completed"] == engine["rounds_completed"] < 40

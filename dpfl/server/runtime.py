@@ -8,6 +8,7 @@ results folder.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -92,16 +93,26 @@ class ServerRuntime:
         self.state = self.problem.algorithm.server_step(exchange, self.state, uploads, ids, round)
 
     # ---- per round -------------------------------------------------------------------
+    @functools.cached_property
+    def _test_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ds, device = self.problem.dataset, self.problem.device
+        return ds.test_x.to(device), ds.test_y.to(device)
+
+    @functools.cached_property
+    def _train_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ds, device = self.problem.dataset, self.problem.device
+        return ds.train_x.to(device), ds.train_y.to(device)
+
     def evaluate(self) -> dict[str, Any]:
-        ds = self.problem.dataset
+        """Test loss/accuracy of the global model (and, with eval-train, the full training
+        objective and ‖∇F‖); data is moved to the device once per run."""
         params = self.problem.algorithm.global_params(self.state)
         with torch.no_grad():
-            res = self.problem.model.evaluate(params, ds.test_x.to(self.problem.device),
-                                              ds.test_y.to(self.problem.device))
+            res = self.problem.model.evaluate(params, *self._test_set)
         out = {"test_loss": float(res["loss"]),
                "test_accuracy": None if res.get("accuracy") is None else float(res["accuracy"])}
         if self.config["eval-train"]:
-            x, y = ds.train_x.to(self.problem.device), ds.train_y.to(self.problem.device)
+            x, y = self._train_set
             with torch.no_grad():
                 out["train_loss_full"] = float(self.problem.model.evaluate(params, x, y)["loss"])
             grad = self.problem.model.full_gradient(params, x, y)
