@@ -14,7 +14,7 @@ import os
 import sys
 
 from dpfl.config import RunConfig, parse_overrides
-from dpfl.errors import ConfigError
+from dpfl.errors import ConfigError, UsageError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--results-dir", default="results")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="parallel engine processes (default: CPU cores)")
+    p.add_argument("--only", action="append", default=[], metavar="AXIS=V1,V2",
+                   help="restrict an axis of the experiment, e.g. --only epsilon=27,5.2 "
+                   "--only model=mlp (the runs are shared with the full experiment)")
     p.add_argument("--list", action="store_true", help="list the experiments")
     return parser
 
@@ -50,9 +53,17 @@ def reproduce(args: argparse.Namespace) -> int:
             print(f"{key:28s} {EXPERIMENTS.get(key).summary}")
         return 0
     exp = EXPERIMENTS.get(f"{args.paper}/{args.experiment}")
+    only: dict[str, list[str]] = {}
+    for option in args.only:
+        axis, sep, values = option.partition("=")
+        if not sep or axis not in exp.axes or not values:
+            allowed = ", ".join(f"{a}=..." for a in exp.axes) or "none for this experiment"
+            raise UsageError(f"--only {option!r}: expected AXIS=V1,V2 with AXIS one of the "
+                             f"experiment's axes (allowed: {allowed})")
+        only[axis] = [v.strip() for v in values.split(",") if v.strip()]
     suffix = "-smoke" if args.smoke else ""
     lab = Lab(Path(args.results_dir) / f"reproduce-{exp.paper}-{exp.name}{suffix}",
-              smoke=args.smoke, workers=args.workers)
+              smoke=args.smoke, workers=args.workers, only=only)
     title = exp.run(lab)
     print(f"report: {lab.write(title)}")
     return 0
@@ -73,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         from dpfl.launch import flwr_run
 
         return flwr_run(overrides, num_supernodes=args.num_supernodes)
-    except ConfigError as exc:
+    except (ConfigError, UsageError) as exc:
         print(f"dpfl: error: {exc}", file=sys.stderr)
         return 2
 

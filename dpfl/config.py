@@ -120,6 +120,9 @@ COMMON: tuple[Param, ...] = (
     Param("secure-noise", False, "Seed noise and sampling from the OS CSPRNG (not reproducible)."),
     Param("seed", 0, "Run seed: data split, model init, sampling and noise.", check=at_least(0)),
     Param("device", "cpu", "Torch device for the algorithm math.", choices=("cpu", "cuda", "auto")),
+    Param("engine-mode", "exact", "'exact': every client draws its own noise, bit for bit as "
+          "under flwr run; 'fast' (dpfl run only, for sweeps): the noise of an average is drawn "
+          "once, same distribution, different numbers.", choices=("exact", "fast")),
     Param("results-dir", "results", "Folder that receives <run-name>/ for this run."),
     Param("run-name", "", "Results sub-folder name; empty = <algorithm>-<dataset>-s<seed>-<time>."),
     Param("eval-every", 1, "Central evaluation every this many rounds (and the last).",
@@ -195,6 +198,14 @@ class RunConfig(Mapping[str, Value]):
 
     def as_dict(self) -> dict[str, Value]:
         return dict(self._values)
+
+
+def check_runtime(config: RunConfig, runtime: str) -> None:
+    """Refuse settings the ``runtime`` ('engine' or 'flower') cannot honour."""
+    if runtime != "engine" and config["engine-mode"] != "exact":
+        raise ConfigError("engine-mode", f"{config['engine-mode']!r} is for the in-process "
+                          "engine (dpfl run) only; under Flower every client adds its own noise",
+                          ["exact"])
 
 
 def parse_overrides(text: Iterable[str] | str) -> dict[str, Value]:

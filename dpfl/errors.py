@@ -23,3 +23,8 @@ class ConfigError(ValueError):
         if allowed:
             text += f" (allowed: {allowed})"
         super().__init__(text)
+
+
+class UsageError(ValueError):
+    """A bad command-line option outside the run config (e.g. ``dpfl reproduce --only``);
+    printed on one line, exit status 2, like :class:`ConfigError`."""

@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from dpfl.config import RunConfig, Value
+from dpfl.config import RunConfig, Value, check_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,6 +77,7 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
              timeout: float | None = None) -> int:
     """Run the dpfl app with ``flwr run`` (Ray simulation); returns its exit status."""
     config = RunConfig(overrides)  # raises ConfigError before anything starts
+    check_runtime(config, "flower")
     values = dict(overrides)
     values["results-dir"] = str(Path(str(config["results-dir"])).expanduser().resolve())
     home = (flwr_home or Path(os.environ.get("FLWR_HOME", ROOT / ".flwr-home"))).resolve()

@@ -292,7 +292,7 @@ def test_alpha_normec_sends_norm_alpha_with_sensitivity_two_whatever_clip(small_
     assert problem.algorithm.sensitivity() == 2.0
     noisy, _ = _digits(small_config, "alpha-normec", noise_multiplier=3.0, clip=1e-4)
     ctx = StepContext(1, Randomness(0), [noisy.releases(c) for c in cohort.ids], CPU)
-    noise = noisy.algorithm.noise(cohort, ctx, 10_000)
+    noise = noisy.algorithm.add_noise(torch.zeros(len(cohort), 10_000), cohort, ctx)
     assert noise.std().item() == pytest.approx(3.0, rel=0.03)  # nm·1, not nm·clip
 
 

@@ -87,17 +87,48 @@ class Cohort:
 
 @dataclass
 class StepContext:
-    """What a client step needs besides state and data."""
+    """What a client step needs besides state and data.
+
+    ``pooled_noise`` is set by the engine's ``engine-mode="fast"`` only (never under Flower):
+    see :meth:`add_noise`.
+    """
 
     round: int
     rng: Randomness
     releases: list[list[Release]]  # per client in the cohort
     device: torch.device
+    pooled_noise: bool = False
 
     def noise_multiplier(self, exchange: str) -> torch.Tensor:
         """The cohort's noise multipliers ``[C]`` for the release of ``exchange``."""
         return torch.tensor([next(r.noise_multiplier for r in rel if r.exchange == exchange)
                              for rel in self.releases], dtype=torch.float32)
+
+    def add_noise(self, messages: torch.Tensor, cohort: Cohort, std: torch.Tensor, *,
+                  poolable: bool, purpose: str = "noise") -> torch.Tensor:
+        """Add N(0, std[i]² I) to row i of ``messages [C, d]`` in place and return it.
+
+        By default every row gets its client's own draw (stream ``(seed, client, round,
+        purpose)``), so a client's message is private on its own and the engine equals Flower
+        bit for bit. With ``pooled_noise`` (engine only) and ``poolable`` — the caller
+        guarantees that the noised rows reach the model only through their sum or plain
+        average and never feed client state — one draw ``sqrt(Σ_i std[i]²)·z``, z ~ N(0, I)
+        from the cohort's first client's stream, goes into row 0 instead: the sum of the rows
+        then has exactly the law of the sum of independent per-client draws, at the cost of one
+        ``d``-vector instead of ``C``. The per-row messages no longer are the clients' private
+        messages, which is why Flower never uses it.
+        """
+        if not bool((std > 0).any()):
+            return messages
+        if self.pooled_noise and poolable:
+            pooled = std.double().square().sum().sqrt().reshape(1)
+            draw = self.rng.normal(cohort.ids[:1], self.round, f"{purpose}-pooled",
+                                   messages.shape[1:], pooled, dtype=messages.dtype)
+            messages[0].add_(draw[0].to(messages.device))
+            return messages
+        noise = self.rng.normal(cohort.ids, self.round, purpose, messages.shape[1:], std,
+                                dtype=messages.dtype, device=messages.device)
+        return messages.add_(noise)
 
 
 class Algorithm(ABC):

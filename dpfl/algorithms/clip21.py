@@ -141,9 +141,10 @@ NORM_ALPHA = Compressor(  # Norm_α(u) = u/(α + ||u||), §3.4; ||Norm_α(u)|| <
 
 
 def compress(compressor: Compressor, diff: Tensor, config: RunConfig) -> tuple[Tensor, Tensor]:
-    """``(compressor(diff) [C, d], ||diff|| [C])``."""
+    """``(compressor(diff) [C, d], ||diff|| [C])``, computed in ``diff``'s own memory (the
+    caller hands over a tensor it owns: no ``[C, d]`` temporary)."""
     norms = row_norms(diff)
-    return diff * compressor.factor(norms, config).to(diff.dtype).unsqueeze(-1), norms
+    return diff.mul_(compressor.factor(norms, config).to(diff.dtype).unsqueeze(-1)), norms
 
 
 # ---- the shared part: privacy, sampling, gradient oracles --------------------------------------
@@ -191,12 +192,17 @@ class Clip21Family(Algorithm):
                                               clip=self.radius()) / self.sensitivity()
         return [Release("train", noise_multiplier=z, sample_rate=q, steps=1)]
 
-    def noise(self, cohort: Cohort, ctx: StepContext, d: int) -> Tensor | None:
-        """ω ~ N(0, σ² I_d) per client, σ = z·sensitivity; None when no client adds noise."""
+    def add_noise(self, messages: Tensor, cohort: Cohort, ctx: StepContext) -> Tensor:
+        """``messages + ω`` in place, ω ~ N(0, σ² I_d) per client, σ = z·sensitivity. The
+        messages of every method but Clip21-SGD2M+ reach the model only through the server's
+        average and never feed client state, so the engine's ``engine-mode="fast"`` may pool
+        their noise (:meth:`StepContext.add_noise`)."""
         std = ctx.noise_multiplier("train") * self.sensitivity()
-        if not bool((std > 0).any()):
-            return None
-        return ctx.rng.normal(cohort.ids, ctx.round, "noise", (d,), std, device=ctx.device)
+        return ctx.add_noise(messages, cohort, std, poolable=not self.per_sample_state())
+
+    def per_sample_state(self) -> bool:
+        """Whether the noised query feeds client state (Clip21-SGD2M+'s momentum)."""
+        return False
 
     # ---- partial participation (Alg. 4) ------------------------------------------------------
     def participants(self, round: int, clients: list[int], rng: Randomness) -> list[int]:
@@ -236,10 +242,9 @@ class Clip21Family(Algorithm):
         xb, yb = self.batch(cohort, ctx)
         losses = torch.empty(len(cohort), self.batch_size, device=ctx.device)
         mean, norms = self.model.clipped_mean(x, xb, yb, self.radius(), losses=losses)
-        noise = self.noise(cohort, ctx, self.model.d)
         metrics = {"train-loss": losses.mean(dim=1).cpu(),
                    "clipped-fraction": (norms > self.radius()).float().mean(dim=1).cpu()}
-        return (mean if noise is None else mean + noise), metrics
+        return self.add_noise(mean, cohort, ctx), metrics
 
 
 # ---- Clip21-SGD2M and its special cases ---------------------------------------------------------
@@ -313,13 +318,12 @@ class Clip21SGD2M(Clip21Family):
         else:
             fresh, metrics = self.gradient(x, cohort, ctx)
         g = states["g"].to(ctx.device)
-        v = fresh if self.beta == 1 else torch.lerp(states["v"].to(ctx.device), fresh, self.beta)
-        u, norms = compress(self.compressor, v - g, self.config)  # u = C(v − g), fresh tensor
-        g = g + self.beta_hat * u
-        message = u
-        if not self.noise_in_momentum and (noise := self.noise(cohort, ctx, self.model.d)) \
-                is not None:
-            message = noise.add_(u)  # ω + u, in ω's buffer
+        # the caller's states are read, never written; `fresh` is ours and becomes v
+        v = fresh if self.beta == 1 else torch.lerp(states["v"].to(ctx.device), fresh,
+                                                    self.beta, out=fresh)  # line 5
+        u, norms = compress(self.compressor, v - g, self.config)  # u = C(v − g)
+        g = torch.add(g, u, alpha=self.beta_hat)  # line 8
+        message = u if self.noise_in_momentum else self.add_noise(u, cohort, ctx)  # line 7
         metrics["clip-input-norm"] = norms.float().cpu()
         if self.compressor is CLIP:
             metrics["clip-active"] = (norms > float(self.config["clip"])).float().cpu()
@@ -374,6 +378,9 @@ class Clip21SGD2MPlus(Clip21SGD2M):
                   "sampling amplification at rate b/m")
     noise_in_momentum = True
 
+    def per_sample_state(self) -> bool:
+        return True  # the noisy query enters v_i: its noise must stay per client
+
 
 # ---- Clip-SGD ------------------------------------------------------------------------------------
 
@@ -411,8 +418,7 @@ class ClipSGD(Clip21Family):
             return {"c": message.cpu()}, states, metrics
         grads, metrics = self.gradient(x, cohort, ctx)
         message, norms = compress(CLIP, grads, self.config)
-        if (noise := self.noise(cohort, ctx, self.model.d)) is not None:
-            message = message + noise
+        message = self.add_noise(message, cohort, ctx)
         metrics["clip-active"] = (norms > self.radius()).float().cpu()
         metrics["clip-input-norm"] = norms.float().cpu()
         return {"c": message.cpu()}, states, metrics

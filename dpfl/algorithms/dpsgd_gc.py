@@ -61,8 +61,7 @@ class DPSGDGC(Algorithm):
         losses = torch.empty(len(cohort), b, device=ctx.device)
         mean, norms = self.model.clipped_mean(params, x, y, clip, losses=losses)
         std = ctx.noise_multiplier(exchange) * (2 * clip / b)
-        noise = ctx.rng.normal(cohort.ids, ctx.round, "noise", (mean.shape[-1],), std,
-                               device=ctx.device)
+        v = ctx.add_noise(mean, cohort, std, poolable=True)  # the server only averages v_i
         metrics = {"train-loss": losses.mean(dim=1).cpu(),
                    "clipped-fraction": (norms > clip).float().mean(dim=1).cpu()}
-        return {"v": (mean + noise).cpu()}, states, metrics
+        return {"v": v.cpu()}, states, metrics

@@ -34,17 +34,21 @@ def exceeds_budget(problem: Problem, client: int, ledger: PrivacyLedger) -> bool
 class ClientRuntime:
     """Runs exchanges for a cohort of clients and keeps their ledgers honest."""
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, *, pooled_noise: bool = False) -> None:
+        """``pooled_noise``: the engine's ``engine-mode="fast"`` (see
+        :meth:`~dpfl.algorithms.StepContext.add_noise`); never set under Flower."""
         self.problem = problem
         cfg = problem.config
         self.rng = Randomness(int(cfg["seed"]), secure=bool(cfg["secure-noise"]))
+        self.pooled_noise = pooled_noise
 
     def step(self, exchange: str, round: int, broadcast: State, states: State, cohort: Cohort,
              ledgers: list[PrivacyLedger]) -> tuple[State, State, dict[str, torch.Tensor]]:
         """One exchange for ``cohort``; ledgers are updated in place."""
         problem = self.problem
         releases = [problem.releases(c) for c in cohort.ids]
-        ctx = StepContext(round=round, rng=self.rng, releases=releases, device=problem.device)
+        ctx = StepContext(round=round, rng=self.rng, releases=releases, device=problem.device,
+                          pooled_noise=self.pooled_noise)
         uploads, states, metrics = problem.algorithm.client_step(exchange, states, broadcast,
                                                                  cohort, ctx)
         delta = float(problem.config["delta"])

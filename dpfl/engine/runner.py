@@ -3,7 +3,9 @@
 It drives the algorithm's ``client_step`` over all participants in one call and
 ``server_step`` on their uploads, round after round, through the same client and
 server runtimes the Flower apps use, so that a seed gives the same model here
-and under ``flwr run``.
+and under ``flwr run``. ``engine-mode="fast"`` (sweeps) draws the noise of the
+clients' average once instead of once per client: the same distribution of
+models, not the same numbers.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def run(config: RunConfig, *, echo: bool = True) -> dict[str, Any]:
     """Run ``config`` to the end (or to ``max-epsilon``); returns the summary."""
     problem = build_problem(config)
     server = ServerRuntime(problem, "engine", echo=echo)
-    clients = ClientRuntime(problem)
+    clients = ClientRuntime(problem, pooled_noise=config["engine-mode"] == "fast")
     cohort = problem.full_cohort()
     states = problem.algorithm.init_client_state(problem.num_clients)
     ledgers = [new_ledger(problem) for _ in range(problem.num_clients)]

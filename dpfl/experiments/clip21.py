@@ -14,7 +14,7 @@ import itertools
 import json
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -141,8 +141,9 @@ EPOCH_STEPS = 37  # 2400 records per client / batch 64, drop_last (§9 A4)
 MNIST_BASE: Config = {
     "dataset": "mnist", "partitioner": "iid", "num-partitions": 25, "batch-size": 64,
     "delta": 1e-3, "calibration": "practice", "eval-every": EPOCH_STEPS,
+    "engine-mode": "fast",  # pooled noise: same law, ~1.6x faster (README, engine-mode)
 }
-EPSILONS = [3.0, 5.2, 9.0, 15.6, 27.0]
+EPSILONS = [27.0, 5.2, 15.6, 9.0, 3.0]  # revealed cells first (§6.1)
 PAPER_TABLE_1 = {  # revealed cells (§6.1): (model, method) -> {ε: (mean, std)}
     ("mlp", "clip-sgd"): {5.2: (74.5, 1.3), 15.6: (81.2, 0.3), 27.0: (88.5, 0.1)},
     ("mlp", "clip21-sgd"): {5.2: (68.1, 1.9), 15.6: (77.9, 0.6), 27.0: (86.7, 0.5)},
@@ -162,6 +163,11 @@ SMOKE_GRIDS: dict[str, list[Config]] = {
     "clip-sgd": grid(learning_rate=[0.1, 1.0], clip=[0.1]),
     "clip21-sgd2m": grid(learning_rate=[0.1, 1.0], clip=[1e-2], beta=[0.5], beta_hat=[0.1]),
 }
+# Successive halving (§9 D7, coarse to fine): (proxy epochs, fraction of a cell's points kept).
+RUNGS: tuple[tuple[int, float], ...] = ((5, 0.25), (15, 0.0))  # 0.0: keep the best one
+SMOKE_RUNGS: tuple[tuple[int, float], ...] = ((1, 0.0),)
+
+Cell = tuple[str, str, float]  # (model, method, ε)
 
 
 def final_accuracy(summary: dict[str, Any]) -> float:
@@ -169,21 +175,27 @@ def final_accuracy(summary: dict[str, Any]) -> float:
     return 100 * acc if acc is not None and math.isfinite(acc) else 0.0
 
 
-def select(lab: Lab, points: list[Config], rounds: int, proxy_rounds: int, keep: int,
-           noise: float) -> tuple[Config, list[tuple[float, Config]]]:
-    """The paper's protocol, coarse to fine (§9 D7): every grid point is first run for
-    ``proxy_rounds`` with the full run's noise (``noise-multiplier`` fixed to σ_ω/τ of the
-    ``rounds``-long run); the ``keep`` best go on to full-length single runs (seed 0); the best
-    of those by test accuracy is selected."""
-    proxies = [{**p, "num-server-rounds": proxy_rounds, "noise-multiplier": noise} for p in points]
-    ranked = sorted(zip(lab.run_many(proxies), points, strict=True),
-                    key=lambda t: -final_accuracy(t[0]))
-    finalists = [p for _, p in ranked[:keep]]
-    full = [{**p, "num-server-rounds": rounds} for p in finalists]
-    scored = sorted(((final_accuracy(s), p) for s, p in zip(lab.run_many(full), full,
-                                                             strict=True)),
-                    key=lambda t: -t[0])
-    return scored[0][1], scored
+def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: dict[Cell, float],
+           rungs: Sequence[tuple[int, float]]) -> dict[Cell, list[tuple[float, Config]]]:
+    """The paper's protocol (best single run by test accuracy), coarse to fine (§9 D7):
+    successive halving over ``rungs``. At each rung every surviving point of every cell runs
+    that many epochs with the *full-length* run's noise (``noise-multiplier`` fixed to σ_ω/τ of
+    the 150-epoch calibration, so a proxy sees the noise level it is selected for), and the
+    best ``fraction`` of each cell's points go on (at least one; the last rung keeps one).
+    Returns, per cell, the last rung's points ranked by proxy accuracy (best first)."""
+    alive = {cell: list(points) for cell, points in candidates.items()}
+    ranked: dict[Cell, list[tuple[float, Config]]] = {}
+    for epochs, fraction in rungs:
+        batch = [(cell, p) for cell, points in alive.items() for p in points]
+        summaries = lab.run_many([{**p, "num-server-rounds": epochs * EPOCH_STEPS,
+                                   "noise-multiplier": noise[cell]} for cell, p in batch])
+        ranked = {}
+        for (cell, p), summary in zip(batch, summaries, strict=True):
+            ranked.setdefault(cell, []).append((final_accuracy(summary), p))
+        for cell, scores in ranked.items():
+            scores.sort(key=lambda t: -t[0])  # stable: grid order breaks ties
+            alive[cell] = [p for _, p in scores[:max(1, math.ceil(fraction * len(scores)))]]
+    return ranked
 
 
 def interior(point: Config, points: list[Config]) -> str:
@@ -196,31 +208,41 @@ def interior(point: Config, points: list[Config]) -> str:
     return ", ".join(edges)
 
 
-def table1(lab: Lab, models: Iterable[str], epsilons: Sequence[float],
-           grids: dict[str, list[Config]], *, epochs: int, proxy_epochs: int, keep: int,
-           seeds: Sequence[int], base: Config) -> dict[tuple[str, str, float], Any]:
-    """Select and re-run every (model, method, ε) cell; returns the cells' results."""
-    rounds, proxy_rounds = epochs * EPOCH_STEPS, proxy_epochs * EPOCH_STEPS
-    cells: dict[tuple[str, str, float], Any] = {}
-    for model, (method, points), eps in itertools.product(models, grids.items(), epsilons):
-        cell_base = {**base, "model": model, "algorithm": method, "epsilon": eps}
-        # σ_ω/τ of the full-length run (α-NormEC: τ := 1), as noise-multiplier for proxies
-        noise = clip21_practice_noise_std(epsilon=eps, delta=float(base["delta"]),
-                                          rounds=rounds, clip=1.0)
-        chosen, finalists = select(lab, [{**cell_base, **p} for p in points], rounds,
-                                   proxy_rounds, keep, noise)
-        reruns = [{**chosen, "seed": s} for s in seeds]
-        accs = [final_accuracy(s) for s in lab.run_many(reruns)]
-        cells[(model, method, eps)] = {
-            "accuracy": mean_std(accs), "runs": accs, "selected": chosen,
-            "edge": interior({k: chosen[k] for k in points[0]}, points),
-            "epsilon_accountant": max((lab.summary(r) or {}).get("epsilon_max") or 0.0
-                                      for r in reruns),
-        }
+def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
+           grids: dict[str, list[Config]], *, epochs: int, rungs: Sequence[tuple[int, float]],
+           seeds: Sequence[int], base: Config) -> dict[Cell, Any]:
+    """Select and re-run every (model, method, ε) cell, one ε at a time (all of an ε's cells
+    share the worker pool); returns the cells' results."""
+    rounds = epochs * EPOCH_STEPS
+    cells: dict[Cell, Any] = {}
+    for eps in epsilons:
+        candidates: dict[Cell, list[Config]] = {}
+        noise: dict[Cell, float] = {}
+        for model, (method, points) in itertools.product(models, grids.items()):
+            cell = (model, method, eps)
+            candidates[cell] = [{**base, "model": model, "algorithm": method, "epsilon": eps,
+                                 "num-server-rounds": rounds, **p} for p in points]
+            # σ_ω/τ of the full-length run (α-NormEC: τ := 1), as the proxies' noise-multiplier
+            noise[cell] = clip21_practice_noise_std(epsilon=eps, delta=float(base["delta"]),
+                                                    rounds=rounds, clip=1.0)
+        ranked = select(lab, candidates, noise, rungs)
+        reruns = {cell: [{**scores[0][1], "seed": s} for s in seeds]
+                  for cell, scores in ranked.items()}
+        summaries = iter(lab.run_many([c for runs in reruns.values() for c in runs]))
+        for cell, runs in reruns.items():
+            accs = [final_accuracy(next(summaries)) for _ in runs]
+            chosen, points = ranked[cell][0][1], grids[cell[1]]
+            cells[cell] = {
+                "accuracy": mean_std(accs), "runs": accs, "selected": chosen,
+                "proxy": [[acc, {k: p[k] for k in points[0]}] for acc, p in ranked[cell][:3]],
+                "edge": interior({k: chosen[k] for k in points[0]}, points),
+                "epsilon_accountant": max((lab.summary(r) or {}).get("epsilon_max") or 0.0
+                                          for r in runs),
+            }
     return cells
 
 
-def report_table1(lab: Lab, cells: dict[tuple[str, str, float], Any], models: Sequence[str],
+def report_table1(lab: Lab, cells: dict[Cell, Any], models: Sequence[str],
                   methods: Sequence[str], epsilons: Sequence[float], title: str) -> None:
     rows = []
     for model, method in itertools.product(models, methods):
@@ -233,47 +255,70 @@ def report_table1(lab: Lab, cells: dict[tuple[str, str, float], Any], models: Se
         rows.append(row)
     lab.table(title, ["model", "method", *[f"ε = {e:g}" for e in epsilons]], rows)
     lab.table("Selected hyperparameters and accountant ε (re-run any cell alone)",
-              ["model", "method", "ε", "accountant ε (δ=1e-3)", "grid edge", "command"],
+              ["model", "method", "ε", "accountant ε (δ=1e-3)", "grid edge",
+               "last-rung proxy accuracy (top 3)", "command"],
               [[m, a, f"{e:g}", f"{c['epsilon_accountant']:.3g}", c["edge"] or "interior",
+                "; ".join(f"{acc:.1f}" for acc, _ in c["proxy"]),
                 f"`{command(c['selected'])}`"]
                for (m, a, e), c in sorted(cells.items())])
+    lab.folder.mkdir(parents=True, exist_ok=True)
     (lab.folder / "cells.json").write_text(json.dumps(
         [{"model": m, "method": a, "epsilon": e, **{k: v for k, v in c.items()}}
          for (m, a, e), c in sorted(cells.items())], indent=2, default=str))
 
 
-def mnist_setup(lab: Lab) -> dict[str, Any]:
+def mnist_setup(lab: Lab, grids: dict[str, list[Config]] | None = None) -> dict[str, Any]:
     if lab.smoke:
-        return {"models": ["mlp"], "epsilons": [27.0], "grids": SMOKE_GRIDS, "epochs": 1,
-                "proxy_epochs": 1, "keep": 1, "seeds": [1, 2]}
-    return {"models": ["mlp", "clip21-cnn"], "epsilons": EPSILONS, "grids": MNIST_GRIDS,
-            "epochs": 150, "proxy_epochs": 15, "keep": 3, "seeds": [1, 2, 3]}
+        setup = {"models": ["mlp"], "epsilons": [27.0], "grids": SMOKE_GRIDS, "epochs": 1,
+                 "rungs": SMOKE_RUNGS, "seeds": [1, 2]}
+    else:
+        setup = {"models": ["mlp", "clip21-cnn"], "epsilons": EPSILONS, "grids": MNIST_GRIDS,
+                 "epochs": 150, "rungs": RUNGS, "seeds": [1, 2, 3]}
+    if grids is not None:
+        setup["grids"] = {m: g for m, g in setup["grids"].items() if m in grids}
+    setup["models"] = lab.restrict("model", setup["models"])
+    setup["epsilons"] = lab.restrict("epsilon", setup["epsilons"])
+    methods = lab.restrict("method", list(setup["grids"]))
+    setup["grids"] = {m: setup["grids"][m] for m in methods}
+    return setup
 
 
-@experiment("clip21", "mnist-dp", "E3: MNIST MLP and CNN under local DP, the whole Table 1")
+def protocol(setup: dict[str, Any]) -> str:
+    rungs = ", then ".join(
+        f"{e} epochs (keep {'the best' if f == 0 else f'the best {f:.0%}'})"
+        for e, f in setup["rungs"])
+    return (f"Selection (the paper's 'best single run by test accuracy', coarse to fine, §9 D7): "
+            f"successive halving over every grid point of the cell, {rungs}; every proxy runs "
+            f"with the noise of the full-length run (noise-multiplier = σ_ω/τ of T = "
+            f"{setup['epochs'] * EPOCH_STEPS}). The selected point runs the full "
+            f"{setup['epochs']} epochs with seeds {setup['seeds']} (fresh seeds, not the "
+            f"selection's seed 0): mean ± std below. All runs use `engine-mode=\"fast\"` "
+            f"(the noise of the clients' average drawn once: the same distribution as per-client "
+            f"noise; README).")
+
+
+@experiment("clip21", "mnist-dp", "E3: MNIST MLP and CNN under local DP, the whole Table 1",
+            axes=("model", "method", "epsilon"))
 def mnist_dp(lab: Lab) -> str:
     setup = mnist_setup(lab)
     cells = table1(lab, setup["models"], setup["epsilons"], setup["grids"],
-                   epochs=setup["epochs"], proxy_epochs=setup["proxy_epochs"],
-                   keep=setup["keep"], seeds=setup["seeds"], base=MNIST_BASE)
+                   epochs=setup["epochs"], rungs=setup["rungs"], seeds=setup["seeds"],
+                   base=MNIST_BASE)
     lab.text(
         f"MNIST, n = 25 iid clients (2400 records each), batch 64, {setup['epochs']} epochs "
         f"(T = {setup['epochs'] * EPOCH_STEPS} rounds, drop_last), δ = 1e-3, no amplification, "
-        f"σ_ω = (τ/ε)·√(T·ln(1/δ)) ('practice', §9 A1). Selection (§9 D7, coarse to fine): "
-        f"every grid point runs {setup['proxy_epochs']} epochs with the full run's noise; the "
-        f"{setup['keep']} best run the full length (seed 0); the best by final test accuracy is "
-        f"re-run with seeds {setup['seeds']} (mean ± std below). Paper values in brackets are "
-        f"the revealed cells of Table 1 (§6.1); the accountant ε column is the RDP ε of the "
-        f"noise actually used (replace-one, no amplification).")
+        f"σ_ω = (τ/ε)·√(T·ln(1/δ)) ('practice', §9 A1). {protocol(setup)} Paper values in "
+        f"brackets are the revealed cells of Table 1 (§6.1); the accountant ε column is the RDP "
+        f"ε of the noise actually used (replace-one, no amplification).")
     report_table1(lab, cells, setup["models"], list(setup["grids"]), setup["epsilons"],
                   "Table 1: final test accuracy (%), mean ± std over seeds")
     fig, axes = plt.subplots(1, len(setup["models"]), figsize=(5 * len(setup["models"]), 4),
                              squeeze=False)
+    epsilons = sorted(setup["epsilons"])
     for ax, model in zip(axes[0], setup["models"], strict=True):
         for method in setup["grids"]:
-            ax.errorbar(setup["epsilons"], [cells[(model, method, e)]["accuracy"][0]
-                                            for e in setup["epsilons"]],
-                        yerr=[cells[(model, method, e)]["accuracy"][1] for e in setup["epsilons"]],
+            ax.errorbar(epsilons, [cells[(model, method, e)]["accuracy"][0] for e in epsilons],
+                        yerr=[cells[(model, method, e)]["accuracy"][1] for e in epsilons],
                         marker="o", label=method, capsize=3)
         ax.set(xscale="log", xlabel="ε", ylabel="test accuracy (%)", title=f"MNIST, {model}")
         ax.legend()
@@ -283,33 +328,34 @@ def mnist_dp(lab: Lab) -> str:
 
 # ---- E4: partial participation (§5 E4, Alg. 4, §9 A-PP, A3) ------------------------------------
 
-@experiment("clip21", "partial", "E4: partial participation, n = 24, s in {6, 12, 18} (Fig. 5)")
+@experiment("clip21", "partial", "E4: partial participation, n = 24, s in {6, 12, 18} (Fig. 5)",
+            axes=("model", "method", "epsilon", "s"))
 def partial(lab: Lab) -> str:
-    setup = mnist_setup(lab)
-    sizes = [6, 12, 18]
-    grids = {m: setup["grids"][m] for m in ("clip-sgd", "clip21-sgd2m")}
+    setup = mnist_setup(lab, grids={"clip-sgd", "clip21-sgd2m"})
+    sizes = lab.restrict("s", [6, 12, 18])
+    grids = setup["grids"]
     base = {**MNIST_BASE, "num-partitions": 24}
-    results: dict[int, dict[tuple[str, str, float], Any]] = {}
+    results: dict[int, dict[Cell, Any]] = {}
     for s in sizes:
         results[s] = table1(lab, setup["models"], setup["epsilons"], grids,
-                            epochs=setup["epochs"], proxy_epochs=setup["proxy_epochs"],
-                            keep=setup["keep"], seeds=setup["seeds"],
+                            epochs=setup["epochs"], rungs=setup["rungs"], seeds=setup["seeds"],
                             base={**base, "fraction-train": s / 24})
     lab.text(
         "MNIST, n = 24 clients, s clients sampled uniformly without replacement per round "
-        "(Alg. 4, server scaling β̂/s as printed), otherwise E3's setup and protocol. The noise "
-        "is that of full participation and each client's ledger counts only the rounds it took "
-        "part in: the server knows who is sampled, so no amplification is claimed (§9 A3).")
+        "(Alg. 4, server scaling β̂/s as printed), otherwise E3's setup. The noise is that of "
+        "full participation and each client's ledger counts only the rounds it took part in: "
+        f"the server knows who is sampled, so no amplification is claimed (§9 A3). "
+        f"{protocol(setup)}")
     for s in sizes:
         report_table1(lab, results[s], setup["models"], list(grids), setup["epsilons"],
                       f"s = {s}: final test accuracy (%), mean ± std")
     fig, axes = plt.subplots(1, len(setup["models"]), figsize=(5 * len(setup["models"]), 4),
                              squeeze=False)
+    epsilons = sorted(setup["epsilons"])
     for ax, model in zip(axes[0], setup["models"], strict=True):
         for s, method in itertools.product(sizes, grids):
-            ax.plot(setup["epsilons"], [results[s][(model, method, e)]["accuracy"][0]
-                                        for e in setup["epsilons"]], marker="o",
-                    label=f"{method}, s={s}")
+            ax.plot(epsilons, [results[s][(model, method, e)]["accuracy"][0] for e in epsilons],
+                    marker="o", label=f"{method}, s={s}")
         ax.set(xscale="log", xlabel="ε", ylabel="test accuracy (%)", title=f"MNIST, {model}")
         ax.legend(fontsize=7)
     lab.figure("fig5", fig, "Fig. 5: partial participation, accuracy against ε.")

@@ -25,6 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from dpfl.config import RunConfig, Value  # noqa: E402
+from dpfl.errors import UsageError  # noqa: E402
 
 
 def run_key(values: dict[str, Value]) -> str:
@@ -45,13 +46,40 @@ def _run_one(values: dict[str, Value]) -> dict[str, Any]:
 class Lab:
     """Runs and reports one experiment."""
 
-    def __init__(self, folder: Path, *, smoke: bool, workers: int = 1) -> None:
+    def __init__(self, folder: Path, *, smoke: bool, workers: int = 1,
+                 only: dict[str, list[str]] | None = None) -> None:
         self.folder = folder
         self.smoke = smoke
         self.workers = max(1, workers)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.only = dict(only or {})
         self.sections: list[str] = []
         self.started = time.perf_counter()
+
+    def restrict(self, axis: str, values: Sequence[Any]) -> list[Any]:
+        """``values`` of ``axis`` kept by ``--only axis=v1,v2`` (all of them without it);
+        numbers match by value (``27`` selects ``27.0``)."""
+        wanted = self.only.get(axis)
+        if wanted is None:
+            return list(values)
+
+        def same(value: Any, text: str) -> bool:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                try:
+                    return float(text) == float(value)
+                except ValueError:
+                    return False
+            return str(value) == text
+
+        unknown = [w for w in wanted if not any(same(v, w) for v in values)]
+        if unknown:
+            allowed = ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+            raise UsageError(f"--only {axis}: unknown value {', '.join(unknown)} "
+                             f"(allowed: {allowed})")
+        return [v for v in values if any(same(v, w) for w in wanted)]
+
+    def restriction(self) -> str:
+        """The ``--only`` options in force, for the report ('' when none)."""
+        return "; ".join(f"{k} = {', '.join(v)}" for k, v in self.only.items())
 
     # ---- runs ----------------------------------------------------------------------------
     def _values(self, values: dict[str, Value]) -> dict[str, Value]:
@@ -74,7 +102,8 @@ class Lab:
                 for f in folder.iterdir():
                     f.unlink()
                 folder.rmdir()
-        prepared = [self._values(c) for c in todo]
+        prepared = [self._values(c) for c in todo]  # all validated before the first run
+        self.folder.mkdir(parents=True, exist_ok=True)
         if self.workers == 1 or len(prepared) <= 1:
             for v in prepared:
                 _run_one(v)
@@ -98,6 +127,7 @@ class Lab:
         self.sections.append("\n".join(lines) + "\n")
 
     def figure(self, name: str, fig: plt.Figure, caption: str) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()
         fig.savefig(self.folder / f"{name}.png", dpi=110)
         plt.close(fig)
@@ -105,9 +135,12 @@ class Lab:
 
     def write(self, title: str) -> Path:
         wall = time.perf_counter() - self.started
-        header = (f"# {title}\n\nMode: {'smoke (reduced)' if self.smoke else 'full'}; "
-                  f"wall time {wall:.1f} s on {os.cpu_count()} CPU cores "
-                  f"({self.workers} worker processes).\n")
+        only = f"; restricted to {self.restriction()} (--only)" if self.only else ""
+        header = (f"# {title}\n\nMode: {'smoke (reduced)' if self.smoke else 'full'}{only}; "
+                  f"wall time of this invocation {wall:.1f} s on {os.cpu_count()} CPU cores "
+                  f"({self.workers} worker processes; runs finished by an earlier invocation "
+                  f"are reused, not re-timed).\n")
+        self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / "report.md"
         path.write_text("\n".join([header, *self.sections]))
         (self.folder / "report.json").write_text(json.dumps(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dpfl.algorithms import State
+from dpfl.config import check_runtime
 from dpfl.privacy import Randomness
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter, results_path
@@ -34,6 +35,7 @@ class ServerRuntime:
     """Server state, central evaluation, budget stop and results of one run."""
 
     def __init__(self, problem: Problem, runtime: str, *, echo: bool = True) -> None:
+        check_runtime(problem.config, runtime)
         self.problem = problem
         self.config = cfg = problem.config
         self.runtime = runtime
