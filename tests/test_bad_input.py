@@ -3,6 +3,7 @@ no results folder."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -44,3 +45,17 @@ def test_bad_input_gives_one_clear_line(name, tmp_path):
     assert f"'{key}'" in lines[0] and fragment in lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not results.exists() or not any(results.iterdir())
+
+
+def test_flower_refuses_the_fast_engine_mode_before_starting_anything(tmp_path):
+    results = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpfl", "flower", "--run-config",
+         f'engine-mode="fast" results-dir="{results}" num-server-rounds=1'],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env={**os.environ, "FLWR_HOME": str(tmp_path / "flwr")})
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "'engine-mode'" in lines[0] and "allowed: exact" in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not results.exists() and not (tmp_path / "flwr").exists()

@@ -53,3 +53,21 @@ def test_a_selected_cell_reruns_alone_with_its_dpfl_run_line(smoke, tmp_path):
 def test_unknown_experiment_names_the_allowed_ones(capsys):
     assert main(["reproduce", "clip21", "cifar"]) == 2
     assert "allowed: clip21/logreg, clip21/mnist-dp, clip21/partial" in capsys.readouterr().err
+
+
+def test_only_restricts_the_experiment_and_refuses_what_it_does_not_have(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["reproduce", "clip21", "mnist-dp", "--smoke", "--results-dir", str(out),
+                 "--only", "method=clip-sgd"]) == 0
+    report = (out / "reproduce-clip21-mnist-dp-smoke" / "report.md").read_text()
+    assert "restricted to method = clip-sgd" in report
+    assert "| clip-sgd |" in report and "| clip21-sgd2m |" not in report
+    capsys.readouterr()
+    refused = tmp_path / "refused"
+    for option, message in (("epsilon=99", "--only epsilon: unknown value 99 (allowed: 27)"),
+                            ("temperature=1", "allowed: model=..., method=..., epsilon=...")):
+        assert main(["reproduce", "clip21", "mnist-dp", "--smoke", "--results-dir",
+                     str(refused), "--only", option]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+        assert not refused.exists()
