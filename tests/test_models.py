@@ -134,3 +134,37 @@ def test_cross_entropy_is_per_sample():
     out, y = torch.randn(4, 3), torch.tensor([0, 2, 1, 1])
     expected = torch.nn.functional.cross_entropy(out, y, reduction="none")
     assert torch.equal(LOSSES.get("cross-entropy").per_sample(out, y), expected)
+
+
+@pytest.mark.parametrize("model, loss, classes, options, reg", [
+    ("logistic", "logistic", 1, {"bias": False}, 2e-3),  # Clip21 E1
+    ("logistic", "logistic", 1, {}, 0.0),
+    ("logistic", "cross-entropy", 10, {}, 0.1),
+    ("least-squares", "squared", 1, {}, 0.0),  # PriSMA eq. 22
+])
+def test_linear_models_closed_form_gradients_equal_autograd(model, loss, classes, options, reg):
+    """Linear models skip autograd in batch_gradients (FlatModel._linear_gradient); the same
+    module behind an Identity takes the autograd path and must agree."""
+    from dpfl.models import FlatModel
+
+    torch.manual_seed(0)
+    module = build_model(model, input_shape=(7,), num_classes=classes, seed=0, **options)
+    closed = FlatModel(module, loss, nonconvex_reg=reg)
+    auto = FlatModel(torch.nn.Sequential(torch.nn.Identity(), *module), loss, nonconvex_reg=reg)
+    assert closed._linear is not None and auto._linear is None
+    x = torch.randn(3, 5, 7)
+    if loss == "cross-entropy":
+        y = torch.randint(0, classes, (3, 5))
+    elif loss == "logistic":
+        y = torch.randint(0, 2, (3, 5)).float() * 2 - 1
+    else:
+        y = torch.randn(3, 5)
+    flat = torch.randn(closed.d)
+    losses_closed, losses_auto = torch.empty(3, 5), torch.empty(3, 5)
+    fast = closed.batch_gradients(flat, x, y, losses=losses_closed)
+    slow = auto.batch_gradients(flat, x, y, losses=losses_auto)
+    assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-6)
+    assert torch.equal(losses_closed, losses_auto)
+    assert fast.abs().max() > 1e-2  # not trivially zero
+    alone = closed.batch_gradients(flat, x[1:2], y[1:2])  # a client alone: the same bits
+    assert torch.equal(alone[0], fast[1])

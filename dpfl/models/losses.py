@@ -19,10 +19,13 @@ from dpfl.registry import Registry
 
 @dataclass(frozen=True)
 class Loss:
-    """A per-sample loss and, for classification tasks, its correctness test."""
+    """A per-sample loss, for classification tasks its correctness test, and the derivative
+    of each sample's loss with respect to that sample's outputs (``[n, ...]``, the outputs'
+    shape), which gives linear models their gradients without autograd."""
 
     per_sample: Callable[[Tensor, Tensor], Tensor]
     correct: Callable[[Tensor, Tensor], Tensor] | None = None
+    output_grad: Callable[[Tensor, Tensor], Tensor] | None = None
 
 
 LOSSES: Registry[Loss] = Registry("loss")
@@ -39,6 +42,12 @@ def _cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(outputs, targets.long(), reduction="none")
 
 
+def _cross_entropy_grad(outputs: Tensor, targets: Tensor) -> Tensor:
+    grad = torch.softmax(outputs, dim=1)
+    grad[torch.arange(len(grad)), targets.long()] -= 1  # softmax − one-hot
+    return grad
+
+
 def _argmax_correct(outputs: Tensor, targets: Tensor) -> Tensor:
     return outputs.argmax(dim=1) == targets
 
@@ -47,6 +56,12 @@ def _logistic(outputs: Tensor, targets: Tensor) -> Tensor:
     # log(1 + exp(-y f)) = softplus(-y f), stable for large |f|.
     f = _scores(outputs)
     return F.softplus(-targets.reshape(-1).to(f.dtype) * f)
+
+
+def _logistic_grad(outputs: Tensor, targets: Tensor) -> Tensor:
+    # d/df softplus(-y f) = -y·sigmoid(-y f)
+    y = targets.reshape(-1).to(outputs.dtype)
+    return (-y * torch.sigmoid(-y * _scores(outputs))).reshape(outputs.shape)
 
 
 def _sign_correct(outputs: Tensor, targets: Tensor) -> Tensor:
@@ -60,6 +75,10 @@ def _squared(outputs: Tensor, targets: Tensor) -> Tensor:
     return 0.5 * residual.square().sum(dim=1)
 
 
-LOSSES.add("cross-entropy", Loss(_cross_entropy, _argmax_correct))
-LOSSES.add("logistic", Loss(_logistic, _sign_correct))  # labels in {-1, +1}
-LOSSES.add("squared", Loss(_squared))  # ½ (f - y)², regression
+def _squared_grad(outputs: Tensor, targets: Tensor) -> Tensor:
+    return outputs - targets.reshape(outputs.shape).to(outputs.dtype)
+
+
+LOSSES.add("cross-entropy", Loss(_cross_entropy, _argmax_correct, _cross_entropy_grad))
+LOSSES.add("logistic", Loss(_logistic, _sign_correct, _logistic_grad))  # labels in {-1, +1}
+LOSSES.add("squared", Loss(_squared, None, _squared_grad))  # ½ (f - y)², regression
