@@ -43,6 +43,10 @@ def _run_one(values: dict[str, Value]) -> dict[str, Any]:
     return run(RunConfig(values), echo=False)
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds:.0f} s"
+
+
 class Lab:
     """Runs and reports one experiment."""
 
@@ -52,6 +56,7 @@ class Lab:
         self.smoke = smoke
         self.workers = max(1, workers)
         self.only = dict(only or {})
+        self.used: dict[str, float] = {}  # run key -> its wall seconds, every run reported on
         self.sections: list[str] = []
         self.started = time.perf_counter()
 
@@ -110,7 +115,10 @@ class Lab:
         else:
             with ProcessPoolExecutor(max_workers=self.workers) as pool:
                 list(pool.map(_run_one, prepared))
-        return [self.summary(c) or {} for c in configs]
+        summaries = [self.summary(c) or {} for c in configs]
+        for c, summary in zip(configs, summaries, strict=True):
+            self.used[run_key(c)] = float(summary.get("wall_seconds") or 0.0)
+        return summaries
 
     def rounds(self, values: dict[str, Value]) -> list[dict[str, Any]]:
         path = self.folder / "runs" / run_key(values) / "rounds.jsonl"
@@ -139,10 +147,13 @@ class Lab:
         header = (f"# {title}\n\nMode: {'smoke (reduced)' if self.smoke else 'full'}{only}; "
                   f"wall time of this invocation {wall:.1f} s on {os.cpu_count()} CPU cores "
                   f"({self.workers} worker processes; runs finished by an earlier invocation "
-                  f"are reused, not re-timed).\n")
+                  f"are reused, not re-timed). Compute behind this report: "
+                  f"{len(self.used)} runs, {_duration(sum(self.used.values()))} of single-"
+                  f"thread run time in total.\n")
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / "report.md"
         path.write_text("\n".join([header, *self.sections]))
         (self.folder / "report.json").write_text(json.dumps(
-            {"title": title, "smoke": self.smoke, "wall_seconds": wall}, indent=2))
+            {"title": title, "smoke": self.smoke, "wall_seconds": wall, "runs": len(self.used),
+             "run_seconds": sum(self.used.values()), "only": self.only}, indent=2))
         return path
