@@ -167,9 +167,12 @@ SMOKE_GRIDS: dict[str, list[Config]] = {
     "clip-sgd": grid(learning_rate=[0.1, 1.0], clip=[0.1]),
     "clip21-sgd2m": grid(learning_rate=[0.1, 1.0], clip=[1e-2], beta=[0.5], beta_hat=[0.1]),
 }
-# Successive halving (§9 D7, coarse to fine): (proxy epochs, fraction of a cell's points kept).
-RUNGS: tuple[tuple[int, float], ...] = ((5, 0.25), (15, 0.0))  # 0.0: keep the best one
-SMOKE_RUNGS: tuple[tuple[int, float], ...] = ((1, 0.0),)
+# Successive halving (§9 D7, coarse to fine): (epochs, how many of a cell's points go on: a
+# count, or a fraction of the rung's points). The last rung is the paper's full-length single
+# run (seed 0), which picks the cell's point among the 3 best 15-epoch proxies.
+Rung = tuple[int, int | float]
+RUNGS: tuple[Rung, ...] = ((5, 0.25), (15, 3), (150, 1))
+SMOKE_RUNGS: tuple[Rung, ...] = ((1, 1),)
 
 Cell = tuple[str, str, float]  # (model, method, ε)
 
@@ -179,17 +182,24 @@ def final_accuracy(summary: dict[str, Any]) -> float:
     return 100 * acc if acc is not None and math.isfinite(acc) else 0.0
 
 
+def keep_count(keep: int | float, n: int) -> int:
+    """How many of ``n`` ranked points a rung passes on: ``keep`` itself if an int, else that
+    fraction of ``n`` rounded up; at least 1, at most ``n``."""
+    count = keep if isinstance(keep, int) else math.ceil(keep * n)
+    return max(1, min(n, count))
+
+
 def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: dict[Cell, float],
-           rungs: Sequence[tuple[int, float]]) -> dict[Cell, list[tuple[float, Config]]]:
+           rungs: Sequence[Rung]) -> dict[Cell, list[tuple[float, Config]]]:
     """The paper's protocol (best single run by test accuracy), coarse to fine (§9 D7):
     successive halving over ``rungs``. At each rung every surviving point of every cell runs
-    that many epochs with the *full-length* run's noise (``noise-multiplier`` fixed to σ_ω/τ of
-    the 150-epoch calibration, so a proxy sees the noise level it is selected for), and the
-    best ``fraction`` of each cell's points go on (at least one; the last rung keeps one).
-    Returns, per cell, the last rung's points ranked by proxy accuracy (best first)."""
+    that many epochs (seed 0) with the *full-length* run's noise (``noise-multiplier`` fixed to
+    σ_ω/τ of the 150-epoch calibration, so a short proxy sees the noise level it is selected
+    for), and the best :func:`keep_count` of each cell's points go on. Returns, per cell, the
+    last rung's points ranked by accuracy (best first)."""
     alive = {cell: list(points) for cell, points in candidates.items()}
     ranked: dict[Cell, list[tuple[float, Config]]] = {}
-    for epochs, fraction in rungs:
+    for epochs, keep in rungs:
         batch = [(cell, p) for cell, points in alive.items() for p in points]
         summaries = lab.run_many([{**p, "num-server-rounds": epochs * EPOCH_STEPS,
                                    "noise-multiplier": noise[cell]} for cell, p in batch])
@@ -198,7 +208,7 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: dict[Cell, flo
             ranked.setdefault(cell, []).append((final_accuracy(summary), p))
         for cell, scores in ranked.items():
             scores.sort(key=lambda t: -t[0])  # stable: grid order breaks ties
-            alive[cell] = [p for _, p in scores[:max(1, math.ceil(fraction * len(scores)))]]
+            alive[cell] = [p for _, p in scores[:keep_count(keep, len(scores))]]
     return ranked
 
 
@@ -213,7 +223,7 @@ def interior(point: Config, points: list[Config]) -> str:
 
 
 def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
-           grids: dict[str, list[Config]], *, epochs: int, rungs: Sequence[tuple[int, float]],
+           grids: dict[str, list[Config]], *, epochs: int, rungs: Sequence[Rung],
            seeds: Sequence[int], base: Config) -> dict[Cell, Any]:
     """Select and re-run every (model, method, ε) cell, one ε at a time (all of an ε's cells
     share the worker pool); returns the cells' results."""
@@ -260,7 +270,7 @@ def report_table1(lab: Lab, cells: dict[Cell, Any], models: Sequence[str],
     lab.table(title, ["model", "method", *[f"ε = {e:g}" for e in epsilons]], rows)
     lab.table("Selected hyperparameters and accountant ε (re-run any cell alone)",
               ["model", "method", "ε", "accountant ε (δ=1e-3)", "grid edge",
-               "last-rung proxy accuracy (top 3)", "command"],
+               "selection runs' accuracy (last rung)", "command"],
               [[m, a, f"{e:g}", f"{c['epsilon_accountant']:.3g}", c["edge"] or "interior",
                 "; ".join(f"{acc:.1f}" for acc, _ in c["proxy"]),
                 f"`{command(c['selected'])}`"]
@@ -289,12 +299,13 @@ def mnist_setup(lab: Lab, grids: dict[str, list[Config]] | None = None) -> dict[
 
 def protocol(setup: dict[str, Any]) -> str:
     rungs = ", then ".join(
-        f"{e} epochs (keep {'the best' if f == 0 else f'the best {f:.0%}'})"
-        for e, f in setup["rungs"])
+        f"{e} epochs (keep the best {k if isinstance(k, int) else f'{k:.0%}'})"
+        for e, k in setup["rungs"])
     return (f"Selection (the paper's 'best single run by test accuracy', coarse to fine, §9 D7): "
             f"successive halving over every grid point of the cell, {rungs}; every proxy runs "
             f"with the noise of the full-length run (noise-multiplier = σ_ω/τ of T = "
-            f"{setup['epochs'] * EPOCH_STEPS}). The selected point runs the full "
+            f"{setup['epochs'] * EPOCH_STEPS}; the last rung is the full-length single run). The "
+            f"selected point runs the full "
             f"{setup['epochs']} epochs with seeds {setup['seeds']} (fresh seeds, not the "
             f"selection's seed 0): mean ± std below. All runs use `engine-mode=\"fast\"` "
             f"(the noise of the clients' average drawn once: the same distribution as per-client "
