@@ -14,7 +14,7 @@ import itertools
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -224,9 +224,11 @@ def interior(point: Config, points: list[Config]) -> str:
 
 def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
            grids: dict[str, list[Config]], *, epochs: int, rungs: Sequence[Rung],
-           seeds: Sequence[int], base: Config) -> dict[Cell, Any]:
+           seeds: Sequence[int], base: Config,
+           after_epsilon: Callable[[dict[Cell, Any]], None] | None = None) -> dict[Cell, Any]:
     """Select and re-run every (model, method, ε) cell, one ε at a time (all of an ε's cells
-    share the worker pool); returns the cells' results."""
+    share the worker pool); returns the cells' results. ``after_epsilon(cells so far)`` is
+    called as each ε completes (a long sweep refreshes its report as it goes)."""
     rounds = epochs * EPOCH_STEPS
     cells: dict[Cell, Any] = {}
     for eps in epsilons:
@@ -253,6 +255,8 @@ def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
                 "epsilon_accountant": max((lab.summary(r) or {}).get("epsilon_max") or 0.0
                                           for r in runs),
             }
+        if after_epsilon is not None:
+            after_epsilon(cells)
     return cells
 
 
@@ -316,29 +320,38 @@ def protocol(setup: dict[str, Any]) -> str:
             axes=("model", "method", "epsilon"))
 def mnist_dp(lab: Lab) -> str:
     setup = mnist_setup(lab)
-    cells = table1(lab, setup["models"], setup["epsilons"], setup["grids"],
-                   epochs=setup["epochs"], rungs=setup["rungs"], seeds=setup["seeds"],
-                   base=MNIST_BASE)
-    lab.text(
-        f"MNIST, n = 25 iid clients (2400 records each), batch 64, {setup['epochs']} epochs "
-        f"(T = {setup['epochs'] * EPOCH_STEPS} rounds, drop_last), δ = 1e-3, no amplification, "
-        f"σ_ω = (τ/ε)·√(T·ln(1/δ)) ('practice', §9 A1). {protocol(setup)} Paper values in "
-        f"brackets are the revealed cells of Table 1 (§6.1); the accountant ε column is the RDP "
-        f"ε of the noise actually used (replace-one, no amplification).")
-    report_table1(lab, cells, setup["models"], list(setup["grids"]), setup["epsilons"],
-                  "Table 1: final test accuracy (%), mean ± std over seeds")
-    fig, axes = plt.subplots(1, len(setup["models"]), figsize=(5 * len(setup["models"]), 4),
-                             squeeze=False)
-    epsilons = sorted(setup["epsilons"])
-    for ax, model in zip(axes[0], setup["models"], strict=True):
-        for method in setup["grids"]:
-            ax.errorbar(epsilons, [cells[(model, method, e)]["accuracy"][0] for e in epsilons],
-                        yerr=[cells[(model, method, e)]["accuracy"][1] for e in epsilons],
-                        marker="o", label=method, capsize=3)
-        ax.set(xscale="log", xlabel="ε", ylabel="test accuracy (%)", title=f"MNIST, {model}")
-        ax.legend()
-    lab.figure("fig4", fig, "Fig. 4: test accuracy against ε (selected hyperparameters).")
-    return "Clip21 E3: MNIST under local DP (Table 1)"
+    title = "Clip21 E3: MNIST under local DP (Table 1)"
+
+    def report(cells: dict[Cell, Any]) -> None:
+        lab.sections.clear()
+        done = [e for e in setup["epsilons"] if any(c[2] == e for c in cells)]
+        lab.text(
+            f"MNIST, n = 25 iid clients (2400 records each), batch 64, {setup['epochs']} epochs "
+            f"(T = {setup['epochs'] * EPOCH_STEPS} rounds, drop_last), δ = 1e-3, no "
+            f"amplification, σ_ω = (τ/ε)·√(T·ln(1/δ)) ('practice', §9 A1). {protocol(setup)} "
+            f"Paper values in brackets are the revealed cells of Table 1 (§6.1); the accountant "
+            f"ε column is the RDP ε of the noise actually used (replace-one, no amplification).")
+        if len(done) < len(setup["epsilons"]):
+            lab.text(f"**In progress:** ε = {', '.join(f'{e:g}' for e in done)} done of "
+                     f"{', '.join(f'{e:g}' for e in setup['epsilons'])}.")
+        report_table1(lab, cells, setup["models"], list(setup["grids"]), done,
+                      "Table 1: final test accuracy (%), mean ± std over seeds")
+        fig, axes = plt.subplots(1, len(setup["models"]), figsize=(5 * len(setup["models"]), 4),
+                                 squeeze=False)
+        for ax, model in zip(axes[0], setup["models"], strict=True):
+            for method in setup["grids"]:
+                accs = [cells[(model, method, e)]["accuracy"] for e in sorted(done)]
+                ax.errorbar(sorted(done), [a[0] for a in accs], yerr=[a[1] for a in accs],
+                            marker="o", label=method, capsize=3)
+            ax.set(xscale="log", xlabel="ε", ylabel="test accuracy (%)",
+                   title=f"MNIST, {model}")
+            ax.legend()
+        lab.figure("fig4", fig, "Fig. 4: test accuracy against ε (selected hyperparameters).")
+        lab.write(title)
+
+    table1(lab, setup["models"], setup["epsilons"], setup["grids"], epochs=setup["epochs"],
+           rungs=setup["rungs"], seeds=setup["seeds"], base=MNIST_BASE, after_epsilon=report)
+    return title
 
 
 # ---- E4: partial participation (§5 E4, Alg. 4, §9 A-PP, A3) ------------------------------------
