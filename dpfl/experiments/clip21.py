@@ -261,15 +261,18 @@ def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
 
 
 def report_table1(lab: Lab, cells: dict[Cell, Any], models: Sequence[str],
-                  methods: Sequence[str], epsilons: Sequence[float], title: str) -> None:
+                  methods: Sequence[str], epsilons: Sequence[float], title: str,
+                  cells_file: str = "cells.json", paper: bool = True) -> None:
+    """Table 1's layout, beside the paper's revealed cells when ``paper`` (E3 only: E4's
+    Fig. 5 prints no numbers)."""
     rows = []
     for model, method in itertools.product(models, methods):
         row = [model, method]
         for eps in epsilons:
             cell = cells.get((model, method, eps))
             ours = "—" if cell is None else "{:.1f} ± {:.1f}".format(*cell["accuracy"])
-            paper = PAPER_TABLE_1.get((model, method), {}).get(eps)
-            row.append(ours + (f" (paper {paper[0]} ± {paper[1]})" if paper else ""))
+            revealed = PAPER_TABLE_1.get((model, method), {}).get(eps) if paper else None
+            row.append(ours + (f" (paper {revealed[0]} ± {revealed[1]})" if revealed else ""))
         rows.append(row)
     lab.table(title, ["model", "method", *[f"ε = {e:g}" for e in epsilons]], rows)
     lab.table("Selected hyperparameters and accountant ε (re-run any cell alone)",
@@ -280,7 +283,7 @@ def report_table1(lab: Lab, cells: dict[Cell, Any], models: Sequence[str],
                 f"`{command(c['selected'])}`"]
                for (m, a, e), c in sorted(cells.items())])
     lab.folder.mkdir(parents=True, exist_ok=True)
-    (lab.folder / "cells.json").write_text(json.dumps(
+    (lab.folder / cells_file).write_text(json.dumps(
         [{"model": m, "method": a, "epsilon": e, **{k: v for k, v in c.items()}}
          for (m, a, e), c in sorted(cells.items())], indent=2, default=str))
 
@@ -363,28 +366,37 @@ def partial(lab: Lab) -> str:
     sizes = lab.restrict("s", [6, 12, 18])
     grids = setup["grids"]
     base = {**MNIST_BASE, "num-partitions": 24}
-    results: dict[int, dict[Cell, Any]] = {}
-    for s in sizes:
-        results[s] = table1(lab, setup["models"], setup["epsilons"], grids,
-                            epochs=setup["epochs"], rungs=setup["rungs"], seeds=setup["seeds"],
-                            base={**base, "fraction-train": s / 24})
-    lab.text(
-        "MNIST, n = 24 clients, s clients sampled uniformly without replacement per round "
-        "(Alg. 4, server scaling β̂/s as printed), otherwise E3's setup. The noise is that of "
-        "full participation and each client's ledger counts only the rounds it took part in: "
-        f"the server knows who is sampled, so no amplification is claimed (§9 A3). "
-        f"{protocol(setup)}")
-    for s in sizes:
-        report_table1(lab, results[s], setup["models"], list(grids), setup["epsilons"],
-                      f"s = {s}: final test accuracy (%), mean ± std")
-    fig, axes = plt.subplots(1, len(setup["models"]), figsize=(5 * len(setup["models"]), 4),
-                             squeeze=False)
-    epsilons = sorted(setup["epsilons"])
-    for ax, model in zip(axes[0], setup["models"], strict=True):
-        for s, method in itertools.product(sizes, grids):
-            ax.plot(epsilons, [results[s][(model, method, e)]["accuracy"][0] for e in epsilons],
-                    marker="o", label=f"{method}, s={s}")
-        ax.set(xscale="log", xlabel="ε", ylabel="test accuracy (%)", title=f"MNIST, {model}")
-        ax.legend(fontsize=7)
-    lab.figure("fig5", fig, "Fig. 5: partial participation, accuracy against ε.")
-    return "Clip21 E4: partial participation"
+    title = "Clip21 E4: partial participation"
+    results: dict[int, dict[Cell, Any]] = {s: {} for s in sizes}
+
+    def report() -> None:
+        lab.sections.clear()
+        lab.text(
+            "MNIST, n = 24 clients, s clients sampled uniformly without replacement per round "
+            "(Alg. 4, server scaling β̂/s as printed), otherwise E3's setup. The noise is that "
+            "of full participation and each client's ledger counts only the rounds it took part "
+            "in: the server knows who is sampled, so no amplification is claimed (§9 A3). "
+            f"{protocol(setup)}")
+        for s in sizes:
+            report_table1(lab, results[s], setup["models"], list(grids),
+                          sorted({cell[2] for cell in results[s]}),
+                          f"s = {s}: final test accuracy (%), mean ± std", f"cells-s{s}.json",
+                          paper=False)
+        fig, axes = plt.subplots(1, len(setup["models"]), figsize=(5 * len(setup["models"]), 4),
+                                 squeeze=False)
+        for ax, model in zip(axes[0], setup["models"], strict=True):
+            for s, method in itertools.product(sizes, grids):
+                done = sorted({cell[2] for cell in results[s]})
+                ax.plot(done, [results[s][(model, method, e)]["accuracy"][0] for e in done],
+                        marker="o", label=f"{method}, s={s}")
+            ax.set(xscale="log", xlabel="ε", ylabel="test accuracy (%)", title=f"MNIST, {model}")
+            ax.legend(fontsize=7)
+        lab.figure("fig5", fig, "Fig. 5: partial participation, accuracy against ε.")
+        lab.write(title)
+
+    for eps, s in itertools.product(setup["epsilons"], sizes):  # revealed-ε order, as E3
+        results[s].update(table1(lab, setup["models"], [eps], grids, epochs=setup["epochs"],
+                                 rungs=setup["rungs"], seeds=setup["seeds"],
+                                 base={**base, "fraction-train": s / 24}))
+        report()
+    return title
