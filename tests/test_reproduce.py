@@ -71,3 +71,38 @@ def test_only_restricts_the_experiment_and_refuses_what_it_does_not_have(tmp_pat
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
         assert not refused.exists()
+
+
+def test_selection_counts_identical_runs_once_and_prefers_interior_representatives():
+    """Successive halving on a stand-in lab where, as for Clip-SGD, only γτ matters and the
+    smallest γτ wins only at full length: every γτ must get its chance, once."""
+    from dpfl.experiments.clip21 import MNIST_GRIDS, interior, select
+
+    class StandIn:
+        runs: list = []
+
+        def run_many(self, configs):
+            self.runs += configs
+            return [outcome(c) for c in configs]
+
+    def outcome(c):
+        gt = round(c["learning-rate"] * c["clip"], 12)
+        acc = {1e-3: 0.3, 1e-4: 0.2, 1e-2: 0.15, 1e-5: 0.1}.get(gt, 0.05)
+        if gt in (1e-4, 1e-5) and c["num-server-rounds"] >= 15 * 37:
+            acc += 0.2  # small steps catch up with time...
+        if gt == 1e-5 and c["num-server-rounds"] >= 150 * 37:
+            acc += 0.5  # ...and the smallest is best only at full length
+        return {"test_accuracy": acc, "test_loss": gt}
+
+    cell = ("mlp", "clip-sgd", 27.0)
+    points = [{"algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
+    lab = StandIn()
+    ranked = select(lab, {cell: points}, {cell: 1.0}, ((5, 0.25), (15, 3), (150, 1)))
+    rounds = [c["num-server-rounds"] for c in lab.runs]
+    assert rounds.count(5 * 37) == 20 and rounds.count(15 * 37) == 5
+    full = [round(c["learning-rate"] * c["clip"], 12) for c in lab.runs if c["num-server-rounds"]
+            == 150 * 37]
+    assert sorted(full) == [1e-5, 1e-4, 1e-3]  # three distinct γτ, not one anti-diagonal
+    best = ranked[cell][0][1]
+    assert round(best["learning-rate"] * best["clip"], 12) == 1e-5
+    assert interior(best, points) == ""  # γ = 0.01, τ = 1e-3 rather than an edge twin

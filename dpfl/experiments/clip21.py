@@ -195,21 +195,38 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: dict[Cell, flo
     successive halving over ``rungs``. At each rung every surviving point of every cell runs
     that many epochs (seed 0) with the *full-length* run's noise (``noise-multiplier`` fixed to
     σ_ω/τ of the 150-epoch calibration, so a short proxy sees the noise level it is selected
-    for), and the best :func:`keep_count` of each cell's points go on. Returns, per cell, the
-    last rung's points ranked by accuracy (best first)."""
+    for), and the best :func:`keep_count` of each cell's points go on, counting points whose
+    runs end identically (same final test accuracy and loss) once, by the first in grid order.
+    Returns, per cell, the last rung's distinct points ranked by accuracy (best first)."""
     alive = {cell: list(points) for cell, points in candidates.items()}
     ranked: dict[Cell, list[tuple[float, Config]]] = {}
     for epochs, keep in rungs:
         batch = [(cell, p) for cell, points in alive.items() for p in points]
         summaries = lab.run_many([{**p, "num-server-rounds": epochs * EPOCH_STEPS,
                                    "noise-multiplier": noise[cell]} for cell, p in batch])
-        ranked = {}
+        ranked: dict[Cell, list[tuple[float, Config]]] = {}
+        seen: dict[Cell, dict[Any, int]] = {}
         for (cell, p), summary in zip(batch, summaries, strict=True):
-            ranked.setdefault(cell, []).append((final_accuracy(summary), p))
+            # Points whose runs end identically are one run: Clip-SGD with σ_ω ∝ τ depends on
+            # γτ only (§6.2), so a γτ anti-diagonal would otherwise fill every place of a rung.
+            # The group is represented by its point with the fewest axes on the grid's edge.
+            outcome = (summary.get("test_accuracy"), summary.get("test_loss"))
+            scores, where = ranked.setdefault(cell, []), seen.setdefault(cell, {})
+            if outcome not in where:
+                where[outcome] = len(scores)
+                scores.append((final_accuracy(summary), p))
+            elif edges(p, candidates[cell]) < edges(scores[where[outcome]][1], candidates[cell]):
+                scores[where[outcome]] = (final_accuracy(summary), p)
         for cell, scores in ranked.items():
             scores.sort(key=lambda t: -t[0])  # stable: grid order breaks ties
-            alive[cell] = [p for _, p in scores[:keep_count(keep, len(scores))]]
+            alive[cell] = [p for _, p in scores[:keep_count(keep, len(alive[cell]))]]
     return ranked
+
+
+def edges(point: Config, points: list[Config]) -> int:
+    """How many tuned axes of ``point`` sit on the edge of the grid ``points``."""
+    found = interior(point, points)
+    return len(found.split(", ")) if found else 0
 
 
 def interior(point: Config, points: list[Config]) -> str:
