@@ -209,8 +209,12 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: dict[Cell, flo
         for (cell, p), summary in zip(batch, summaries, strict=True):
             # Points whose runs end identically are one run: Clip-SGD with σ_ω ∝ τ depends on
             # γτ only (§6.2), so a γτ anti-diagonal would otherwise fill every place of a rung.
-            # The group is represented by its point with the fewest axes on the grid's edge.
-            outcome = (summary.get("test_accuracy"), summary.get("test_loss"))
+            # "Identically": the same test accuracy and the same test loss to 6 significant
+            # digits (the invariance is exact in arithmetic, not in floating point: measured
+            # twins differ by ~1e-8). The group is represented by its point with the fewest
+            # axes on the grid's edge.
+            loss = summary.get("test_loss")
+            outcome = (summary.get("test_accuracy"), None if loss is None else f"{loss:.6g}")
             scores, where = ranked.setdefault(cell, []), seen.setdefault(cell, {})
             if outcome not in where:
                 where[outcome] = len(scores)
