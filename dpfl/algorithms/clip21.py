@@ -198,9 +198,9 @@ class Clip21Family(Algorithm):
         average and never feed client state, so the engine's ``engine-mode="fast"`` may pool
         their noise (:meth:`StepContext.add_noise`)."""
         std = ctx.noise_multiplier("train") * self.sensitivity()
-        return ctx.add_noise(messages, cohort, std, poolable=not self.per_sample_state())
+        return ctx.add_noise(messages, cohort, std, poolable=not self.noise_feeds_state())
 
-    def per_sample_state(self) -> bool:
+    def noise_feeds_state(self) -> bool:
         """Whether the noised query feeds client state (Clip21-SGD2M+'s momentum)."""
         return False
 
@@ -378,7 +378,7 @@ class Clip21SGD2MPlus(Clip21SGD2M):
                   "sampling amplification at rate b/m")
     noise_in_momentum = True
 
-    def per_sample_state(self) -> bool:
+    def noise_feeds_state(self) -> bool:
         return True  # the noisy query enters v_i: its noise must stay per client
 
 
