@@ -29,7 +29,7 @@ def smoke(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["logreg", "mnist-dp", "partial"])
+@pytest.mark.parametrize("name", ["logreg", "mnist-dp", "partial", "noise-mapping"])
 def test_smoke_reproduction_writes_a_report(name, smoke):
     folder = smoke(name)
     report = (folder / "report.md").read_text()
@@ -52,7 +52,8 @@ def test_a_selected_cell_reruns_alone_with_its_dpfl_run_line(smoke, tmp_path):
 
 def test_unknown_experiment_names_the_allowed_ones(capsys):
     assert main(["reproduce", "clip21", "cifar"]) == 2
-    assert "allowed: clip21/logreg, clip21/mnist-dp, clip21/partial" in capsys.readouterr().err
+    assert "allowed: clip21/logreg, clip21/mnist-dp, clip21/noise-mapping, clip21/partial" in \
+        capsys.readouterr().err
 
 
 def test_only_restricts_the_experiment_and_refuses_what_it_does_not_have(tmp_path, capsys):
@@ -106,3 +107,14 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
     best = ranked[cell][0][1]
     assert round(best["learning-rate"] * best["clip"], 12) == 1e-5
     assert interior(best, points) == ""  # γ = 0.01, τ = 1e-3 rather than an edge twin
+
+
+def test_noise_mapping_compares_the_two_readings_of_t(smoke):
+    """T' = epochs gives √(rounds/epochs) = √37 times less noise than T' = rounds."""
+    import re
+
+    report = (smoke("noise-mapping") / "report.md").read_text()
+    ratios = [float(x) for x in re.findall(r"σ_ω/τ = ([0-9.]+)", report)]
+    assert len(ratios) == 4
+    assert ratios[0] / ratios[1] == pytest.approx(37 ** 0.5, rel=0.02)
+    assert "(paper 88.5)" in report and "(paper 89.2)" in report
