@@ -427,7 +427,7 @@ def partial(lab: Lab) -> str:
 
 MAPPING_POINTS: dict[str, Config] = {  # E3's ε = 27 selection under T = rounds (seed 0 runs)
     "clip-sgd": {"learning-rate": 0.01, "clip": 0.1},
-    "clip21-sgd2m": {"learning-rate": 0.01, "clip": 1e-3, "beta": 0.1, "beta-hat": 0.5},
+    "clip21-sgd2m": {"learning-rate": 0.1, "clip": 1e-4, "beta": 0.1, "beta-hat": 0.5},
 }
 
 
