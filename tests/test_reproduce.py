@@ -77,7 +77,7 @@ def test_only_restricts_the_experiment_and_refuses_what_it_does_not_have(tmp_pat
 def test_selection_counts_identical_runs_once_and_prefers_interior_representatives():
     """Successive halving on a stand-in lab where, as for Clip-SGD, only γτ matters and the
     smallest γτ wins only at full length: every γτ must get its chance, once."""
-    from dpfl.experiments.clip21 import MNIST_GRIDS, interior, select
+    from dpfl.experiments.clip21 import MNIST_GRIDS, edge_axes, select
 
     class StandIn:
         runs: list = []
@@ -98,7 +98,7 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
     cell = ("mlp", "clip-sgd", 27.0)
     points = [{"algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
     lab = StandIn()
-    ranked = select(lab, {cell: points}, {cell: 1.0}, ((5, 0.25), (15, 3), (150, 1)))
+    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
     rounds = [c["num-server-rounds"] for c in lab.runs]
     assert rounds.count(5 * 37) == 20 and rounds.count(15 * 37) == 5
     full = [round(c["learning-rate"] * c["clip"], 12) for c in lab.runs if c["num-server-rounds"]
@@ -106,7 +106,7 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
     assert sorted(full) == [1e-5, 1e-4, 1e-3]  # three distinct γτ, not one anti-diagonal
     best = ranked[cell][0][1]
     assert round(best["learning-rate"] * best["clip"], 12) == 1e-5
-    assert interior(best, points) == ""  # γ = 0.01, τ = 1e-3 rather than an edge twin
+    assert edge_axes(best, points) == []  # γ = 0.01, τ = 1e-3 rather than an edge twin
 
 
 def test_noise_mapping_compares_the_two_readings_of_t(smoke):

@@ -189,7 +189,7 @@ def keep_count(keep: int | float, n: int) -> int:
     return max(1, min(n, count))
 
 
-def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: dict[Cell, float],
+def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
            rungs: Sequence[Rung]) -> dict[Cell, list[tuple[float, Config]]]:
     """The paper's protocol (best single run by test accuracy), coarse to fine (§9 D7):
     successive halving over ``rungs``. At each rung every surviving point of every cell runs
@@ -203,7 +203,7 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: dict[Cell, flo
     for epochs, keep in rungs:
         batch = [(cell, p) for cell, points in alive.items() for p in points]
         summaries = lab.run_many([{**p, "num-server-rounds": epochs * EPOCH_STEPS,
-                                   "noise-multiplier": noise[cell]} for cell, p in batch])
+                                   "noise-multiplier": noise} for cell, p in batch])
         ranked: dict[Cell, list[tuple[float, Config]]] = {}
         seen: dict[Cell, dict[Any, int]] = {}
         for (cell, p), summary in zip(batch, summaries, strict=True):
@@ -219,7 +219,8 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: dict[Cell, flo
             if outcome not in where:
                 where[outcome] = len(scores)
                 scores.append((final_accuracy(summary), p))
-            elif edges(p, candidates[cell]) < edges(scores[where[outcome]][1], candidates[cell]):
+            elif (len(edge_axes(p, candidates[cell]))
+                  < len(edge_axes(scores[where[outcome]][1], candidates[cell]))):
                 scores[where[outcome]] = (final_accuracy(summary), p)
         for cell, scores in ranked.items():
             scores.sort(key=lambda t: -t[0])  # stable: grid order breaks ties
@@ -227,20 +228,15 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: dict[Cell, flo
     return ranked
 
 
-def edges(point: Config, points: list[Config]) -> int:
-    """How many tuned axes of ``point`` sit on the edge of the grid ``points``."""
-    found = interior(point, points)
-    return len(found.split(", ")) if found else 0
-
-
-def interior(point: Config, points: list[Config]) -> str:
-    """Which tuned axes of ``point`` sit on the edge of the grid (empty when interior)."""
+def edge_axes(point: Config, points: list[Config]) -> list[str]:
+    """The tuned axes of ``point`` that sit on the edge of the grid ``points`` (empty when
+    interior); an axis with at most two values has no interior and is never counted."""
     edges = []
     for key in points[0]:
         values = sorted({p[key] for p in points})
         if len(values) > 2 and point[key] in (values[0], values[-1]):
             edges.append(key)
-    return ", ".join(edges)
+    return edges
 
 
 def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
@@ -253,15 +249,14 @@ def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
     rounds = epochs * EPOCH_STEPS
     cells: dict[Cell, Any] = {}
     for eps in epsilons:
-        candidates: dict[Cell, list[Config]] = {}
-        noise: dict[Cell, float] = {}
-        for model, (method, points) in itertools.product(models, grids.items()):
-            cell = (model, method, eps)
-            candidates[cell] = [{**base, "model": model, "algorithm": method, "epsilon": eps,
-                                 "num-server-rounds": rounds, **p} for p in points]
-            # σ_ω/τ of the full-length run (α-NormEC: τ := 1), as the proxies' noise-multiplier
-            noise[cell] = clip21_practice_noise_std(epsilon=eps, delta=float(base["delta"]),
-                                                    rounds=rounds, clip=1.0)
+        candidates = {(model, method, eps): [{**base, "model": model, "algorithm": method,
+                                              "epsilon": eps, "num-server-rounds": rounds, **p}
+                                             for p in points]
+                      for model, (method, points) in itertools.product(models, grids.items())}
+        # σ_ω/τ of the full-length run (α-NormEC: τ := 1), as every selection run's
+        # noise-multiplier: the same for every cell of this ε
+        noise = clip21_practice_noise_std(epsilon=eps, delta=float(base["delta"]),
+                                          rounds=rounds, clip=1.0)
         ranked = select(lab, candidates, noise, rungs)
         reruns = {cell: [{**scores[0][1], "seed": s} for s in seeds]
                   for cell, scores in ranked.items()}
@@ -272,7 +267,7 @@ def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
             cells[cell] = {
                 "accuracy": mean_std(accs), "runs": accs, "selected": chosen,
                 "proxy": [[acc, {k: p[k] for k in points[0]}] for acc, p in ranked[cell][:3]],
-                "edge": interior({k: chosen[k] for k in points[0]}, points),
+                "edge": ", ".join(edge_axes({k: chosen[k] for k in points[0]}, points)),
                 "epsilon_accountant": max((lab.summary(r) or {}).get("epsilon_max") or 0.0
                                           for r in runs),
             }
