@@ -60,16 +60,19 @@ class ResultsWriter:
         self.rounds: list[dict[str, Any]] = []
         (path / "config.json").write_text(json.dumps(
             {"run_config": config.as_dict(), **jsonable(meta)}, indent=2))
-        (path / "rounds.jsonl").write_text("")
+        # line-buffered: every round is on disk as soon as it ends, without reopening the file
+        self._rounds_file = (path / "rounds.jsonl").open("w", buffering=1)
 
     def add_round(self, record: dict[str, Any]) -> None:
         self.rounds.append(record)
-        with (self.path / "rounds.jsonl").open("a") as f:
-            f.write(json.dumps(jsonable(record)) + "\n")
+        self._rounds_file.write(json.dumps(jsonable(record)) + "\n")
 
     def finish(self, summary: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> None:
-        torch.save(state_dict, self.path / "model.pt")
-        (self.path / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))
+        """Plots and model first, ``summary.json`` last: its presence marks a finished run
+        (``dpfl reproduce`` reuses such runs)."""
         from dpfl.plots import plot_rounds
 
+        self._rounds_file.close()
         plot_rounds(self.rounds, self.path)
+        torch.save(state_dict, self.path / "model.pt")
+        (self.path / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))

@@ -353,6 +353,19 @@ def test_release_is_the_formula_noise_over_the_replace_one_sensitivity(small_con
         assert release.noise_multiplier == pytest.approx(65.7 / 2, rel=3e-3)
 
 
+@pytest.mark.parametrize("name", ["clip21-sgd2m", "clip21-sgd2m-plus"])
+def test_practice_horizon_epochs_counts_passes_over_the_local_data(small_config, name):
+    """T = rounds/⌊m/b⌋ under practice-horizon="epochs": √⌊m/b⌋ times less noise."""
+    config = small_config(algorithm=name, calibration="practice", clip=0.3, clip_inner=0.05,
+                          epsilon=3.0, delta=1e-3, num_server_rounds=5625)
+    by_rounds = build_problem(config).releases(0)[0]
+    by_epochs = build_problem(config.replace(practice_horizon="epochs")).releases(0)[0]
+    m, b = len(build_problem(config).partitions[0]), 16
+    assert m // b > 1 and by_epochs.sample_rate == by_rounds.sample_rate
+    assert by_epochs.noise_multiplier == pytest.approx(
+        by_rounds.noise_multiplier / math.sqrt(m // b), rel=1e-12)
+
+
 @pytest.mark.parametrize("name, extra", [("clip21-sgd2m", {}), ("clip21-sgd2m-plus", {}),
                                          ("clip-sgd", {"clipping": "per-sample"})])
 def test_accountant_calibration_reaches_the_target_epsilon(small_config, name, extra):

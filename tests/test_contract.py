@@ -142,3 +142,22 @@ def test_max_epsilon_stops_the_flower_code_path_where_the_engine_stops(tmp_path)
     flower = json.loads((tmp_path / "flower" / "summary.json").read_text())
     assert 0 < flower["rounds_completed"] == engine["rounds_completed"] < 40
     assert flower["epsilon_max"] == engine["epsilon_max"] <= 0.5
+
+
+def test_a_whole_data_batch_is_the_clients_data_and_a_smaller_one_is_drawn():
+    """``Cohort.sample`` at b = m returns each client's own rows (no draw, the set is certain);
+    below m it draws a fresh subset per round."""
+    from dpfl.algorithms import Cohort
+    from dpfl.privacy import Randomness
+
+    x = torch.arange(24.0).reshape(12, 2)
+    y = torch.arange(12)
+    indices = [torch.tensor([5, 0, 7, 2]), torch.tensor([1, 3, 4, 6]), torch.tensor([8, 9, 10, 11])]
+    cohort = Cohort([0, 1, 2], x, y, indices)
+    rng = Randomness(0)
+    xb, yb = cohort.sample(rng, 1, "batch", 4)
+    assert torch.equal(yb, torch.stack(indices)) and torch.equal(xb, x[torch.stack(indices)])
+    assert torch.equal(cohort.sample(rng, 2, "batch", 4)[1], yb)
+    small = [set(cohort.sample(rng, r, "batch", 2)[1][0].tolist()) for r in range(1, 30)]
+    assert all(s <= {5, 0, 7, 2} and len(s) == 2 for s in small)
+    assert len(set(map(frozenset, small))) > 1

@@ -52,7 +52,8 @@ def test_a_selected_cell_reruns_alone_with_its_dpfl_run_line(smoke, tmp_path):
 
 def test_unknown_experiment_names_the_allowed_ones(capsys):
     assert main(["reproduce", "clip21", "cifar"]) == 2
-    assert "allowed: clip21/logreg, clip21/mnist-dp, clip21/noise-mapping, clip21/partial" in \
+    assert "allowed: clip21/logreg, clip21/mnist-dp, clip21/mnist-dp-epochs, " \
+        "clip21/noise-mapping, clip21/partial" in \
         capsys.readouterr().err
 
 
@@ -77,7 +78,7 @@ def test_only_restricts_the_experiment_and_refuses_what_it_does_not_have(tmp_pat
 def test_selection_counts_identical_runs_once_and_prefers_interior_representatives():
     """Successive halving on a stand-in lab where, as for Clip-SGD, only γτ matters and the
     smallest γτ wins only at full length: every γτ must get its chance, once."""
-    from dpfl.experiments.clip21 import MNIST_GRIDS, edge_axes, select
+    from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, edge_axes, select
 
     class StandIn:
         runs: list = []
@@ -96,7 +97,7 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
         return {"test_accuracy": acc, "test_loss": 1 + gt * (1 + 1e-9 * c["clip"])}  # ~twins
 
     cell = ("mlp", "clip-sgd", 27.0)
-    points = [{"algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
+    points = [{**MNIST_BASE, "algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
     lab = StandIn()
     ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
     rounds = [c["num-server-rounds"] for c in lab.runs]
@@ -118,3 +119,30 @@ def test_noise_mapping_compares_the_two_readings_of_t(smoke):
     assert len(ratios) == 4
     assert ratios[0] / ratios[1] == pytest.approx(37 ** 0.5, rel=0.02)
     assert "(paper 88.5)" in report and "(paper 89.2)" in report
+
+
+def test_logreg_runs_only_the_requested_oracle_and_method(tmp_path):
+    assert main(["reproduce", "clip21", "logreg", "--smoke", "--results-dir", str(tmp_path),
+                 "--only", "oracle=gaussian", "--only", "method=clip21-sgd2m"]) == 0
+    folder = tmp_path / "reproduce-clip21-logreg-smoke"
+    report = (folder / "report.md").read_text()
+    assert "gaussian oracle" in report and "mini-batch oracle" not in report
+    assert "| τ | clip21-sgd2m |" in report and "clip-sgd" not in report
+    assert len(list((folder / "runs").iterdir())) == 2  # γ ∈ {2^-1, 2^1}, one β, τ, seed
+
+
+def test_mnist_dp_epochs_calibrates_every_run_with_t_counted_in_epochs(smoke):
+    """Selection proxies (noise-multiplier set) and seed runs (practice calibration with
+    practice-horizon="epochs") all use σ_ω/τ = (1/ε)√(T ln(1/δ)) at T = 1 epoch, not 37 rounds."""
+    from dpfl.privacy import clip21_practice_noise_std
+
+    expected = clip21_practice_noise_std(epsilon=27.0, delta=1e-3, rounds=1, clip=1.0)
+    runs = sorted((smoke("mnist-dp-epochs") / "runs").iterdir())
+    kinds = set()
+    for run_dir in runs:
+        config = json.loads((run_dir / "config.json").read_text())["run_config"]
+        releases = json.loads((run_dir / "summary.json").read_text())["releases"]
+        (release,) = releases["0"]
+        kinds.add(config["noise-multiplier"] < 0)
+        assert 2 * release["noise_multiplier"] == pytest.approx(expected, rel=1e-12)
+    assert kinds == {True, False}  # both the proxies and the seed runs were checked

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -64,6 +64,8 @@ class Cohort:
     x: torch.Tensor
     y: torch.Tensor
     indices: list[torch.Tensor]
+    _whole: tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, init=False, repr=False, compare=False)  # read-only, see sample()
 
     @property
     def sizes(self) -> list[int]:
@@ -79,7 +81,14 @@ class Cohort:
     def sample(self, rng: Randomness, round: int, purpose: str,
                batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A mini-batch of ``batch_size`` rows per client, uniformly without
-        replacement from its own data (fresh every call): ``x [C, b, ...]``, ``y [C, b]``."""
+        replacement from its own data (fresh every call): ``x [C, b, ...]``, ``y [C, b]``.
+        A batch of a client's whole data is that data in stored order (no draw: the set is
+        certain and a mean does not depend on the order), gathered once per cohort."""
+        if all(size == batch_size for size in self.sizes):
+            if self._whole is None:
+                rows = torch.stack(self.indices)
+                self._whole = (self.x[rows], self.y[rows])
+            return self._whole
         picks = rng.sample_without_replacement(self.ids, self.sizes, round, purpose, batch_size)
         rows = torch.stack([idx[p] for idx, p in zip(self.indices, picks, strict=True)])
         return self.x[rows], self.y[rows]

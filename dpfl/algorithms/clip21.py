@@ -48,7 +48,8 @@ for client-level clipping (·1 for α-NormEC; it is 004's noise-clipping ratio �
   radius (r/b for the per-sample forms, without amplification);
 * ``practice``: :func:`~dpfl.privacy.clip21_practice_noise_std`, the experiments' σ_ω (default
   for reproductions), rescaled by b/m for the per-sample forms (App. J.2: "we rescale the
-  DP-noise variance σ_ω by a factor b/m"; applied to the standard deviation).
+  DP-noise variance σ_ω by a factor b/m"; applied to the standard deviation). Its T is the
+  number of rounds, or of epochs (rounds/⌊m/b⌋) with ``practice-horizon="epochs"`` (§9 A4).
 
 Partial participation (A3): the same σ as with full participation (calibrated over all T rounds,
 an upper bound on a client's releases), and a client's ledger records only the rounds it took
@@ -104,14 +105,22 @@ PARAMS: dict[str, Param] = {p.key: p for p in (
           "clip is its outer threshold.", check=positive, symbol="τ_in"),
     Param("clipping", "client", "Clip-SGD: clip each client's mini-batch gradient (Alg. 1) or "
           "each per-sample gradient (DP-SGD, §3.5).", choices=("client", "per-sample")),
+    Param("practice-horizon", "rounds", "What T counts in calibration='practice', σ_ω = "
+          "(τ/ε)·√(T·ln(1/δ)): 'rounds', the number of releases (§9 A1, A4), or 'epochs', "
+          "passes over the local data, rounds/⌊m/b⌋ (the reading Table 1 is consistent with: "
+          "README, noise mapping).", choices=("rounds", "epochs"), symbol="T"),
     Param("gradient-noise", 0.0, "Std of Gaussian noise added to each client's mini-batch "
           "gradient: the 'Gaussian-added' stochastic oracle of E1 (§2.6, §9 D2); not DP noise.",
           check=lambda v: None if v >= 0 else f"must be >= 0, got {v}", symbol="σ"),
 )}
 
 
+FAMILY_KEYS = ("fraction-train", "pp-scaling", "practice-horizon")  # every method has these
+
+
 def _params(*keys: str) -> tuple[Param, ...]:
-    return tuple(PARAMS[k] for k in keys)
+    """The run-config keys of one method: its own ``keys`` and the family's."""
+    return tuple(PARAMS[k] for k in (*keys, *FAMILY_KEYS))
 
 
 # ---- compressors -------------------------------------------------------------------------------
@@ -187,8 +196,10 @@ class Clip21Family(Algorithm):
         elif cfg["calibration"] == "paper":
             z = clip21_paper_noise_std(epsilon=eps, delta=delta, rounds=rounds,
                                        clip=self.sensitivity() / 2) / self.sensitivity()
-        else:  # practice
-            z = q * clip21_practice_noise_std(epsilon=eps, delta=delta, rounds=rounds,
+        else:  # practice, T per practice-horizon
+            horizon = rounds if cfg["practice-horizon"] == "rounds" else rounds / max(
+                1, num_samples // self.batch_size)
+            z = q * clip21_practice_noise_std(epsilon=eps, delta=delta, rounds=horizon,
                                               clip=self.radius()) / self.sensitivity()
         return [Release("train", noise_multiplier=z, sample_rate=q, steps=1)]
 
@@ -276,7 +287,7 @@ class Clip21SGD2M(Clip21Family):
     """
 
     name = "clip21-sgd2m"
-    params = _params("beta", "beta-hat", "fraction-train", "pp-scaling", "gradient-noise")
+    params = _params("beta", "beta-hat", "gradient-noise")
     protection = ("record-level local DP per client (replace-one neighbours; any change of the "
                   "client's data): one clipped message of sensitivity 2τ per round, client-side "
                   "Gaussian noise, no amplification")
@@ -342,7 +353,7 @@ class Clip21SGD(Clip21SGD2M):
     the batch it is Clip21-GD."""
 
     name = "clip21-sgd"
-    params = _params("fraction-train", "pp-scaling", "gradient-noise")
+    params = _params("gradient-noise")
     fixed = {"beta": 1.0, "beta-hat": 1.0}
 
 
@@ -355,7 +366,7 @@ class AlphaNormEC(Clip21SGD2M):
     server normalisation. ``beta`` is ignored; α is ``normec-alpha``."""
 
     name = "alpha-normec"
-    params = _params("beta-hat", "normec-alpha", "fraction-train", "pp-scaling", "gradient-noise")
+    params = _params("beta-hat", "normec-alpha", "gradient-noise")
     protection = ("record-level local DP per client (replace-one neighbours): one message of "
                   "norm < 1 (sensitivity 2) per round, client-side Gaussian noise, "
                   "no amplification")
@@ -372,7 +383,7 @@ class Clip21SGD2MPlus(Clip21SGD2M):
     (fixed-size batches without replacement, A-plus), everything else post-processing."""
 
     name = "clip21-sgd2m-plus"
-    params = _params("beta", "beta-hat", "clip-inner", "fraction-train", "pp-scaling")
+    params = _params("beta", "beta-hat", "clip-inner")
     protection = ("record-level local DP per client (replace-one neighbours): per-sample "
                   "clipping at clip-inner, client-side Gaussian noise inside the momentum, "
                   "sampling amplification at rate b/m")
@@ -394,7 +405,7 @@ class ClipSGD(Clip21Family):
     ``clip-input-norm`` (of the mini-batch gradient); per-sample ``clipped-fraction``."""
 
     name = "clip-sgd"
-    params = _params("clipping", "fraction-train", "pp-scaling", "gradient-noise")
+    params = _params("clipping", "gradient-noise")
     protection = ("record-level local DP per client (replace-one neighbours): clipping='client' "
                   "clips the client's mini-batch gradient (sensitivity 2τ, no amplification); "
                   "'per-sample' is DP-SGD (sensitivity 2τ/b, sample rate b/m); client-side "

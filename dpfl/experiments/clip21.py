@@ -10,6 +10,7 @@ for each selected cell, the exact ``dpfl run --run-config`` that re-runs it alon
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -68,18 +69,21 @@ def logreg_metric(lab: Lab, values: Config, last: int) -> float:
                             if "grad_norm" in r and r["round"] > final - last)
 
 
-@experiment("clip21", "logreg", "E1: non-convex logistic regression on duke (Fig. 2, I.1)")
+@experiment("clip21", "logreg", "E1: non-convex logistic regression on duke (Fig. 2, I.1)",
+            axes=("oracle", "tau", "method"))
 def logreg(lab: Lab) -> str:
     smoke = lab.smoke
     rounds, last = (200, 20) if smoke else (10_000, 100)
-    taus = [1e-2] if smoke else [1e-1, 1e-2, 1e-3, 1e-4]
+    modes = lab.restrict("oracle", list(LOGREG_MODES))
+    taus = lab.restrict("tau", [1e-2] if smoke else [1e-1, 1e-2, 1e-3, 1e-4])
     gammas = [2.0**k for k in ((-1, 1) if smoke else range(-5, 6))]
     betas = [0.5] if smoke else [0.1, 0.5, 0.9]
     seeds = [0] if smoke else [0, 1, 2]
-    methods = {"clip-sgd": [{}], "clip21-sgd": [{}],
-               "clip21-sgd2m": [{"beta": b} for b in betas]}
+    methods = {m: v for m, v in {"clip-sgd": [{}], "clip21-sgd": [{}],
+                                 "clip21-sgd2m": [{"beta": b} for b in betas]}.items()
+               if m in lab.restrict("method", ["clip-sgd", "clip21-sgd", "clip21-sgd2m"])}
     runs: dict[tuple[str, float, str], list[tuple[Config, list[Config]]]] = {}
-    for mode, tau, (method, variants) in itertools.product(LOGREG_MODES, taus, methods.items()):
+    for mode, tau, (method, variants) in itertools.product(modes, taus, methods.items()):
         for variant, gamma in itertools.product(variants, gammas):
             point = {**LOGREG_BASE, **LOGREG_MODES[mode], "algorithm": method, "clip": tau,
                      "learning-rate": gamma, "num-server-rounds": rounds, **variant}
@@ -98,7 +102,7 @@ def logreg(lab: Lab) -> str:
              f"global objective averaged over the last {last} iterations and the seeds; γ (and "
              f"β) selected per (oracle, τ, method) by that metric. Leukemia is not available "
              f"offline (shared/data/README.md), so only duke is reproduced.")
-    for mode in LOGREG_MODES:
+    for mode in modes:
         rows = []
         for tau in taus:
             row: list[Any] = [f"{tau:g}"]
@@ -111,17 +115,17 @@ def logreg(lab: Lab) -> str:
             rows.append(row)
         lab.table(f"Fig. 2, {mode} oracle: final gradient norm (mean ± std over seeds)",
                   ["τ", *methods], rows)
-    fig, axes = plt.subplots(1, len(LOGREG_MODES), figsize=(10, 4))
-    for ax, mode in zip(axes, LOGREG_MODES, strict=True):
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
         for method in methods:
             ax.plot(taus, [best[(mode, t, method)][0] for t in taus], marker="o", label=method)
         ax.set(xscale="log", yscale="log", xlabel="τ", ylabel="‖∇f‖ (last iterations)",
                title=f"duke, {mode}")
         ax.legend()
     lab.figure("fig2", fig, "Fig. 2: tuned methods' final gradient norm against τ.")
-    fig, axes = plt.subplots(len(LOGREG_MODES), len(taus), figsize=(4 * len(taus), 7),
+    fig, axes = plt.subplots(len(modes), len(taus), figsize=(4 * len(taus), 3.5 * len(modes)),
                              squeeze=False)
-    for (i, mode), (j, tau) in itertools.product(enumerate(LOGREG_MODES), enumerate(taus)):
+    for (i, mode), (j, tau) in itertools.product(enumerate(modes), enumerate(taus)):
         ax = axes[i][j]
         for method in methods:
             point = best[(mode, tau, method)][2]
@@ -141,7 +145,16 @@ def logreg(lab: Lab) -> str:
 
 # ---- E3: MNIST with ε-calibrated local DP (§5 E3, §6.1, §9 A1, A4, D4, D7) ---------------------
 
-EPOCH_STEPS = 37  # 2400 records per client / batch 64, drop_last (§9 A4)
+MNIST_TRAIN = 60_000
+
+
+def epoch_steps(config: Config) -> int:
+    """Rounds per epoch: ⌊m/b⌋ with m = 60000/n records per client (drop_last, §9 A4): 37 for
+    E3's n = 25, 39 for E4's n = 24."""
+    return MNIST_TRAIN // int(config["num-partitions"]) // int(config["batch-size"])
+
+
+EPOCH_STEPS = 37  # E3: 2400 records per client / batch 64
 MNIST_BASE: Config = {
     "dataset": "mnist", "partitioner": "iid", "num-partitions": 25, "batch-size": 64,
     "delta": 1e-3, "calibration": "practice", "eval-every": EPOCH_STEPS,
@@ -202,7 +215,7 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
     ranked: dict[Cell, list[tuple[float, Config]]] = {}
     for epochs, keep in rungs:
         batch = [(cell, p) for cell, points in alive.items() for p in points]
-        summaries = lab.run_many([{**p, "num-server-rounds": epochs * EPOCH_STEPS,
+        summaries = lab.run_many([{**p, "num-server-rounds": epochs * epoch_steps(p),
                                    "noise-multiplier": noise} for cell, p in batch])
         ranked: dict[Cell, list[tuple[float, Config]]] = {}
         seen: dict[Cell, dict[Any, int]] = {}
@@ -239,6 +252,13 @@ def edge_axes(point: Config, points: list[Config]) -> list[str]:
     return edges
 
 
+def horizon(base: Config, epochs: int) -> int:
+    """The T of the practice calibration (run-config key ``practice-horizon``, §9 A4) for a
+    full-length run of ``epochs`` epochs: the number of rounds, or of epochs."""
+    return epochs if base.get("practice-horizon", "rounds") == "epochs" else \
+        epochs * epoch_steps(base)
+
+
 def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
            grids: dict[str, list[Config]], *, epochs: int, rungs: Sequence[Rung],
            seeds: Sequence[int], base: Config,
@@ -246,7 +266,7 @@ def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
     """Select and re-run every (model, method, ε) cell, one ε at a time (all of an ε's cells
     share the worker pool); returns the cells' results. ``after_epsilon(cells so far)`` is
     called as each ε completes (a long sweep refreshes its report as it goes)."""
-    rounds = epochs * EPOCH_STEPS
+    rounds = epochs * epoch_steps(base)
     cells: dict[Cell, Any] = {}
     for eps in epsilons:
         candidates = {(model, method, eps): [{**base, "model": model, "algorithm": method,
@@ -256,7 +276,7 @@ def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
         # σ_ω/τ of the full-length run (α-NormEC: τ := 1), as every selection run's
         # noise-multiplier: the same for every cell of this ε
         noise = clip21_practice_noise_std(epsilon=eps, delta=float(base["delta"]),
-                                          rounds=rounds, clip=1.0)
+                                          rounds=horizon(base, epochs), clip=1.0)
         ranked = select(lab, candidates, noise, rungs)
         reruns = {cell: [{**scores[0][1], "seed": s} for s in seeds]
                   for cell, scores in ranked.items()}
@@ -320,14 +340,14 @@ def mnist_setup(lab: Lab, grids: dict[str, list[Config]] | None = None) -> dict[
     return setup
 
 
-def protocol(setup: dict[str, Any]) -> str:
+def protocol(setup: dict[str, Any], base: Config) -> str:
     rungs = ", then ".join(
         f"{e} epochs (keep the best {k if isinstance(k, int) else f'{k:.0%}'})"
         for e, k in setup["rungs"])
     return (f"Selection (the paper's 'best single run by test accuracy', coarse to fine, §9 D7): "
             f"successive halving over every grid point of the cell, {rungs}; every proxy runs "
             f"with the noise of the full-length run (noise-multiplier = σ_ω/τ of T = "
-            f"{setup['epochs'] * EPOCH_STEPS}; the last rung is the full-length single run). The "
+            f"{horizon(base, setup['epochs'])}; the last rung is the full-length single run). The "
             f"selected point runs the full "
             f"{setup['epochs']} epochs with seeds {setup['seeds']} (fresh seeds, not the "
             f"selection's seed 0): mean ± std below. All runs use `engine-mode=\"fast\"` "
@@ -337,9 +357,14 @@ def protocol(setup: dict[str, Any]) -> str:
 
 @experiment("clip21", "mnist-dp", "E3: MNIST MLP and CNN under local DP, the whole Table 1",
             axes=("model", "method", "epsilon"))
-def mnist_dp(lab: Lab) -> str:
+def mnist_dp(lab: Lab, reading: str = "rounds") -> str:
+    """E3. ``reading`` is the practice calibration's T (``practice-horizon``): the spec's
+    ``rounds`` (``mnist-dp``) or ``epochs`` (``mnist-dp-epochs``, the reading the paper's
+    revealed cells are consistent with: ``noise-mapping``)."""
     setup = mnist_setup(lab)
-    title = "Clip21 E3: MNIST under local DP (Table 1)"
+    base = MNIST_BASE if reading == "rounds" else {**MNIST_BASE, "practice-horizon": reading}
+    title = "Clip21 E3: MNIST under local DP (Table 1" + (
+        ")" if reading == "rounds" else f", practice calibration with T = {reading})")
 
     def report(cells: dict[Cell, Any]) -> None:
         lab.sections.clear()
@@ -347,7 +372,9 @@ def mnist_dp(lab: Lab) -> str:
         lab.text(
             f"MNIST, n = 25 iid clients (2400 records each), batch 64, {setup['epochs']} epochs "
             f"(T = {setup['epochs'] * EPOCH_STEPS} rounds, drop_last), δ = 1e-3, no "
-            f"amplification, σ_ω = (τ/ε)·√(T·ln(1/δ)) ('practice', §9 A1). {protocol(setup)} "
+            f"amplification, σ_ω = (τ/ε)·√(T'·ln(1/δ)) ('practice', §9 A1) with T' = "
+            f"{horizon(base, setup['epochs'])} ({reading}: `practice-horizon=\"{reading}\"`). "
+            f"{protocol(setup, base)} "
             f"Paper values in brackets are the revealed cells of Table 1 (§6.1); the accountant "
             f"ε column is the RDP ε of the noise actually used (replace-one, no amplification).")
         if len(done) < len(setup["epsilons"]):
@@ -369,8 +396,13 @@ def mnist_dp(lab: Lab) -> str:
         lab.write(title)
 
     table1(lab, setup["models"], setup["epsilons"], setup["grids"], epochs=setup["epochs"],
-           rungs=setup["rungs"], seeds=setup["seeds"], base=MNIST_BASE, after_epsilon=report)
+           rungs=setup["rungs"], seeds=setup["seeds"], base=base, after_epsilon=report)
     return title
+
+
+experiment("clip21", "mnist-dp-epochs", "E3 with the practice calibration's T counted in epochs "
+           "(practice-horizon=\"epochs\"; what the revealed cells are consistent with)",
+           axes=("model", "method", "epsilon"))(functools.partial(mnist_dp, reading="epochs"))
 
 
 # ---- E4: partial participation (§5 E4, Alg. 4, §9 A-PP, A3) ------------------------------------
@@ -382,6 +414,7 @@ def partial(lab: Lab) -> str:
     sizes = lab.restrict("s", [6, 12, 18])
     grids = setup["grids"]
     base = {**MNIST_BASE, "num-partitions": 24}
+    base["eval-every"] = epoch_steps(base)  # 39: 2500 records per client
     title = "Clip21 E4: partial participation"
     results: dict[int, dict[Cell, Any]] = {s: {} for s in sizes}
 
@@ -392,7 +425,7 @@ def partial(lab: Lab) -> str:
             "(Alg. 4, server scaling β̂/s as printed), otherwise E3's setup. The noise is that "
             "of full participation and each client's ledger counts only the rounds it took part "
             "in: the server knows who is sampled, so no amplification is claimed (§9 A3). "
-            f"{protocol(setup)}")
+            f"{protocol(setup, base)}")
         for s in sizes:
             report_table1(lab, results[s], setup["models"], list(grids),
                           sorted({cell[2] for cell in results[s]}),
@@ -469,13 +502,14 @@ def noise_mapping(lab: Lab) -> str:
     lab.table("Final test accuracy (%) under each reading of T", ["method", "reading",
               *[f"ε = {e:g}" for e in epsilons]], rows)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m, r in itertools.product(methods, readings):
-        ax.plot(epsilons, [final_accuracy(summaries[(m, r, e)]) for e in epsilons], marker="o",
-                label=f"{m}, T' = {r}")
-    for m in methods:
-        revealed = PAPER_TABLE_1.get(("mlp", m), {})
-        ax.plot(list(revealed), [v[0] for v in revealed.values()], "k--", marker="x", alpha=0.5,
-                label=f"{m}, paper")
+    styles = {"rounds": ":", "epochs": "-"}
+    for i, m in enumerate(methods):  # a colour per method: ours by reading, the paper dashed
+        for r in readings:
+            ax.plot(epsilons, [final_accuracy(summaries[(m, r, e)]) for e in epsilons],
+                    styles[r], color=f"C{i}", marker="o", label=f"{m}, T' = {r}")
+        revealed = sorted(PAPER_TABLE_1.get(("mlp", m), {}).items())
+        ax.plot([e for e, _ in revealed], [v[0] for _, v in revealed], "--", color=f"C{i}",
+                marker="x", alpha=0.6, label=f"{m}, paper")
     ax.set(xscale="log", xlabel="ε", ylabel="test accuracy (%)", title="MNIST MLP: which T?")
     ax.legend(fontsize=7)
     lab.figure("mapping", fig, "Accuracy against ε under both readings of T, and the paper's.")

@@ -88,13 +88,14 @@ def clip21_paper_noise_std(*, epsilon: float, delta: float, rounds: int, clip: f
     return 8 * clip / epsilon * math.sqrt(t * math.log(5 * t / (4 * delta)) * math.log(1 / delta))
 
 
-def clip21_practice_noise_std(*, epsilon: float, delta: float, rounds: int,
+def clip21_practice_noise_std(*, epsilon: float, delta: float, rounds: float,
                               clip: float) -> float:
     """The noise level of Clip21-SGD2M's DP experiments (specs/clip21-sgd2m.md §4, §9 A1).
 
     ``σ_ω = (τ/ε)·sqrt(T·ln(1/δ))``, inferred from the authors' related public code (the
-    papers do not state it). It is not a DP guarantee: the ledger's accountant ε for this noise
-    is the one to report. For n = 25, batch 64, 150 epochs (T = 5625), δ = 1e-3:
-    σ_ω/τ = 65.7, 37.9, 21.9, 12.6, 7.30 for ε = 3, 5.2, 9, 15.6, 27.
+    papers do not state it; ``rounds`` is T, which the run-config key ``practice-horizon``
+    makes the number of rounds or of epochs, §9 A4). It is not a DP guarantee: the ledger's
+    accountant ε for this noise is the one to report. For n = 25, batch 64, 150 epochs
+    (T = 5625), δ = 1e-3: σ_ω/τ = 65.7, 37.9, 21.9, 12.6, 7.30 for ε = 3, 5.2, 9, 15.6, 27.
     """
     return clip / epsilon * math.sqrt(float(rounds) * math.log(1 / delta))
