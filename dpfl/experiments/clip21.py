@@ -79,9 +79,9 @@ def logreg(lab: Lab) -> str:
     gammas = [2.0**k for k in ((-1, 1) if smoke else range(-5, 6))]
     betas = [0.5] if smoke else [0.1, 0.5, 0.9]
     seeds = [0] if smoke else [0, 1, 2]
-    methods = {m: v for m, v in {"clip-sgd": [{}], "clip21-sgd": [{}],
-                                 "clip21-sgd2m": [{"beta": b} for b in betas]}.items()
-               if m in lab.restrict("method", ["clip-sgd", "clip21-sgd", "clip21-sgd2m"])}
+    variants = {"clip-sgd": [{}], "clip21-sgd": [{}],
+                "clip21-sgd2m": [{"beta": b} for b in betas]}
+    methods = {m: variants[m] for m in lab.restrict("method", list(variants))}
     runs: dict[tuple[str, float, str], list[tuple[Config, list[Config]]]] = {}
     for mode, tau, (method, variants) in itertools.product(modes, taus, methods.items()):
         for variant, gamma in itertools.product(variants, gammas):
@@ -154,12 +154,12 @@ def epoch_steps(config: Config) -> int:
     return MNIST_TRAIN // int(config["num-partitions"]) // int(config["batch-size"])
 
 
-EPOCH_STEPS = 37  # E3: 2400 records per client / batch 64
 MNIST_BASE: Config = {
     "dataset": "mnist", "partitioner": "iid", "num-partitions": 25, "batch-size": 64,
-    "delta": 1e-3, "calibration": "practice", "eval-every": EPOCH_STEPS,
+    "delta": 1e-3, "calibration": "practice",
     "engine-mode": "fast",  # pooled noise: same law, ~1.6x faster (README, engine-mode)
 }
+MNIST_BASE["eval-every"] = EPOCH_STEPS = epoch_steps(MNIST_BASE)  # 37: evaluate every epoch
 EPSILONS = [27.0, 5.2, 15.6, 9.0, 3.0]  # revealed cells first (§6.1)
 PAPER_TABLE_1 = {  # revealed cells (§6.1): (model, method) -> {ε: (mean, std)}
     ("mlp", "clip-sgd"): {5.2: (74.5, 1.3), 15.6: (81.2, 0.3), 27.0: (88.5, 0.1)},
@@ -371,7 +371,7 @@ def mnist_dp(lab: Lab, reading: str = "rounds") -> str:
         done = [e for e in setup["epsilons"] if any(c[2] == e for c in cells)]
         lab.text(
             f"MNIST, n = 25 iid clients (2400 records each), batch 64, {setup['epochs']} epochs "
-            f"(T = {setup['epochs'] * EPOCH_STEPS} rounds, drop_last), δ = 1e-3, no "
+            f"(T = {setup['epochs'] * epoch_steps(base)} rounds, drop_last), δ = 1e-3, no "
             f"amplification, σ_ω = (τ/ε)·√(T'·ln(1/δ)) ('practice', §9 A1) with T' = "
             f"{horizon(base, setup['epochs'])} ({reading}: `practice-horizon=\"{reading}\"`). "
             f"{protocol(setup, base)} "
@@ -472,7 +472,7 @@ def noise_mapping(lab: Lab) -> str:
     epsilons = lab.restrict("epsilon", [27.0] if lab.smoke else [5.2, 15.6, 27.0])
     methods = lab.restrict("method", list(MAPPING_POINTS))
     rounds = epochs * EPOCH_STEPS
-    steps = {"rounds": rounds, "epochs": epochs}
+    steps = {r: horizon({**MNIST_BASE, "practice-horizon": r}, epochs) for r in readings}
     runs = {(m, r, e): {**MNIST_BASE, "model": "mlp", "algorithm": m, "epsilon": e,
                         "num-server-rounds": rounds, **MAPPING_POINTS[m],
                         "noise-multiplier": clip21_practice_noise_std(
