@@ -76,8 +76,9 @@ def test_only_restricts_the_experiment_and_refuses_what_it_does_not_have(tmp_pat
 
 
 def test_selection_counts_identical_runs_once_and_prefers_interior_representatives():
-    """Successive halving on a stand-in lab where, as for Clip-SGD, only γτ matters and the
-    smallest γτ wins only at full length: every γτ must get its chance, once."""
+    """Successive halving on a stand-in lab where, as for Clip-SGD, only γτ matters and a
+    small γτ that is poor after 5 epochs wins at full length: every γτ must get its chance,
+    once (ranking all points together would drop it after 5 epochs)."""
     from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, edge_axes, select
 
     class StandIn:
@@ -89,11 +90,11 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
 
     def outcome(c):
         gt = round(c["learning-rate"] * c["clip"], 12)
-        acc = {1e-3: 0.3, 1e-4: 0.2, 1e-2: 0.15, 1e-5: 0.1}.get(gt, 0.05)
-        if gt in (1e-4, 1e-5) and c["num-server-rounds"] >= 15 * 37:
-            acc += 0.2  # small steps catch up with time...
+        acc = {1e-3: 0.3, 1e-4: 0.2, 1e-2: 0.15, 1e-6: 0.1, 1e-7: 0.08}.get(gt, 0.05)
+        if c["num-server-rounds"] >= 15 * 37:
+            acc += {1e-4: 0.2, 1e-5: 0.3}.get(gt, 0.0)  # small steps catch up with time...
         if gt == 1e-5 and c["num-server-rounds"] >= 150 * 37:
-            acc += 0.5  # ...and the smallest is best only at full length
+            acc += 0.5  # ...and 1e-5 is best only at full length
         return {"test_accuracy": acc, "test_loss": 1 + gt * (1 + 1e-9 * c["clip"])}  # ~twins
 
     cell = ("mlp", "clip-sgd", 27.0)
@@ -101,13 +102,34 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
     lab = StandIn()
     ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
     rounds = [c["num-server-rounds"] for c in lab.runs]
-    assert rounds.count(5 * 37) == 20 and rounds.count(15 * 37) == 5
+    assert rounds.count(5 * 37) == 20
+    assert rounds.count(15 * 37) == 8  # γτ ∈ {1e-7, ..., 1}: one run each, twins once
     full = [round(c["learning-rate"] * c["clip"], 12) for c in lab.runs if c["num-server-rounds"]
             == 150 * 37]
-    assert sorted(full) == [1e-5, 1e-4, 1e-3]  # three distinct γτ, not one anti-diagonal
+    assert sorted(full) == [1e-5, 1e-4, 1e-3]  # the 3 best step sizes after 15 epochs
     best = ranked[cell][0][1]
     assert round(best["learning-rate"] * best["clip"], 12) == 1e-5
     assert edge_axes(best, points) == []  # γ = 0.01, τ = 1e-3 rather than an edge twin
+
+
+def test_survivors_rank_within_step_sizes():
+    from dpfl.experiments.clip21 import step_size, survivors
+
+    def point(gamma, tau, beta):
+        return {"learning-rate": gamma, "clip": tau, "beta": beta}
+
+    points = [point(g, t, b) for g, t in ((1.0, 1e-3), (0.1, 1e-3), (1.0, 1e-5))
+              for b in (0.1, 0.5, 0.9, 0.99)]
+    scores = [(90 - i, p) for i, p in enumerate(points)]  # grid order is rank order
+    assert step_size(point(0.1, 1e-3, 0.5)) == step_size(point(1.0, 1e-4, 0.5)) == 1e-4
+    kept = survivors(scores, points, 0.25)  # a quarter of each step size's 4 points
+    assert [(p["learning-rate"], p["clip"]) for p in kept] == [(1.0, 1e-3), (0.1, 1e-3),
+                                                               (1.0, 1e-5)]
+    kept = survivors(scores, points, 2)  # the best point of the 2 best step sizes
+    assert kept == [points[0], points[4]]
+    assert survivors(list(reversed(scores)), points, 1) == [points[-1]]
+    alpha_normec = {"learning-rate": 0.01, "normec-alpha": 1.0}  # τ := 1, its default
+    assert step_size(alpha_normec) == 0.01
 
 
 def test_noise_mapping_compares_the_two_readings_of_t(smoke):

@@ -20,7 +20,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from dpfl.config import Value
+from dpfl.config import RunConfig, Value
 from dpfl.experiments.lab import Lab
 from dpfl.experiments.registry import experiment
 from dpfl.launch import format_overrides
@@ -180,9 +180,11 @@ SMOKE_GRIDS: dict[str, list[Config]] = {
     "clip-sgd": grid(learning_rate=[0.1, 1.0], clip=[0.1]),
     "clip21-sgd2m": grid(learning_rate=[0.1, 1.0], clip=[1e-2], beta=[0.5], beta_hat=[0.1]),
 }
-# Successive halving (§9 D7, coarse to fine): (epochs, how many of a cell's points go on: a
-# count, or a fraction of the rung's points). The last rung is the paper's full-length single
-# run (seed 0), which picks the cell's point among the 3 best 15-epoch proxies.
+# Successive halving (§9 D7, coarse to fine): (epochs, what a rung passes on). Every rung ranks a
+# cell's points within their step size γτ (:func:`step_size`); a fraction keeps that share of
+# every step size's points, a count keeps the best point of that many best step sizes. The last
+# rung is the paper's full-length single run (seed 0), which picks the cell's point among the
+# best points of the 3 best step sizes after 15 epochs.
 Rung = tuple[int, int | float]
 RUNGS: tuple[Rung, ...] = ((5, 0.25), (15, 3), (150, 1))
 SMOKE_RUNGS: tuple[Rung, ...] = ((1, 1),)
@@ -202,13 +204,43 @@ def keep_count(keep: int | float, n: int) -> int:
     return max(1, min(n, count))
 
 
+def step_size(point: Config) -> float:
+    """γτ, the scale of a point's update and of its noise: every Clip21-family message has norm
+    at most τ and noise std σ_ω ∝ τ (α-NormEC normalises with τ := 1), so x moves by γτ times a
+    bounded vector per round. Three significant digits (0.1·1e-3 is 1e-4)."""
+    values = RunConfig(point)
+    return float(f"{float(values['learning-rate']) * float(values['clip']):.3g}")
+
+
+def survivors(scores: list[tuple[float, Config]], points: list[Config],
+              keep: int | float) -> list[Config]:
+    """The points a rung passes on, from its distinct outcomes ``scores`` (best first) among
+    the rung's ``points``: ranked within each step size (:func:`step_size`), a fraction ``keep``
+    keeps that share of every step size's points (of ``points``, rounded up), a count keeps the
+    best point of each of the ``keep`` step sizes whose best points rank highest.
+
+    Why by step size: a short proxy run is biased towards large steps. Noise enters the server
+    state, and through it x, every round, so the noise x carries grows with T while the
+    progress a large step buys shows early; the full-length optimum lies at a smaller γτ than a
+    5- or 15-epoch run's (measured at ε = 27: README, "Selection"). The other axes are ranked
+    as before, within a step size."""
+    levels: dict[float, list[Config]] = {}
+    for _, p in scores:  # best first, so every level's list is ranked and levels are too
+        levels.setdefault(step_size(p), []).append(p)
+    if isinstance(keep, int):
+        return [ranked[0] for ranked in list(levels.values())[:keep]]
+    sizes = [step_size(p) for p in points]
+    return [p for level, ranked in levels.items()
+            for p in ranked[:keep_count(keep, sizes.count(level))]]
+
+
 def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
            rungs: Sequence[Rung]) -> dict[Cell, list[tuple[float, Config]]]:
     """The paper's protocol (best single run by test accuracy), coarse to fine (§9 D7):
     successive halving over ``rungs``. At each rung every surviving point of every cell runs
     that many epochs (seed 0) with the *full-length* run's noise (``noise-multiplier`` fixed to
     σ_ω/τ of the 150-epoch calibration, so a short proxy sees the noise level it is selected
-    for), and the best :func:`keep_count` of each cell's points go on, counting points whose
+    for), and :func:`survivors` go on, ranked within their step size γτ, counting points whose
     runs end identically (same final test accuracy and loss) once, by the first in grid order.
     Returns, per cell, the last rung's distinct points ranked by accuracy (best first)."""
     alive = {cell: list(points) for cell, points in candidates.items()}
@@ -237,7 +269,7 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
                 scores[where[outcome]] = (final_accuracy(summary), p)
         for cell, scores in ranked.items():
             scores.sort(key=lambda t: -t[0])  # stable: grid order breaks ties
-            alive[cell] = [p for _, p in scores[:keep_count(keep, len(alive[cell]))]]
+            alive[cell] = survivors(scores, alive[cell], keep)
     return ranked
 
 
@@ -341,12 +373,17 @@ def mnist_setup(lab: Lab, grids: dict[str, list[Config]] | None = None) -> dict[
 
 
 def protocol(setup: dict[str, Any], base: Config) -> str:
-    rungs = ", then ".join(
-        f"{e} epochs (keep the best {k if isinstance(k, int) else f'{k:.0%}'})"
-        for e, k in setup["rungs"])
+    def keeps(k: int | float) -> str:
+        if isinstance(k, float):
+            return f"the best {k:.0%} of every step size go on"
+        return "the best point is selected" if k == 1 else \
+            f"the best point of each of the {k} best step sizes goes on"
+
+    rungs = ", then ".join(f"{e} epochs ({keeps(k)})" for e, k in setup["rungs"])
     return (f"Selection (the paper's 'best single run by test accuracy', coarse to fine, §9 D7): "
-            f"successive halving over every grid point of the cell, {rungs}; every proxy runs "
-            f"with the noise of the full-length run (noise-multiplier = σ_ω/τ of T = "
+            f"successive halving over every grid point of the cell, ranked within each step "
+            f"size γτ (α-NormEC: γ), since short runs favour large steps: {rungs}; every proxy "
+            f"runs with the noise of the full-length run (noise-multiplier = σ_ω/τ of T = "
             f"{horizon(base, setup['epochs'])}; the last rung is the full-length single run). The "
             f"selected point runs the full "
             f"{setup['epochs']} epochs with seeds {setup['seeds']} (fresh seeds, not the "
