@@ -106,30 +106,37 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
     assert rounds.count(15 * 37) == 8  # γτ ∈ {1e-7, ..., 1}: one run each, twins once
     full = [round(c["learning-rate"] * c["clip"], 12) for c in lab.runs if c["num-server-rounds"]
             == 150 * 37]
-    assert sorted(full) == [1e-5, 1e-4, 1e-3]  # the 3 best step sizes after 15 epochs
+    assert sorted(full) == [1e-6, 1e-5, 1e-4]  # the leader, and the best at 1/10 and 1/100
     best = ranked[cell][0][1]
     assert round(best["learning-rate"] * best["clip"], 12) == 1e-5
     assert edge_axes(best, points) == []  # γ = 0.01, τ = 1e-3 rather than an edge twin
 
 
-def test_survivors_rank_within_step_sizes():
+def test_survivors_rank_within_step_sizes_and_hedge_towards_smaller_steps():
     from dpfl.experiments.clip21 import step_size, survivors
 
-    def point(gamma, tau, beta):
-        return {"learning-rate": gamma, "clip": tau, "beta": beta}
+    def point(gamma, tau, beta_hat):
+        return {"algorithm": "clip21-sgd2m", "learning-rate": gamma, "clip": tau,
+                "beta-hat": beta_hat}
 
-    points = [point(g, t, b) for g, t in ((1.0, 1e-3), (0.1, 1e-3), (1.0, 1e-5))
-              for b in (0.1, 0.5, 0.9, 0.99)]
+    points = [point(g, t, bh) for g, t in ((1.0, 1e-3), (0.1, 1e-3), (1.0, 1e-5), (0.1, 1e-5))
+              for bh in (0.5, 0.5, 0.5, 0.5)]
     scores = [(90 - i, p) for i, p in enumerate(points)]  # grid order is rank order
-    assert step_size(point(0.1, 1e-3, 0.5)) == step_size(point(1.0, 1e-4, 0.5)) == 1e-4
+    assert step_size(point(0.1, 1e-3, 0.5)) == step_size(point(1.0, 1e-4, 0.5)) == 5e-5
     kept = survivors(scores, points, 0.25)  # a quarter of each step size's 4 points
     assert [(p["learning-rate"], p["clip"]) for p in kept] == [(1.0, 1e-3), (0.1, 1e-3),
-                                                               (1.0, 1e-5)]
-    kept = survivors(scores, points, 2)  # the best point of the 2 best step sizes
-    assert kept == [points[0], points[4]]
-    assert survivors(list(reversed(scores)), points, 1) == [points[-1]]
-    alpha_normec = {"learning-rate": 0.01, "normec-alpha": 1.0}  # τ := 1, its default
-    assert step_size(alpha_normec) == 0.01
+                                                               (1.0, 1e-5), (0.1, 1e-5)]
+    # the leader (5e-4), then the best at ≤ 5e-5 and at ≤ 5e-6 (γ = 1, τ = 1e-5 ranks first)
+    assert survivors(scores, points, 3) == [points[0], points[4], points[8]]
+    assert survivors(scores, points, 1) == [points[0]]
+    assert survivors(list(reversed(scores)), points, 3) == [points[-1]]  # nothing smaller
+    # Clip-SGD has no β̂ and Clip21-SGD fixes β̂ = 1; α-NormEC's τ is 1, its default
+    assert step_size({"algorithm": "clip-sgd", "learning-rate": 0.1, "clip": 0.1,
+                      "beta-hat": 0.5}) == 0.01
+    assert step_size({"algorithm": "clip21-sgd", "learning-rate": 0.1, "clip": 0.1,
+                      "beta-hat": 0.5}) == 0.01
+    assert step_size({"algorithm": "alpha-normec", "learning-rate": 0.01,
+                      "beta-hat": 0.1}) == 1e-3
 
 
 def test_noise_mapping_compares_the_two_readings_of_t(smoke):

@@ -20,6 +20,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import RunConfig, Value
 from dpfl.experiments.lab import Lab
 from dpfl.experiments.registry import experiment
@@ -180,11 +181,11 @@ SMOKE_GRIDS: dict[str, list[Config]] = {
     "clip-sgd": grid(learning_rate=[0.1, 1.0], clip=[0.1]),
     "clip21-sgd2m": grid(learning_rate=[0.1, 1.0], clip=[1e-2], beta=[0.5], beta_hat=[0.1]),
 }
-# Successive halving (§9 D7, coarse to fine): (epochs, what a rung passes on). Every rung ranks a
-# cell's points within their step size γτ (:func:`step_size`); a fraction keeps that share of
-# every step size's points, a count keeps the best point of that many best step sizes. The last
-# rung is the paper's full-length single run (seed 0), which picks the cell's point among the
-# best points of the 3 best step sizes after 15 epochs.
+# Successive halving (§9 D7, coarse to fine): (epochs, what a rung passes on: a fraction keeps
+# that share of every step size γτβ̂, a count k the best point and the best points at 1/10, …,
+# 1/10^(k−1) of its step; :func:`survivors`). The last rung is the paper's full-length single
+# run (seed 0), which picks the cell's point among the 15-epoch leader and the best 15-epoch
+# points with 10 and 100 times smaller steps.
 Rung = tuple[int, int | float]
 RUNGS: tuple[Rung, ...] = ((5, 0.25), (15, 3), (150, 1))
 SMOKE_RUNGS: tuple[Rung, ...] = ((1, 1),)
@@ -205,30 +206,45 @@ def keep_count(keep: int | float, n: int) -> int:
 
 
 def step_size(point: Config) -> float:
-    """γτ, the scale of a point's update and of its noise: every Clip21-family message has norm
-    at most τ and noise std σ_ω ∝ τ (α-NormEC normalises with τ := 1), so x moves by γτ times a
-    bounded vector per round. Three significant digits (0.1·1e-3 is 1e-4)."""
+    """γ·τ·β̂, the scale of a point's update and of the noise the model takes in per round:
+    every Clip21-family message has norm at most τ and noise std σ_ω ∝ τ, the server adds β̂
+    times their mean to g and x moves by γ·g (Clip-SGD and Clip21-SGD: β̂ = 1; α-NormEC
+    normalises with τ := 1). Three significant digits (0.1·1e-3 is 1e-4)."""
     values = RunConfig(point)
-    return float(f"{float(values['learning-rate']) * float(values['clip']):.3g}")
+    algorithm = ALGORITHMS.get(str(values["algorithm"]))
+    if "beta-hat" in {param.key for param in algorithm.params}:
+        beta_hat = float(values["beta-hat"])
+    else:
+        beta_hat = float(getattr(algorithm, "fixed", {}).get("beta-hat", 1.0))
+    return float(f"{float(values['learning-rate']) * float(values['clip']) * beta_hat:.3g}")
 
 
 def survivors(scores: list[tuple[float, Config]], points: list[Config],
               keep: int | float) -> list[Config]:
-    """The points a rung passes on, from its distinct outcomes ``scores`` (best first) among
-    the rung's ``points``: ranked within each step size (:func:`step_size`), a fraction ``keep``
-    keeps that share of every step size's points (of ``points``, rounded up), a count keeps the
-    best point of each of the ``keep`` step sizes whose best points rank highest.
+    """The points a rung passes on, from its distinct outcomes ``scores`` (best first) among the
+    rung's ``points``, by step size (:func:`step_size`):
 
-    Why by step size: a short proxy run is biased towards large steps. Noise enters the server
-    state, and through it x, every round, so the noise x carries grows with T while the
-    progress a large step buys shows early; the full-length optimum lies at a smaller γτ than a
-    5- or 15-epoch run's (measured at ε = 27: README, "Selection"). The other axes are ranked
-    as before, within a step size."""
-    levels: dict[float, list[Config]] = {}
-    for _, p in scores:  # best first, so every level's list is ranked and levels are too
-        levels.setdefault(step_size(p), []).append(p)
+    * a fraction ``keep`` keeps that share of every step size's points (of ``points``, rounded
+      up), ranked within the step size;
+    * a count ``keep`` = k keeps the best point, and the best point whose step is at most
+      1/10, 1/100, …, 1/10^(k−1) of its step (when there is one, and not already kept).
+
+    Why: a short proxy run is biased towards large steps. The noise x carries grows with T (it
+    enters g, and through g x, every round) while the progress a large step buys shows early,
+    so the full-length optimum lies at a smaller step than a 5- or 15-epoch run's (measured at
+    ε = 27: README, "Selection"). The fraction keeps small steps alive through the short rungs;
+    the count hedges the full-length rung towards smaller steps, never larger."""
     if isinstance(keep, int):
-        return [ranked[0] for ranked in list(levels.values())[:keep]]
+        kept: list[Config] = []
+        lead = step_size(scores[0][1])
+        for j in range(keep):
+            best = next((p for _, p in scores if step_size(p) <= lead / 10**j * (1 + 1e-9)), None)
+            if best is not None and all(best is not p for p in kept):
+                kept.append(best)
+        return kept
+    levels: dict[float, list[Config]] = {}
+    for _, p in scores:  # best first, so every level's list is ranked
+        levels.setdefault(step_size(p), []).append(p)
     sizes = [step_size(p) for p in points]
     return [p for level, ranked in levels.items()
             for p in ranked[:keep_count(keep, sizes.count(level))]]
@@ -376,13 +392,16 @@ def protocol(setup: dict[str, Any], base: Config) -> str:
     def keeps(k: int | float) -> str:
         if isinstance(k, float):
             return f"the best {k:.0%} of every step size go on"
-        return "the best point is selected" if k == 1 else \
-            f"the best point of each of the {k} best step sizes goes on"
+        if k == 1:
+            return "the best point is selected"
+        smaller = ", ".join(f"1/{10**j}" for j in range(1, k))
+        return f"the best point and the best with at most {smaller} of its step go on"
 
     rungs = ", then ".join(f"{e} epochs ({keeps(k)})" for e, k in setup["rungs"])
     return (f"Selection (the paper's 'best single run by test accuracy', coarse to fine, §9 D7): "
-            f"successive halving over every grid point of the cell, ranked within each step "
-            f"size γτ (α-NormEC: γ), since short runs favour large steps: {rungs}; every proxy "
+            f"successive halving over every grid point of the cell by step size γτβ̂ (Clip-SGD, "
+            f"Clip21-SGD: γτ; α-NormEC: γβ̂), since short runs favour large steps: {rungs}; "
+            f"every proxy "
             f"runs with the noise of the full-length run (noise-multiplier = σ_ω/τ of T = "
             f"{horizon(base, setup['epochs'])}; the last rung is the full-length single run). The "
             f"selected point runs the full "
