@@ -334,7 +334,8 @@ def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
             chosen, points = ranked[cell][0][1], grids[cell[1]]
             cells[cell] = {
                 "accuracy": mean_std(accs), "runs": accs, "selected": chosen,
-                "proxy": [[acc, {k: p[k] for k in points[0]}] for acc, p in ranked[cell][:3]],
+                "proxy": [[acc, step_size(p), {k: p[k] for k in points[0]}]
+                          for acc, p in ranked[cell][:3]],
                 "edge": ", ".join(edge_axes({k: chosen[k] for k in points[0]}, points)),
                 "epsilon_accountant": max((lab.summary(r) or {}).get("epsilon_max") or 0.0
                                           for r in runs),
@@ -361,9 +362,9 @@ def report_table1(lab: Lab, cells: dict[Cell, Any], models: Sequence[str],
     lab.table(title, ["model", "method", *[f"ε = {e:g}" for e in epsilons]], rows)
     lab.table("Selected hyperparameters and accountant ε (re-run any cell alone)",
               ["model", "method", "ε", "accountant ε (δ=1e-3)", "grid edge",
-               "selection runs' accuracy (last rung)", "command"],
+               "full-length selection runs: accuracy (step γτβ̂)", "command"],
               [[m, a, f"{e:g}", f"{c['epsilon_accountant']:.3g}", c["edge"] or "interior",
-                "; ".join(f"{acc:.1f}" for acc, _ in c["proxy"]),
+                "; ".join(f"{acc:.1f} (step {step:.3g})" for acc, step, _ in c["proxy"]),
                 f"`{command(c['selected'])}`"]
                for (m, a, e), c in sorted(cells.items())])
     lab.folder.mkdir(parents=True, exist_ok=True)
