@@ -112,6 +112,37 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
     assert edge_axes(best, points) == []  # γ = 0.01, τ = 1e-3 rather than an edge twin
 
 
+def test_selection_extends_the_hedge_while_its_smallest_step_wins():
+    """When the smallest-step full-length run wins, the next smaller 15-epoch point runs too;
+    the extension stops when it loses (or the grid has no smaller step)."""
+    from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, select
+
+    class StandIn:
+        runs: list = []
+
+        def run_many(self, configs):
+            self.runs += configs
+            return [outcome(c) for c in configs]
+
+    def outcome(c):
+        gt = round(c["learning-rate"] * c["clip"], 12)
+        full = c["num-server-rounds"] >= 150 * 37
+        acc = {1e-3: 0.5, 1e-4: 0.4, 1e-5: 0.3, 1e-6: 0.2, 1e-7: 0.15}.get(gt, 0.1) if not full \
+            else {1e-3: 0.2, 1e-4: 0.4, 1e-5: 0.6, 1e-6: 0.8, 1e-7: 0.7}.get(gt, 0.0)
+        return {"test_accuracy": acc, "test_loss": gt}  # γτ twins end identically
+
+    cell = ("mlp", "clip-sgd", 27.0)
+    points = [{**MNIST_BASE, "algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
+    lab = StandIn()
+    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    full = [round(c["learning-rate"] * c["clip"], 12) for c in lab.runs if c["num-server-rounds"]
+            == 150 * 37]
+    assert full == [1e-3, 1e-4, 1e-5, 1e-6, 1e-7]  # 1e-5 won, then 1e-6 won, 1e-7 lost
+    best = ranked[cell][0][1]
+    assert round(best["learning-rate"] * best["clip"], 12) == 1e-6
+    assert [round(a) for a, _ in ranked[cell]] == [80, 70, 60, 40, 20]  # percent
+
+
 def test_survivors_rank_within_step_sizes_and_hedge_towards_smaller_steps():
     from dpfl.experiments.clip21 import step_size, survivors
 

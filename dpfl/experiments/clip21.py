@@ -256,12 +256,19 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
     successive halving over ``rungs``. At each rung every surviving point of every cell runs
     that many epochs (seed 0) with the *full-length* run's noise (``noise-multiplier`` fixed to
     σ_ω/τ of the 150-epoch calibration, so a short proxy sees the noise level it is selected
-    for), and :func:`survivors` go on, ranked within their step size γτ, counting points whose
-    runs end identically (same final test accuracy and loss) once, by the first in grid order.
-    Returns, per cell, the last rung's distinct points ranked by accuracy (best first)."""
+    for), and :func:`survivors` go on, by step size γτβ̂, counting points whose runs end
+    identically (same final test accuracy and loss) once, by the first in grid order.
+
+    The hedge of the last rung towards smaller steps is extended while it wins: when the best
+    last-rung run is also the one with the smallest step, the previous rung's best point with at
+    most 1/10 of that step runs too (a selected point at the hedge's own edge is as suspect as
+    one at the grid's edge). Returns, per cell, the last rung's distinct points ranked by
+    accuracy (best first)."""
     alive = {cell: list(points) for cell, points in candidates.items()}
     ranked: dict[Cell, list[tuple[float, Config]]] = {}
+    previous: dict[Cell, list[tuple[float, Config]]] = {}
     for epochs, keep in rungs:
+        previous = ranked
         batch = [(cell, p) for cell, points in alive.items() for p in points]
         summaries = lab.run_many([{**p, "num-server-rounds": epochs * epoch_steps(p),
                                    "noise-multiplier": noise} for cell, p in batch])
@@ -286,7 +293,24 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
         for cell, scores in ranked.items():
             scores.sort(key=lambda t: -t[0])  # stable: grid order breaks ties
             alive[cell] = survivors(scores, alive[cell], keep)
+    while extend := {cell: p for cell, scores in ranked.items()
+                     if (p := smaller_step(scores, previous.get(cell, [])))}:
+        summaries = lab.run_many([{**p, "num-server-rounds": rungs[-1][0] * epoch_steps(p),
+                                   "noise-multiplier": noise} for p in extend.values()])
+        for (cell, p), summary in zip(extend.items(), summaries, strict=True):
+            ranked[cell].append((final_accuracy(summary), p))
+            ranked[cell].sort(key=lambda t: -t[0])
     return ranked
+
+
+def smaller_step(scores: list[tuple[float, Config]],
+                 previous: list[tuple[float, Config]]) -> Config | None:
+    """The next point of the extended hedge (:func:`select`): when the best of ``scores`` has
+    the smallest step among them, the best of ``previous`` (ranked) with at most 1/10 of it."""
+    best = step_size(scores[0][1])
+    if best > min(step_size(p) for _, p in scores):
+        return None
+    return next((p for _, p in previous if step_size(p) <= best / 10 * (1 + 1e-9)), None)
 
 
 def edge_axes(point: Config, points: list[Config]) -> list[str]:
@@ -335,7 +359,7 @@ def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
             cells[cell] = {
                 "accuracy": mean_std(accs), "runs": accs, "selected": chosen,
                 "proxy": [[acc, step_size(p), {k: p[k] for k in points[0]}]
-                          for acc, p in ranked[cell][:3]],
+                          for acc, p in ranked[cell]],
                 "edge": ", ".join(edge_axes({k: chosen[k] for k in points[0]}, points)),
                 "epsilon_accountant": max((lab.summary(r) or {}).get("epsilon_max") or 0.0
                                           for r in runs),
