@@ -75,18 +75,22 @@ def test_only_restricts_the_experiment_and_refuses_what_it_does_not_have(tmp_pat
         assert not refused.exists()
 
 
+class StandInLab:
+    """A lab whose runs end as ``outcome(config)`` says (a summary), recording every config."""
+
+    def __init__(self, outcome):
+        self.outcome, self.runs = outcome, []
+
+    def run_many(self, configs):
+        self.runs += configs
+        return [self.outcome(c) for c in configs]
+
+
 def test_selection_counts_identical_runs_once_and_prefers_interior_representatives():
     """Successive halving on a stand-in lab where, as for Clip-SGD, only γτ matters and a
     small γτ that is poor after 5 epochs wins at full length: every γτ must get its chance,
     once (ranking all points together would drop it after 5 epochs)."""
     from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, edge_axes, select
-
-    class StandIn:
-        runs: list = []
-
-        def run_many(self, configs):
-            self.runs += configs
-            return [outcome(c) for c in configs]
 
     def outcome(c):
         gt = round(c["learning-rate"] * c["clip"], 12)
@@ -99,7 +103,7 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
 
     cell = ("mlp", "clip-sgd", 27.0)
     points = [{**MNIST_BASE, "algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
-    lab = StandIn()
+    lab = StandInLab(outcome)
     ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
     rounds = [c["num-server-rounds"] for c in lab.runs]
     assert rounds.count(5 * 37) == 20
@@ -117,13 +121,6 @@ def test_selection_extends_the_hedge_while_its_smallest_step_wins():
     the extension stops when it loses (or the grid has no smaller step)."""
     from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, select
 
-    class StandIn:
-        runs: list = []
-
-        def run_many(self, configs):
-            self.runs += configs
-            return [outcome(c) for c in configs]
-
     def outcome(c):
         gt = round(c["learning-rate"] * c["clip"], 12)
         full = c["num-server-rounds"] >= 150 * 37
@@ -133,7 +130,7 @@ def test_selection_extends_the_hedge_while_its_smallest_step_wins():
 
     cell = ("mlp", "clip-sgd", 27.0)
     points = [{**MNIST_BASE, "algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
-    lab = StandIn()
+    lab = StandInLab(outcome)
     ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
     full = [round(c["learning-rate"] * c["clip"], 12) for c in lab.runs if c["num-server-rounds"]
             == 150 * 37]
