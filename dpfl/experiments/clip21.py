@@ -534,7 +534,7 @@ def partial(lab: Lab) -> str:
 
 # ---- The ε → σ_ω mapping of the experiments (§4, §9 A1, A4): which T? -------------------------
 
-MAPPING_POINTS: dict[str, Config] = {  # E3's ε = 27 selection under T = rounds (seed 0 runs)
+MAPPING_POINTS: dict[str, Config] = {  # E3 ε = 27, T = rounds, first protocol: fixed
     "clip-sgd": {"learning-rate": 0.01, "clip": 0.1},
     "clip21-sgd2m": {"learning-rate": 0.1, "clip": 1e-4, "beta": 0.1, "beta-hat": 0.5},
 }
