@@ -425,9 +425,10 @@ def protocol(setup: dict[str, Any], base: Config) -> str:
     rungs = ", then ".join(f"{e} epochs ({keeps(k)})" for e, k in setup["rungs"])
     return (f"Selection (the paper's 'best single run by test accuracy', coarse to fine, §9 D7): "
             f"successive halving over every grid point of the cell by step size γτβ̂ (Clip-SGD, "
-            f"Clip21-SGD: γτ; α-NormEC: γβ̂), since short runs favour large steps: {rungs}; "
-            f"every proxy "
-            f"runs with the noise of the full-length run (noise-multiplier = σ_ω/τ of T = "
+            f"Clip21-SGD: γτ; α-NormEC: γβ̂), since short runs favour large steps: {rungs}; while "
+            f"the smallest step of the full-length runs wins, the best 15-epoch point with at most "
+            f"1/10 of it runs too; every proxy runs with the noise of the full-length run "
+            f"(noise-multiplier = σ_ω/τ of T = "
             f"{horizon(base, setup['epochs'])}; the last rung is the full-length single run). The "
             f"selected point runs the full "
             f"{setup['epochs']} epochs with seeds {setup['seeds']} (fresh seeds, not the "
