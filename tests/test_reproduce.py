@@ -143,12 +143,13 @@ def test_selection_extends_the_hedge_while_its_smallest_step_wins():
 def test_survivors_rank_within_step_sizes_and_hedge_towards_smaller_steps():
     from dpfl.experiments.clip21 import step_size, survivors
 
-    def point(gamma, tau, beta_hat):
+    def point(gamma, tau, beta_hat, beta=0.5):
         return {"algorithm": "clip21-sgd2m", "learning-rate": gamma, "clip": tau,
-                "beta-hat": beta_hat}
+                "beta-hat": beta_hat, "beta": beta}
 
-    points = [point(g, t, bh) for g, t in ((1.0, 1e-3), (0.1, 1e-3), (1.0, 1e-5), (0.1, 1e-5))
-              for bh in (0.5, 0.5, 0.5, 0.5)]
+    # 4 points (β) per step size γτβ̂ ∈ {5e-4, 5e-5, 5e-6, 5e-7}
+    points = [point(g, t, 0.5, b) for g, t in ((1.0, 1e-3), (0.1, 1e-3), (1.0, 1e-5), (0.1, 1e-5))
+              for b in (0.1, 0.5, 0.9, 1.0)]
     scores = [(90 - i, p) for i, p in enumerate(points)]  # grid order is rank order
     assert step_size(point(0.1, 1e-3, 0.5)) == step_size(point(1.0, 1e-4, 0.5)) == 5e-5
     kept = survivors(scores, points, 0.25)  # a quarter of each step size's 4 points

@@ -185,7 +185,7 @@ SMOKE_GRIDS: dict[str, list[Config]] = {
 # that share of every step size γτβ̂, a count k the best point and the best points at 1/10, …,
 # 1/10^(k−1) of its step; :func:`survivors`). The last rung is the paper's full-length single
 # run (seed 0), which picks the cell's point among the 15-epoch leader and the best 15-epoch
-# points with 10 and 100 times smaller steps.
+# points with 10 and 100 times smaller steps (and further down while the smallest wins: select).
 Rung = tuple[int, int | float]
 RUNGS: tuple[Rung, ...] = ((5, 0.25), (15, 3), (150, 1))
 SMOKE_RUNGS: tuple[Rung, ...] = ((1, 1),)
@@ -234,20 +234,26 @@ def survivors(scores: list[tuple[float, Config]], points: list[Config],
     so the full-length optimum lies at a smaller step than a 5- or 15-epoch run's (measured at
     ε = 27: README, "Selection"). The fraction keeps small steps alive through the short rungs;
     the count hedges the full-length rung towards smaller steps, never larger."""
+    steps = [(step_size(p), p) for _, p in scores]
     if isinstance(keep, int):
         kept: list[Config] = []
-        lead = step_size(scores[0][1])
         for j in range(keep):
-            best = next((p for _, p in scores if step_size(p) <= lead / 10**j * (1 + 1e-9)), None)
+            best = best_within(steps, steps[0][0] / 10**j)
             if best is not None and all(best is not p for p in kept):
                 kept.append(best)
         return kept
     levels: dict[float, list[Config]] = {}
-    for _, p in scores:  # best first, so every level's list is ranked
-        levels.setdefault(step_size(p), []).append(p)
+    for step, p in steps:  # best first, so every level's list is ranked
+        levels.setdefault(step, []).append(p)
     sizes = [step_size(p) for p in points]
     return [p for level, ranked in levels.items()
             for p in ranked[:keep_count(keep, sizes.count(level))]]
+
+
+def best_within(steps: list[tuple[float, Config]], limit: float) -> Config | None:
+    """The first (best-ranked) of ``steps`` (``(step, point)``) whose step is at most ``limit``
+    (steps carry 3 significant digits: a relative 1e-9 absorbs the division's rounding)."""
+    return next((p for step, p in steps if step <= limit * (1 + 1e-9)), None)
 
 
 def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
@@ -310,7 +316,7 @@ def smaller_step(scores: list[tuple[float, Config]],
     best = step_size(scores[0][1])
     if best > min(step_size(p) for _, p in scores):
         return None
-    return next((p for _, p in previous if step_size(p) <= best / 10 * (1 + 1e-9)), None)
+    return best_within([(step_size(p), p) for _, p in previous], best / 10)
 
 
 def edge_axes(point: Config, points: list[Config]) -> list[str]:
