@@ -296,6 +296,29 @@ def test_alpha_normec_sends_norm_alpha_with_sensitivity_two_whatever_clip(small_
     assert noise.std().item() == pytest.approx(3.0, rel=0.03)  # nm·1, not nm·clip
 
 
+
+def test_alpha_normec_server_normalisation_keeps_g_unit_and_steps_gamma(small_config):
+    """``normec-normalize``: g ← (g + β̂·mean c)/||·|| is kept, x moves by exactly γ; off, the
+    same messages give the unnormalised g of line 10 (the option is the only difference)."""
+    runs = {flag: _run(*_digits(small_config, "alpha-normec", noise_multiplier=1.0,
+                                normec_alpha=0.1, beta_hat=0.5, normec_normalize=flag), rounds=3)
+            for flag in (False, True)}
+    gamma = small_config()["learning-rate"]
+    previous = torch.zeros_like(runs[True][0]["server"]["g"])
+    for plain, normed in zip(runs[False], runs[True], strict=True):
+        g = normed["server"]["g"]
+        assert torch.linalg.vector_norm(g).item() == pytest.approx(1.0, rel=1e-6)
+        expected = previous + 0.5 * normed["uploads"]["c"].mean(dim=0)
+        assert torch.allclose(g, expected / torch.linalg.vector_norm(expected))
+        previous = g
+        assert plain["uploads"]["c"].shape == normed["uploads"]["c"].shape
+    first_plain, first_normed = runs[False][0], runs[True][0]
+    assert torch.equal(first_plain["uploads"]["c"], first_normed["uploads"]["c"])  # same round 1
+    assert torch.linalg.vector_norm(first_plain["server"]["g"]).item() != pytest.approx(1.0)
+    steps = [torch.linalg.vector_norm(b["server"]["x"] - a["server"]["x"]).item()
+             for a, b in zip(runs[True], runs[True][1:])]
+    assert steps == pytest.approx([gamma, gamma], rel=1e-5)
+
 # ---- Partial participation (Alg. 4, §2.8) -----------------------------------------------------
 
 def test_partial_participation_samples_s_clients_and_freezes_the_idle_ones(small_config):

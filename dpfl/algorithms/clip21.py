@@ -96,6 +96,9 @@ PARAMS: dict[str, Param] = {p.key: p for p in (
           "(Alg. 3 lines 8 and 10).", check=unit_interval, symbol="β̂"),
     Param("normec-alpha", 1.0, "α of α-NormEC's compressor Norm_α(u) = u/(α + ||u||) (§3.4).",
           check=positive, symbol="α"),
+    Param("normec-normalize", False, "α-NormEC: rescale the server's g to unit norm after "
+          "each update, before the step, and keep it so (the related public code's `normalize` "
+          "switch; §3.4 leaves it off)."),
     Param("fraction-train", 1.0, "Fraction of clients sampled each round, s = round(fraction·n) "
           "uniformly without replacement (Alg. 4).", check=unit_interval, symbol="s/n"),
     Param("pp-scaling", "printed", "Server scaling under partial participation: 'printed' "
@@ -107,8 +110,8 @@ PARAMS: dict[str, Param] = {p.key: p for p in (
           "each per-sample gradient (DP-SGD, §3.5).", choices=("client", "per-sample")),
     Param("practice-horizon", "rounds", "What T counts in calibration='practice', σ_ω = "
           "(τ/ε)·√(T·ln(1/δ)): 'rounds', the number of releases (§9 A1, A4), or 'epochs', "
-          "passes over the local data, rounds/⌊m/b⌋ (the reading Table 1 is consistent with: "
-          "README, noise mapping).", choices=("rounds", "epochs"), symbol="T"),
+          "passes over the local data, rounds/⌊m/b⌋ (the reading of Table 1's revealed cells and "
+          "of the related public code: README).", choices=("rounds", "epochs"), symbol="T"),
     Param("gradient-noise", 0.0, "Std of Gaussian noise added to each client's mini-batch "
           "gradient: the 'Gaussian-added' stochastic oracle of E1 (§2.6, §9 D2); not DP noise.",
           check=lambda v: None if v >= 0 else f"must be >= 0, got {v}", symbol="σ"),
@@ -313,8 +316,12 @@ class Clip21SGD2M(Clip21Family):
 
     def server_step(self, exchange: str, state: State, uploads: State,
                     participants: list[int], round: int) -> State:
-        g = state["g"] + self.beta_hat * self.average(uploads["c"])
+        g = self.server_direction(state["g"] + self.beta_hat * self.average(uploads["c"]))
         return {"x": state["x"] - self.gamma * g, "g": g}
+
+    def server_direction(self, g: Tensor) -> Tensor:
+        """The server's g after line 10, as kept and stepped along (α-NormEC may normalise)."""
+        return g
 
     # ---- client ------------------------------------------------------------------------------
     def init_client_state(self, num_clients: int) -> State:
@@ -362,16 +369,25 @@ class AlphaNormEC(Clip21SGD2M):
     """α-NormEC-SGD (§3.4; Shulgin et al. 2025a): β = 1 and ``Norm_α(u) = u/(α + ||u||)`` in
     place of clip_τ: ``Δ_i = Norm_α(∇f_i(x, ξ) − g_i)``, ``g_i ← g_i + β̂Δ_i``, message
     ``Δ_i + ω_i``, ``g ← g + β̂·mean``. ``||Norm_α(·)|| < 1``, so the sensitivity is 2 for any α
-    and the noise is calibrated with τ := 1 (A-α-NormEC); ``clip`` is unused and there is no
-    server normalisation. ``beta`` is ignored; α is ``normec-alpha``."""
+    and the noise is calibrated with τ := 1 (A-α-NormEC); ``clip`` is unused. ``beta`` is
+    ignored; α is ``normec-alpha``. ``normec-normalize`` switches on the related code's server
+    normalisation, ``g ← g/||g||`` after line 10 (kept normalised, so the next round adds to a
+    unit vector), then ``x ← x − γg``; off by default (§3.4). Post-processing of the noisy
+    messages: the privacy is unchanged."""
 
     name = "alpha-normec"
-    params = _params("beta-hat", "normec-alpha", "gradient-noise")
+    params = _params("beta-hat", "normec-alpha", "normec-normalize", "gradient-noise")
     protection = ("record-level local DP per client (replace-one neighbours): one message of "
                   "norm < 1 (sensitivity 2) per round, client-side Gaussian noise, "
                   "no amplification")
     fixed = {"beta": 1.0}
     compressor = NORM_ALPHA
+
+    def server_direction(self, g: Tensor) -> Tensor:
+        if not self.config["normec-normalize"]:
+            return g
+        norm = torch.linalg.vector_norm(g, dtype=torch.float64)
+        return g / norm.clamp_min(1e-10).to(g.dtype)
 
 
 @ALGORITHMS.register_class
