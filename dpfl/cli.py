@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from dpfl.config import RunConfig, parse_overrides
 from dpfl.errors import ConfigError, UsageError
@@ -39,13 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", default=[], metavar="AXIS=V1,V2",
                    help="restrict an axis of the experiment, e.g. --only epsilon=27,5.2 "
                    "--only model=mlp (the runs are shared with the full experiment)")
+    p.add_argument("--reuse", action="append", default=[], metavar="ARCHIVE", type=Path,
+                   help="a runs.jsonl.gz written beside an earlier report (e.g. in reports/): "
+                   "its runs count as finished and are not run again")
     p.add_argument("--list", action="store_true", help="list the experiments")
     return parser
 
 
 def reproduce(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dpfl.experiments import EXPERIMENTS, Lab
 
     if args.list or not args.paper:
@@ -63,7 +65,7 @@ def reproduce(args: argparse.Namespace) -> int:
         only[axis] = [v.strip() for v in values.split(",") if v.strip()]
     suffix = "-smoke" if args.smoke else ""
     lab = Lab(Path(args.results_dir) / f"reproduce-{exp.paper}-{exp.name}{suffix}",
-              smoke=args.smoke, workers=args.workers, only=only)
+              smoke=args.smoke, workers=args.workers, only=only, reuse=args.reuse)
     title = exp.run(lab)
     print(f"report: {lab.write(title)}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,76 @@ def test_a_selected_cell_reruns_alone_with_its_dpfl_run_line(smoke, tmp_path):
     overrides = parse_overrides(shlex.split(line)[-1])
     summary = run(RunConfig({**overrides, "seed": 1, "results-dir": str(tmp_path)}), echo=False)
     assert 100 * summary["test_accuracy"] == pytest.approx(cell["runs"][0], abs=1e-9)
+
+
+def test_a_report_regenerates_from_its_archive_without_running_again(smoke, tmp_path):
+    """``runs.jsonl.gz`` beside a report is enough to write the same report elsewhere (what
+    the committed reports/ rely on): no run starts, tables, cells and archive are the same."""
+    first = smoke("mnist-dp")
+    again = tmp_path / "again"
+    assert main(["reproduce", "clip21", "mnist-dp", "--smoke", "--results-dir", str(again),
+                 "--reuse", str(first / "runs.jsonl.gz")]) == 0
+    folder = again / "reproduce-clip21-mnist-dp-smoke"
+    assert not (folder / "runs").exists()
+
+    def body(f):  # the report after its header (which states this invocation's wall time)
+        return (f / "report.md").read_text().split("\n", 3)[3]
+
+    assert body(folder) == body(first)
+    assert json.loads((folder / "cells.json").read_text()) == \
+        json.loads((first / "cells.json").read_text())
+    assert (folder / "runs.jsonl.gz").read_bytes() == (first / "runs.jsonl.gz").read_bytes()
+
+
+def test_archived_runs_count_as_finished_unless_their_rounds_are_read(tmp_path, monkeypatch):
+    from dpfl.experiments import Lab
+    from dpfl.experiments import lab as lab_module
+
+    ran = []
+
+    def fake_run(values):
+        ran.append(values["seed"])
+        folder = Path(values["results-dir"]) / values["run-name"]
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps(
+            {"test_accuracy": values["seed"] / 10, "wall_seconds": 2.0, "epsilon": {"0": 1}}))
+
+    monkeypatch.setattr(lab_module, "_run_one", fake_run)
+    configs = [{"algorithm": "clip-sgd", "seed": s} for s in range(3)]
+    first = Lab(tmp_path / "a", smoke=True)
+    first.run_many(configs)
+    first.write("first")
+    assert ran == [0, 1, 2]
+    archive = tmp_path / "a" / "runs.jsonl.gz"
+    second = Lab(tmp_path / "b", smoke=True, reuse=[archive])
+    summaries = second.run_many([*configs, {"algorithm": "clip-sgd", "seed": 3}])
+    assert ran == [0, 1, 2, 3]  # only the run the archive does not hold
+    assert [s["test_accuracy"] for s in summaries] == [0.0, 0.1, 0.2, 0.3]
+    assert "epsilon" not in summaries[0] and summaries[0]["wall_seconds"] == 2.0  # ARCHIVED only
+    third = Lab(tmp_path / "c", smoke=True, reuse=[archive])
+    third.run_many(configs, rounds=True)  # an archive keeps no rounds.jsonl
+    assert ran == [0, 1, 2, 3, 0, 1, 2]
+
+
+def test_an_edited_archive_is_refused_naming_reuse(smoke, tmp_path, capsys):
+    import gzip
+
+    lines = gzip.decompress((smoke("mnist-dp") / "runs.jsonl.gz").read_bytes()).splitlines()
+    record = json.loads(lines[0])
+    record["config"]["learning-rate"] = 123.0  # its key no longer names its configuration
+    edited = tmp_path / "edited.jsonl.gz"
+    edited.write_bytes(gzip.compress(b"\n".join([json.dumps(record).encode(), *lines[1:]])))
+    garbage = tmp_path / "garbage.jsonl.gz"
+    garbage.write_text("not an archive")
+    out = tmp_path / "out"
+    for archive, message in ((edited, f"run {record['key']} does not match its configuration"),
+                             (garbage, "not a run archive written by dpfl reproduce")):
+        capsys.readouterr()
+        assert main(["reproduce", "clip21", "mnist-dp", "--smoke", "--results-dir", str(out),
+                     "--reuse", str(archive)]) == 2
+        err = capsys.readouterr().err
+        assert f"--reuse {archive}: {message}" in err and len(err.strip().splitlines()) == 1
+        assert not out.exists()
 
 
 def test_unknown_experiment_names_the_allowed_ones(capsys):

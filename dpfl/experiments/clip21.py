@@ -90,7 +90,8 @@ def logreg(lab: Lab) -> str:
                      "learning-rate": gamma, "num-server-rounds": rounds, **variant}
             runs.setdefault((mode, tau, method), []).append(
                 (point, [{**point, "seed": s} for s in seeds]))
-    lab.run_many([c for cells in runs.values() for _, seeded in cells for c in seeded])
+    lab.run_many([c for cells in runs.values() for _, seeded in cells for c in seeded],
+                 rounds=True)  # the metric and Fig. I.1 read rounds.jsonl
 
     best: dict[tuple[str, float, str], tuple[float, float, Config]] = {}
     for key, cells in runs.items():

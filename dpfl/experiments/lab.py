@@ -6,11 +6,19 @@ processes, one torch thread each — under ``<results-dir>/reproduce-<paper>-<ex
 names each run by a hash of its configuration and reuses a run that already
 finished there, so an interrupted sweep resumes where it stopped. Tables and
 figures go to ``report.md`` next to the runs, with the wall time.
+
+Every report comes with ``runs.jsonl.gz``, the archive of the runs behind it: one line per
+run with its key, its configuration and the summary fields experiments read
+(:data:`ARCHIVED`). ``dpfl reproduce --reuse ARCHIVE`` counts an archived run as finished, so
+a report can be regenerated or extended on another machine, or in a later session, without
+running again what is archived (the committed ``reports/`` keep theirs).
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import io
 import json
 import os
 import time
@@ -28,10 +36,34 @@ from dpfl.config import RunConfig, Value  # noqa: E402
 from dpfl.errors import UsageError  # noqa: E402
 
 
+ARCHIVE = "runs.jsonl.gz"
+# The summary fields an archive keeps: what experiments and reports read of a finished run.
+ARCHIVED = ("rounds_completed", "stopped_early", "test_loss", "test_accuracy", "epsilon_max",
+            "wall_seconds", "seconds_per_round", "calibration_check")
+
+
 def run_key(values: dict[str, Value]) -> str:
     """A stable name for a configuration."""
     text = json.dumps(values, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def read_archive(path: Path) -> dict[str, dict[str, Any]]:
+    """The runs of an archive written by :meth:`Lab.write`: key -> ``{"config", "summary"}``.
+    A file that is not one, or a record whose key is not its configuration's, is refused
+    (:class:`UsageError`, naming ``--reuse``)."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        runs = {r["key"]: {"config": r["config"], "summary": r["summary"]} for r in records}
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--reuse {path}: not a run archive written by dpfl reproduce "
+                         f"({type(exc).__name__}: {exc})") from None
+    for key, run in runs.items():
+        if run_key(run["config"]) != key:
+            raise UsageError(f"--reuse {path}: run {key} does not match its configuration "
+                             f"(edited or corrupted archive)")
+    return runs
 
 
 def _run_one(values: dict[str, Value]) -> dict[str, Any]:
@@ -51,12 +83,18 @@ class Lab:
     """Runs and reports one experiment."""
 
     def __init__(self, folder: Path, *, smoke: bool, workers: int = 1,
-                 only: dict[str, list[str]] | None = None) -> None:
+                 only: dict[str, list[str]] | None = None,
+                 reuse: Sequence[Path] = ()) -> None:
+        """``reuse``: archives (``runs.jsonl.gz``) whose runs count as finished."""
         self.folder = folder
         self.smoke = smoke
         self.workers = max(1, workers)
         self.only = dict(only or {})
-        self.used: dict[str, float] = {}  # run key -> its wall seconds, every run reported on
+        self.archived: dict[str, dict[str, Any]] = {}
+        for path in reuse:
+            self.archived.update(read_archive(Path(path)))
+        # every run reported on: key -> (its configuration, its summary)
+        self.used: dict[str, tuple[dict[str, Value], dict[str, Any]]] = {}
         self.sections: list[str] = []
         self.started = time.perf_counter()
 
@@ -95,12 +133,26 @@ class Lab:
         return values
 
     def summary(self, values: dict[str, Value]) -> dict[str, Any] | None:
-        path = self.folder / "runs" / run_key(values) / "summary.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        """The run's summary: its folder's, else its archived fields (:data:`ARCHIVED`), else
+        None (not finished)."""
+        key = run_key(values)
+        path = self.folder / "runs" / key / "summary.json"
+        if path.exists():
+            return json.loads(path.read_text())
+        archived = self.archived.get(key)
+        return dict(archived["summary"]) if archived is not None else None
 
-    def run_many(self, configs: Sequence[dict[str, Value]]) -> list[dict[str, Any]]:
-        """Run every configuration not already finished; summaries in the given order."""
-        todo = [c for c in configs if self.summary(c) is None]
+    def run_many(self, configs: Sequence[dict[str, Value]], *,
+                 rounds: bool = False) -> list[dict[str, Any]]:
+        """Run every configuration not already finished; summaries in the given order.
+        ``rounds``: the caller reads the runs' ``rounds.jsonl`` (:meth:`rounds`), which an
+        archive does not keep, so archived runs without a folder here run again."""
+        def finished(c: dict[str, Value]) -> bool:
+            if rounds:
+                return (self.folder / "runs" / run_key(c) / "summary.json").exists()
+            return self.summary(c) is not None
+
+        todo = [c for c in configs if not finished(c)]
         for c in todo:  # a half-written folder from an interrupted run is started again
             folder = self.folder / "runs" / run_key(c)
             if folder.exists():
@@ -117,8 +169,12 @@ class Lab:
                 list(pool.map(_run_one, prepared))
         summaries = [self.summary(c) or {} for c in configs]
         for c, summary in zip(configs, summaries, strict=True):
-            self.used[run_key(c)] = float(summary.get("wall_seconds") or 0.0)
+            self.used[run_key(c)] = (dict(c), summary)
         return summaries
+
+    def run_seconds(self) -> float:
+        """Single-thread run time behind the report: the runs' own wall times."""
+        return sum(float(s.get("wall_seconds") or 0.0) for _, s in self.used.values())
 
     def rounds(self, values: dict[str, Value]) -> list[dict[str, Any]]:
         path = self.folder / "runs" / run_key(values) / "rounds.jsonl"
@@ -148,12 +204,28 @@ class Lab:
                   f"wall time of this invocation {wall:.1f} s on {os.cpu_count()} CPU cores "
                   f"({self.workers} worker processes; runs finished by an earlier invocation "
                   f"are reused, not re-timed). Compute behind this report: "
-                  f"{len(self.used)} runs, {_duration(sum(self.used.values()))} of single-"
-                  f"thread run time in total.\n")
+                  f"{len(self.used)} runs, {_duration(self.run_seconds())} of single-"
+                  f"thread run time in total; every run's configuration and result are in "
+                  f"`{ARCHIVE}`.\n")
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / "report.md"
         path.write_text("\n".join([header, *self.sections]))
         (self.folder / "report.json").write_text(json.dumps(
             {"title": title, "smoke": self.smoke, "wall_seconds": wall, "runs": len(self.used),
-             "run_seconds": sum(self.used.values()), "only": self.only}, indent=2))
+             "run_seconds": self.run_seconds(), "only": self.only}, indent=2))
+        self.write_archive()
+        return path
+
+    def write_archive(self) -> Path:
+        """``runs.jsonl.gz``: every run reported on, by key, with its configuration and its
+        :data:`ARCHIVED` summary fields; byte-stable (sorted, no time stamp in the header)."""
+        lines = [json.dumps({"key": key, "config": config,
+                             "summary": {k: summary[k] for k in ARCHIVED if k in summary}},
+                            sort_keys=True)
+                 for key, (config, summary) in sorted(self.used.items())]
+        buffer = io.BytesIO()
+        with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as f:
+            f.write("".join(line + "\n" for line in lines).encode())
+        path = self.folder / ARCHIVE
+        path.write_bytes(buffer.getvalue())
         return path
