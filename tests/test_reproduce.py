@@ -121,10 +121,34 @@ def test_an_edited_archive_is_refused_naming_reuse(smoke, tmp_path, capsys):
         assert not out.exists()
 
 
+def test_partial_runs_e3s_selected_points_with_24_clients_and_s_sampled(smoke, tmp_path):
+    """E4 takes each (model, method, ε)'s point from E3's selection: given E3's archive it
+    runs only its own seed runs, n = 24 and fraction s/24, at exactly E3's selected point."""
+    e3 = smoke("mnist-dp")
+    assert main(["reproduce", "clip21", "partial", "--smoke", "--results-dir", str(tmp_path),
+                 "--reuse", str(e3 / "runs.jsonl.gz")]) == 0
+    folder = tmp_path / "reproduce-clip21-partial-smoke"
+    selected = {c["method"]: c["selected"] for c in json.loads((e3 / "cells.json").read_text())}
+    tuned = ("learning-rate", "clip", "beta", "beta-hat")
+    runs = [json.loads((d / "config.json").read_text())["run_config"]
+            for d in (folder / "runs").iterdir()]
+    assert len(runs) == 2 * 3 * 2  # methods x s x seeds: no selection run
+    assert {(r["algorithm"], r["fraction-train"] * 24, r["seed"]) for r in runs} == {
+        (m, s, seed) for m in selected for s in (6, 12, 18) for seed in (1, 2)}
+    for r in runs:
+        assert r["num-partitions"] == 24 and r["num-server-rounds"] == 39  # 1 epoch (smoke)
+        assert all(r[k] == selected[r["algorithm"]][k] for k in tuned
+                   if k in selected[r["algorithm"]])
+    for s in (6, 12, 18):
+        cells = json.loads((folder / f"cells-s{s}.json").read_text())
+        assert {c["method"] for c in cells} == set(selected)
+        assert all(c["selected"]["fraction-train"] == s / 24 for c in cells)
+
+
 def test_unknown_experiment_names_the_allowed_ones(capsys):
     assert main(["reproduce", "clip21", "cifar"]) == 2
     assert "allowed: clip21/logreg, clip21/mnist-dp, clip21/mnist-dp-epochs, " \
-        "clip21/noise-mapping, clip21/partial" in \
+        "clip21/noise-mapping, clip21/partial, clip21/partial-epochs" in \
         capsys.readouterr().err
 
 

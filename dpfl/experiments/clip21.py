@@ -2,7 +2,11 @@
 
 * ``logreg`` — E1: non-convex logistic regression on LIBSVM duke (Fig. 2, Fig. I.1).
 * ``mnist-dp`` — E3: MNIST, MLP and CNN, ε-calibrated local DP (Table 1).
-* ``partial`` — E4: partial participation, n = 24, s ∈ {6, 12, 18} (Fig. 5).
+* ``partial`` — E4: partial participation, n = 24, s ∈ {6, 12, 18} (Fig. 5), at E3's
+  selected hyperparameters.
+* ``mnist-dp-epochs``, ``partial-epochs`` — the same with the practice calibration's T
+  counted in epochs (the paper's reading: README).
+* ``noise-mapping`` — which T the experiments' noise mapping used.
 
 Every run goes through the engine with the run-config keys of ``dpfl run``; the report prints,
 for each selected cell, the exact ``dpfl run --run-config`` that re-runs it alone.
@@ -338,39 +342,59 @@ def horizon(base: Config, epochs: int) -> int:
         epochs * epoch_steps(base)
 
 
+def selection(lab: Lab, models: Sequence[str], eps: float, grids: dict[str, list[Config]], *,
+              epochs: int, rungs: Sequence[Rung], base: Config
+              ) -> dict[Cell, list[tuple[float, Config]]]:
+    """Table 1's selection (:func:`select`) for every (model, method) cell at ``eps``: the
+    full-length points of the grids on ``base``, ranked, best first (all of an ε's cells share
+    the worker pool)."""
+    rounds = epochs * epoch_steps(base)
+    candidates = {(model, method, eps): [{**base, "model": model, "algorithm": method,
+                                          "epsilon": eps, "num-server-rounds": rounds, **p}
+                                         for p in points]
+                  for model, (method, points) in itertools.product(models, grids.items())}
+    # σ_ω/τ of the full-length run (α-NormEC: τ := 1), as every selection run's
+    # noise-multiplier: the same for every cell of this ε
+    noise = clip21_practice_noise_std(epsilon=eps, delta=float(base["delta"]),
+                                      rounds=horizon(base, epochs), clip=1.0)
+    return select(lab, candidates, noise, rungs)
+
+
+def seed_runs(lab: Lab, ranked: dict[Cell, list[tuple[float, Config]]],
+              grids: dict[str, list[Config]], seeds: Sequence[int],
+              change: Config | None = None) -> dict[Cell, Any]:
+    """Each cell's selected point, with ``change`` applied (E4: another federation), run with
+    fresh ``seeds``: the cells' results (accuracy mean ± std, the point run, the selection
+    runs, grid edges, accountant ε)."""
+    chosen = {cell: {**scores[0][1], **(change or {})} for cell, scores in ranked.items()}
+    reruns = {cell: [{**chosen[cell], "seed": s} for s in seeds] for cell in ranked}
+    summaries = iter(lab.run_many([c for runs in reruns.values() for c in runs]))
+    cells: dict[Cell, Any] = {}
+    for cell, runs in reruns.items():
+        accs = [final_accuracy(next(summaries)) for _ in runs]
+        tuned, points = ranked[cell][0][1], grids[cell[1]]
+        cells[cell] = {
+            "accuracy": mean_std(accs), "runs": accs, "selected": chosen[cell],
+            "proxy": [[acc, step_size(p), {k: p[k] for k in points[0]}]
+                      for acc, p in ranked[cell]],
+            "edge": ", ".join(edge_axes({k: tuned[k] for k in points[0]}, points)),
+            "epsilon_accountant": max((lab.summary(r) or {}).get("epsilon_max") or 0.0
+                                      for r in runs),
+        }
+    return cells
+
+
 def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
            grids: dict[str, list[Config]], *, epochs: int, rungs: Sequence[Rung],
            seeds: Sequence[int], base: Config,
            after_epsilon: Callable[[dict[Cell, Any]], None] | None = None) -> dict[Cell, Any]:
-    """Select and re-run every (model, method, ε) cell, one ε at a time (all of an ε's cells
-    share the worker pool); returns the cells' results. ``after_epsilon(cells so far)`` is
-    called as each ε completes (a long sweep refreshes its report as it goes)."""
-    rounds = epochs * epoch_steps(base)
+    """Select and re-run every (model, method, ε) cell, one ε at a time; returns the cells'
+    results. ``after_epsilon(cells so far)`` is called as each ε completes (a long sweep
+    refreshes its report as it goes)."""
     cells: dict[Cell, Any] = {}
     for eps in epsilons:
-        candidates = {(model, method, eps): [{**base, "model": model, "algorithm": method,
-                                              "epsilon": eps, "num-server-rounds": rounds, **p}
-                                             for p in points]
-                      for model, (method, points) in itertools.product(models, grids.items())}
-        # σ_ω/τ of the full-length run (α-NormEC: τ := 1), as every selection run's
-        # noise-multiplier: the same for every cell of this ε
-        noise = clip21_practice_noise_std(epsilon=eps, delta=float(base["delta"]),
-                                          rounds=horizon(base, epochs), clip=1.0)
-        ranked = select(lab, candidates, noise, rungs)
-        reruns = {cell: [{**scores[0][1], "seed": s} for s in seeds]
-                  for cell, scores in ranked.items()}
-        summaries = iter(lab.run_many([c for runs in reruns.values() for c in runs]))
-        for cell, runs in reruns.items():
-            accs = [final_accuracy(next(summaries)) for _ in runs]
-            chosen, points = ranked[cell][0][1], grids[cell[1]]
-            cells[cell] = {
-                "accuracy": mean_std(accs), "runs": accs, "selected": chosen,
-                "proxy": [[acc, step_size(p), {k: p[k] for k in points[0]}]
-                          for acc, p in ranked[cell]],
-                "edge": ", ".join(edge_axes({k: chosen[k] for k in points[0]}, points)),
-                "epsilon_accountant": max((lab.summary(r) or {}).get("epsilon_max") or 0.0
-                                          for r in runs),
-            }
+        ranked = selection(lab, models, eps, grids, epochs=epochs, rungs=rungs, base=base)
+        cells.update(seed_runs(lab, ranked, grids, seeds))
         if after_epsilon is not None:
             after_epsilon(cells)
     return cells
@@ -444,6 +468,12 @@ def protocol(setup: dict[str, Any], base: Config) -> str:
             f"noise; README).")
 
 
+def e3_base(reading: str) -> Config:
+    """E3's base configuration with the practice calibration's T counted in ``reading``
+    (``rounds``, the default and the spec's, or ``epochs``)."""
+    return MNIST_BASE if reading == "rounds" else {**MNIST_BASE, "practice-horizon": reading}
+
+
 READINGS = {
     "rounds": "T' counts rounds, the spec's reading (§9 A4); the paper's runs most likely counted "
               "epochs (`mnist-dp-epochs`: the revealed cells and the related public code's "
@@ -462,7 +492,7 @@ def mnist_dp(lab: Lab, reading: str = "rounds") -> str:
     revealed cells are consistent with, ``noise-mapping``, and the related public code's
     training script uses: README)."""
     setup = mnist_setup(lab)
-    base = MNIST_BASE if reading == "rounds" else {**MNIST_BASE, "practice-horizon": reading}
+    base = e3_base(reading)
     title = "Clip21 E3: MNIST under local DP (Table 1" + (
         ")" if reading == "rounds" else f", practice calibration with T = {reading})")
 
@@ -508,25 +538,48 @@ experiment("clip21", "mnist-dp-epochs", "E3 with the practice calibration's T co
 
 # ---- E4: partial participation (§5 E4, Alg. 4, §9 A-PP, A3) ------------------------------------
 
-@experiment("clip21", "partial", "E4: partial participation, n = 24, s in {6, 12, 18} (Fig. 5)",
-            axes=("model", "method", "epsilon", "s"))
-def partial(lab: Lab) -> str:
+PARTIAL_CLIENTS = 24
+PARTIAL_SIZES = [6, 12, 18]
+
+
+@experiment("clip21", "partial", "E4: partial participation, n = 24, s in {6, 12, 18} (Fig. 5), "
+            "at E3's selected hyperparameters", axes=("model", "method", "epsilon", "s"))
+def partial(lab: Lab, reading: str = "rounds") -> str:
+    """E4: Clip-SGD and Clip21-SGD2M with n = 24 clients, s sampled per round (Alg. 4).
+
+    The paper runs E4 in "the previous setup" (§5 E4) and tunes nothing new for it, so each
+    (model, method, ε) takes E3's selected hyperparameters (:func:`selection` on E3's grids and
+    federation, under the same ``reading`` of T: the very runs of ``mnist-dp[-epochs]``, which
+    ``--reuse`` of that experiment's archive skips) and runs them with fresh seeds for every s.
+    Selecting anew per s would repeat E3's whole sweep three times."""
     setup = mnist_setup(lab, grids={"clip-sgd", "clip21-sgd2m"})
-    sizes = lab.restrict("s", [6, 12, 18])
+    sizes = lab.restrict("s", PARTIAL_SIZES)
     grids = setup["grids"]
-    base = {**MNIST_BASE, "num-partitions": 24}
-    base["eval-every"] = epoch_steps(base)  # 39: 2500 records per client
-    title = "Clip21 E4: partial participation"
+    source = e3_base(reading)
+    federation = {**source, "num-partitions": PARTIAL_CLIENTS}
+    federation["eval-every"] = epoch_steps(federation)  # 39: 2500 records per client
+    federation["num-server-rounds"] = setup["epochs"] * epoch_steps(federation)
+    name = "partial" if reading == "rounds" else f"partial-{reading}"
+    title = "Clip21 E4: partial participation" + (
+        "" if reading == "rounds" else f" (practice calibration with T = {reading})")
     results: dict[int, dict[Cell, Any]] = {s: {} for s in sizes}
 
     def report() -> None:
         lab.sections.clear()
         lab.text(
-            "MNIST, n = 24 clients, s clients sampled uniformly without replacement per round "
-            "(Alg. 4, server scaling β̂/s as printed), otherwise E3's setup. The noise is that "
-            "of full participation and each client's ledger counts only the rounds it took part "
-            "in: the server knows who is sampled, so no amplification is claimed (§9 A3). "
-            f"{protocol(setup, base)}")
+            f"MNIST, n = {PARTIAL_CLIENTS} clients (2500 records each, "
+            f"{epoch_steps(federation)} rounds per epoch, T = "
+            f"{federation['num-server-rounds']} rounds), s clients sampled uniformly without "
+            f"replacement per round (Alg. 4, server scaling β̂/s as printed), otherwise E3's "
+            f"setup, T' = {horizon(federation, setup['epochs'])} ({reading}: "
+            f"`practice-horizon=\"{reading}\"`). {READINGS[reading]} The noise is that of full "
+            f"participation and each client's ledger counts only the rounds it took part in: "
+            f"the server knows who is sampled, so no amplification is claimed (§9 A3). "
+            f"Hyperparameters: E3's selection for the same model, method and ε (n = 25, full "
+            f"participation; the paper runs E4 in 'the previous setup' and reports no tuning "
+            f"for it): {protocol(setup, source)} Here the selected point runs with n = 24 and "
+            f"each s. Pass `--reuse` with the archive of `mnist-dp"
+            f"{'' if reading == 'rounds' else '-' + reading}` to skip its selection runs.")
         for s in sizes:
             report_table1(lab, results[s], setup["models"], list(grids),
                           sorted({cell[2] for cell in results[s]}),
@@ -541,15 +594,22 @@ def partial(lab: Lab) -> str:
                         marker="o", label=f"{method}, s={s}")
             ax.set(xscale="log", xlabel="ε", ylabel="test accuracy (%)", title=f"MNIST, {model}")
             ax.legend(fontsize=7)
-        lab.figure("fig5", fig, "Fig. 5: partial participation, accuracy against ε.")
+        lab.figure("fig5", fig, f"Fig. 5 ({name}): partial participation, accuracy against ε.")
         lab.write(title)
 
-    for eps, s in itertools.product(setup["epsilons"], sizes):  # revealed-ε order, as E3
-        results[s].update(table1(lab, setup["models"], [eps], grids, epochs=setup["epochs"],
-                                 rungs=setup["rungs"], seeds=setup["seeds"],
-                                 base={**base, "fraction-train": s / 24}))
+    for eps in setup["epsilons"]:  # revealed-ε order, as E3
+        ranked = selection(lab, setup["models"], eps, grids, epochs=setup["epochs"],
+                           rungs=setup["rungs"], base=source)
+        for s in sizes:
+            results[s].update(seed_runs(lab, ranked, grids, setup["seeds"], change={
+                **federation, "fraction-train": s / PARTIAL_CLIENTS}))
         report()
     return title
+
+
+experiment("clip21", "partial-epochs", "E4 with the practice calibration's T counted in epochs, "
+           "at mnist-dp-epochs' selected hyperparameters",
+           axes=("model", "method", "epsilon", "s"))(functools.partial(partial, reading="epochs"))
 
 
 # ---- The ε → σ_ω mapping of the experiments (§4, §9 A1, A4): which T? -------------------------
