@@ -70,6 +70,18 @@ def test_a_report_regenerates_from_its_archive_without_running_again(smoke, tmp_
     assert (folder / "runs.jsonl.gz").read_bytes() == (first / "runs.jsonl.gz").read_bytes()
 
 
+def test_logreg_regenerates_from_its_archive_running_only_its_curves_again(smoke, tmp_path):
+    """E1's metric is archived (derived from each run's rounds); only Fig. I.1's curves, the
+    selected points at seed 0, need rounds.jsonl and run again."""
+    first = smoke("logreg")
+    assert main(["reproduce", "clip21", "logreg", "--smoke", "--results-dir", str(tmp_path),
+                 "--reuse", str(first / "runs.jsonl.gz")]) == 0
+    folder = tmp_path / "reproduce-clip21-logreg-smoke"
+    assert len(list((folder / "runs").iterdir())) == 2 * 3  # oracles x methods (one τ, seed)
+    assert (folder / "report.md").read_text().split("\n", 3)[3] == \
+        (first / "report.md").read_text().split("\n", 3)[3]
+
+
 def test_archived_runs_count_as_finished_unless_their_rounds_are_read(tmp_path, monkeypatch):
     from dpfl.experiments import Lab
     from dpfl.experiments import lab as lab_module
@@ -82,6 +94,7 @@ def test_archived_runs_count_as_finished_unless_their_rounds_are_read(tmp_path, 
         folder.mkdir(parents=True)
         (folder / "summary.json").write_text(json.dumps(
             {"test_accuracy": values["seed"] / 10, "wall_seconds": 2.0, "epsilon": {"0": 1}}))
+        (folder / "rounds.jsonl").write_text(json.dumps({"round": 1, "x": values["seed"]}))
 
     monkeypatch.setattr(lab_module, "_run_one", fake_run)
     configs = [{"algorithm": "clip-sgd", "seed": s} for s in range(3)]
@@ -98,6 +111,18 @@ def test_archived_runs_count_as_finished_unless_their_rounds_are_read(tmp_path, 
     third = Lab(tmp_path / "c", smoke=True, reuse=[archive])
     third.run_many(configs, rounds=True)  # an archive keeps no rounds.jsonl
     assert ran == [0, 1, 2, 3, 0, 1, 2]
+
+    def derive(rounds):
+        return {"twice": 2 * rounds[-1]["x"]}
+
+    fourth = Lab(tmp_path / "d", smoke=True, reuse=[archive])
+    fourth.run_many(configs, derive=derive)  # archived without derived numbers: run again
+    assert ran == [0, 1, 2, 3, 0, 1, 2, 0, 1, 2]
+    fourth.write("fourth")
+    fifth = Lab(tmp_path / "e", smoke=True, reuse=[tmp_path / "d" / "runs.jsonl.gz"])
+    derived = [s["derived"] for s in fifth.run_many(configs, derive=derive)]
+    assert ran == [0, 1, 2, 3, 0, 1, 2, 0, 1, 2]  # the derived numbers came from the archive
+    assert derived == [{"twice": 0}, {"twice": 2}, {"twice": 4}]
 
 
 def test_an_edited_archive_is_refused_naming_reuse(smoke, tmp_path, capsys):

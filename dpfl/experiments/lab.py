@@ -9,7 +9,8 @@ figures go to ``report.md`` next to the runs, with the wall time.
 
 Every report comes with ``runs.jsonl.gz``, the archive of the runs behind it: one line per
 run with its key, its configuration and the summary fields experiments read
-(:data:`ARCHIVED`). ``dpfl reproduce --reuse ARCHIVE`` counts an archived run as finished, so
+(:data:`ARCHIVED`, with the numbers an experiment derives from its rounds).
+``dpfl reproduce --reuse ARCHIVE`` counts an archived run as finished, so
 a report can be regenerated or extended on another machine, or in a later session, without
 running again what is archived (the committed ``reports/`` keep theirs).
 """
@@ -22,7 +23,7 @@ import io
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from dpfl.errors import UsageError  # noqa: E402
 ARCHIVE = "runs.jsonl.gz"
 # The summary fields an archive keeps: what experiments and reports read of a finished run.
 ARCHIVED = ("rounds_completed", "stopped_early", "test_loss", "test_accuracy", "epsilon_max",
-            "wall_seconds", "seconds_per_round", "calibration_check")
+            "wall_seconds", "seconds_per_round", "calibration_check", "derived")
 
 
 def run_key(values: dict[str, Value]) -> str:
@@ -142,15 +143,22 @@ class Lab:
         archived = self.archived.get(key)
         return dict(archived["summary"]) if archived is not None else None
 
-    def run_many(self, configs: Sequence[dict[str, Value]], *,
-                 rounds: bool = False) -> list[dict[str, Any]]:
+    def run_many(self, configs: Sequence[dict[str, Value]], *, rounds: bool = False,
+                 derive: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+                 ) -> list[dict[str, Any]]:
         """Run every configuration not already finished; summaries in the given order.
+
         ``rounds``: the caller reads the runs' ``rounds.jsonl`` (:meth:`rounds`), which an
-        archive does not keep, so archived runs without a folder here run again."""
+        archive does not keep, so archived runs without a folder here run again.
+        ``derive``: numbers the caller computes from a run's rounds (e.g. E1's gradient norm
+        over the last iterations), put in its summary under ``"derived"`` and archived with
+        it, so that an archived run serves without its rounds."""
         def finished(c: dict[str, Value]) -> bool:
-            if rounds:
-                return (self.folder / "runs" / run_key(c) / "summary.json").exists()
-            return self.summary(c) is not None
+            if (self.folder / "runs" / run_key(c) / "summary.json").exists():
+                return True
+            archived = self.archived.get(run_key(c))
+            return archived is not None and not rounds and (
+                derive is None or "derived" in archived["summary"])
 
         todo = [c for c in configs if not finished(c)]
         for c in todo:  # a half-written folder from an interrupted run is started again
@@ -169,6 +177,8 @@ class Lab:
                 list(pool.map(_run_one, prepared))
         summaries = [self.summary(c) or {} for c in configs]
         for c, summary in zip(configs, summaries, strict=True):
+            if derive is not None and "derived" not in summary:
+                summary["derived"] = derive(self.rounds(c))
             self.used[run_key(c)] = (dict(c), summary)
         return summaries
 
