@@ -14,9 +14,9 @@ clipped sum from one weighted GEMM ("ghost clipping"); conv and norm layers are 
 (``b × d_layer``), which is cheap for the small conv layers of the papers' models.
 
 Reproducibility. Clients are processed one at a time, in fixed chunks of ``chunk_size`` samples,
-on 64-byte-aligned copies of their data, so client i's result does not depend on how many other
-clients share the call: a Flower client (C = 1) and the in-process engine (C = 100) agree bit for
-bit on CPU. (Measured: stacking the clients' samples into the rows of one GEMM changes the
+on 64-byte-aligned copies of their data, into 64-byte-aligned output rows (``_Scratch``), so
+client i's result does not depend on how many other clients share the call: a Flower client
+(C = 1) and the in-process engine (C = 100) agree bit for bit on CPU. (Measured: stacking the clients' samples into the rows of one GEMM changes the
 rounding of every client's rows, because MKL picks its kernel by the matrix shape.)
 
 The nonconvex regulariser. ``nonconvex_reg = λ`` adds ``(λ/2) Σ_k x_k² / (1 + x_k²)`` to every
@@ -54,6 +54,35 @@ def _aligned(t: Tensor) -> Tensor:
     if t.is_contiguous() and t.data_ptr() % _ALIGNMENT == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
+
+
+class _Scratch:
+    """Aligned rows to write one client's GEMM outputs into, for an output ``out [C, d]``.
+
+    MKL's result depends on where its output sits (measured on AVX-512 CPUs: a client's clipped
+    mean written into row 1 of a ``[4, d]`` tensor, 40 bytes past a 64-byte boundary, differs in
+    the last bit from the same mean written at offset 0). A row that is not 64-byte aligned is
+    computed in an aligned buffer and copied into place, so every client's kernels see the same
+    alignment whatever ``C`` is.
+    """
+
+    def __init__(self, out: Tensor):
+        self.out = out
+        self._buffer: Tensor | None = None
+
+    def row(self, c: int) -> Tensor:
+        target = self.out[c]
+        if target.data_ptr() % _ALIGNMENT == 0:
+            return target
+        if self._buffer is None:
+            self._buffer = torch.empty_like(target)
+        return self._buffer
+
+    def commit(self, c: int) -> None:
+        """Copy the buffer into row ``c`` if ``row(c)`` handed it out."""
+        if self.out[c].data_ptr() % _ALIGNMENT:
+            assert self._buffer is not None
+            self.out[c].copy_(self._buffer)
 
 
 class FlatModel:
@@ -180,9 +209,11 @@ class FlatModel:
         n_clients = x.shape[0]
         out = x.new_empty(n_clients, self.d)
         if self._linear is not None and self.loss.output_grad is not None:
+            scratch = _Scratch(out)
             for c in range(n_clients):
-                self._linear_gradient(self._point(flat, c), _aligned(x[c]), y[c], out[c],
+                self._linear_gradient(self._point(flat, c), _aligned(x[c]), y[c], scratch.row(c),
                                       None if losses is None else losses[c])
+                scratch.commit(c)
             return out
         for c in range(n_clients):
             point = self._point(flat, c).detach().requires_grad_()
@@ -240,16 +271,19 @@ class FlatModel:
         radii = self._radii(clip, n_clients)
         out = x.new_empty(n_clients, self.d)  # the first chunk's GEMMs overwrite it (β = 0)
         norms = x.new_empty(n_clients, b)
+        scratch = _Scratch(out)
         for c in range(n_clients):
             point = self._point(flat, c)
             reg = self._reg_grad(point) if self.nonconvex_reg else None
+            row = scratch.row(c)
             for start, xs, ys in self._chunks(x, y, c):
                 tape = self._record(point, xs, ys,
                                     None if losses is None else losses[c, start:start + len(xs)])
                 n = len(xs)
                 norms[c, start : start + n] = self._clip_chunk(
-                    tape, reg, radii[c], n, b, out[c], first=start == 0
+                    tape, reg, radii[c], n, b, row, first=start == 0
                 )
+            scratch.commit(c)
         return out, norms
 
     # ------------------------------------------------------------------------------ internals
