@@ -193,16 +193,15 @@ def test_a_client_result_does_not_depend_on_the_other_clients_bitwise(name, shar
     flat4 = flat if shared else torch.stack([flat + 0.01 * k for k in range(4)])
     radii4 = torch.tensor([0.1, 0.2, 0.3, 0.4])
     m4, n4 = flat_model.clipped_mean(flat4, x, y, radii4)
-    together = [method(flat4, x, y)
-                for method in (flat_model.batch_gradients, flat_model.per_sample_gradients)]
+    methods = (flat_model.batch_gradients, flat_model.per_sample_gradients)
+    together = [method(flat4, x, y) for method in methods]
     losses4 = flat_model.losses(flat4, x, y) if not shared else None
     for c in range(4):
         flat1 = flat.clone() if shared else flat4[c].clone()
         x1, y1 = x[c : c + 1].clone(), y[c : c + 1].clone()
         m1, n1 = flat_model.clipped_mean(flat1, x1, y1, radii4[c].item())
         assert torch.equal(m4[c], m1[0]) and torch.equal(n4[c], n1[0])
-        for method, result in zip((flat_model.batch_gradients, flat_model.per_sample_gradients),
-                                  together):
+        for method, result in zip(methods, together):
             assert torch.equal(result[c], method(flat1, x1, y1)[0])
         if losses4 is not None:
             assert torch.equal(losses4[c], flat_model.losses(flat1[None], x1, y1)[0])

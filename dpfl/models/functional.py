@@ -16,8 +16,9 @@ clipped sum from one weighted GEMM ("ghost clipping"); conv and norm layers are 
 Reproducibility. Clients are processed one at a time, in fixed chunks of ``chunk_size`` samples,
 on 64-byte-aligned copies of their data, into 64-byte-aligned output rows (``_Scratch``), so
 client i's result does not depend on how many other clients share the call: a Flower client
-(C = 1) and the in-process engine (C = 100) agree bit for bit on CPU. (Measured: stacking the clients' samples into the rows of one GEMM changes the
-rounding of every client's rows, because MKL picks its kernel by the matrix shape.)
+(C = 1) and the in-process engine (C = 100) agree bit for bit on CPU. (Measured: stacking the
+clients' samples into the rows of one GEMM changes the rounding of every client's rows, because
+MKL picks its kernel by the matrix shape.)
 
 The nonconvex regulariser. ``nonconvex_reg = λ`` adds ``(λ/2) Σ_k x_k² / (1 + x_k²)`` to every
 per-sample loss, the convention of PriSMA eq. 22. Clip21's logistic regression (spec E1) writes
@@ -49,9 +50,13 @@ class _Layer:
     shapes: tuple[torch.Size, ...]
 
 
+def _is_aligned(t: Tensor) -> bool:
+    return t.data_ptr() % _ALIGNMENT == 0
+
+
 def _aligned(t: Tensor) -> Tensor:
     """``t`` itself if contiguous and 64-byte aligned, else an aligned copy (same values)."""
-    if t.is_contiguous() and t.data_ptr() % _ALIGNMENT == 0:
+    if t.is_contiguous() and _is_aligned(t):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -59,7 +64,7 @@ def _aligned(t: Tensor) -> Tensor:
 class _Scratch:
     """Aligned rows to write one client's GEMM outputs into, for an output ``out [C, d]``.
 
-    MKL's result depends on where its output sits (measured on AVX-512 CPUs: a client's clipped
+    MKL's result depends on where its output sits (measured on an AVX-512 CPU: a client's clipped
     mean written into row 1 of a ``[4, d]`` tensor, 40 bytes past a 64-byte boundary, differs in
     the last bit from the same mean written at offset 0). A row that is not 64-byte aligned is
     computed in an aligned buffer and copied into place, so every client's kernels see the same
@@ -71,16 +76,16 @@ class _Scratch:
         self._buffer: Tensor | None = None
 
     def row(self, c: int) -> Tensor:
-        target = self.out[c]
-        if target.data_ptr() % _ALIGNMENT == 0:
-            return target
+        """Where to write row ``c``: the row itself if aligned, else the (reused) buffer."""
+        if _is_aligned(self.out[c]):
+            return self.out[c]
         if self._buffer is None:
-            self._buffer = torch.empty_like(target)
+            self._buffer = torch.empty_like(self.out[c])
         return self._buffer
 
     def commit(self, c: int) -> None:
         """Copy the buffer into row ``c`` if ``row(c)`` handed it out."""
-        if self.out[c].data_ptr() % _ALIGNMENT:
+        if not _is_aligned(self.out[c]):
             assert self._buffer is not None
             self.out[c].copy_(self._buffer)
 
