@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import shlex
 from pathlib import Path
 
@@ -258,6 +260,38 @@ def test_selection_extends_the_hedge_while_its_smallest_step_wins():
     best = ranked[cell][0][1]
     assert round(best["learning-rate"] * best["clip"], 12) == 1e-6
     assert [round(a) for a, _ in ranked[cell]] == [80, 70, 60, 40, 20]  # percent
+
+
+def test_selection_goes_below_the_grid_while_its_smallest_step_wins():
+    """When the grid's smallest step wins at full length, the hedge goes on below the grid
+    with γ/10 while that wins, at most BELOW_GRID decades, and the selected point is marked
+    as below the grid rather than reported as interior."""
+    from dpfl.experiments.clip21 import BELOW_GRID, MNIST_BASE, MNIST_GRIDS, edge_axes, select
+
+    def outcome(c, peak):
+        gt = round(c["learning-rate"] * c["clip"], 14)
+        if c["num-server-rounds"] < 150 * 37:
+            return {"test_accuracy": 0.1 + gt, "test_loss": gt}  # short runs: big steps lead
+        return {"test_accuracy": 1 / (1 + abs(math.log10(gt / peak))), "test_loss": gt}
+
+    cell = ("mlp", "clip-sgd", 27.0)
+    points = [{**MNIST_BASE, "algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
+    for peak, expect in ((1e-9, [1e-8, 1e-9, 1e-10]), (1e-20, [1e-8, 1e-9, 1e-10])):
+        lab = StandInLab(functools.partial(outcome, peak=peak))
+        ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+        below = [c for c in lab.runs if c["learning-rate"] < 1e-3]
+        # the grid's smallest step, γτ = 1e-3·1e-4, then γ/10, γ/100 ... (τ kept)
+        assert [round(c["learning-rate"] * c["clip"], 14) for c in below] == expect[:BELOW_GRID]
+        assert all(c["num-server-rounds"] == 150 * 37 and c["clip"] == 1e-4 for c in below)
+        best = ranked[cell][0][1]
+        assert best["learning-rate"] < 1e-3
+        assert "learning-rate below grid" in edge_axes(best, points)
+    # when γ/10 loses, the grid's point stays selected and only one point below ran
+    lab = StandInLab(functools.partial(outcome, peak=1e-7))
+    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    assert [c["learning-rate"] for c in lab.runs if c["learning-rate"] < 1e-3] == [1e-4]
+    assert ranked[cell][0][1]["learning-rate"] == 1e-3
+    assert edge_axes(ranked[cell][0][1], points) == ["learning-rate", "clip"]
 
 
 def test_survivors_rank_within_step_sizes_and_hedge_towards_smaller_steps():

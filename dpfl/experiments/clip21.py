@@ -275,8 +275,9 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
     The hedge of the last rung towards smaller steps is extended while it wins: when the best
     last-rung run is also the one with the smallest step, the previous rung's best point with at
     most 1/10 of that step runs too (a selected point at the hedge's own edge is as suspect as
-    one at the grid's edge). Returns, per cell, the last rung's distinct points ranked by
-    accuracy (best first)."""
+    one at the grid's edge); past the grid's smallest step it goes on with γ/10, below the grid
+    (:func:`smaller_step`; :func:`edge_axes` marks such a point). Returns, per cell, the last
+    rung's distinct points ranked by accuracy (best first)."""
     alive = {cell: list(points) for cell, points in candidates.items()}
     ranked: dict[Cell, list[tuple[float, Config]]] = {}
     previous: dict[Cell, list[tuple[float, Config]]] = {}
@@ -307,7 +308,7 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
             scores.sort(key=lambda t: -t[0])  # stable: grid order breaks ties
             alive[cell] = survivors(scores, alive[cell], keep)
     while extend := {cell: p for cell, scores in ranked.items()
-                     if (p := smaller_step(scores, previous.get(cell, [])))}:
+                     if (p := smaller_step(scores, previous.get(cell, []), candidates[cell]))}:
         summaries = lab.run_many([{**p, "num-server-rounds": rungs[-1][0] * epoch_steps(p),
                                    "noise-multiplier": noise} for p in extend.values()])
         for (cell, p), summary in zip(extend.items(), summaries, strict=True):
@@ -316,23 +317,40 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
     return ranked
 
 
-def smaller_step(scores: list[tuple[float, Config]],
-                 previous: list[tuple[float, Config]]) -> Config | None:
+BELOW_GRID = 3  # decades of γ the hedge may go below a grid whose smallest step wins
+
+
+def smaller_step(scores: list[tuple[float, Config]], previous: list[tuple[float, Config]],
+                 points: list[Config]) -> Config | None:
     """The next point of the extended hedge (:func:`select`): when the best of ``scores`` has
-    the smallest step among them, the best of ``previous`` (ranked) with at most 1/10 of it."""
-    best = step_size(scores[0][1])
+    the smallest step among them, the best of ``previous`` (ranked) with at most 1/10 of it;
+    when ``previous`` has none, the best point itself with γ/10, below the grid ``points``
+    (at most :data:`BELOW_GRID` decades below its smallest γ): a selected point at the
+    small-step end of the grid would otherwise be an edge the protocol never looked past."""
+    winner = scores[0][1]
+    best = step_size(winner)
     if best > min(step_size(p) for _, p in scores):
         return None
-    return best_within([(step_size(p), p) for _, p in previous], best / 10)
+    inside = best_within([(step_size(p), p) for _, p in previous], best / 10)
+    if inside is not None:
+        return inside
+    gamma = float(winner["learning-rate"]) / 10
+    if gamma < min(float(p["learning-rate"]) for p in points) / 10**BELOW_GRID * (1 - 1e-9):
+        return None
+    return {**winner, "learning-rate": float(f"{gamma:.3g}")}
 
 
 def edge_axes(point: Config, points: list[Config]) -> list[str]:
     """The tuned axes of ``point`` that sit on the edge of the grid ``points`` (empty when
-    interior); an axis with at most two values has no interior and is never counted."""
+    interior), ``"<axis> below grid"``/``"<axis> above grid"`` for a value outside it (the
+    extended hedge of :func:`select`); an axis with at most two values has no interior and is
+    never counted as an edge."""
     edges = []
     for key in points[0]:
         values = sorted({p[key] for p in points})
-        if len(values) > 2 and point[key] in (values[0], values[-1]):
+        if point[key] < values[0] or point[key] > values[-1]:
+            edges.append(f"{key} {'below' if point[key] < values[0] else 'above'} grid")
+        elif len(values) > 2 and point[key] in (values[0], values[-1]):
             edges.append(key)
     return edges
 
@@ -460,8 +478,9 @@ def protocol(setup: dict[str, Any], base: Config) -> str:
             f"successive halving over every grid point of the cell by step size γτβ̂ (Clip-SGD, "
             f"Clip21-SGD: γτ; α-NormEC: γβ̂), since short runs favour large steps: {rungs}; while "
             f"the smallest step of the full-length runs wins, the best 15-epoch point with at most "
-            f"1/10 of it runs too; every proxy runs with the noise of the full-length run "
-            f"(noise-multiplier = σ_ω/τ of T = "
+            f"1/10 of it runs too, and past the grid's smallest step the winner with γ/10 (below "
+            f"the paper's grid, at most {BELOW_GRID} decades; marked 'below grid'); every proxy "
+            f"runs with the noise of the full-length run (noise-multiplier = σ_ω/τ of T = "
             f"{horizon(base, setup['epochs'])}; the last rung is the full-length single run). The "
             f"selected point runs the full "
             f"{setup['epochs']} epochs with seeds {setup['seeds']} (fresh seeds, not the "
