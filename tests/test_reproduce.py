@@ -263,35 +263,54 @@ def test_selection_extends_the_hedge_while_its_smallest_step_wins():
 
 
 def test_selection_goes_below_the_grid_while_its_smallest_step_wins():
-    """When the grid's smallest step wins at full length, the hedge goes on below the grid
-    with γ/10 while that wins, at most BELOW_GRID decades, and the selected point is marked
-    as below the grid rather than reported as interior."""
-    from dpfl.experiments.clip21 import BELOW_GRID, MNIST_BASE, MNIST_GRIDS, edge_axes, select
+    """When the grid's smallest step wins at full length, the hedge goes on below the grid,
+    dividing each step factor at its grid minimum by 10 while that wins (at most BELOW_GRID
+    decades), and the selected point is marked as below the grid, not reported as interior."""
+    from dpfl.experiments.clip21 import (BELOW_GRID, MNIST_BASE, MNIST_GRIDS, edge_axes, select,
+                                         step_size)
 
-    def outcome(c, peak):
-        gt = round(c["learning-rate"] * c["clip"], 14)
+    def outcome(c, peak, by="step"):
+        step = step_size(c)
         if c["num-server-rounds"] < 150 * 37:
-            return {"test_accuracy": 0.1 + gt, "test_loss": gt}  # short runs: big steps lead
-        return {"test_accuracy": 1 / (1 + abs(math.log10(gt / peak))), "test_loss": gt}
+            return {"test_accuracy": 0.1 + step, "test_loss": step}  # short runs: big steps lead
+        # by="beta-hat": the same law of the step, less 1/3 unless β̂ is at most 1e-3
+        acc = 1 / (1 + abs(math.log10(step / peak)) + (by != "step" and c["beta-hat"] > 1e-3))
+        return {"test_accuracy": acc, "test_loss": acc + c["learning-rate"]}
 
+    def below(lab, points):
+        return [c for c in lab.runs if any(c[k] < min(p[k] for p in points) for k in points[0])]
+
+    # Clip-SGD: γ and τ both at their minima (γτ = 1e-7); γ/10 and τ/10 run, twice, then lose
     cell = ("mlp", "clip-sgd", 27.0)
     points = [{**MNIST_BASE, "algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
-    for peak, expect in ((1e-9, [1e-8, 1e-9, 1e-10]), (1e-20, [1e-8, 1e-9, 1e-10])):
-        lab = StandInLab(functools.partial(outcome, peak=peak))
-        ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
-        below = [c for c in lab.runs if c["learning-rate"] < 1e-3]
-        # the grid's smallest step, γτ = 1e-3·1e-4, then γ/10, γ/100 ... (τ kept)
-        assert [round(c["learning-rate"] * c["clip"], 14) for c in below] == expect[:BELOW_GRID]
-        assert all(c["num-server-rounds"] == 150 * 37 and c["clip"] == 1e-4 for c in below)
-        best = ranked[cell][0][1]
-        assert best["learning-rate"] < 1e-3
-        assert "learning-rate below grid" in edge_axes(best, points)
-    # when γ/10 loses, the grid's point stays selected and only one point below ran
+    lab = StandInLab(functools.partial(outcome, peak=1e-9))
+    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    assert [step_size(c) for c in below(lab, points)] == [1e-8, 1e-8, 1e-9, 1e-9, 1e-10, 1e-10]
+    best = ranked[cell][0][1]
+    assert step_size(best) == 1e-9 and best["learning-rate"] == 1e-5  # γ/10 first, ties
+    assert edge_axes(best, points) == ["learning-rate below grid", "clip"]
+    # no end in sight: each axis stops BELOW_GRID decades under its grid minimum
+    lab = StandInLab(functools.partial(outcome, peak=1e-30))
+    select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    assert min(c["learning-rate"] for c in lab.runs) == pytest.approx(1e-3 / 10**BELOW_GRID)
+    assert min(c["clip"] for c in lab.runs) == pytest.approx(1e-4 / 10**BELOW_GRID)
+    # when the points below lose, the grid's point stays selected
     lab = StandInLab(functools.partial(outcome, peak=1e-7))
     ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
-    assert [c["learning-rate"] for c in lab.runs if c["learning-rate"] < 1e-3] == [1e-4]
-    assert ranked[cell][0][1]["learning-rate"] == 1e-3
+    assert [(c["learning-rate"], c["clip"]) for c in below(lab, points)] == [(1e-4, 1e-4),
+                                                                             (1e-3, 1e-5)]
     assert edge_axes(ranked[cell][0][1], points) == ["learning-rate", "clip"]
+    # α-NormEC (steps γβ̂, best 1e-6): from the corner (1e-3, β̂ = 0.01), β̂/10 beats γ/10
+    cell = ("mlp", "alpha-normec", 27.0)
+    points = [{**MNIST_BASE, "algorithm": "alpha-normec", **p}
+              for p in MNIST_GRIDS["alpha-normec"]]
+    lab = StandInLab(functools.partial(outcome, peak=1e-6, by="beta-hat"))
+    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    best = ranked[cell][0][1]
+    assert (best["learning-rate"], best["beta-hat"]) == (1e-3, 1e-3)
+    assert sorted((c["learning-rate"], c["beta-hat"]) for c in below(lab, points)) == [
+        (1e-4, 1e-3), (1e-4, 0.01), (1e-3, 1e-4), (1e-3, 1e-3)]  # then both halves lost
+    assert edge_axes(best, points) == ["learning-rate", "beta-hat below grid"]  # α: twins
 
 
 def test_survivors_rank_within_step_sizes_and_hedge_towards_smaller_steps():
