@@ -291,9 +291,11 @@ def test_selection_goes_below_the_grid_while_its_smallest_step_wins():
     assert edge_axes(best, points) == ["learning-rate below grid", "clip"]
     # no end in sight: each axis stops BELOW_GRID decades under its grid minimum
     lab = StandInLab(functools.partial(outcome, peak=1e-30))
-    select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
     assert min(c["learning-rate"] for c in lab.runs) == pytest.approx(1e-3 / 10**BELOW_GRID)
     assert min(c["clip"] for c in lab.runs) == pytest.approx(1e-4 / 10**BELOW_GRID)
+    assert edge_axes(ranked[cell][0][1], points) == ["learning-rate below grid (at the limit)",
+                                                     "clip below grid (at the limit)"]
     # when the points below lose, the grid's point stays selected
     lab = StandInLab(functools.partial(outcome, peak=1e-7))
     ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))

@@ -356,13 +356,17 @@ def smaller_steps(scores: list[tuple[float, Config]], previous: list[tuple[float
 def edge_axes(point: Config, points: list[Config]) -> list[str]:
     """The tuned axes of ``point`` that sit on the edge of the grid ``points`` (empty when
     interior), ``"<axis> below grid"``/``"<axis> above grid"`` for a value outside it (the
-    extended hedge of :func:`select`); an axis with at most two values has no interior and is
-    never counted as an edge."""
+    extended hedge of :func:`select`; ``" (at the limit)"`` added at :data:`BELOW_GRID` decades
+    below, where the hedge stops whether or not it still wins); an axis with at most two values
+    has no interior and is never counted as an edge."""
     edges = []
     for key in points[0]:
         values = sorted({p[key] for p in points})
-        if point[key] < values[0] or point[key] > values[-1]:
-            edges.append(f"{key} {'below' if point[key] < values[0] else 'above'} grid")
+        if point[key] < values[0]:
+            capped = point[key] <= values[0] / 10**BELOW_GRID * (1 + 1e-9)
+            edges.append(f"{key} below grid{' (at the limit)' if capped else ''}")
+        elif point[key] > values[-1]:
+            edges.append(f"{key} above grid")
         elif len(values) > 2 and point[key] in (values[0], values[-1]):
             edges.append(key)
     return edges
