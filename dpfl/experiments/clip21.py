@@ -276,8 +276,9 @@ def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
     last-rung run is also the one with the smallest step, the previous rung's best point with at
     most 1/10 of that step runs too (a selected point at the hedge's own edge is as suspect as
     one at the grid's edge); past the grid's smallest step it goes on below the grid, dividing
-    one factor of the step by 10 (:func:`smaller_steps`; :func:`edge_axes` marks such a point). Returns, per cell, the last
-    rung's distinct points ranked by accuracy (best first)."""
+    one factor of the step by 10 (:func:`smaller_steps`; :func:`edge_axes` marks such a
+    point). Returns, per cell, the last rung's distinct points ranked by accuracy (best
+    first)."""
     alive = {cell: list(points) for cell, points in candidates.items()}
     ranked: dict[Cell, list[tuple[float, Config]]] = {}
     previous: dict[Cell, list[tuple[float, Config]]] = {}
