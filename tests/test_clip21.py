@@ -297,6 +297,25 @@ def test_alpha_normec_sends_norm_alpha_with_sensitivity_two_whatever_clip(small_
 
 
 
+def test_alpha_normec_with_alpha_to_zero_is_clip21_sgd_with_tau_beta_hat(small_config):
+    """With α ≪ ‖∇f_i − g_i‖, Norm_α(u) → u/‖u‖, so β̂·Norm_α(u) = clip_τ(u) for τ = β̂ < ‖u‖, and
+    the noise (σ·1 on the message, then β̂ at the server) is Clip21-SGD's σ·τ: α-NormEC below
+    the paper's grid (β̂ ≤ 1e-3) is Clip21-SGD with τ = β̂, same draws, step for step (README,
+    "Below the grid": the two methods' seeds end within 0.2 points at ε = 3)."""
+    kw = dict(noise_multiplier=1.5, learning_rate=0.3)
+    normec, cohort = _digits(small_config, "alpha-normec", normec_alpha=1e-12, beta_hat=1e-3,
+                             **kw)
+    clip21, _ = _digits(small_config, "clip21-sgd", clip=1e-3, **kw)
+    for a, b in zip(_run(normec, cohort), _run(clip21, cohort), strict=True):
+        assert b["metrics"]["clip-active"].all()  # ‖u‖ > τ: every vector clipped to τ
+        assert torch.allclose(1e-3 * a["uploads"]["c"], b["uploads"]["c"], rtol=1e-5, atol=1e-9)
+        assert torch.allclose(a["states"]["g"], b["states"]["g"], rtol=1e-5, atol=1e-9)
+        assert torch.allclose(a["server"]["x"], b["server"]["x"], rtol=1e-5, atol=1e-7)
+    moved = _run(clip21, cohort)[-1]["server"]["x"] - _run(clip21, cohort, rounds=1)[0]["server"][
+        "x"]
+    assert moved.abs().max() > 1e-5  # the models moved: the comparison is not of two zeros
+
+
 def test_alpha_normec_server_normalisation_keeps_g_unit_and_steps_gamma(small_config):
     """``normec-normalize``: g ← (g + β̂·mean c)/||·|| is kept, x moves by exactly γ; off, the
     same messages give the unnormalised g of line 10 (the option is the only difference)."""
