@@ -323,6 +323,12 @@ BELOW_GRID = 3  # decades a step axis may go below the grid when its smallest st
 STEP_AXES = ("learning-rate", "clip", "beta-hat")  # the factors of step_size: γ, τ, β̂
 
 
+def grid_floor(low: float) -> float:
+    """The smallest value the below-grid hedge may give an axis whose grid minimum is ``low``
+    (:data:`BELOW_GRID` decades below it); comparisons allow a relative 1e-9 of rounding."""
+    return low / 10**BELOW_GRID
+
+
 def smaller_steps(scores: list[tuple[float, Config]], previous: list[tuple[float, Config]],
                   points: list[Config]) -> list[Config]:
     """The next points of the extended hedge (:func:`select`), none unless the best of
@@ -347,7 +353,7 @@ def smaller_steps(scores: list[tuple[float, Config]], previous: list[tuple[float
         if len(values) < 2 or float(winner[axis]) > values[0]:
             continue
         value = float(f"{float(winner[axis]) / 10:.3g}")
-        if value >= values[0] / 10**BELOW_GRID * (1 - 1e-9):
+        if value >= grid_floor(values[0]) * (1 - 1e-9):
             point = {**winner, axis: value}
             if point not in done:
                 below.append(point)
@@ -364,7 +370,7 @@ def edge_axes(point: Config, points: list[Config]) -> list[str]:
     for key in points[0]:
         values = sorted({p[key] for p in points})
         if point[key] < values[0]:
-            capped = point[key] <= values[0] / 10**BELOW_GRID * (1 + 1e-9)
+            capped = point[key] <= grid_floor(values[0]) * (1 + 1e-9)
             edges.append(f"{key} below grid{' (at the limit)' if capped else ''}")
         elif point[key] > values[-1]:
             edges.append(f"{key} above grid")
