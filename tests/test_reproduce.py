@@ -364,6 +364,21 @@ def test_logreg_runs_only_the_requested_oracle_and_method(tmp_path):
     assert len(list((folder / "runs").iterdir())) == 2  # γ ∈ {2^-1, 2^1}, one β, τ, seed
 
 
+def test_fig2_check_names_every_comparison_clip21_sgd2m_loses_at_small_tau():
+    from dpfl.experiments.clip21 import fig2_check
+
+    methods = ["clip-sgd", "clip21-sgd", "clip21-sgd2m"]
+    norms = {("gaussian", t, m): v for t in (1e-1, 1e-2, 1e-3)
+             for m, v in zip(methods, (1.0, 2.0, 0.5), strict=True)}
+    assert "**holds**" in fig2_check(norms, ["gaussian"], [1e-1, 1e-2, 1e-3], methods)
+    norms[("gaussian", 1e-1, "clip21-sgd2m")] = 9.0  # τ = 0.1 is outside the check
+    assert "**holds**" in fig2_check(norms, ["gaussian"], [1e-1, 1e-2, 1e-3], methods)
+    norms[("gaussian", 1e-3, "clip21-sgd2m")] = 1.5  # beats Clip21-SGD, loses to Clip-SGD
+    text = fig2_check(norms, ["gaussian"], [1e-1, 1e-2, 1e-3], methods)
+    assert "**fails** in 1 of 4 comparisons: gaussian, τ = 0.001: 1.5 vs clip-sgd 1" in text
+    assert "not applicable" in fig2_check(norms, ["gaussian"], [1e-1], methods)
+
+
 def test_mnist_dp_epochs_calibrates_every_run_with_t_counted_in_epochs(smoke):
     """Selection proxies (noise-multiplier set) and seed runs (practice calibration with
     practice-horizon="epochs") all use σ_ω/τ = (1/ε)√(T ln(1/δ)) at T = 1 epoch, not 37 rounds."""

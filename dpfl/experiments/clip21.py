@@ -73,6 +73,27 @@ def logreg_tail(rounds: list[dict[str, Any]], last: int) -> dict[str, float]:
         r["grad_norm"] for r in rounds if "grad_norm" in r and r["round"] > final - last)}
 
 
+def fig2_check(norms: dict[tuple[str, float, str], float], modes: Sequence[str],
+               taus: Sequence[float], methods: Sequence[str]) -> str:
+    """Spec §10 check 5 on the measured Fig. 2: for τ ≤ 1e-2, Clip21-SGD2M's tuned final
+    gradient norm is at most Clip-SGD's and Clip21-SGD's in each oracle. Says where it holds
+    and where it fails (with the ratio), or why it cannot be checked."""
+    rivals = [m for m in methods if m != "clip21-sgd2m"]
+    small = [t for t in taus if t <= 1e-2]
+    if "clip21-sgd2m" not in methods or not rivals or not small:
+        return "Spec check (Clip21-SGD2M ≤ the others at τ ≤ 1e-2): not applicable to this subset."
+    fails = [f"{mode}, τ = {t:g}: {norms[(mode, t, 'clip21-sgd2m')]:.3g} vs {r} "
+             f"{norms[(mode, t, r)]:.3g}"
+             for mode, t, r in itertools.product(modes, small, rivals)
+             if not norms[(mode, t, "clip21-sgd2m")] <= norms[(mode, t, r)]]
+    where = f"{', '.join(modes)} oracle(s), τ ∈ {{{', '.join(f'{t:g}' for t in small)}}}"
+    if not fails:
+        return f"Spec check (Clip21-SGD2M ≤ {' and '.join(rivals)} at τ ≤ 1e-2): **holds** ({where})."
+    return (f"Spec check (Clip21-SGD2M ≤ {' and '.join(rivals)} at τ ≤ 1e-2; {where}): **fails** "
+            f"in {len(fails)} of {len(modes) * len(small) * len(rivals)} comparisons: "
+            + "; ".join(fails) + ".")
+
+
 @experiment("clip21", "logreg", "E1: non-convex logistic regression on duke (Fig. 2, I.1)",
             axes=("oracle", "tau", "method"))
 def logreg(lab: Lab) -> str:
@@ -116,11 +137,16 @@ def logreg(lab: Lab) -> str:
                 m, s, point = best[(mode, tau, method)]
                 extra = f", β={point['beta']}" if "beta" in point and method == "clip21-sgd2m" \
                     else ""
+                edge = ", edge" if point["learning-rate"] in (gammas[0], gammas[-1]) else ""
                 row.append(f"{m:.3e} ± {s:.1e} (γ=2^{round(math.log2(point['learning-rate']))}"
-                           f"{extra})")
+                           f"{extra}{edge})")
             rows.append(row)
         lab.table(f"Fig. 2, {mode} oracle: final gradient norm (mean ± std over seeds)",
                   ["τ", *methods], rows)
+    lab.text(fig2_check({k: v[0] for k, v in best.items()}, modes, taus, list(methods))
+             + " \"edge\": the selected γ is the grid's smallest or largest (2^"
+             f"{round(math.log2(gammas[0]))} or 2^{round(math.log2(gammas[-1]))}); this sweep "
+             "does not go past its grid.")
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         for method in methods:
