@@ -87,11 +87,11 @@ def fig2_check(norms: dict[tuple[str, float, str], float], modes: Sequence[str],
              for mode, t, r in itertools.product(modes, small, rivals)
              if not norms[(mode, t, "clip21-sgd2m")] <= norms[(mode, t, r)]]
     where = f"{', '.join(modes)} oracle(s), τ ∈ {{{', '.join(f'{t:g}' for t in small)}}}"
+    check = f"Spec check (Clip21-SGD2M ≤ {' and '.join(rivals)} at τ ≤ 1e-2"
     if not fails:
-        return f"Spec check (Clip21-SGD2M ≤ {' and '.join(rivals)} at τ ≤ 1e-2): **holds** ({where})."
-    return (f"Spec check (Clip21-SGD2M ≤ {' and '.join(rivals)} at τ ≤ 1e-2; {where}): **fails** "
-            f"in {len(fails)} of {len(modes) * len(small) * len(rivals)} comparisons: "
-            + "; ".join(fails) + ".")
+        return f"{check}): **holds** ({where})."
+    return (f"{check}; {where}): **fails** in {len(fails)} of "
+            f"{len(modes) * len(small) * len(rivals)} comparisons: " + "; ".join(fails) + ".")
 
 
 @experiment("clip21", "logreg", "E1: non-convex logistic regression on duke (Fig. 2, I.1)",
