@@ -361,7 +361,9 @@ def test_logreg_runs_only_the_requested_oracle_and_method(tmp_path):
     report = (folder / "report.md").read_text()
     assert "gaussian oracle" in report and "mini-batch oracle" not in report
     assert "| τ | clip21-sgd2m |" in report and "clip-sgd" not in report
-    assert len(list((folder / "runs").iterdir())) == 2  # γ ∈ {2^-1, 2^1}, one β, τ, seed
+    # γ ∈ {2^-1, 2^1} (one β, τ, seed): the winner is an edge, so 1-3 runs go on past it
+    assert 3 <= len(list((folder / "runs").iterdir())) <= 5
+    assert "past the grid's edge, gaussian oracle" in report
 
 
 def test_fig2_check_names_every_comparison_clip21_sgd2m_loses_at_small_tau():
@@ -377,6 +379,42 @@ def test_fig2_check_names_every_comparison_clip21_sgd2m_loses_at_small_tau():
     text = fig2_check(norms, ["gaussian"], [1e-1, 1e-2, 1e-3], methods)
     assert "**fails** in 1 of 4 comparisons: gaussian, τ = 0.001: 1.5 vs clip-sgd 1" in text
     assert "not applicable" in fig2_check(norms, ["gaussian"], [1e-1], methods)
+
+
+class _CurveLab:
+    """A stand-in lab for E1's hedge: a run's metric is ``metric(log2 γ)``; records the runs."""
+
+    def __init__(self, metric):
+        self.metric, self.ran = metric, []
+
+    def run_many(self, configs, derive=None):
+        self.ran += configs
+        return [{"derived": {"grad_norm_tail": self.metric(math.log2(c["learning-rate"]))}}
+                for c in configs]
+
+
+@pytest.mark.parametrize("metric, expected, label", [
+    (lambda k: (k - 3) ** 2, 3, "γ=2^3, above grid"),  # wins twice, loses at 2^4
+    (lambda k: -k, 4, "γ=2^4, above grid (at the limit)"),  # still winning after 3 doublings
+    (lambda k: k, -4, "γ=2^-4, below grid (at the limit)"),  # the low edge halves
+    (lambda k: (k - 1) ** 2 + (k > 1) * 10, 1, "γ=2^1, edge"),  # the first step past loses
+])
+def test_e1_goes_past_the_gamma_grid_while_its_edge_wins(metric, expected, label):
+    from dpfl.experiments.clip21 import GAMMA_PAST_EDGE, gamma_label, past_the_edge
+
+    gammas = [0.5, 1.0, 2.0]
+    point = {"learning-rate": 2.0 if metric(1) < metric(-1) else 0.5}
+    inner = {"learning-rate": 1.0}
+    lab = _CurveLab(metric)
+    best = {"edge": (metric(math.log2(point["learning-rate"])), 0.0, point),
+            "interior": (metric(0), 0.0, inner)}
+    out = past_the_edge(lab, best, gammas, [0, 1], derive=None)
+    assert out["interior"] == best["interior"]  # an interior γ runs nothing more
+    assert math.log2(out["edge"][2]["learning-rate"]) == expected
+    assert gamma_label(out["edge"][2]["learning-rate"], gammas) == label
+    tried = sorted({c["learning-rate"] for c in lab.ran})
+    assert len(lab.ran) == 2 * len(tried) <= 2 * GAMMA_PAST_EDGE  # every seed of each trial
+    assert all(c["seed"] in (0, 1) for c in lab.ran)
 
 
 def test_mnist_dp_epochs_calibrates_every_run_with_t_counted_in_epochs(smoke):
