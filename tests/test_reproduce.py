@@ -14,6 +14,7 @@ from dpfl.cli import main
 from dpfl.config import RunConfig, parse_overrides
 from dpfl.engine import run
 from dpfl.experiments.clip21 import command
+from dpfl.experiments.lab import read_archive
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,35 @@ def test_archived_runs_count_as_finished_unless_their_rounds_are_read(tmp_path, 
     derived = [s["derived"] for s in fifth.run_many(configs, derive=derive)]
     assert ran == [0, 1, 2, 3, 0, 1, 2, 0, 1, 2]  # the derived numbers came from the archive
     assert derived == [{"twice": 0}, {"twice": 2}, {"twice": 4}]
+
+
+def test_an_interrupted_sweep_leaves_an_archive_of_the_runs_it_finished(tmp_path, monkeypatch):
+    """The archive is rewritten as each run finishes: a sweep stopped during a run leaves the
+    runs it finished archived, and ``--reuse`` of that archive runs only the rest."""
+    from dpfl.experiments import Lab
+    from dpfl.experiments import lab as lab_module
+
+    ran, stop_at = [], {2}
+
+    def fake_run(values):
+        if values["seed"] in stop_at:
+            raise KeyboardInterrupt  # the sweep is stopped during this run
+        ran.append(values["seed"])
+        folder = Path(values["results-dir"]) / values["run-name"]
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps({"test_accuracy": values["seed"]}))
+
+    monkeypatch.setattr(lab_module, "_run_one", fake_run)
+    configs = [{"algorithm": "clip-sgd", "seed": s} for s in range(4)]
+    with pytest.raises(KeyboardInterrupt):
+        Lab(tmp_path / "a", smoke=True).run_many(configs)
+    archive = tmp_path / "a" / "runs.jsonl.gz"
+    assert sorted(r["config"]["seed"] for r in read_archive(archive).values()) == [0, 1]
+    assert not list((tmp_path / "a").glob("*.part"))  # written whole, then renamed
+    stop_at.clear()
+    resumed = Lab(tmp_path / "b", smoke=True, reuse=[archive]).run_many(configs)
+    assert ran == [0, 1, 2, 3]  # seeds 0 and 1 came from the archive
+    assert [s["test_accuracy"] for s in resumed] == [0, 1, 2, 3]
 
 
 def test_an_edited_archive_is_refused_naming_reuse(smoke, tmp_path, capsys):
@@ -419,7 +449,8 @@ def test_e1_goes_past_the_gamma_grid_while_its_edge_wins(metric, expected, label
 
 def test_mnist_dp_epochs_calibrates_every_run_with_t_counted_in_epochs(smoke):
     """Selection proxies (noise-multiplier set) and seed runs (practice calibration with
-    practice-horizon="epochs") all use σ_ω/τ = (1/ε)√(T ln(1/δ)) at T = 1 epoch, not 37 rounds."""
+    practice-horizon="epochs") all use σ_ω/τ = (1/ε)√(T ln(1/δ)) at T = 1 epoch, not 37
+    rounds."""
     from dpfl.privacy import clip21_practice_noise_std
 
     expected = clip21_practice_noise_std(epsilon=27.0, delta=1e-3, rounds=1, clip=1.0)

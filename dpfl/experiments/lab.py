@@ -12,7 +12,8 @@ run with its key, its configuration and the summary fields experiments read
 (:data:`ARCHIVED`, with the numbers an experiment derives from its rounds).
 ``dpfl reproduce --reuse ARCHIVE`` counts an archived run as finished, so
 a report can be regenerated or extended on another machine, or in a later session, without
-running again what is archived (the committed ``reports/`` keep theirs).
+running again what is archived (the committed ``reports/`` keep theirs). The archive is
+rewritten as each run finishes, so an interrupted sweep leaves one of every run it finished.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -169,18 +170,35 @@ class Lab:
                 folder.rmdir()
         prepared = [self._values(c) for c in todo]  # all validated before the first run
         self.folder.mkdir(parents=True, exist_ok=True)
+
+        recorded: dict[str, dict[str, Any]] = {}
+
+        def record(c: dict[str, Value]) -> dict[str, Any]:
+            key = run_key(c)
+            if key not in recorded:
+                summary = self.summary(c) or {}
+                if derive is not None and "derived" not in summary:
+                    summary["derived"] = derive(self.rounds(c))
+                recorded[key] = summary
+                self.used[key] = (dict(c), summary)
+            return recorded[key]
+
+        # Each run is archived as it finishes, so an interrupted sweep leaves an archive of
+        # what it finished (``--reuse`` resumes from it on another machine).
         if self.workers == 1 or len(prepared) <= 1:
-            for v in prepared:
+            for c, v in zip(todo, prepared, strict=True):
                 _run_one(v)
+                record(c)
+                self.write_archive()
         else:
             with ProcessPoolExecutor(max_workers=self.workers) as pool:
-                list(pool.map(_run_one, prepared))
-        summaries = [self.summary(c) or {} for c in configs]
-        for c, summary in zip(configs, summaries, strict=True):
-            if derive is not None and "derived" not in summary:
-                summary["derived"] = derive(self.rounds(c))
-            self.used[run_key(c)] = (dict(c), summary)
-        return summaries
+                futures = {pool.submit(_run_one, v): c for c, v in zip(todo, prepared,
+                                                                       strict=True)}
+                for future in as_completed(futures):
+                    future.result()
+                    record(futures[future])
+                    self.write_archive()
+        return [record(c) for c in configs]
 
     def run_seconds(self) -> float:
         """Single-thread run time behind the report: the runs' own wall times."""
@@ -237,5 +255,7 @@ class Lab:
         with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as f:
             f.write("".join(line + "\n" for line in lines).encode())
         path = self.folder / ARCHIVE
-        path.write_bytes(buffer.getvalue())
+        partial = path.with_name(path.name + ".part")  # replaced whole: never half-written
+        partial.write_bytes(buffer.getvalue())
+        os.replace(partial, path)
         return path
