@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpfl.config import RunConfig  # noqa: E402
+from dpfl.runconfig import RunConfig  # noqa: E402
 from dpfl.engine import run  # noqa: E402
 from dpfl.launch import flwr_run  # noqa: E402
 

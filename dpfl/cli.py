@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from dpfl.config import RunConfig, parse_overrides
+from dpfl.config import parse_overrides
 from dpfl.errors import ConfigError, UsageError
 
 
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_overrides(args.run_config) if args.run_config else {}
         if args.command == "run":
             from dpfl.engine import run
+            from dpfl.runconfig import RunConfig
 
             run(RunConfig(overrides))
             return 0

@@ -1,22 +1,25 @@
-"""The run configuration: every key, its type, default and allowed values.
+"""The run configuration's vocabulary: keys, types, defaults and checks (a leaf module).
 
-One schema serves ``flwr run`` (``[tool.flwr.app.config]`` in pyproject.toml)
-and ``dpfl run --run-config``. Validation happens here and nowhere else: an
-unknown key, a value of the wrong type or out of range raises
-:class:`~dpfl.errors.ConfigError` naming the key and what is allowed.
-Algorithms add their own keys through :attr:`dpfl.algorithms.Algorithm.params`.
+A run-config key is a :class:`Param`. The keys every run reads, whatever the algorithm, are
+:data:`COMMON`. An algorithm's own keys are the fields of its frozen hyperparameter dataclass,
+each declared with :func:`hyperparameter`; keys several algorithms share (:data:`BATCH_SIZE`,
+:data:`LEARNING_RATE`, :data:`CLIP`) are defined here once. :class:`dpfl.runconfig.RunConfig`
+assembles the whole schema from these pieces and the registries; this module knows no
+algorithm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from dpfl.errors import ConfigError
 
 Value = bool | int | float | str
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class Param:
     """One run-config key.
 
     ``check`` returns a problem description, or ``None`` when the value is fine;
-    ``choices`` lists the allowed values of a string key.
+    ``choices`` lists the allowed values of a string key; ``symbol`` is the paper's.
     """
 
     key: str
@@ -74,16 +77,34 @@ def unit_interval(value: float) -> str | None:
     return None if 0 < value <= 1 else f"must be in (0, 1], got {value}"
 
 
-def _names(registry_path: str) -> Callable[[], list[str]]:
-    """Lazily list a registry's names (registries import heavy modules)."""
+# ---- typed hyperparameters ----------------------------------------------------------------------
 
-    def names() -> list[str]:
-        module_name, attr = registry_path.rsplit(".", 1)
-        module = __import__(module_name, fromlist=[attr])
-        return getattr(module, attr).names()
+def hyperparameter(param: Param) -> Any:
+    """A field of a frozen hyperparameter dataclass, read from the run-config key ``param``.
 
-    return names
+    A value an algorithm fixes (e.g. Clip21-SGD's β = 1) is a ``ClassVar`` of its dataclass
+    instead: readable like a field, but not a key the algorithm accepts."""
+    return dataclasses.field(default=param.default, metadata={"param": param})
 
+
+def params_of(cls: type) -> tuple[Param, ...]:
+    """The run-config keys of a hyperparameter dataclass, in field order."""
+    return tuple(f.metadata["param"] for f in dataclasses.fields(cls))
+
+
+def build(cls: type[T], values: Mapping[str, Value]) -> T:
+    """``cls`` from validated run-config ``values`` (its ``__post_init__`` may raise
+    :class:`ConfigError` for combinations of keys that do not go together)."""
+    return cls(**{f.name: values[f.metadata["param"].key] for f in dataclasses.fields(cls)})
+
+
+# ---- keys --------------------------------------------------------------------------------------
+
+BATCH_SIZE = Param("batch-size", 32, "Per-client mini-batch size, sampled without replacement.",
+                   check=at_least(1), symbol="b")
+LEARNING_RATE = Param("learning-rate", 2.0, "Server/client step size.", check=positive,
+                      symbol="η, γ")
+CLIP = Param("clip", 1.0, "Clipping threshold (max grad norm).", check=positive, symbol="C, τ")
 
 COMMON: tuple[Param, ...] = (
     Param("algorithm", "dpsgd-gc", "Algorithm to run (see the algorithm table)."),
@@ -96,13 +117,10 @@ COMMON: tuple[Param, ...] = (
     Param("num-partitions", 10, "Number of clients (data partitions).", check=at_least(1),
           symbol="M, n"),
     Param("num-server-rounds", 30, "Communication rounds.", check=at_least(1), symbol="T"),
-    Param("batch-size", 32, "Per-client mini-batch size, sampled without replacement.",
-          check=at_least(1), symbol="b"),
-    Param("learning-rate", 2.0, "Server/client step size.", check=positive, symbol="η, γ"),
-    Param("clip", 1.0, "Clipping threshold (max grad norm).", check=positive, symbol="C, τ"),
     Param("noise-multiplier", -1.0,
-          "Noise std on the sum of clipped vectors divided by clip (Opacus convention); "
-          "-1 = calibrate from epsilon/delta, 0 = no noise.",
+          "Noise std over the clip radius of one clipped vector, i.e. std on the sum of "
+          "clipped vectors over the clip (Opacus convention); -1 = calibrate from "
+          "epsilon/delta, 0 = no noise.",
           check=lambda v: None if v == -1.0 or v >= 0 else f"must be -1 or >= 0, got {v}",
           symbol="σ"),
     Param("epsilon", 8.0, "Target ε per client for calibration.", check=positive, symbol="ε"),
@@ -112,8 +130,7 @@ COMMON: tuple[Param, ...] = (
     Param("calibration", "accountant",
           "How noise is calibrated when noise-multiplier=-1: 'accountant' (Opacus), "
           "'paper' (the paper's proven formula) or 'practice' (the formula the paper's "
-          "experiments used); each algorithm lists the ones it supports.",
-          choices=("accountant", "paper", "practice")),
+          "experiments used); each algorithm lists the ones it offers."),
     Param("max-epsilon", 0.0,
           "Stop the run before a round would take any client's ε above this; 0 = no stop.",
           check=at_least(0.0)),
@@ -127,8 +144,13 @@ COMMON: tuple[Param, ...] = (
     Param("run-name", "", "Results sub-folder name; empty = <algorithm>-<dataset>-s<seed>-<time>."),
     Param("eval-every", 1, "Central evaluation every this many rounds (and the last).",
           check=at_least(1)),
+    Param("non-private-diagnostics", False,
+          "Let clients send their exact training loss and clipping statistics, and let the "
+          "server evaluate on the clients' training data (eval-train): a diagnostic mode with "
+          "no privacy guarantee against the server, which the summary and ledger state."),
     Param("eval-train", False, "Also evaluate the full training objective at evaluation "
-          "rounds: its loss and gradient norm ‖∇F(x)‖."),
+          "rounds: its loss and gradient norm ‖∇F(x)‖ (needs non-private-diagnostics=true: "
+          "the server reads the clients' training data)."),
     Param("model-options", "", "Options of the model builder as key=value pairs, e.g. "
           "'bias=false zero_init=true' or 'hidden=512'."),
     Param("data-dir", "", "Folder of the offline datasets; empty = $DPFL_DATA_DIR."),
@@ -138,75 +160,7 @@ COMMON: tuple[Param, ...] = (
 )
 
 
-def all_params() -> dict[str, Param]:
-    """Common keys plus every registered algorithm's own keys."""
-    from dpfl.algorithms import ALGORITHMS
-
-    params = {p.key: p for p in COMMON}
-    for name in ALGORITHMS.names():
-        for p in ALGORITHMS.get(name).params:
-            if p.key in params and params[p.key] != p:
-                raise ValueError(f"algorithm {name} redefines key {p.key}")
-            params[p.key] = p
-    return params
-
-
-def defaults() -> dict[str, Value]:
-    return {key: p.default for key, p in all_params().items()}
-
-
-class RunConfig(Mapping[str, Value]):
-    """A validated run configuration (read-only mapping of key to value)."""
-
-    def __init__(self, values: Mapping[str, object] | None = None) -> None:
-        params = all_params()
-        merged: dict[str, Value] = {key: p.default for key, p in params.items()}
-        for key, value in (values or {}).items():
-            if key not in params:
-                raise ConfigError(key, "unknown key", allowed="the keys listed in README.md")
-            merged[key] = params[key].parse(value)
-        self._values = merged
-        self._check_choices()
-
-    def _check_choices(self) -> None:
-        from dpfl.algorithms import ALGORITHMS
-        from dpfl.datasets import DATASETS, PARTITIONERS
-        from dpfl.models import MODELS
-
-        for key, registry in (("algorithm", ALGORITHMS), ("dataset", DATASETS),
-                              ("model", MODELS), ("partitioner", PARTITIONERS)):
-            registry.get(self._values[key])  # raises ConfigError with the allowed names
-        algorithm = ALGORITHMS.get(self._values["algorithm"])
-        if self._values["calibration"] not in algorithm.calibrations:
-            raise ConfigError("calibration", f"{self._values['calibration']!r} is not offered "
-                              f"by algorithm {algorithm.name!r}", allowed=algorithm.calibrations)
-
-    def __getitem__(self, key: str) -> Value:
-        return self._values[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def replace(self, **changes: object) -> RunConfig:
-        """A copy with some keys changed (keys given with ``_`` or ``-``)."""
-        values: dict[str, object] = dict(self._values)
-        values.update({key.replace("_", "-"): value for key, value in changes.items()})
-        return RunConfig(values)
-
-    def as_dict(self) -> dict[str, Value]:
-        return dict(self._values)
-
-
-def check_runtime(config: RunConfig, runtime: str) -> None:
-    """Refuse settings the ``runtime`` ('engine' or 'flower') cannot honour."""
-    if runtime != "engine" and config["engine-mode"] != "exact":
-        raise ConfigError("engine-mode", f"{config['engine-mode']!r} is for the in-process "
-                          "engine (dpfl run) only; under Flower every client adds its own noise",
-                          ["exact"])
-
+# ---- the command-line syntax -------------------------------------------------------------------
 
 def parse_overrides(text: Iterable[str] | str) -> dict[str, Value]:
     """Parse ``"key=value key2=value2"`` exactly as ``flwr run --run-config`` does."""
@@ -218,3 +172,15 @@ def parse_overrides(text: Iterable[str] | str) -> dict[str, Value]:
     except Exception as exc:  # flwr raises ValueError/TOML errors on malformed input
         raise ConfigError("run-config", f"cannot parse {' '.join(items)!r}: {exc}",
                           allowed='space-separated key=value pairs, strings in "quotes"') from None
+
+
+def format_overrides(values: Mapping[str, Value]) -> str:
+    """``key=value`` pairs in the syntax ``flwr run --run-config`` parses."""
+    def fmt(v: Value) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return repr(v)
+
+    return " ".join(f"{k}={fmt(v)}" for k, v in values.items())

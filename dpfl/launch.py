@@ -17,21 +17,11 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from dpfl.config import RunConfig, Value, check_runtime
+from dpfl.config import Value, format_overrides
+from dpfl.runconfig import RunConfig, check_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def format_overrides(values: Mapping[str, Value]) -> str:
-    """``key=value`` pairs in the syntax ``flwr run --run-config`` parses."""
-    def fmt(v: Value) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        return repr(v)
-
-    return " ".join(f"{k}={fmt(v)}" for k, v in values.items())
 
 
 def _cmdlines() -> dict[int, str]:

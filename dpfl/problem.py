@@ -11,11 +11,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpfl.algorithms import ALGORITHMS, Algorithm, Cohort, Release
-from dpfl.config import RunConfig
+from dpfl.algorithms import ALGORITHMS, Algorithm, Cohort, check_schema
+from dpfl.config import parse_overrides
 from dpfl.datasets import Dataset, load_dataset, partition
 from dpfl.errors import ConfigError
-from dpfl.models import FlatModel, build_model
+from dpfl.models import MODELS, FlatModel, build_model
+from dpfl.privacy import Query, Release, Target, calibrate
+from dpfl.runconfig import RunConfig
 
 LOSS_OF_TASK = {"classification": "cross-entropy", "binary": "logistic", "regression": "squared"}
 
@@ -50,6 +52,7 @@ class Problem:
     x0: torch.Tensor
     device: torch.device
     _releases: dict[int, list[Release]] = field(default_factory=dict)
+    _server: dict[str, list[Release]] = field(default_factory=dict)
     _cohorts: dict[tuple[int, ...], Cohort] = field(default_factory=dict)
 
     @property
@@ -77,19 +80,36 @@ class Problem:
                       [torch.from_numpy(p) for p in self.partitions])
 
     def releases(self, client: int) -> list[Release]:
-        """The calibrated mechanisms of ``client`` (calibrated once per distinct data size)."""
+        """The calibrated mechanisms of one round of ``client`` (calibrated once per distinct
+        data size: a client calibrates from its own record count)."""
         size = len(self.partitions[client])
         if size not in self._releases:
-            self._releases[size] = self.algorithm.releases(size)
+            queries = self.algorithm.queries(size)
+            check_schema(self.algorithm, queries)
+            self._releases[size] = self._calibrate(queries, size)
         return self._releases[size]
+
+    def server_releases(self) -> list[Release]:
+        """The calibrated mechanisms of the server's own noise in one round (client-level: its
+        "records" are the clients)."""
+        if "server" not in self._server:
+            self._server["server"] = self._calibrate(self.algorithm.server_queries(),
+                                                     self.num_clients)
+        return self._server["server"]
+
+    def _calibrate(self, queries: list[Query], num_samples: int) -> list[Release]:
+        cfg = self.config
+        target = Target(epsilon=float(cfg["epsilon"]), delta=float(cfg["delta"]),
+                        rounds=int(cfg["num-server-rounds"]), accountant=str(cfg["accountant"]),
+                        num_samples=num_samples)
+        return calibrate(self.algorithm, queries, target, calibration=str(cfg["calibration"]),
+                         noise_multiplier=float(cfg["noise-multiplier"]),
+                         options=cfg.calibration_options)
 
 
 def model_options(config: RunConfig) -> dict[str, object]:
     """``model-options`` parsed (``key=value`` pairs, keys with ``_`` or ``-``) and checked
     against the model builder's keyword arguments."""
-    from dpfl.config import parse_overrides
-    from dpfl.models import MODELS
-
     text = str(config["model-options"]).strip()
     if not text:
         return {}
@@ -113,15 +133,17 @@ def build_problem(config: RunConfig) -> Problem:
                       alpha=float(config["alpha"]),
                       shards_per_partition=int(config["shards-per-partition"]))
     smallest = min(len(p) for p in parts)
-    if int(config["batch-size"]) > smallest:
-        raise ConfigError("batch-size", f"{config['batch-size']} exceeds the smallest client's "
+    batch_size = config.hyperparameters.batch_size
+    if batch_size > smallest:
+        raise ConfigError("batch-size", f"{batch_size} exceeds the smallest client's "
                           f"{smallest} records", allowed=f"1..{smallest}")
     module = build_model(str(config["model"]), input_shape=dataset.input_shape,
                          num_classes=dataset.num_classes, seed=int(config["seed"]),
                          **model_options(config)).to(device)
     model = FlatModel(module, LOSS_OF_TASK[dataset.task],
                       nonconvex_reg=float(config["nonconvex-reg"]))
-    algorithm = ALGORITHMS.get(str(config["algorithm"]))(config, model)
+    algorithm = ALGORITHMS.get(str(config["algorithm"]))(config.hyperparameters, model,
+                                                         num_clients=len(parts))
     return Problem(config, dataset, parts, model, algorithm, model.initial_params().cpu(), device)
 
 

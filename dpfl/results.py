@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dpfl.config import RunConfig
+from dpfl.runconfig import RunConfig
 from dpfl.errors import ConfigError
 
 

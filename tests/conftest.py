@@ -14,7 +14,7 @@ os.environ.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").res
 @pytest.fixture
 def small_config(tmp_path):
     """A few rounds of DPSGD-GC on digits with 4 clients (seconds on 2 cores)."""
-    from dpfl.config import RunConfig
+    from dpfl.runconfig import RunConfig
 
     def make(**changes):
         values = {"num-partitions": 4, "num-server-rounds": 3, "batch-size": 16,

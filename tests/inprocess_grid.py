@@ -61,19 +61,16 @@ def run_flower_code_path(values: dict, node_configs: list[dict], *,
                          connect_timeout: float = 120.0):
     """Run ``values`` through the real AlgorithmStrategy and ClientApp over an in-process
     grid with one node per entry of ``node_configs``; returns ``(grid, problem)``."""
-    from flwr.app import Array, ArrayRecord
-
     from dpfl.client.app import app as client_app
-    from dpfl.config import RunConfig
     from dpfl.problem import cached_problem
-    from dpfl.server.runtime import ServerRuntime
+    from dpfl.runconfig import RunConfig
     from dpfl.strategies import AlgorithmStrategy
+    from dpfl.strategies.algorithm import to_record
 
     config = RunConfig(values)
     grid = grid_class(client_app, config.as_dict(), node_configs)
     problem = cached_problem(tuple(sorted(config.as_dict().items())))
-    strategy = AlgorithmStrategy(ServerRuntime(problem, "flower", echo=False),
-                                 connect_timeout=connect_timeout)
-    strategy.start(grid=grid, initial_arrays=ArrayRecord({"x": Array(problem.x0.numpy())}),
+    strategy = AlgorithmStrategy(problem, connect_timeout=connect_timeout, echo=False)
+    strategy.start(grid=grid, initial_arrays=to_record({"x": problem.x0}),
                    num_rounds=int(config["num-server-rounds"]))
     return grid, problem

@@ -12,7 +12,19 @@ import pytest
 from tests.conftest import ROOT
 
 CASES = {
-    "unknown_key": ("clipp=1.0", "clipp", "unknown key"),
+    "unknown_key": ("clipp=1.0", "clipp", "unknown key (did you mean 'clip'"),
+    "key_the_algorithm_does_not_use": ("beta=0.5", "beta",
+                                       "not used by algorithm 'dpsgd-gc' with calibration "
+                                       "'accountant'; leave it at its default 0.1 (allowed: its "
+                                       "own keys batch-size, learning-rate"),
+    "key_the_calibration_does_not_use": ('algorithm="clip-sgd" practice-horizon="epochs"',
+                                         "practice-horizon", "not used by algorithm 'clip-sgd' "
+                                         "with calibration 'accountant'"),
+    "eval_train_is_non_private": ("eval-train=true", "eval-train",
+                                  "set non-private-diagnostics=true"),
+    "gradient_noise_with_per_sample_clipping": (
+        'algorithm="clip-sgd" clipping="per-sample" gradient-noise=0.1', "gradient-noise",
+        "applies to clipping='client' only"),
     "wrong_type": ('clip="big"', "clip", "expected float"),
     "clip_not_positive": ("clip=0.0", "clip", "must be > 0"),
     "epsilon_not_positive": ("epsilon=-1.0", "epsilon", "must be > 0"),

@@ -1,5 +1,6 @@
-"""The Clip21 family (specs/clip21-sgd2m.md §10): fixed points, the non-convergence construction,
-reductions, the update rules of Alg. 3, partial participation, calibration, Flower == engine."""
+"""The Clip21 family (Islamov et al., arXiv:2502.11682): fixed points, the non-convergence
+construction, reductions, the update rules of Alg. 3, partial participation, calibration,
+Flower == engine."""
 
 from __future__ import annotations
 
@@ -10,41 +11,44 @@ import pytest
 import torch
 from torch import nn
 
-from dpfl.algorithms import ALGORITHMS, Cohort, StepContext
-from dpfl.config import RunConfig
+from dpfl.algorithms import ALGORITHMS, Cohort, ServerContext
+from dpfl.algorithms.clip21 import clip21_paper_noise_std, clip21_practice_noise_std
+from dpfl.errors import ConfigError
 from dpfl.models import FlatModel, build_model
-from dpfl.privacy import (
-    PrivacyLedger,
-    Randomness,
-    clip21_paper_noise_std,
-    clip21_practice_noise_std,
-    clip_by_norm,
-)
+from dpfl.privacy import PrivacyLedger, Randomness, Release, clip_by_norm, stds
 from dpfl.problem import build_problem
+from dpfl.rounds import ClientRuntime, sum_rows
+from dpfl.runconfig import RunConfig
 from tests.inprocess_grid import InProcessGrid, run_flower_code_path
 
 CPU = torch.device("cpu")
 
 
+def _manual(alg, cohort, multiplier):
+    """Releases of ``alg`` for ``cohort``'s clients at a given ``noise-multiplier``."""
+    return lambda c: [Release.from_opacus(q, multiplier)
+                      for q in alg.queries(cohort.sizes[cohort.ids.index(c)])]
+
+
 def _drive(alg, cohort, x0, rounds, *, seed=0, releases=None):
-    """Run ``alg`` as the engine does (participants' rows only); one record per round."""
+    """Run ``alg`` as the engine does (participants' rows only, the real client runtime adding
+    the noise, the server stepping on the sums); one record per round."""
     rng = Randomness(seed)
+    runtime = ClientRuntime(alg, releases or _manual(alg, cohort, 0.0), rng, diagnostics=True)
     server = alg.init_server_state(x0)
     states = alg.init_client_state(len(cohort))
     history = []
     for r in range(1, rounds + 1):
         ids = alg.participants(r, list(cohort.ids), rng)
         pos = torch.tensor([cohort.ids.index(c) for c in ids])
-        rel = [releases(c) if releases else alg.releases(cohort.sizes[p])
-               for c, p in zip(ids, pos.tolist())]
-        ctx = StepContext(round=r, rng=rng, releases=rel, device=CPU)
         before = {k: v.clone() for k, v in states.items()}
-        uploads, rows, metrics = alg.client_step("train", {k: v[pos] for k, v in states.items()},
-                                                 alg.broadcast("train", server, r),
-                                                 cohort.select(pos.tolist()), ctx)
+        uploads, rows, metrics = runtime.step("train", r, alg.broadcast("train", server, r),
+                                              {k: v[pos] for k, v in states.items()},
+                                              cohort.select(pos.tolist()))
         for k, v in rows.items():
             states[k][pos] = v
-        server = alg.server_step("train", server, uploads, ids, r)
+        server = alg.server_step("train", server, sum_rows(uploads, CPU),
+                                 ServerContext(r, rng, ids, len(cohort)))
         history.append({"ids": ids, "before": before, "states": {k: v.clone() for k, v in
                                                                  states.items()},
                         "server": server, "uploads": uploads, "metrics": metrics})
@@ -54,7 +58,8 @@ def _drive(alg, cohort, x0, rounds, *, seed=0, releases=None):
 def _algorithm(name, model, **values):
     config = RunConfig({"algorithm": name, "noise-multiplier": 0.0,
                         **{k.replace("_", "-"): v for k, v in values.items()}})
-    return ALGORITHMS.get(name)(config, model)
+    return ALGORITHMS.get(name)(config.hyperparameters, model,
+                                num_clients=int(config["num-partitions"]))
 
 
 def _digits(small_config, name, **changes):
@@ -133,7 +138,7 @@ def test_theorem_2_2_idealized_clip21_mean_iterate_is_biased():
 def test_beta_and_beta_hat_one_is_clip21_sgd_step_for_step(small_config):
     kw = dict(noise_multiplier=1.0, clip=0.5, learning_rate=0.3)
     sgd2m, cohort = _digits(small_config, "clip21-sgd2m", beta=1.0, beta_hat=1.0, **kw)
-    sgd, _ = _digits(small_config, "clip21-sgd", beta=0.3, beta_hat=0.2, **kw)  # ignored
+    sgd, _ = _digits(small_config, "clip21-sgd", **kw)
     for a, b in zip(_run(sgd2m, cohort), _run(sgd, cohort), strict=True):
         assert torch.equal(a["uploads"]["c"], b["uploads"]["c"])
         assert torch.equal(a["server"]["x"], b["server"]["x"])
@@ -148,8 +153,10 @@ def test_the_algorithm_is_the_box_of_algorithm_3(small_config, name, beta, beta_
     first iteration (x¹ = x⁰) is also initialisation (b) of §2.5: v_i⁰ = β∇f_i(x⁰, ξ),
     g_i⁰ = β̂·clip_τ(v_i⁰), g⁰ = β̂·mean_i(c_i⁰)."""
     tau, gamma, z = 0.05, 0.3, 1.0
-    problem, cohort = _digits(small_config, name, noise_multiplier=z, clip=tau, beta=beta,
-                              beta_hat=beta_hat, learning_rate=gamma)
+    momentum = {"beta": beta, "beta_hat": beta_hat} if name == "clip21-sgd2m" else {}
+    problem, cohort = _digits(small_config, name, noise_multiplier=z, clip=tau,
+                              learning_rate=gamma, **momentum)
+    assert (problem.algorithm.hp.beta, problem.algorithm.hp.beta_hat) == (beta, beta_hat)
     history = _run(problem, cohort, rounds=4)
     rng, d = Randomness(0), problem.model.d
     x, g = problem.x0.clone(), torch.zeros(d)
@@ -257,10 +264,9 @@ def test_noise_enters_the_message_only_and_one_clipped_vector_updates_the_shift(
     ids = cohort.ids
 
     def step(problem):
-        ctx = StepContext(round=3, rng=Randomness(0), releases=[problem.releases(c) for c in ids],
-                          device=CPU)
-        return problem.algorithm.client_step("train", state["states"], {"x": state["server"]["x"]},
-                                             cohort, ctx)
+        runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(0),
+                                diagnostics=True)
+        return runtime.step("train", 3, {"x": state["server"]["x"]}, state["states"], cohort)
 
     (up0, new0, _), (up1, new1, metrics) = step(clean), step(noisy)
     assert all(torch.equal(new0[k], new1[k]) for k in ("v", "g"))  # g_i (and v_i) noise-free
@@ -272,29 +278,30 @@ def test_noise_enters_the_message_only_and_one_clipped_vector_updates_the_shift(
     noise = up1["c"] - u
     assert torch.allclose(noise.std(dim=1), torch.full((4,), 3.0 * tau), rtol=0.03)  # σ = nm·τ
 
-    server = noisy.algorithm.server_step("train", state["server"], up1, ids, 3)
+    ctx = ServerContext(3, Randomness(0), list(ids), 4)
+    server = noisy.algorithm.server_step("train", state["server"], sum_rows(up1, CPU), ctx)
     g = state["server"]["g"] + beta_hat * up1["c"].mean(dim=0)  # line 10, not a mean of g_i
     assert torch.allclose(server["g"], g)
-    assert torch.allclose(server["x"], state["server"]["x"] - noisy.config["learning-rate"] * g)
+    assert torch.allclose(server["x"], state["server"]["x"] - noisy.algorithm.hp.learning_rate * g)
 
 
-def test_alpha_normec_sends_norm_alpha_with_sensitivity_two_whatever_clip(small_config):
-    problem, cohort = _digits(small_config, "alpha-normec", noise_multiplier=0.0, clip=1e-4,
+def test_alpha_normec_sends_norm_alpha_with_sensitivity_two_and_has_no_clip(small_config):
+    problem, cohort = _digits(small_config, "alpha-normec", noise_multiplier=0.0,
                               normec_alpha=0.5, beta_hat=0.5)
     history = _run(problem, cohort, rounds=2)
     first = history[0]
     fresh = first["states"]["g"] / 0.5  # g_i¹ = β̂·Norm_α(∇f_i − 0)
     norms = torch.linalg.vector_norm(first["uploads"]["c"], dim=1)
     assert torch.allclose(first["uploads"]["c"], fresh)
-    assert torch.allclose(norms, first["metrics"]["clip-input-norm"] / (0.5 + first["metrics"][
-        "clip-input-norm"]))
-    assert (norms < 1).all() and (norms > 1e-3).all()  # not clipped at clip = 1e-4
-    assert problem.algorithm.sensitivity() == 2.0
-    noisy, _ = _digits(small_config, "alpha-normec", noise_multiplier=3.0, clip=1e-4)
-    ctx = StepContext(1, Randomness(0), [noisy.releases(c) for c in cohort.ids], CPU)
-    noise = noisy.algorithm.add_noise(torch.zeros(len(cohort), 10_000), cohort, ctx)
-    assert noise.std().item() == pytest.approx(3.0, rel=0.03)  # nm·1, not nm·clip
-
+    assert torch.allclose(norms, (first["metrics"]["clip-input-norm"] / (0.5 + first["metrics"][
+        "clip-input-norm"])).float())
+    assert (norms < 1).all() and (norms > 1e-3).all()
+    (release,) = problem.releases(0)
+    assert release.sensitivity() == 2.0
+    noisy, _ = _digits(small_config, "alpha-normec", noise_multiplier=3.0)
+    assert stds(noisy.releases(0)).tolist() == [3.0]  # nm·1: the message norm is below 1
+    with pytest.raises(ConfigError, match="'clip': not used by algorithm 'alpha-normec'"):
+        build_problem(small_config(algorithm="alpha-normec", clip=1e-4))
 
 
 def test_alpha_normec_with_alpha_to_zero_is_clip21_sgd_with_tau_beta_hat(small_config):
@@ -356,6 +363,8 @@ def test_partial_participation_samples_s_clients_and_freezes_the_idle_ones(small
 # ---- Calibration (§4, §9 A1–A5) ---------------------------------------------------------------
 
 EPSILONS = [3.0, 5.2, 9.0, 15.6, 27.0]
+CLIP_KEYS = {"clip21-sgd2m": {"clip": 0.3}, "clip-sgd": {"clip": 0.3}, "alpha-normec": {},
+             "clip21-sgd2m-plus": {"clip": 0.3, "clip_inner": 0.05}}
 
 
 def test_practice_and_paper_formulas_match_the_spec():
@@ -375,9 +384,9 @@ def test_practice_and_paper_formulas_match_the_spec():
 @pytest.mark.parametrize("calibration", ["paper", "practice"])
 def test_release_is_the_formula_noise_over_the_replace_one_sensitivity(small_config, name, radius,
                                                                        per_sample, calibration):
-    problem = build_problem(small_config(algorithm=name, calibration=calibration, clip=0.3,
-                                         clip_inner=0.05, epsilon=3.0, delta=1e-3,
-                                         num_server_rounds=5625))
+    problem = build_problem(small_config(algorithm=name, calibration=calibration, epsilon=3.0,
+                                         delta=1e-3, num_server_rounds=5625,
+                                         **CLIP_KEYS[name]))
     m, b = len(problem.partitions[0]), 16
     (release,) = problem.releases(0)
     formula = clip21_paper_noise_std if calibration == "paper" else clip21_practice_noise_std
@@ -398,8 +407,8 @@ def test_release_is_the_formula_noise_over_the_replace_one_sensitivity(small_con
 @pytest.mark.parametrize("name", ["clip21-sgd2m", "clip21-sgd2m-plus"])
 def test_practice_horizon_epochs_counts_passes_over_the_local_data(small_config, name):
     """T = rounds/⌊m/b⌋ under practice-horizon="epochs": √⌊m/b⌋ times less noise."""
-    config = small_config(algorithm=name, calibration="practice", clip=0.3, clip_inner=0.05,
-                          epsilon=3.0, delta=1e-3, num_server_rounds=5625)
+    config = small_config(algorithm=name, calibration="practice", epsilon=3.0, delta=1e-3,
+                          num_server_rounds=5625, **CLIP_KEYS[name])
     by_rounds = build_problem(config).releases(0)[0]
     by_epochs = build_problem(config.replace(practice_horizon="epochs")).releases(0)[0]
     m, b = len(build_problem(config).partitions[0]), 16
@@ -417,8 +426,8 @@ def test_accountant_calibration_reaches_the_target_epsilon(small_config, name, e
     assert release.sample_rate == (1.0 if name == "clip21-sgd2m" else
                                    16 / len(problem.partitions[0]))
     ledger = PrivacyLedger(accountant="rdp", relation=problem.algorithm.relation)
-    ledger.record(noise_multiplier=release.noise_multiplier, sample_rate=release.sample_rate,
-                  steps=50)
+    for _ in range(50):
+        ledger.record(release)
     assert 1.98 <= ledger.epsilon(1e-5) <= 2.0
 
 
@@ -470,7 +479,7 @@ def test_flower_code_path_equals_the_engine(tmp_path, name, clients, rounds, ext
 
     values = {"algorithm": name, "num-partitions": clients, "num-server-rounds": rounds,
               "batch-size": 8, "learning-rate": 0.5, "clip": 0.1, "noise-multiplier": 1.0,
-              "seed": 3, "results-dir": str(tmp_path), **extra}
+              "seed": 3, "results-dir": str(tmp_path), "non-private-diagnostics": True, **extra}
     run(RunConfig({**values, "run-name": "engine"}), echo=False)
     grid, problem = _flower({**values, "run-name": "flower"}, clients)
     engine = torch.load(tmp_path / "engine" / "model.pt")
@@ -526,12 +535,14 @@ def test_clip21_sgd2m_beats_clip21_sgd_on_the_theorem_2_2_quadratic():
 
 
 def test_gaussian_added_oracle_adds_the_requested_gradient_noise(small_config):
-    """E1's Gaussian-added oracle: message − clean message ~ N(0, σ²) when nothing is clipped."""
+    """The Gaussian-added oracle: message − clean message ~ N(0, σ²) when nothing is clipped."""
     clean, cohort = _digits(small_config, "clip-sgd", clip=1e9, noise_multiplier=0.0)
     noisy, _ = _digits(small_config, "clip-sgd", clip=1e9, noise_multiplier=0.0,
                        gradient_noise=0.05)
-    ctx = StepContext(round=1, rng=Randomness(0), releases=[clean.releases(c) for c in range(4)],
-                      device=torch.device("cpu"))
-    a = clean.algorithm.client_step("train", {}, {"x": clean.x0}, cohort, ctx)[0]["c"]
-    b = noisy.algorithm.client_step("train", {}, {"x": noisy.x0}, cohort, ctx)[0]["c"]
-    assert torch.allclose((b - a).std(dim=1), torch.full((4,), 0.05), rtol=0.03)
+
+    def message(problem):
+        runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(0))
+        return runtime.step("train", 1, {"x": problem.x0}, {}, cohort)[0]["c"]
+
+    assert torch.allclose((message(noisy) - message(clean)).std(dim=1),
+                          torch.full((4,), 0.05), rtol=0.03)

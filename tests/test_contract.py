@@ -1,36 +1,57 @@
 """The algorithm contract carries what later families need: two exchanges per round,
-several local steps, persistent client state, client sampling — and Flower's code path
-(strategy, messages, Context.state) gives the engine's result bit for bit."""
+several noisy local steps with a radius the server sends, persistent client state, client
+sampling, server-side noise with its own ledger — and Flower's code path (strategy, messages,
+Context.state) gives the engine's result bit for bit."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
+from opacus.accountants import RDPAccountant
 
-from dpfl.algorithms import ALGORITHMS, Algorithm, Release
-from dpfl.config import RunConfig
-from dpfl.privacy import SERVER
+from dpfl.algorithms import ALGORITHMS, Algorithm, Exchange, Upload
+from dpfl.config import BATCH_SIZE, LEARNING_RATE, hyperparameter
+from dpfl.privacy import SERVER, Query
+from dpfl.runconfig import RunConfig
 from tests.inprocess_grid import run_flower_code_path
 
 LOCAL_STEPS = 2
 
 
+@dataclass(frozen=True)
+class ProbeHyperparameters:
+    batch_size: int = hyperparameter(BATCH_SIZE)
+    learning_rate: float = hyperparameter(LEARNING_RATE)
+
+
 @ALGORITHMS.register_class
 class ContractProbe(Algorithm):
-    """A noisy statistic sets the clip radius, then momentum SGD with local steps.
+    """A noisy statistic sets the clip radius, then momentum SGD with noisy local steps, and
+    the server adds noise of its own to the average update.
 
     Exercises every contract feature at once; it is not a published algorithm.
     """
 
     name = "test-contract-probe"
-    exchanges = ("statistic", "train")
+    Hyperparameters = ProbeHyperparameters
+    exchanges = (Exchange("statistic", ("x",), {"s": Upload("statistic")}),
+                 Exchange("train", ("x", "radius"),
+                          {"delta": Upload("train", post_processing=True)}))
     protection = "test only"
 
-    def releases(self, num_samples):
-        q = int(self.config["batch-size"]) / num_samples
-        return [Release("statistic", 2.0, q, 1), Release("train", 1.0, q, LOCAL_STEPS)]
+    def queries(self, num_samples):
+        b = self.hp.batch_size
+        return [Query("statistic", "statistic", radius=1 / b, relation=self.relation,
+                      sample_rate=b / num_samples, stream="statistic-noise"),
+                Query("train", "train", radius=None, relation=self.relation,
+                      sample_rate=b / num_samples, steps=LOCAL_STEPS)]
+
+    def server_queries(self):
+        return [Query("model", "train", radius=0.01, relation="add-remove", side="server",
+                      stream="model-noise")]
 
     def init_server_state(self, x0):
         return {"x": x0.clone(), "radius": torch.ones(1)}
@@ -46,37 +67,35 @@ class ContractProbe(Algorithm):
         return {"m": torch.zeros(num_clients, self.model.d)}
 
     def client_step(self, exchange, states, broadcast, cohort, ctx):
-        b = int(self.config["batch-size"])
+        b = self.hp.batch_size
         x0 = broadcast["x"]
         if exchange == "statistic":
             xb, yb = cohort.sample(ctx.rng, ctx.round, "statistic", b)
             _, norms = self.model.clipped_mean(x0, xb, yb, 1.0)
-            stat = norms.clamp(max=1.0).square().mean(dim=1, keepdim=True)
-            std = ctx.noise_multiplier(exchange) * 2 / b
-            return {"s": stat + ctx.rng.normal(cohort.ids, ctx.round, "stat-noise", (1,), std)}, \
-                states, {"statistic": stat[:, 0]}
+            return {"s": norms.clamp(max=1.0).square().mean(dim=1, keepdim=True)}, states
         radius = float(broadcast["radius"])
         params = x0.unsqueeze(0).repeat(len(cohort), 1)
         m = states["m"].clone()
         for k in range(LOCAL_STEPS):
             xb, yb = cohort.sample(ctx.rng, ctx.round, f"batch-{k}", b)
             g, _ = self.model.clipped_mean(params, xb, yb, radius)
-            std = ctx.noise_multiplier(exchange) * 2 * radius / b
-            g = g + ctx.rng.normal(cohort.ids, ctx.round, f"noise-{k}", (self.model.d,), std)
+            g = ctx.privatize("train", g, radius=radius / b, step=k)
             m = 0.5 * m + g
-            params = params - float(self.config["learning-rate"]) * m
-        return {"delta": x0 - params}, {"m": m}, {}
+            params = params - self.hp.learning_rate * m
+        return {"delta": x0 - params}, {"m": m}
 
-    def server_step(self, exchange, state, uploads, participants, round):
+    def server_step(self, exchange, state, sums, ctx):
+        mean = {k: v / len(ctx.participants) for k, v in sums.items()}
         if exchange == "statistic":
-            radius = uploads["s"].mean().clamp(min=1e-4).sqrt().clamp(0.05, 5.0)
+            radius = mean["s"].clamp(min=1e-4).sqrt().clamp(0.05, 5.0)
             return {"x": state["x"], "radius": radius.reshape(1)}
-        return {"x": state["x"] - uploads["delta"].mean(dim=0), "radius": state["radius"]}
+        step = ctx.privatize("model", mean["delta"])
+        return {"x": state["x"] - step, "radius": state["radius"]}
 
 
 def _config(tmp_path, name, **extra):
     values = {"algorithm": "test-contract-probe", "num-partitions": 4, "num-server-rounds": 3,
-              "batch-size": 8, "learning-rate": 0.5, "seed": 5,
+              "batch-size": 8, "learning-rate": 0.5, "seed": 5, "noise-multiplier": 2.0,
               "results-dir": str(tmp_path), "run-name": name}
     values.update(extra)
     return values
@@ -98,6 +117,14 @@ def test_flower_code_path_equals_engine_with_two_exchanges_state_and_sampling(tm
         f.pop("seconds"), e.pop("seconds")
         assert f == e
     assert summary["rounds_completed"] == 3
+
+    # The server's own noise has its ledger: 3 rounds at multiplier 2 (add/remove), as Opacus
+    # counts them independently.
+    accountant = RDPAccountant()
+    for _ in range(3):
+        accountant.step(noise_multiplier=2.0, sample_rate=1.0)
+    assert summary["server_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+    assert [r["server_epsilon"] for r in e_rounds][-1] == summary["server_epsilon"]
 
     # Context.state keeps momentum and ledger for the clients that took part; each
     # participation recorded one statistic release and LOCAL_STEPS training steps.

@@ -21,8 +21,9 @@ def test_results_folder_has_every_artifact(small_config):
     assert [r["round"] for r in rounds] == [1, 2, 3]
     for r in rounds:
         assert set(r["epsilon"]) == {"0", "1", "2", "3"}
-        for key in ("train_loss", "test_loss", "test_accuracy", "clip", "seconds", "epsilon_max"):
+        for key in ("test_loss", "test_accuracy", "clip", "seconds", "epsilon_max"):
             assert r[key] is not None, key
+        assert "train_loss" not in r  # a client's exact loss is never sent in the private mode
     assert rounds[-1]["epsilon_max"] > rounds[0]["epsilon_max"] > 0
     saved = json.loads((folder / "summary.json").read_text())
     assert saved["rounds_completed"] == 3 and saved["epsilon_max"] <= 8.0
@@ -59,7 +60,8 @@ def test_training_reduces_the_test_loss(small_config):
 def test_eval_train_reports_the_full_objective_and_its_gradient_norm(small_config):
     from dpfl.problem import build_problem
 
-    config = small_config(eval_train=True, num_server_rounds=1, noise_multiplier=0.0)
+    config = small_config(eval_train=True, non_private_diagnostics=True, num_server_rounds=1,
+                          noise_multiplier=0.0)
     summary = run(config, echo=False)
     problem = build_problem(config)
     ds = problem.dataset
@@ -70,6 +72,7 @@ def test_eval_train_reports_the_full_objective_and_its_gradient_norm(small_confi
     (grad,) = torch.autograd.grad(loss, x)
     assert summary["grad_norm"] == pytest.approx(float(grad.norm()), rel=1e-4)
     assert summary["train_loss_full"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert summary["privacy"]["guarantee_against_server"] is False
 
 
 def test_model_options_reach_the_builder_and_are_checked(small_config):

@@ -1,8 +1,9 @@
 """``engine-mode``: "exact" (per-client noise, Flower's numbers) and "fast" (pooled noise).
 
-The fast mode may only change how the noise of an average is drawn: the law of what reaches
-the model must be that of independent per-client draws, noise-free paths must not move, state
-that the noise feeds (Clip21-SGD2M+) must keep per-client noise, and Flower must refuse it.
+The fast mode may only change how the noise of an upload's sum is drawn (the law of the pooled
+draw is tested with the noise itself, in test_privacy): noise-free paths must not move, noise
+drawn inside a client step (Clip21-SGD2M+'s momentum: an upload declared post-processing) must
+stay per client, and Flower must refuse it.
 """
 
 from __future__ import annotations
@@ -12,46 +13,11 @@ import math
 import pytest
 import torch
 
-from dpfl.algorithms import Cohort, StepContext
-from dpfl.config import check_runtime
 from dpfl.engine import run
 from dpfl.errors import ConfigError
-from dpfl.privacy import Randomness
 from dpfl.problem import build_problem
-from dpfl.server.runtime import ServerRuntime
-
-D = 200_000
-STD = torch.tensor([1.0, 2.0, 0.5, 3.0])
-COHORT = Cohort([3, 5, 8, 9], torch.zeros(1), torch.zeros(1), [torch.zeros(1)] * 4)
-
-
-def _noise(pooled: bool, poolable: bool, round: int = 1) -> torch.Tensor:
-    ctx = StepContext(round=round, rng=Randomness(7), releases=[], device=torch.device("cpu"),
-                      pooled_noise=pooled)
-    return ctx.add_noise(torch.zeros(4, D), COHORT, STD, poolable=poolable)
-
-
-def test_exact_noise_is_per_client_with_each_clients_std():
-    noise = _noise(pooled=False, poolable=True)
-    for row, std in zip(noise, STD, strict=True):
-        assert row.std().item() == pytest.approx(std.item(), rel=0.01)
-    assert torch.equal(noise, _noise(pooled=False, poolable=True))  # keyed streams
-
-
-def test_pooled_noise_has_the_law_of_the_sum_of_independent_draws():
-    pooled = _noise(pooled=True, poolable=True)
-    assert torch.count_nonzero(pooled[1:]) == 0  # one draw, carried by the first row
-    total = pooled.sum(dim=0)
-    assert total.mean().item() == pytest.approx(0.0, abs=0.05)
-    assert total.std().item() == pytest.approx(math.sqrt(float(STD.square().sum())), rel=0.01)
-    exact_total = _noise(pooled=False, poolable=True).sum(dim=0)
-    assert total.std().item() == pytest.approx(exact_total.std().item(), rel=0.02)
-    assert not torch.equal(total, exact_total)  # other numbers, same law
-    assert not torch.equal(pooled, _noise(pooled=True, poolable=True, round=2))
-
-
-def test_noise_that_feeds_client_state_is_never_pooled():
-    assert torch.equal(_noise(pooled=True, poolable=False), _noise(pooled=False, poolable=True))
+from dpfl.rounds import RoundDriver
+from dpfl.runconfig import check_runtime
 
 
 def _fast_and_exact(small_config, **changes):
@@ -99,4 +65,4 @@ def test_flower_refuses_fast_mode(small_config):
     with pytest.raises(ConfigError, match="'engine-mode'.*allowed: exact"):
         check_runtime(config, "flower")
     with pytest.raises(ConfigError, match="engine-mode"):
-        ServerRuntime(build_problem(config), "flower")
+        RoundDriver(build_problem(config), transport=None, runtime="flower")

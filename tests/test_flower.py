@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dpfl.config import RunConfig
+from dpfl.runconfig import RunConfig
 from dpfl.engine import run
 from dpfl.launch import flwr_run, started_processes
 

@@ -1,4 +1,4 @@
-"""Privacy core: clip bounds, noise scale, keyed streams, calibration, ledger."""
+"""Privacy core: clip bounds, noise scale, keyed streams, releases, calibration, ledger."""
 
 from __future__ import annotations
 
@@ -9,12 +9,21 @@ import torch
 from opacus.accountants import PRVAccountant, RDPAccountant
 
 from dpfl.privacy import (
+    Accounting,
     PrivacyLedger,
+    Query,
     Randomness,
+    Release,
     accountant_noise_multiplier,
+    add_noise,
     clip_by_norm,
-    prisma_paper_calibration,
+    stds,
 )
+
+
+def _release(noise_multiplier, sample_rate, steps=1, relation="replace-one"):
+    return Release(name="q", exchange="train", radius=1.0, relation=relation,
+                   sample_rate=sample_rate, steps=steps, noise_multiplier=noise_multiplier)
 
 
 def test_clipped_norms_never_exceed_the_threshold():
@@ -84,37 +93,11 @@ def test_accountant_calibration_meets_the_target_epsilon(accountant, cls):
     assert acc.get_epsilon(delta=1e-5) > 2.0  # smallest such multiplier, not any
 
 
-@pytest.mark.parametrize("eps,z,sigma0_over_c", [(4, 11.1347, 0.043495), (8, 5.9651, 0.023301),
-                                                 (16, 3.3451, 0.013067), (32, 1.9860, 0.007758)])
-def test_prisma_paper_calibration_matches_the_spec_cifar_vectors(eps, z, sigma0_over_c):
-    cal = prisma_paper_calibration(epsilon=eps, delta=1e-5, batch_size=512, num_samples=5000,
-                                   rounds=1000)
-    assert cal.noise_multiplier == pytest.approx(z, rel=1e-4)
-    assert cal.noise_multiplier * 2 / 512 == pytest.approx(sigma0_over_c, rel=1e-4)
-    assert not cal.valid  # condition (18) fails in every experiment of the paper
-
-
-@pytest.mark.parametrize("rounds,z", [(2000, 52.143), (4000, 73.741), (32000, 208.572)])
-def test_prisma_paper_calibration_matches_the_least_squares_vectors(rounds, z):
-    cal = prisma_paper_calibration(epsilon=1.0, delta=1e-4, batch_size=200, num_samples=2000,
-                                   rounds=rounds)
-    assert cal.noise_multiplier == pytest.approx(z, rel=1e-4)
-
-
-def test_paper_noise_is_far_more_private_than_its_target_per_opacus():
-    """specs/prisma.md §4.5: the paper's CIFAR noise at target ε=4 gives ε≈1.203 (z=σ̂)."""
-    cal = prisma_paper_calibration(epsilon=4, delta=1e-5, batch_size=512, num_samples=5000,
-                                   rounds=1000)
-    ledger = PrivacyLedger(accountant="rdp", relation="replace-one")
-    ledger.record(noise_multiplier=cal.noise_multiplier, sample_rate=512 / 5000, steps=1000)
-    assert ledger.epsilon(1e-5) == pytest.approx(1.203, rel=0.05)
-
-
 def test_ledger_epsilon_is_opacus_epsilon_of_the_recorded_history():
     ledger = PrivacyLedger(accountant="rdp", relation="replace-one")
     for _ in range(40):
-        ledger.record(noise_multiplier=1.3, sample_rate=0.05)
-    ledger.record(noise_multiplier=2.0, sample_rate=0.1, steps=5)
+        ledger.record(_release(1.3, 0.05))
+    ledger.record(_release(2.0, 0.1, 5))
     assert ledger.history == [(1.3, 0.05, 40), (2.0, 0.1, 5)]
     acc = RDPAccountant()
     for _ in range(40):
@@ -127,27 +110,132 @@ def test_ledger_epsilon_is_opacus_epsilon_of_the_recorded_history():
 
 def test_ledger_projection_records_nothing():
     ledger = PrivacyLedger(accountant="rdp", relation="replace-one")
-    ledger.record(noise_multiplier=1.0, sample_rate=0.1, steps=10)
-    after = ledger.epsilon_after([(1.0, 0.1, 1)], 1e-5)
+    ledger.record(_release(1.0, 0.1, 10))
+    after = ledger.epsilon_after([_release(1.0, 0.1)], 1e-5)
     assert after > ledger.epsilon(1e-5) and ledger.steps == 10
 
 
 def test_no_noise_means_infinite_epsilon():
     ledger = PrivacyLedger(accountant="rdp", relation="replace-one")
-    ledger.record(noise_multiplier=0.0, sample_rate=0.1)
+    ledger.record(_release(0.0, 0.1))
     assert math.isinf(ledger.epsilon(1e-5))
 
 
 def test_ledger_survives_json():
     ledger = PrivacyLedger(accountant="prv", relation="replace-one")
-    ledger.record(noise_multiplier=1.1, sample_rate=0.2, steps=3)
+    ledger.record(_release(1.1, 0.2, 3))
     back = PrivacyLedger.from_json(ledger.to_json())
     assert back == ledger
 
 
 def test_prv_ledger_matches_opacus_prv_accountant():
     ledger = PrivacyLedger(accountant="prv", relation="replace-one")
-    ledger.record(noise_multiplier=1.2, sample_rate=0.05, steps=200)
+    ledger.record(_release(1.2, 0.05, 200))
     acc = PRVAccountant()
     acc.history = [(1.2, 0.05, 200)]
     assert ledger.epsilon(1e-5) == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-9)
+
+
+# ---- releases: the one place noise multipliers and stds are converted ------------------------
+
+@pytest.mark.parametrize("relation, factor", [("replace-one", 2.0), ("add-remove", 1.0)])
+def test_a_release_converts_between_its_multiplier_the_opacus_one_and_the_std(relation, factor):
+    """std = noise multiplier · sensitivity = Opacus multiplier · radius, sensitivity =
+    factor · radius (replacing a record moves a sum by 2r, adding one by r)."""
+    query = Query("q", "train", radius=0.25, relation=relation, sample_rate=0.1)
+    release = Release.from_opacus(query, 3.0)  # the run-config key noise-multiplier = 3
+    assert release.noise_multiplier == 3.0 / factor and release.opacus_multiplier == 3.0
+    assert query.sensitivity() == factor * 0.25
+    assert stds([release]).item() == pytest.approx(3.0 * 0.25)
+    assert stds([release], radius=0.5).item() == pytest.approx(3.0 * 0.5)  # a per-round radius
+    assert release.event == (3.0 / factor, 0.1, 1)
+
+
+def test_a_query_without_a_fixed_radius_needs_the_rounds_radius():
+    query = Query("q", "train", radius=None, relation="replace-one")
+    with pytest.raises(ValueError, match="no fixed radius"):
+        stds([Release.of(query, 1.0)])
+
+
+def test_calibrations_prefer_an_algorithms_own_entry_and_list_what_is_offered():
+    from dpfl.algorithms import clip21, prisma  # noqa: F401  (register their calibrations)
+    from dpfl.errors import ConfigError
+    from dpfl.privacy import CALIBRATIONS
+    from dpfl.privacy.calibration import accountant
+
+    assert CALIBRATIONS.offered("dpsgd-gc") == ("accountant", "paper")
+    assert CALIBRATIONS.offered("clip21-sgd2m") == ("accountant", "paper", "practice")
+    assert CALIBRATIONS.get("paper", "dpsgd-gc").formula is prisma.paper_calibration
+    assert CALIBRATIONS.get("paper", "clip-sgd").formula is clip21.paper_calibration
+    assert CALIBRATIONS.get("accountant", "clip-sgd").formula is accountant
+    with pytest.raises(ConfigError, match="'practice' is not offered.*allowed: accountant, paper"):
+        CALIBRATIONS.get("practice", "dpsgd-gc")
+
+
+def test_the_generic_accountant_calibration_refuses_two_releases_per_round():
+    from dpfl.errors import ConfigError
+    from dpfl.privacy import Target, calibrate
+
+    class Two:
+        name = "two-queries"
+
+    queries = [Query("a", "statistic", 1.0, "replace-one", stream="a"),
+               Query("b", "train", 1.0, "replace-one", stream="b")]
+    target = Target(epsilon=1.0, delta=1e-5, rounds=10, accountant="rdp", num_samples=100)
+    with pytest.raises(ConfigError, match="one release per round; algorithm 'two-queries'"):
+        calibrate(Two(), queries, target, calibration="accountant", noise_multiplier=-1.0)
+    manual = calibrate(Two(), queries, target, calibration="accountant", noise_multiplier=4.0)
+    assert [r.noise_multiplier for r in manual] == [2.0, 2.0]
+
+
+# ---- drawing noise: exact per client, or pooled for a sum --------------------------------------
+
+D = 200_000
+STD = torch.tensor([1.0, 2.0, 0.5, 3.0])
+CLIENTS = [3, 5, 8, 9]
+
+
+def _noise(pooled: bool, round: int = 1) -> torch.Tensor:
+    return add_noise(torch.zeros(4, D), CLIENTS, STD, rng=Randomness(7), round=round,
+                     stream="noise", pooled=pooled)
+
+
+def test_exact_noise_is_per_client_with_each_clients_std():
+    noise = _noise(pooled=False)
+    for row, std in zip(noise, STD, strict=True):
+        assert row.std().item() == pytest.approx(std.item(), rel=0.01)
+    assert torch.equal(noise, _noise(pooled=False))  # keyed streams
+    alone = add_noise(torch.zeros(1, D), [5], STD[1:2], rng=Randomness(7), round=1,
+                      stream="noise")
+    assert torch.equal(alone[0], noise[1])  # a client draws the same alone or in a cohort
+
+
+def test_pooled_noise_has_the_law_of_the_sum_of_independent_draws():
+    pooled = _noise(pooled=True)
+    assert torch.count_nonzero(pooled[1:]) == 0  # one draw, carried by the first row
+    total = pooled.sum(dim=0)
+    assert total.mean().item() == pytest.approx(0.0, abs=0.05)
+    assert total.std().item() == pytest.approx(math.sqrt(float(STD.square().sum())), rel=0.01)
+    exact_total = _noise(pooled=False).sum(dim=0)
+    assert total.std().item() == pytest.approx(exact_total.std().item(), rel=0.02)
+    assert not torch.equal(total, exact_total)  # other numbers, same law
+    assert not torch.equal(pooled, _noise(pooled=True, round=2))
+
+
+# ---- accounting: the server's mirror of every client's ledger ---------------------------------
+
+def test_accounting_charges_participants_only_and_stops_before_the_limit():
+    release = _release(3.0, 0.05)
+    accounting = Accounting(num_clients=3, releases=lambda c: [release], accountant="rdp",
+                            relation="replace-one", delta=1e-5, limit=2.0)
+    one_round = accounting.clients[0].epsilon_after([release], 1e-5)
+    rounds = 0
+    while accounting.refusal(rounds + 1, [0, 2]) is None:
+        accounting.charge([0, 2], "train")
+        rounds += 1
+    assert rounds > 1 and accounting.epsilon(0) <= 2.0 < accounting.clients[0].epsilon_after(
+        [release], 1e-5)
+    assert accounting.report() == {0: accounting.epsilon(0), 2: accounting.epsilon(2)}
+    assert accounting.epsilon(1) == 0.0 and one_round > 0
+    assert "max-epsilon" in accounting.refusal(rounds + 1, [0])
+    assert accounting.refusal(rounds + 1, [1]) is None  # client 1 has spent nothing

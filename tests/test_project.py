@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 
-from dpfl.config import all_params
+from dpfl.runconfig import all_params
 from tests.conftest import ROOT
 
 

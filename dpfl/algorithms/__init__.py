@@ -1,10 +1,20 @@
-"""The math of every algorithm, batched over clients (see ``base``)."""
+"""The math of every algorithm, batched over clients (see ``base``), one family per module."""
 
 from dpfl.algorithms import (
     clip21,  # noqa: F401  (registers)
-    dpsgd_gc,  # noqa: F401  (registers)
+    prisma,  # noqa: F401  (registers)
 )
-from dpfl.algorithms.base import Algorithm, Cohort, Release, State, StepContext
+from dpfl.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    Cohort,
+    Exchange,
+    ServerContext,
+    State,
+    Upload,
+    check_schema,
+)
 from dpfl.algorithms.registry import ALGORITHMS
 
-__all__ = ["ALGORITHMS", "Algorithm", "Cohort", "Release", "State", "StepContext"]
+__all__ = ["ALGORITHMS", "Algorithm", "ClientContext", "Cohort", "Exchange", "ServerContext",
+           "State", "Upload", "check_schema"]

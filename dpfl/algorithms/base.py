@@ -1,34 +1,43 @@
 """The algorithm contract: the math of one round, batched over clients.
 
-An algorithm is written once, over flat parameter vectors, with a leading
-client axis, and is driven unchanged by the Flower runtime (one client, or a
-cohort, per ClientApp call) and by the in-process engine (all clients at once):
+An algorithm is written once, over flat parameter vectors with a leading client axis, from a
+frozen dataclass of its hyperparameters (``Hyperparameters``), and driven unchanged by every
+runtime: the round driver over the Flower transport (one client, or a cohort, per ClientApp
+call) and over the in-process engine (all clients at once).
 
-* ``client_step(exchange, states[C], broadcast, cohort, ctx)``
-  ``-> (uploads[C], states[C], metrics[C])``
-  runs on the clients. Clipping, per-sample gradients and noise live here, so what
-  leaves a client is already private.
-* ``server_step(exchange, server_state, uploads[S], participants) -> server_state``
-  runs on the server over the participants' uploads, in client-id order.
+* ``exchanges`` declares each exchange of a round: what the server broadcasts and what every
+  client uploads (:class:`Exchange`, :class:`Upload`). This schema is the privacy boundary:
+  a client sends exactly its uploads, and each upload names the release that covers it.
+* ``queries(num_samples)`` declares the Gaussian mechanisms (:class:`~dpfl.privacy.Query`)
+  a client holding ``num_samples`` records runs per round; calibration turns them into releases.
+* ``client_step(exchange, states[C], broadcast, cohort, ctx) -> (messages[C], states[C])``
+  returns the uploads **un-noised**; the runtime adds each upload's noise afterwards, per client
+  (exact) or pooled (the engine's fast mode), so noise added by the runtime never reaches
+  client state. Noise that must enter the computation (a noisy momentum, local DP-SGD steps)
+  is drawn with ``ctx.privatize``, per client, and the upload built from it is declared
+  ``post_processing``.
+* ``server_step(exchange, state, sums, ctx) -> state`` sees each upload only as its **sum over
+  the participants** (client-id order): a noised upload reaches the model through that sum
+  alone, which is what lets the engine pool its noise. ``ctx`` has the round, the participants
+  and keyed randomness; ``ctx.privatize`` draws server-side noise of a declared release.
 
-A round is a sequence of *exchanges* (``exchanges``; one ``"train"`` by default,
-e.g. ``("statistic", "train")`` for a noisy query followed by training). Client
-state (momentum, error feedback, previous model) is a dict of tensors with a
-leading client axis that persists across rounds; ``participants`` supports
-client sampling; ``Release.steps`` supports several local steps per round.
+A round is a sequence of exchanges (one ``"train"`` by default; a noisy statistic then
+training is two). Client state (momentum, error feedback, previous model) is a dict of tensors
+with a leading client axis that persists across rounds (in ``Context.state`` under Flower);
+``participants`` supports client sampling; ``Query.steps`` several noisy local steps.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from dpfl.config import Param, RunConfig
-from dpfl.privacy import Randomness
+from dpfl.privacy import SERVER, Query, Randomness, Release, add_noise, stds
 
 if TYPE_CHECKING:
     from dpfl.models import FlatModel
@@ -37,18 +46,27 @@ State = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class Release:
-    """One privacy mechanism a client runs in each round it takes part in.
+class Upload:
+    """One array every client sends in an exchange.
 
-    ``noise_multiplier`` is the noise std over the sensitivity under the
-    algorithm's neighbouring relation (0 means no noise); the ledger records
-    ``steps`` compositions at ``sample_rate`` after every ``exchange``.
+    ``release`` names the query whose release covers it. By default the runtime adds that
+    release's noise to the array ``client_step`` returns; ``post_processing=True`` declares the
+    array a function of noise already drawn in ``client_step`` (``ctx.privatize``) and of state
+    built from such noise only, so it is sent as returned.
     """
 
-    exchange: str
-    noise_multiplier: float
-    sample_rate: float
-    steps: int = 1
+    release: str
+    post_processing: bool = False
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One message round-trip: the arrays the server ``broadcast``s (in this order) and those
+    each client uploads."""
+
+    name: str
+    broadcast: tuple[str, ...]
+    uploads: Mapping[str, Upload] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,8 +98,8 @@ class Cohort:
 
     def sample(self, rng: Randomness, round: int, purpose: str,
                batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A mini-batch of ``batch_size`` rows per client, uniformly without
-        replacement from its own data (fresh every call): ``x [C, b, ...]``, ``y [C, b]``.
+        """A mini-batch of ``batch_size`` rows per client, uniformly without replacement
+        from its own data (fresh every call): ``x [C, b, ...]``, ``y [C, b]``.
         A batch of a client's whole data is that data in stored order (no draw: the set is
         certain and a mean does not depend on the order), gathered once per cohort."""
         if all(size == batch_size for size in self.sizes):
@@ -95,71 +113,92 @@ class Cohort:
 
 
 @dataclass
-class StepContext:
-    """What a client step needs besides state and data.
-
-    ``pooled_noise`` is set by the engine's ``engine-mode="fast"`` only (never under Flower):
-    see :meth:`add_noise`.
-    """
+class ClientContext:
+    """What a client step needs besides state and data: the round, keyed randomness, the
+    cohort's releases (``releases[i]``: client ``clients[i]``'s, by query name), the device,
+    and whether non-private diagnostics are collected."""
 
     round: int
     rng: Randomness
-    releases: list[list[Release]]  # per client in the cohort
+    clients: list[int]
+    releases: list[dict[str, Release]]
     device: torch.device
-    pooled_noise: bool = False
+    diagnostics: dict[str, torch.Tensor] | None = None  # None: not collected
+    drawn: Counter = field(default_factory=Counter)
 
-    def noise_multiplier(self, exchange: str) -> torch.Tensor:
-        """The cohort's noise multipliers ``[C]`` for the release of ``exchange``."""
-        return torch.tensor([next(r.noise_multiplier for r in rel if r.exchange == exchange)
-                             for rel in self.releases], dtype=torch.float32)
+    def privatize(self, name: str, values: torch.Tensor, *, radius: float | None = None,
+                  step: int | None = None) -> torch.Tensor:
+        """``values [C, ...]`` plus the noise of release ``name``, each client's own draw
+        (stream ``<stream>`` or ``<stream>-<step>`` for a query of several steps). For noise
+        that enters the computation; ``radius`` for a query whose radius changes per round."""
+        releases = [rel[name] for rel in self.releases]
+        stream = releases[0].stream if step is None else f"{releases[0].stream}-{step}"
+        self.drawn[name] += 1
+        return add_noise(values, self.clients, stds(releases, radius).to(values.device),
+                         rng=self.rng, round=self.round, stream=stream)
 
-    def add_noise(self, messages: torch.Tensor, cohort: Cohort, std: torch.Tensor, *,
-                  poolable: bool, purpose: str = "noise") -> torch.Tensor:
-        """Add N(0, std[i]² I) to row i of ``messages [C, d]`` in place and return it.
+    @property
+    def diagnosing(self) -> bool:
+        return self.diagnostics is not None
 
-        By default every row gets its client's own draw (stream ``(seed, client, round,
-        purpose)``), so a client's message is private on its own and the engine equals Flower
-        bit for bit. With ``pooled_noise`` (engine only) and ``poolable`` — the caller
-        guarantees that the noised rows reach the model only through their sum or plain
-        average and never feed client state — one draw ``sqrt(Σ_i std[i]²)·z``, z ~ N(0, I)
-        from the cohort's first client's stream, goes into row 0 instead: the sum of the rows
-        then has exactly the law of the sum of independent per-client draws, at the cost of one
-        ``d``-vector instead of ``C``. The per-row messages no longer are the clients' private
-        messages, which is why Flower never uses it.
-        """
-        if not bool((std > 0).any()):
-            return messages
-        if self.pooled_noise and poolable:
-            pooled = std.double().square().sum().sqrt().reshape(1)
-            draw = self.rng.normal(cohort.ids[:1], self.round, f"{purpose}-pooled",
-                                   messages.shape[1:], pooled, dtype=messages.dtype)
-            messages[0].add_(draw[0].to(messages.device))
-            return messages
-        noise = self.rng.normal(cohort.ids, self.round, purpose, messages.shape[1:], std,
-                                dtype=messages.dtype, device=messages.device)
-        return messages.add_(noise)
+    def diagnose(self, name: str, values: torch.Tensor) -> None:
+        """Record a per-client diagnostic ``[C]`` (sent only under non-private-diagnostics)."""
+        if self.diagnostics is not None:
+            self.diagnostics[name] = values.detach().double().cpu()
+
+
+@dataclass
+class ServerContext:
+    """What a server step needs besides state and the uploads' sums: the round, the
+    participants (increasing id), the number of clients, the server's keyed randomness and its
+    own releases (server-side noise, charged to the server's ledger by ``charge``)."""
+
+    round: int
+    rng: Randomness
+    participants: list[int]
+    num_clients: int
+    releases: dict[str, Release] = field(default_factory=dict)
+    charge: Callable[[Release], None] = lambda release: None
+
+    def privatize(self, name: str, values: torch.Tensor, *,
+                  radius: float | None = None) -> torch.Tensor:
+        """``values`` plus the server-side noise of release ``name`` (stream
+        ``(seed, server, round, <stream>)``), charged to the server's ledger."""
+        release = self.releases[name]
+        noisy = add_noise(values.unsqueeze(0), [SERVER], stds([release], radius),
+                          rng=self.rng, round=self.round, stream=release.stream)[0]
+        self.charge(release)
+        return noisy
 
 
 class Algorithm(ABC):
     """Base class of every algorithm; subclasses register in ``ALGORITHMS``."""
 
     name: ClassVar[str]
-    params: ClassVar[tuple[Param, ...]] = ()
-    exchanges: ClassVar[tuple[str, ...]] = ("train",)
-    relation: ClassVar[str] = "replace-one"
+    Hyperparameters: ClassVar[type]
+    exchanges: ClassVar[tuple[Exchange, ...]]
     protection: ClassVar[str]
-    calibrations: ClassVar[tuple[str, ...]] = ("accountant",)
+    relation: ClassVar[str] = "replace-one"
 
-    def __init__(self, config: RunConfig, model: FlatModel) -> None:
-        self.config = config
+    def __init__(self, hp: Any, model: FlatModel, num_clients: int) -> None:
+        self.hp = hp
         self.model = model
+        self.num_clients = num_clients
 
-    # ---- privacy -------------------------------------------------------------------
+    def exchange(self, name: str) -> Exchange:
+        return next(e for e in self.exchanges if e.name == name)
+
+    # ---- privacy -------------------------------------------------------------------------
     @abstractmethod
-    def releases(self, num_samples: int) -> list[Release]:
-        """The calibrated mechanisms of one round for a client holding ``num_samples`` records."""
+    def queries(self, num_samples: int) -> list[Query]:
+        """The Gaussian mechanisms of one round for a client holding ``num_samples`` records."""
 
-    # ---- server --------------------------------------------------------------------
+    def server_queries(self) -> list[Query]:
+        """The Gaussian mechanisms the server runs itself each round (``side="server"``:
+        central noise, drawn in ``server_step`` with ``ctx.privatize``); none by default."""
+        return []
+
+    # ---- server --------------------------------------------------------------------------
     def init_server_state(self, x0: torch.Tensor) -> State:
         return {"x": x0.clone()}
 
@@ -171,18 +210,48 @@ class Algorithm(ABC):
         return {"x": state["x"]}
 
     @abstractmethod
-    def server_step(self, exchange: str, state: State, uploads: State,
-                    participants: list[int], round: int) -> State:
-        """New server state from the participants' uploads (client-id order)."""
+    def server_step(self, exchange: str, state: State, sums: State,
+                    ctx: ServerContext) -> State:
+        """New server state from the sums of the participants' uploads."""
 
     def global_params(self, state: State) -> torch.Tensor:
         return state["x"]
 
-    # ---- client --------------------------------------------------------------------
+    def clip_radius(self, state: State) -> float | None:
+        """The round's clip radius, for the results (the fixed ``clip``, if the algorithm has
+        one)."""
+        return getattr(self.hp, "clip", None)
+
+    # ---- client --------------------------------------------------------------------------
     def init_client_state(self, num_clients: int) -> State:
         return {}
 
     @abstractmethod
     def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
-                    ctx: StepContext) -> tuple[State, State, dict[str, torch.Tensor]]:
-        """Uploads ``[C, ...]``, new client states ``[C, ...]`` and metrics ``[C]``."""
+                    ctx: ClientContext) -> tuple[State, State]:
+        """Un-noised uploads ``[C, ...]`` and new client states ``[C, ...]``."""
+
+
+def check_schema(algorithm: Algorithm, queries: list[Query]) -> None:
+    """Raise ``TypeError`` where the declarations of ``algorithm`` do not fit together (client
+    ``queries`` of one client, ``server_queries``): every upload is covered by a client-side
+    query of its exchange; one the runtime noises has one step and a fixed radius; no two
+    client queries share a name or a noise stream."""
+    if any(q.side != "client" for q in queries) or any(
+            q.side != "server" for q in algorithm.server_queries()):
+        raise TypeError(f"{algorithm.name}: queries() are client-side, server_queries() "
+                        f"server-side")
+    names = [q.name for q in queries]
+    streams = [q.stream for q in queries]
+    if len(set(names)) < len(names) or len(set(streams)) < len(streams):
+        raise TypeError(f"{algorithm.name}: queries must have distinct names and streams")
+    by_name = {q.name: q for q in queries}
+    for exchange in algorithm.exchanges:
+        for key, upload in exchange.uploads.items():
+            query = by_name.get(upload.release)
+            if query is None or query.exchange != exchange.name:
+                raise TypeError(f"{algorithm.name}: upload {key!r} of exchange "
+                                f"{exchange.name!r} is covered by no client-side query of it")
+            if not upload.post_processing and (query.steps != 1 or query.radius is None):
+                raise TypeError(f"{algorithm.name}: upload {key!r} is noised by the runtime, "
+                                f"so its query needs one step and a fixed radius")

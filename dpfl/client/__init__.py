@@ -1,1 +1,1 @@
-"""Client side: the shared client runtime, the NumPyClient and the ClientApp."""
+"""Flower client side: the NumPyClient and the ClientApp (the client side of the Flower transport)."""

@@ -5,38 +5,54 @@ from __future__ import annotations
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from dpfl.client.numpy_client import AlgorithmClient, node_clients
-from dpfl.problem import cached_problem
+from dpfl.client.numpy_client import AlgorithmClient, BudgetSpent, node_clients
+from dpfl.problem import Problem, cached_problem
 
 app = ClientApp()
 
 
-def _client(context: Context) -> AlgorithmClient:
-    return AlgorithmClient(cached_problem(tuple(sorted(context.run_config.items()))), context)
+def _problem(context: Context) -> Problem:
+    return cached_problem(tuple(sorted(context.run_config.items())))
 
 
-@app.query()
-def query(msg: Message, context: Context) -> Message:
-    """Tell the server which clients this node hosts and how many records each holds."""
-    problem = cached_problem(tuple(sorted(context.run_config.items())))
-    ids = node_clients(context)
-    sizes = [len(problem.partitions[c]) if c < problem.num_clients else 0 for c in ids]
-    return Message(RecordDict({"config": ConfigRecord({"clients": ids, "sizes": sizes})}),
+@app.query("clients")
+def hosted(msg: Message, context: Context) -> Message:
+    """Tell the server which clients this node hosts."""
+    return Message(RecordDict({"hosted": ConfigRecord({"clients": node_clients(context)})}),
                    reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """One exchange of the configured algorithm (see ``AlgorithmClient.fit``)."""
-    config = dict(msg.content["config"])
-    arrays = msg.content["arrays"]
-    keys = str(config["keys"]).split(",")
-    client = _client(context)
-    uploads, num_examples, metrics = client.fit([arrays[k].numpy() for k in keys], config)
-    content = RecordDict({
-        "arrays": ArrayRecord({k: Array(u) for k, u in zip(client.upload_keys, uploads,
-                                                           strict=True)}),
-        "metrics": MetricRecord({**metrics, "num-examples": num_examples}),
-        "config": ConfigRecord({"keys": ",".join(client.upload_keys)}),
-    })
+    """One exchange of the configured algorithm (see :func:`reply`)."""
+    return reply(msg, context, _problem(context))
+
+
+def reply(msg: Message, context: Context, problem: Problem) -> Message:
+    """The node's reply to one exchange: per participating client ``c``, an ArrayRecord
+    ``client.<c>`` holding its declared uploads, noised by its releases (and, under
+    non-private-diagnostics only, a MetricRecord ``diagnostics.<c>``); or a ConfigRecord
+    ``refused`` naming the clients whose privacy budget is spent."""
+    config = msg.content["config"]
+    hosted = set(node_clients(context))
+    clients = [int(c) for c in config["clients"] if int(c) in hosted]
+    spec = problem.algorithm.exchange(str(config["exchange"]))
+    arrays = msg.content["broadcast"]
+    if tuple(arrays) != spec.broadcast:
+        raise ValueError(f"exchange {spec.name!r} broadcasts {spec.broadcast}, got "
+                         f"{tuple(arrays)}")
+    client = AlgorithmClient(problem, context, clients)
+    try:
+        uploads, _, metrics = client.fit([arrays[k].numpy() for k in spec.broadcast],
+                                         {"exchange": spec.name, "round": int(config["round"])})
+    except BudgetSpent as spent:
+        return Message(RecordDict({"refused": ConfigRecord({"clients": spent.clients})}),
+                       reply_to=msg)
+    content = RecordDict()
+    for i, c in enumerate(clients):
+        content[f"client.{c}"] = ArrayRecord(
+            {k: Array(u[i]) for k, u in zip(spec.uploads, uploads, strict=True)})
+        if metrics:
+            content[f"diagnostics.{c}"] = MetricRecord(
+                {k.rsplit(".", 1)[0]: v for k, v in metrics.items() if k.endswith(f".{c}")})
     return Message(content, reply_to=msg)

@@ -1,9 +1,11 @@
-"""``AlgorithmClient``: the per-node algorithm interface as a Flower ``NumPyClient``.
+"""``AlgorithmClient``: the algorithm's client side as a Flower ``NumPyClient``.
 
-Its ``fit`` runs one exchange of the configured algorithm for the node's
-clients (one partition in simulation, or a cohort), keeping each client's
-algorithm state and privacy ledger in the node's ``Context.state`` so they
-survive the ClientApp being rebuilt every round.
+Its ``fit`` runs one exchange of the configured algorithm for the node's participating clients
+(one partition in simulation, or a cohort, in one batched call), keeping each client's algorithm
+state and privacy ledger in the node's ``Context.state`` so they survive the ClientApp being
+rebuilt every round. A client refuses a round that would take its own ledger past
+``max-epsilon`` (:class:`BudgetSpent`): the server's driver stops before such a round, so an
+honest server never sees a refusal.
 """
 
 from __future__ import annotations
@@ -14,79 +16,92 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.client import NumPyClient
 
 from dpfl.algorithms import State
-from dpfl.client.runtime import ClientRuntime, exceeds_budget, new_ledger
 from dpfl.privacy import PrivacyLedger
 from dpfl.problem import Problem
+from dpfl.rounds import ClientRuntime
 
 
 def node_clients(context: Context) -> list[int]:
-    """The client ids this node hosts: node config ``partition-ids`` ("0,3,5") or
-    ``partition-id`` (set by Flower's simulation for each virtual SuperNode)."""
+    """The client ids this node hosts: node config ``partition-ids`` ("0,3,5", the one
+    string a SuperNode's ``--node-config`` can carry) or ``partition-id`` (set by Flower's
+    simulation for each virtual SuperNode)."""
     cfg = context.node_config
     if "partition-ids" in cfg:
         return sorted(int(c) for c in str(cfg["partition-ids"]).split(","))
     return [int(cfg["partition-id"])]
 
 
-def _ids(text: object) -> list[int]:
-    return [int(c) for c in str(text).split(",") if c != ""]
+class BudgetSpent(RuntimeError):
+    """Clients refuse a round: its releases would take their ε past ``max-epsilon``."""
+
+    def __init__(self, clients: list[int]) -> None:
+        super().__init__(f"clients {clients} refuse: their privacy budget is spent")
+        self.clients = clients
 
 
 class AlgorithmClient(NumPyClient):
-    """Runs ``client_step`` for the node's selected clients."""
+    """Runs the algorithm's client step for ``clients``, some of the node's clients."""
 
-    def __init__(self, problem: Problem, context: Context) -> None:
+    def __init__(self, problem: Problem, context: Context, clients: list[int]) -> None:
         self.problem = problem
         self.state = context.state
-        self.clients = node_clients(context)
-        self.runtime = ClientRuntime(problem)
-        self.upload_keys: list[str] = []
+        self.clients = clients
+        self.runtime = ClientRuntime.of(problem)
 
     # ---- persistent per-client state ---------------------------------------------------
-    def _load(self, ids: list[int]) -> tuple[State, list[PrivacyLedger]]:
-        fresh = self.problem.algorithm.init_client_state(len(ids))
+    def _load(self) -> tuple[State, list[PrivacyLedger]]:
+        fresh = self.problem.algorithm.init_client_state(len(self.clients))
         rows: dict[str, list[torch.Tensor]] = {k: [] for k in fresh}
         ledgers = []
-        for i, c in enumerate(ids):
+        cfg = self.problem.config
+        for i, c in enumerate(self.clients):
             saved = self.state.get(f"dpfl.state.{c}")
             for k in fresh:
                 rows[k].append(torch.from_numpy(saved[k].numpy()) if saved is not None
                                else fresh[k][i])
             ledger = self.state.get(f"dpfl.ledger.{c}")
             ledgers.append(PrivacyLedger.from_json(str(ledger["json"])) if ledger is not None
-                           else new_ledger(self.problem))
+                           else PrivacyLedger(str(cfg["accountant"]),
+                                              self.problem.algorithm.relation))
         return {k: torch.stack(v) for k, v in rows.items()}, ledgers
 
-    def _save(self, ids: list[int], states: State, ledgers: list[PrivacyLedger]) -> None:
-        for i, c in enumerate(ids):
+    def _save(self, states: State, ledgers: list[PrivacyLedger]) -> None:
+        for i, c in enumerate(self.clients):
             if states:
                 self.state[f"dpfl.state.{c}"] = ArrayRecord(
                     {k: Array(v[i].contiguous().numpy()) for k, v in states.items()})
             self.state[f"dpfl.ledger.{c}"] = ConfigRecord({"json": ledgers[i].to_json()})
 
     # ---- NumPyClient ---------------------------------------------------------------------
-    def get_parameters(self, config: dict) -> list[np.ndarray]:
-        return [self.problem.x0.numpy()]
-
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int,
                                                                       dict]:
-        """One exchange. ``config``: ``exchange``, ``round``, ``keys`` (names of
-        ``parameters``) and ``clients`` (the selected client ids). Metrics hold one
-        value per selected client, in the order of ``metrics['clients']``."""
-        ids = [c for c in _ids(config["clients"]) if c in self.clients]
-        round, exchange = int(config["round"]), str(config["exchange"])
+        """One exchange: ``parameters`` are its broadcast arrays in their declared order,
+        ``config`` holds ``exchange`` and ``round``. Returns the declared uploads, each stacked
+        over ``clients`` ``[C, ...]`` and noised, the number of clients (Flower's example count:
+        dpfl weights clients equally and does not send it) and, under non-private-diagnostics
+        only, each client's diagnostics as ``{"<name>.<client>": value}``."""
+        algorithm = self.problem.algorithm
+        exchange, round = str(config["exchange"]), int(config["round"])
+        spec = algorithm.exchange(exchange)
         broadcast = {k: torch.from_numpy(np.asarray(a))
-                     for k, a in zip(str(config["keys"]).split(","), parameters, strict=True)}
-        states, ledgers = self._load(ids)
-        first = exchange == self.problem.algorithm.exchanges[0]
-        if first and any(exceeds_budget(self.problem, c, led) for c, led in zip(ids, ledgers)):
-            self.upload_keys = []
-            return [], 0, {"clients": ids, "refused": 1}
-        uploads, states, metrics = self.runtime.step(exchange, round, broadcast, states,
-                                                     self.problem.cohort(ids), ledgers)
-        self._save(ids, states, ledgers)
-        self.upload_keys = sorted(uploads)
-        out = {k: [float(x) for x in v] for k, v in metrics.items()}
-        out.update(clients=ids, refused=0)
-        num_examples = sum(len(self.problem.partitions[c]) for c in ids)
-        return [uploads[k].numpy() for k in self.upload_keys], num_examples, out
+                     for k, a in zip(spec.broadcast, parameters, strict=True)}
+        states, ledgers = self._load()
+        limit, delta = float(self.problem.config["max-epsilon"]), float(
+            self.problem.config["delta"])
+        if limit > 0 and exchange == algorithm.exchanges[0].name:
+            spent = [c for c, ledger in zip(self.clients, ledgers, strict=True)
+                     if ledger.epsilon_after(self._releases(c), delta) > limit]
+            if spent:
+                raise BudgetSpent(spent)
+        uploads, states, diagnostics = self.runtime.step(
+            exchange, round, broadcast, states, self.problem.cohort(self.clients))
+        for c, ledger in zip(self.clients, ledgers, strict=True):
+            for release in self._releases(c, exchange):
+                ledger.record(release)
+        self._save(states, ledgers)
+        metrics = {f"{k}.{c}": float(v[i]) for k, v in diagnostics.items()
+                   for i, c in enumerate(self.clients)}
+        return [uploads[k].numpy() for k in spec.uploads], len(self.clients), metrics
+
+    def _releases(self, client: int, exchange: str | None = None) -> list:
+        return [r for r in self.problem.releases(client) if exchange in (None, r.exchange)]

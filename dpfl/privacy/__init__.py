@@ -1,25 +1,31 @@
-"""Privacy core: clipping, keyed randomness, calibration, and the ledger."""
+"""Privacy core: releases, calibration, noise, clipping, keyed randomness and the ledger."""
 
 from dpfl.privacy.calibration import (
-    PrismaCalibration,
+    CALIBRATIONS,
+    Target,
     accountant_noise_multiplier,
-    clip21_paper_noise_std,
-    clip21_practice_noise_std,
-    prisma_paper_calibration,
+    calibrate,
 )
 from dpfl.privacy.clipping import clip_by_norm, clip_factors
-from dpfl.privacy.ledger import PrivacyLedger
+from dpfl.privacy.ledger import Accounting, PrivacyLedger
+from dpfl.privacy.noise import add_noise
 from dpfl.privacy.randomness import SERVER, Randomness
+from dpfl.privacy.release import RELATIONS, Query, Release, stds
 
 __all__ = [
+    "CALIBRATIONS",
+    "RELATIONS",
     "SERVER",
-    "PrismaCalibration",
+    "Accounting",
     "PrivacyLedger",
+    "Query",
     "Randomness",
+    "Release",
+    "Target",
     "accountant_noise_multiplier",
-    "clip21_paper_noise_std",
-    "clip21_practice_noise_std",
+    "add_noise",
+    "calibrate",
     "clip_by_norm",
     "clip_factors",
-    "prisma_paper_calibration",
+    "stds",
 ]

@@ -1,31 +1,91 @@
-"""Noise calibration: from a target (ε, δ) to a noise multiplier.
+"""Noise calibration: from a target (ε, δ) to each query's noise multiplier.
 
-Three ways, chosen by the run-config key ``calibration`` (each algorithm offers a subset):
-
-* ``accountant`` — Opacus' RDP or PRV accountant (``get_noise_multiplier``): the
-  smallest multiplier whose composed ε over the run is at most the target.
-* ``paper`` — the paper's own proven closed form, where the paper gives one
-  (DPSGD-GC / PriSMA: Theorem 3 with Corollary 1, specs/prisma.md §4.4; Clip21: App. G).
-* ``practice`` — the mapping the paper's experiments used when it differs from the
-  proof (Clip21: σ_ω = (τ/ε)·√(T·ln(1/δ)), specs/clip21-sgd2m.md §4, §9 A1).
-
-Noise multipliers here are always *accountant multipliers*: noise std divided by
-the sensitivity under the neighbouring relation the algorithm protects.
+The run-config key ``calibration`` names an entry of :data:`CALIBRATIONS`. ``accountant``
+(registered here, for every algorithm with one query per round) asks an Opacus accountant for
+the smallest noise multiplier whose ε over the run meets the target. Papers' own formulas
+(``paper``: the proven bound; ``practice``: the mapping a paper's experiments used) are
+registered by each algorithm family from its own module, for its own algorithms. A
+calibration may read run-config keys of its own (``Calibration.options``, a frozen dataclass
+of :func:`dpfl.config.hyperparameter` fields). :func:`calibrate` applies the chosen one, or a
+``noise-multiplier`` given directly.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from opacus.accountants.utils import get_noise_multiplier
 
 from dpfl.errors import ConfigError
+from dpfl.privacy.release import Query, Release
 
-log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Target:
+    """What calibration aims at, for one client."""
+
+    epsilon: float
+    delta: float
+    rounds: int  # rounds the client may take part in: every round of the run
+    accountant: str  # "rdp" or "prv"
+    num_samples: int  # the client's records
+
+
+# (algorithm, query, target, options) -> noise multiplier (std / sensitivity)
+Formula = Callable[[Any, Query, Target, Any], float]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A registered calibration: ``formula`` for ``algorithms`` (None: any algorithm)."""
+
+    name: str
+    formula: Formula
+    algorithms: tuple[str, ...] | None = None
+    options: type | None = None  # its own run-config keys, as a hyperparameter dataclass
+
+
+class CalibrationRegistry:
+    """Calibrations by name; an algorithm's own entry comes before one for any algorithm."""
+
+    def __init__(self) -> None:
+        self._entries: list[Calibration] = []
+
+    def register(self, name: str, *algorithms: str,
+                 options: type | None = None) -> Callable[[Formula], Formula]:
+        """Decorator: ``formula`` is calibration ``name`` for ``algorithms`` (all if none)."""
+        def add(formula: Formula) -> Formula:
+            entry = Calibration(name, formula, algorithms or None, options)
+            if any(e.name == name and e.algorithms == entry.algorithms for e in self._entries):
+                raise ValueError(f"calibration {name!r} is registered twice for {algorithms}")
+            self._entries.append(entry)
+            return formula
+
+        return add
+
+    def offered(self, algorithm: str) -> tuple[str, ...]:
+        """The calibration names ``algorithm`` offers, sorted."""
+        return tuple(sorted({e.name for e in self._entries
+                             if e.algorithms is None or algorithm in e.algorithms}))
+
+    def get(self, name: str, algorithm: str) -> Calibration:
+        own = [e for e in self._entries if e.name == name and e.algorithms
+               and algorithm in e.algorithms]
+        generic = [e for e in self._entries if e.name == name and e.algorithms is None]
+        if not own + generic:
+            raise ConfigError("calibration", f"{name!r} is not offered by algorithm "
+                              f"{algorithm!r}", allowed=self.offered(algorithm))
+        return (own + generic)[0]
+
+    def all(self) -> list[Calibration]:
+        return list(self._entries)
+
+
+CALIBRATIONS = CalibrationRegistry()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -44,58 +104,31 @@ def accountant_noise_multiplier(*, epsilon: float, delta: float, sample_rate: fl
                           f"reachable: {exc}") from None
 
 
-@dataclass(frozen=True)
-class PrismaCalibration:
-    """PriSMA Theorem 3 + Corollary 1 (eqs. 17-18, 102), specs/prisma.md §4.4.
-
-    ``noise_multiplier`` is σ̂ = (b/N)·sqrt(3.5·T·α/ρ) with α = 1 + 2 ln(1/δ)/ε and
-    ρ = ε/2: the ratio of the noise std to the replace-one sensitivity of the
-    averaged query, the same in every round. ``valid`` says whether the theorem's
-    sufficient condition (18) holds; the paper's own experiments violate it.
-    """
-
-    noise_multiplier: float
-    alpha: float
-    rho: float
-    valid: bool
+@CALIBRATIONS.register("accountant")
+def accountant(algorithm: Any, query: Query, target: Target, options: None) -> float:
+    """Opacus' smallest multiplier for the target over ``rounds × steps`` compositions at the
+    query's sample rate. Opacus analyses Poisson sampling with add/remove neighbours; the
+    multiplier is used as std / sensitivity under the algorithm's own relation (the usual
+    conservative proxy for fixed-size batches and replace-one neighbours)."""
+    return accountant_noise_multiplier(epsilon=target.epsilon, delta=target.delta,
+                                       sample_rate=query.sample_rate,
+                                       steps=target.rounds * query.steps,
+                                       accountant=target.accountant)
 
 
-def prisma_paper_calibration(*, epsilon: float, delta: float, batch_size: int,
-                             num_samples: int, rounds: int) -> PrismaCalibration:
-    alpha = 1 + 2 * math.log(1 / delta) / epsilon
-    rho = epsilon / 2
-    scale = math.sqrt(3.5 * rounds * alpha / rho)
-    z = batch_size / num_samples * scale
-    inner = num_samples / (batch_size * alpha * (1 + z * z))
-    valid = z * z >= 0.7 and inner > 0 and alpha <= (2 * z * z / 3) * math.log(inner) + 1
-    if not valid:
-        log.warning("PriSMA Theorem 3 condition (18) does not hold for ε=%s, δ=%s, b=%s, N=%s, "
-                    "T=%s (σ̂=%.4g); the ledger's accountant ε is the guarantee to rely on.",
-                    epsilon, delta, batch_size, num_samples, rounds, z)
-    return PrismaCalibration(noise_multiplier=z, alpha=alpha, rho=rho, valid=valid)
-
-
-def clip21_paper_noise_std(*, epsilon: float, delta: float, rounds: int, clip: float) -> float:
-    """Clip21-SGD2M's proven noise level (specs/clip21-sgd2m.md §4; 002 App. G = 004 App. F).
-
-    ``σ_ω = (8τ/ε)·sqrt(T·ln(5T/(4δ))·ln(1/δ))``: each of the T releases, of replace-one
-    sensitivity 2τ, is (ε̃, δ/T)-DP with ε̃ = ε/(2·sqrt(2T ln(1/δ))) (Dwork–Roth Thm 3.22), and
-    advanced composition gives (ε, δ) over T rounds (strictly (ε, 2δ), and Thm 3.22 needs
-    ε̃ < 1). ``clip`` is τ, half the sensitivity of the released vector. Returns σ_ω, the
-    per-coordinate standard deviation.
-    """
-    t = float(rounds)
-    return 8 * clip / epsilon * math.sqrt(t * math.log(5 * t / (4 * delta)) * math.log(1 / delta))
-
-
-def clip21_practice_noise_std(*, epsilon: float, delta: float, rounds: float,
-                              clip: float) -> float:
-    """The noise level of Clip21-SGD2M's DP experiments (specs/clip21-sgd2m.md §4, §9 A1).
-
-    ``σ_ω = (τ/ε)·sqrt(T·ln(1/δ))``, inferred from the authors' related public code (the
-    papers do not state it; ``rounds`` is T, which the run-config key ``practice-horizon``
-    makes the number of rounds or of epochs, §9 A4). It is not a DP guarantee: the ledger's
-    accountant ε for this noise is the one to report. For n = 25, batch 64, 150 epochs
-    (T = 5625), δ = 1e-3: σ_ω/τ = 65.7, 37.9, 21.9, 12.6, 7.30 for ε = 3, 5.2, 9, 15.6, 27.
-    """
-    return clip / epsilon * math.sqrt(float(rounds) * math.log(1 / delta))
+def calibrate(algorithm: Any, queries: list[Query], target: Target, *, calibration: str,
+              noise_multiplier: float, options: Any = None) -> list[Release]:
+    """The releases of ``queries`` for one client: ``noise_multiplier`` (run-config
+    convention, std / radius) when it is ≥ 0, else the calibration ``calibration`` registered
+    for ``algorithm.name``. A calibration meets the target for the whole round; the generic
+    ``accountant`` one knows how to do that for a single query per round only."""
+    if noise_multiplier >= 0:
+        return [Release.from_opacus(q, noise_multiplier) for q in queries]
+    entry = CALIBRATIONS.get(calibration, algorithm.name)
+    if entry.algorithms is None and len(queries) > 1:
+        raise ConfigError("calibration", f"{calibration!r} calibrates one release per round; "
+                          f"algorithm {algorithm.name!r} makes {len(queries)}: set "
+                          f"noise-multiplier, or use a calibration of its own",
+                          allowed=[n for n in CALIBRATIONS.offered(algorithm.name)
+                                   if n != calibration])
+    return [Release.of(q, entry.formula(algorithm, q, target, options)) for q in queries]

@@ -1,15 +1,19 @@
-"""The privacy ledger: what a client released, and the ε it has spent.
+"""The privacy ledger: what was released, and the ε it has cost.
 
-Following ``dp_accounting``'s event view, the ledger never adds ε values by
-hand. It records each release as an event (noise multiplier, sample rate,
-steps) in Opacus' compact history format and asks an Opacus accountant (RDP or
-PRV) for the ε of the whole history at the run's δ.
+Following ``dp_accounting``'s event view, a ledger never adds ε values by hand. It records each
+:class:`~dpfl.privacy.release.Release` as an event (noise multiplier, sample rate, steps) in
+Opacus' compact history format and asks an Opacus accountant (RDP or PRV) for the ε of the whole
+history at the run's δ.
 
-The multiplier recorded is noise std over the sensitivity under the protected
-``relation``. Opacus' accountants analyse Poisson subsampling with add/remove
-neighbours; for fixed-size sampling without replacement and replace-one
-neighbours we feed std / (replace-one sensitivity), the usual conservative
-proxy (specs/prisma.md §4.5), and say so in the ledger.
+The multiplier recorded is std / sensitivity under the release's neighbouring relation. Opacus'
+accountants analyse Poisson subsampling with add/remove neighbours; for fixed-size sampling
+without replacement and replace-one neighbours the same multiplier is the usual conservative
+proxy, and the ledger says which relation it holds.
+
+:class:`Accounting` keeps every client's ledger as the server sees it (the public releases of the
+rounds each client took part in) and, for an algorithm with server-side noise, the ledger of the
+server's own releases: the round driver stops a run on it before a round would exceed
+``max-epsilon``.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ import functools
 import json
 import math
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 from opacus.accountants import RDPAccountant, create_accountant
 from opacus.accountants.analysis import rdp as rdp_analysis
+
+from dpfl.privacy.release import Release
 
 Event = tuple[float, float, int]  # (noise_multiplier, sample_rate, steps)
 
@@ -66,23 +73,24 @@ def _merge(history: list[Event], event: Event) -> None:
 
 @dataclass
 class PrivacyLedger:
-    """Cumulative privacy spending of one client."""
+    """Cumulative privacy spending of one party (a client, or the server's central noise)."""
 
     accountant: str
     relation: str
     history: list[Event] = field(default_factory=list)
 
-    def record(self, *, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
-        _merge(self.history, (float(noise_multiplier), float(sample_rate), int(steps)))
+    def record(self, release: Release) -> None:
+        """One round of ``release``: its steps at its noise multiplier and sample rate."""
+        _merge(self.history, release.event)
 
     def epsilon(self, delta: float) -> float:
         return _epsilon(self.accountant, tuple(self.history), delta)
 
-    def epsilon_after(self, events: list[Event], delta: float) -> float:
-        """ε if ``events`` were released next (nothing is recorded)."""
+    def epsilon_after(self, releases: Iterable[Release], delta: float) -> float:
+        """ε if ``releases`` were made next (nothing is recorded)."""
         history = list(self.history)
-        for event in events:
-            _merge(history, event)
+        for release in releases:
+            _merge(history, release.event)
         return _epsilon(self.accountant, tuple(history), delta)
 
     @property
@@ -98,3 +106,54 @@ class PrivacyLedger:
         data = json.loads(text)
         return cls(accountant=data["accountant"], relation=data["relation"],
                    history=[tuple(e) for e in data["history"]])
+
+
+class Accounting:
+    """Every client's ledger, and the server's, kept by the server from public information.
+
+    ``releases(client)`` are the client's calibrated releases (one round's); a client is charged
+    an exchange's releases when it takes part in it, the server its own releases when it draws
+    their noise. ``limit`` is ``max-epsilon`` (0: none).
+    """
+
+    def __init__(self, *, num_clients: int, releases: Callable[[int], list[Release]],
+                 accountant: str, relation: str, delta: float, limit: float = 0.0) -> None:
+        self.releases = releases
+        self.delta = delta
+        self.limit = limit
+        self.clients = [PrivacyLedger(accountant, relation) for _ in range(num_clients)]
+        self.server = PrivacyLedger(accountant, "client-level (server-side noise)")
+        self.charged: set[int] = set()  # clients that released something
+
+    def client_releases(self, client: int, exchange: str | None = None) -> list[Release]:
+        return [r for r in self.releases(client)
+                if r.side == "client" and exchange in (None, r.exchange)]
+
+    def charge(self, clients: Iterable[int], exchange: str) -> None:
+        for c in clients:
+            for release in self.client_releases(c, exchange):
+                self.clients[c].record(release)
+                self.charged.add(c)
+
+    def charge_server(self, release: Release) -> None:
+        self.server.record(release)
+
+    def epsilon(self, client: int) -> float:
+        return self.clients[client].epsilon(self.delta)
+
+    def refusal(self, round: int, participants: Iterable[int]) -> str | None:
+        """Why ``round`` must not run (a participant's ε would pass ``limit``), or None."""
+        if self.limit <= 0:
+            return None
+        worst = max((self.clients[c].epsilon_after(self.client_releases(c), self.delta)
+                     for c in participants), default=0.0)
+        if worst > self.limit:
+            return f"max-epsilon: round {round} would take ε to {worst:.4g} > {self.limit:g}"
+        return None
+
+    def report(self) -> dict[int, float]:
+        """ε of every client that has released something, by client id."""
+        return {c: self.epsilon(c) for c in sorted(self.charged)}
+
+    def server_epsilon(self) -> float | None:
+        return self.server.epsilon(self.delta) if self.server.history else None

@@ -1,1 +1,1 @@
-"""Server side: the shared server runtime and the ServerApp."""
+"""Flower server side: the ServerApp."""

@@ -8,11 +8,11 @@ import sys
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from dpfl.config import RunConfig
 from dpfl.errors import ConfigError
 from dpfl.problem import cached_problem
-from dpfl.server.runtime import ServerRuntime
+from dpfl.runconfig import RunConfig, check_runtime
 from dpfl.strategies import AlgorithmStrategy, FederationError
+from dpfl.strategies.algorithm import to_record
 
 app = ServerApp()
 log = logging.getLogger("dpfl")
@@ -22,10 +22,10 @@ log = logging.getLogger("dpfl")
 def main(grid: Grid, context: Context) -> None:
     try:
         config = RunConfig(context.run_config)
+        check_runtime(config, "flower")
         problem = cached_problem(tuple(sorted(config.as_dict().items())))
-        server = ServerRuntime(problem, "flower")
-        strategy = AlgorithmStrategy(server)
-        strategy.start(grid=grid, initial_arrays=strategy.global_arrays(),
+        strategy = AlgorithmStrategy(problem)
+        strategy.start(grid=grid, initial_arrays=to_record({"x": problem.x0}),
                        num_rounds=int(config["num-server-rounds"]))
     except (ConfigError, FederationError) as exc:
         print(f"dpfl: error: {exc}", file=sys.stderr, flush=True)

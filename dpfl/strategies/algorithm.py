@@ -1,11 +1,21 @@
-"""``AlgorithmStrategy``: a Flower strategy that runs any registered algorithm.
+"""``AlgorithmStrategy``: the Flower strategy that runs any registered algorithm.
 
-The strategy is thin. ``configure_train`` turns the algorithm's broadcast into
-one message per node hosting participants; ``aggregate_train`` splits the
-replies by client id and hands them to the shared server runtime, which applies
-the algorithm's ``server_step``. Rounds with several exchanges (a statistic
-query, then training) send one message round-trip per exchange; ``start`` runs
-them in order, evaluates centrally, and stops at ``max-epsilon``.
+It is the server side of the Flower transport, and thin: ``configure_train`` turns one
+exchange's broadcast into one message per node hosting participants, ``aggregate_train`` sums
+the participants' uploads (the one reduction the engine uses too) and collects the diagnostics
+of the non-private mode. ``start`` asks every node which clients it hosts, then hands the round
+driver (:class:`~dpfl.rounds.RoundDriver`) a :class:`FlowerTransport` over these two methods:
+the driver runs the rounds, their exchanges (one message round-trip each), the budget stop and
+the central evaluation, exactly as it does for the engine.
+
+Messages (records keyed natively; nothing is sent that is not read):
+
+* server → node (``train``): ``broadcast`` (ArrayRecord: the exchange's declared arrays) and
+  ``config`` (ConfigRecord: ``exchange``, ``round``, ``clients``: the participants the node
+  hosts);
+* node → server: one ArrayRecord ``client.<id>`` per participant holding its noised uploads,
+  ``diagnostics.<id>`` MetricRecords under non-private-diagnostics only, or a ConfigRecord
+  ``refused`` (``clients``) when a client's budget is spent.
 """
 
 from __future__ import annotations
@@ -14,27 +24,35 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
-from flwr.app import (
-    Array,
-    ArrayRecord,
-    ConfigRecord,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from dpfl.algorithms import State
-from dpfl.server.runtime import ServerRuntime, stack_uploads
+from dpfl.problem import Problem
+from dpfl.rounds import ClientRefused, Replies, RoundDriver, sum_rows
 
 log = logging.getLogger("dpfl")
+
+CLIENT = "client."
+DIAGNOSTICS = "diagnostics."
+REFUSED = "refused"
 
 
 class FederationError(RuntimeError):
     """The federation does not match the run configuration, or a client failed."""
+
+
+def to_record(arrays: State) -> ArrayRecord:
+    """Tensors as an ArrayRecord, keys and order kept."""
+    return ArrayRecord({k: Array(np.ascontiguousarray(v.detach().cpu().numpy()))
+                        for k, v in arrays.items()})
+
+
+def from_record(record: ArrayRecord) -> State:
+    return {k: torch.from_numpy(a.numpy().copy()) for k, a in record.items()}
 
 
 class AlgorithmStrategy(Strategy):
@@ -42,35 +60,39 @@ class AlgorithmStrategy(Strategy):
 
     Parameters
     ----------
-    server : ServerRuntime
-        Server state, evaluation and results of the run (built from the run config).
+    problem : Problem
+        Data, model, algorithm and calibrated releases of the run (built from the run config).
     connect_timeout : float (default: 120)
         Seconds to wait for the nodes hosting every client to connect.
+    echo : bool (default: True)
+        Print one line per round.
     """
 
-    def __init__(self, server: ServerRuntime, connect_timeout: float = 120.0) -> None:
-        self.server = server
+    def __init__(self, problem: Problem, connect_timeout: float = 120.0,
+                 echo: bool = True) -> None:
+        self.problem = problem
         self.connect_timeout = connect_timeout
+        self.echo = echo
         self.node_of: dict[int, int] = {}
-        self.pending: dict[str, list[int]] = {}
+        self.pending: list[int] = []  # the participants of the exchange under way
+        self.diagnostics: dict[int, dict[str, float]] = {}
 
     def summary(self) -> None:
-        p = self.server.problem
+        p = self.problem
         log.info("dpfl: algorithm %s (%s), %d clients, d=%d", p.algorithm.name,
                  p.algorithm.protection, p.num_clients, p.model.d)
 
     # ---- node discovery ------------------------------------------------------------------
     def discover(self, grid: Grid) -> None:
         """Map client ids to nodes by asking every node which clients it hosts."""
-        wanted = set(range(self.server.problem.num_clients))
+        wanted = set(range(self.problem.num_clients))
         deadline = time.monotonic() + self.connect_timeout
         while True:
-            nodes = list(grid.get_node_ids())
-            query = [Message(RecordDict({"config": ConfigRecord({})}), n, MessageType.QUERY)
-                     for n in nodes if n not in self.node_of.values()]
-            for reply in grid.send_and_receive(query, timeout=self.connect_timeout):
+            asked = [Message(RecordDict(), n, f"{MessageType.QUERY}.clients")
+                     for n in grid.get_node_ids() if n not in self.node_of.values()]
+            for reply in grid.send_and_receive(asked, timeout=self.connect_timeout):
                 self._raise_on_error(reply)
-                for c in reply.content["config"]["clients"]:
+                for c in reply.content["hosted"]["clients"]:
                     self.node_of[int(c)] = reply.metadata.src_node_id
             if wanted <= set(self.node_of) or time.monotonic() > deadline:
                 break
@@ -84,61 +106,46 @@ class AlgorithmStrategy(Strategy):
                 f"(simulation: --federation-config \"num-supernodes={len(wanted)}\")")
 
     # ---- one exchange ----------------------------------------------------------------------
-    def configure_exchange(self, exchange: str, server_round: int,
-                           participants: list[int]) -> list[Message]:
-        broadcast = self.server.broadcast(exchange, server_round)
-        keys = sorted(broadcast)
-        arrays = ArrayRecord({k: Array(broadcast[k].detach().cpu().contiguous().numpy())
-                              for k in keys})
-        by_node: dict[int, list[int]] = {}
-        for c in participants:
-            by_node.setdefault(self.node_of[c], []).append(c)
-        self.pending[exchange] = list(participants)
-        return [Message(RecordDict({"arrays": arrays, "config": ConfigRecord({
-                    "exchange": exchange, "round": server_round, "keys": ",".join(keys),
-                    "clients": ",".join(str(c) for c in ids)})}), node, MessageType.TRAIN)
-                for node, ids in sorted(by_node.items())]
-
-    def aggregate_exchange(self, exchange: str, server_round: int,
-                           replies: Iterable[Message]) -> dict[int, dict[str, float]] | None:
-        """Apply ``server_step``; returns per-client metrics, or None if a client refused
-        the round (its privacy budget would be exceeded)."""
-        uploads: dict[int, State] = {}
-        metrics: dict[int, dict[str, float]] = {}
-        for reply in replies:
-            self._raise_on_error(reply)
-            m = reply.content["metrics"]
-            if int(m["refused"]):
-                return None
-            ids = [int(c) for c in m["clients"]]
-            arrays = reply.content["arrays"]
-            keys = [k for k in str(reply.content["config"]["keys"]).split(",") if k]
-            for i, c in enumerate(ids):
-                uploads[c] = {k: torch.from_numpy(arrays[k].numpy()[i].copy()) for k in keys}
-                metrics[c] = {k: float(v[i]) for k, v in m.items()
-                              if isinstance(v, list) and k != "clients"}
-        missing = sorted(set(self.pending[exchange]) - set(uploads))
-        if missing:
-            raise FederationError(f"round {server_round}: no reply from clients {missing}")
-        self.server.aggregate(exchange, server_round, *stack_uploads(uploads))
-        return metrics
-
-    @staticmethod
-    def _raise_on_error(reply: Message) -> None:
-        if reply.has_error():
-            raise FederationError(f"node {reply.metadata.src_node_id} failed: "
-                                  f"{reply.error.reason}")
-
-    # ---- Strategy interface ---------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        return self.configure_exchange("train", server_round,
-                                       self.server.participants(server_round))
+        """One message per node hosting some of ``config["clients"]``: the exchange's
+        broadcast ``arrays`` and the node's share of the participants."""
+        self.pending = list(config["clients"])
+        by_node: dict[int, list[int]] = {}
+        for c in self.pending:
+            by_node.setdefault(self.node_of[c], []).append(c)
+        return [Message(RecordDict({"broadcast": arrays, "config": ConfigRecord({
+                    "exchange": config["exchange"], "round": server_round, "clients": ids})}),
+                        node, MessageType.TRAIN)
+                for node, ids in sorted(by_node.items())]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        metrics = self.aggregate_exchange("train", server_round, replies)
-        return self.global_arrays(), None if metrics is None else self._mean(metrics)
+        """Each upload summed over the participants, in increasing client id; diagnostics by
+        client in ``self.diagnostics``. Raises :class:`~dpfl.rounds.ClientRefused` when a
+        client refused the round."""
+        uploads: dict[int, State] = {}
+        self.diagnostics = {}
+        refused: list[int] = []
+        for reply in replies:
+            self._raise_on_error(reply)
+            content = reply.content
+            if REFUSED in content:
+                refused += [int(c) for c in content[REFUSED]["clients"]]
+                continue
+            for name, record in content.items():
+                if name.startswith(CLIENT):
+                    uploads[int(name[len(CLIENT):])] = from_record(record)
+                elif name.startswith(DIAGNOSTICS):
+                    self.diagnostics[int(name[len(DIAGNOSTICS):])] = dict(record)
+        if refused:
+            raise ClientRefused(sorted(refused))
+        if missing := sorted(set(self.pending) - set(uploads)):
+            raise FederationError(f"round {server_round}: no reply from clients {missing}")
+        ids = sorted(uploads)
+        rows = {k: torch.stack([uploads[c][k] for c in ids]) for k in uploads[ids[0]]}
+        sums = sum_rows(rows, self.problem.device)
+        return to_record(sums), None
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -148,47 +155,55 @@ class AlgorithmStrategy(Strategy):
                            ) -> MetricRecord | None:
         return None
 
-    def global_arrays(self) -> ArrayRecord:
-        params = self.server.problem.algorithm.global_params(self.server.state)
-        return ArrayRecord({"x": Array(params.detach().cpu().contiguous().numpy())})
-
     @staticmethod
-    def _mean(metrics: dict[int, dict[str, float]]) -> MetricRecord:
-        keys = {k for m in metrics.values() for k in m}
-        return MetricRecord({k: sum(m[k] for m in metrics.values()) / len(metrics)
-                             for k in sorted(keys)})
+    def _raise_on_error(reply: Message) -> None:
+        if reply.has_error():
+            raise FederationError(f"node {reply.metadata.src_node_id} failed: "
+                                  f"{reply.error.reason}")
 
+    # ---- the run -----------------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
               timeout: float = 3600, train_config: ConfigRecord | None = None,
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None
               ) -> Result:
-        """Run every round's exchanges in order; central evaluation; budget stop."""
+        """Discover the nodes, then run the round driver over them from ``initial_arrays``
+        (``x``). ``num_rounds`` must be the run config's ``num-server-rounds``; evaluation is
+        the driver's (central), so ``evaluate_fn`` and the configs are not used."""
+        if num_rounds != int(self.problem.config["num-server-rounds"]):
+            raise FederationError(f"num_rounds={num_rounds} but num-server-rounds="
+                                  f"{self.problem.config['num-server-rounds']}")
         self.summary()
         self.discover(grid)
-        server, result = self.server, Result()
-        server.open()
-        for server_round in range(1, num_rounds + 1):
-            if server.should_stop(server_round):
-                break
-            participants = server.participants(server_round)
-            metrics: dict[int, dict[str, float]] | None = {}
-            for exchange in server.problem.algorithm.exchanges:
-                replies = grid.send_and_receive(
-                    self.configure_exchange(exchange, server_round, participants),
-                    timeout=timeout)
-                metrics = self.aggregate_exchange(exchange, server_round, replies)
-                if metrics is None:
-                    server.stop_reason = f"max-epsilon: a client refused round {server_round}"
-                    break
-            if metrics is None:
-                break
-            record = server.end_round(server_round, metrics)
-            result.train_metrics_clientapp[server_round] = self._mean(metrics)
+        driver = RoundDriver(self.problem, FlowerTransport(self, grid, timeout), "flower",
+                             echo=self.echo, x0=from_record(initial_arrays)["x"])
+        driver.run()
+        result = Result()
+        result.arrays = to_record({"x": self.problem.algorithm.global_params(driver.state)})
+        for record in driver.records:
             if "test_loss" in record:
-                result.evaluate_metrics_serverapp[server_round] = MetricRecord(
+                result.evaluate_metrics_serverapp[record["round"]] = MetricRecord(
                     {k: record[k] for k in ("test_loss", "test_accuracy")
                      if record.get(k) is not None})
-        server.finish()
-        result.arrays = self.global_arrays()
         return result
+
+
+class FlowerTransport:
+    """The round driver's transport over a Flower ``Grid``, through the strategy's
+    ``configure_train`` and ``aggregate_train``."""
+
+    def __init__(self, strategy: AlgorithmStrategy, grid: Grid, timeout: float) -> None:
+        self.strategy = strategy
+        self.grid = grid
+        self.timeout = timeout
+
+    def exchange(self, exchange: str, round: int, broadcast: State,
+                 participants: list[int]) -> Replies:
+        config = ConfigRecord({"exchange": exchange, "clients": participants})
+        messages = self.strategy.configure_train(round, to_record(broadcast), config, self.grid)
+        replies = self.grid.send_and_receive(messages, timeout=self.timeout)
+        sums, _ = self.strategy.aggregate_train(round, replies)
+        assert sums is not None
+        device = self.strategy.problem.device
+        return Replies({k: v.to(device) for k, v in from_record(sums).items()},
+                       self.strategy.diagnostics)

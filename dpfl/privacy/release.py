@@ -1,0 +1,121 @@
+"""Releases: the Gaussian mechanisms of a run, and every conversion between noise and std.
+
+An algorithm declares the mechanisms it runs as :class:`Query` objects: the released value's
+norm bound per record (its *radius*), the neighbouring relation, the sample rate, the number of
+compositions per round and the exchange that sends it. Calibration
+(:mod:`dpfl.privacy.calibration`) turns a query into a :class:`Release` by fixing its noise
+multiplier. Three numbers describe the same noise, and only this module converts between them:
+
+* the **noise multiplier** of a release, ``std / sensitivity``: what an accountant composes
+  (Opacus' ``noise_multiplier`` under add/remove neighbours, the replace-one multiplier
+  otherwise);
+* the **Opacus multiplier** of the run-config key ``noise-multiplier``, ``std / radius``: the
+  noise std on a sum of clipped vectors over the clip radius, whatever the relation;
+* the **std** actually drawn, ``noise multiplier · sensitivity``.
+
+The sensitivity is ``radius`` times :data:`RELATIONS` of the relation: replacing one record
+moves a sum of vectors of norm at most ``r`` by up to ``2r``, adding or removing one by ``r``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+RELATIONS: dict[str, float] = {"replace-one": 2.0, "add-remove": 1.0}
+SIDES = ("client", "server")
+
+
+@dataclass(frozen=True)
+class Query:
+    """A Gaussian mechanism an algorithm runs in each round it takes part in (uncalibrated).
+
+    Parameters
+    ----------
+    name : str
+        Names it in the algorithm's exchanges (:class:`dpfl.algorithms.Upload`) and in
+        ``ctx.privatize``.
+    exchange : str
+        The exchange whose message carries it (or a function of it).
+    radius : float or None
+        ℓ2 bound of one record's contribution to the released value (one client's, for
+        client-level clipping): τ for a clipped client vector, C/b for a mean of b per-sample
+        gradients clipped at C. None when it changes every round (a radius the server sends):
+        it is then given to each draw, and only the noise multiplier is fixed.
+    relation : str
+        The neighbouring relation, a key of :data:`RELATIONS`.
+    sample_rate : float
+        Probability that a given record takes part in one composition (b/m for a fixed-size
+        batch of b out of m records; 1 when every record is used, e.g. any client-level
+        mechanism: no amplification).
+    steps : int
+        Compositions per round (local steps that each draw noise).
+    stream : str
+        The random stream its noise is drawn from: streams are keyed by (seed, client, round,
+        stream), so two queries of one algorithm must not share one.
+    side : str
+        ``"client"`` (local DP: drawn by the client before anything leaves it) or ``"server"``
+        (central noise, drawn by the server in ``server_step``).
+    """
+
+    name: str
+    exchange: str
+    radius: float | None
+    relation: str
+    sample_rate: float = 1.0
+    steps: int = 1
+    stream: str = "noise"
+    side: str = "client"
+
+    def __post_init__(self) -> None:
+        if self.relation not in RELATIONS:
+            raise ValueError(f"relation {self.relation!r} is not one of {sorted(RELATIONS)}")
+        if self.side not in SIDES:
+            raise ValueError(f"side {self.side!r} is not one of {SIDES}")
+        if not 0 < self.sample_rate <= 1 or self.steps < 1:
+            raise ValueError(f"query {self.name!r}: sample rate in (0, 1] and steps >= 1")
+
+    def sensitivity(self, radius: float | None = None) -> float:
+        """ℓ2 sensitivity of the released value under the relation, for ``radius`` (the
+        query's own when None)."""
+        r = self.radius if radius is None else radius
+        if r is None:
+            raise ValueError(f"query {self.name!r} has no fixed radius: pass the round's")
+        return RELATIONS[self.relation] * r
+
+
+@dataclass(frozen=True)
+class Release(Query):
+    """A calibrated :class:`Query`: ``noise_multiplier`` is std / sensitivity (0: no noise)."""
+
+    noise_multiplier: float = 0.0
+
+    @classmethod
+    def of(cls, query: Query, noise_multiplier: float) -> Release:
+        return cls(**dataclasses.asdict(query), noise_multiplier=float(noise_multiplier))
+
+    @classmethod
+    def from_opacus(cls, query: Query, multiplier: float) -> Release:
+        """The release whose noise std is ``multiplier · radius`` (the run-config key
+        ``noise-multiplier``, Opacus' convention)."""
+        return cls.of(query, multiplier / RELATIONS[query.relation])
+
+    @property
+    def opacus_multiplier(self) -> float:
+        """std / radius: the value of ``noise-multiplier`` that gives this noise."""
+        return self.noise_multiplier * RELATIONS[self.relation]
+
+    @property
+    def event(self) -> tuple[float, float, int]:
+        """``(noise multiplier, sample rate, steps)``: one round of it, as Opacus' accountants
+        keep their history."""
+        return (self.noise_multiplier, self.sample_rate, self.steps)
+
+
+def stds(releases: list[Release], radius: float | None = None) -> torch.Tensor:
+    """float32 noise stds ``[C]`` of one query for a cohort (``releases[i]`` is client i's
+    calibration of it; clients calibrate from their own data size)."""
+    sensitivity = releases[0].sensitivity(radius)
+    return torch.tensor([r.noise_multiplier for r in releases], dtype=torch.float32) * sensitivity

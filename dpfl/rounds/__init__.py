@@ -1,0 +1,8 @@
+"""The one round driver and the Flower-free client runtime it shares with every transport."""
+
+from dpfl.rounds.client import ClientRuntime
+from dpfl.rounds.driver import RoundDriver
+from dpfl.rounds.transport import ClientRefused, Replies, Transport, per_client, sum_rows
+
+__all__ = ["ClientRefused", "ClientRuntime", "Replies", "RoundDriver", "Transport",
+           "per_client", "sum_rows"]

@@ -1,0 +1,262 @@
+"""The round driver: one loop for every runtime.
+
+Each round it picks the participants, stops before a round that would take a participant's ε
+past ``max-epsilon``, runs the algorithm's exchanges over a transport (the engine's clients in
+this process, or Flower messages), applies ``server_step`` to the participants' sums, charges
+every participant's ledger, evaluates the global model on the server's own data, and writes the
+results folder. The Flower strategy and the engine differ only in the transport they hand it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from dpfl.algorithms import ServerContext
+from dpfl.privacy import Accounting, Randomness
+from dpfl.problem import Problem
+from dpfl.results import ResultsWriter, results_path
+from dpfl.rounds.transport import ClientRefused, Transport
+from dpfl.runconfig import check_runtime
+
+log = logging.getLogger("dpfl")
+
+NON_PRIVATE = ("non-private-diagnostics=true: clients send exact, un-noised training statistics "
+               "and the server may read their training data; this run has NO privacy guarantee "
+               "against the server")
+
+
+class RoundDriver:
+    """Runs one problem over ``transport`` to the end (or to ``max-epsilon``).
+
+    ``runtime`` ('engine' or 'flower') names the results folder and refuses settings the
+    runtime cannot honour; ``x0`` is the initial model (the problem's by default)."""
+
+    def __init__(self, problem: Problem, transport: Transport, runtime: str, *,
+                 echo: bool = True, x0: torch.Tensor | None = None) -> None:
+        check_runtime(problem.config, runtime)
+        self.problem = problem
+        self.config = cfg = problem.config
+        self.algorithm = problem.algorithm
+        self.transport = transport
+        self.runtime = runtime
+        self.echo = echo
+        start = problem.x0 if x0 is None else x0
+        self.state = self.algorithm.init_server_state(start.to(problem.device))
+        self.rng = Randomness(int(cfg["seed"]), secure=bool(cfg["secure-noise"]))
+        self.accounting = Accounting(
+            num_clients=problem.num_clients, releases=problem.releases,
+            accountant=str(cfg["accountant"]), relation=self.algorithm.relation,
+            delta=float(cfg["delta"]), limit=float(cfg["max-epsilon"]))
+        self.path = results_path(cfg, runtime)
+        self.results: ResultsWriter | None = None
+        self.records: list[dict[str, Any]] = []
+        self.last_eval: dict[str, Any] = {}
+        self.stop_reason = ""
+        self.rounds_done = 0
+        self.started = time.perf_counter()
+
+    # ---- the loop ----------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Every round, then the summary (also written to ``summary.json``)."""
+        self.open()
+        for round in range(1, int(self.config["num-server-rounds"]) + 1):
+            participants = sorted(self.algorithm.participants(
+                round, list(range(self.problem.num_clients)), self.rng))
+            if reason := self.accounting.refusal(round, participants):
+                self.stop_reason = reason
+                break
+            started = time.perf_counter()
+            try:
+                diagnostics = self.play(round, participants)
+            except ClientRefused as refused:
+                self.stop_reason = f"max-epsilon: clients {refused.clients} refused round {round}"
+                break
+            self.end_round(round, participants, diagnostics, started)
+        return self.finish()
+
+    def play(self, round: int, participants: list[int]) -> dict[int, dict[str, float]]:
+        """Round ``round``'s exchanges; returns the participants' diagnostics."""
+        diagnostics: dict[int, dict[str, float]] = {}
+        server_releases = {r.name: r for r in self.problem.server_releases()}
+        for exchange in self.algorithm.exchanges:
+            broadcast = self.algorithm.broadcast(exchange.name, self.state, round)
+            if tuple(broadcast) != exchange.broadcast:
+                raise TypeError(f"{self.algorithm.name}: exchange {exchange.name!r} broadcast "
+                                f"{tuple(broadcast)}, declared {exchange.broadcast}")
+            replies = self.transport.exchange(exchange.name, round, broadcast, participants)
+            self.accounting.charge(participants, exchange.name)
+            ctx = ServerContext(round=round, rng=self.rng, participants=participants,
+                                num_clients=self.problem.num_clients, releases=server_releases,
+                                charge=self.accounting.charge_server)
+            self.state = self.algorithm.server_step(exchange.name, self.state, replies.sums, ctx)
+            for c, values in replies.diagnostics.items():
+                diagnostics.setdefault(c, {}).update(values)
+        return diagnostics
+
+    # ---- results ------------------------------------------------------------------------
+    def open(self) -> None:
+        """Create the results folder (inputs are valid by now)."""
+        p = self.problem
+        meta = {
+            "runtime": self.runtime,
+            "algorithm": {"name": p.algorithm.name, "protection": p.algorithm.protection,
+                          "relation": p.algorithm.relation},
+            "privacy": self.privacy_statement(),
+            "num_params": p.model.d,
+            "client_sizes": [len(part) for part in p.partitions],
+            "releases": self.releases(),
+        }
+        self.results = ResultsWriter(self.path, self.config, meta)
+        if self.config["non-private-diagnostics"]:
+            log.warning("dpfl: %s", NON_PRIVATE)
+            if self.echo:
+                print(f"WARNING: {NON_PRIVATE}", flush=True)
+        self.started = time.perf_counter()
+
+    def privacy_statement(self) -> dict[str, Any]:
+        private = not self.config["non-private-diagnostics"]
+        return {"guarantee_against_server": private,
+                "note": "replies carry only noised uploads covered by the releases"
+                if private else NON_PRIVATE}
+
+    def releases(self) -> dict[str, Any]:
+        out: dict[str, Any] = {str(c): [dataclasses.asdict(r) for r in self.problem.releases(c)]
+                               for c in range(self.problem.num_clients)}
+        if server := self.problem.server_releases():
+            out["server"] = [dataclasses.asdict(r) for r in server]
+        return out
+
+    @functools.cached_property
+    def _test_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ds, device = self.problem.dataset, self.problem.device
+        return ds.test_x.to(device), ds.test_y.to(device)
+
+    @functools.cached_property
+    def _train_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ds, device = self.problem.dataset, self.problem.device
+        return ds.train_x.to(device), ds.train_y.to(device)
+
+    def evaluate(self) -> dict[str, Any]:
+        """Test loss/accuracy of the global model on the server's test set (and, with
+        eval-train, which needs the non-private mode, the full training objective and ‖∇F‖)."""
+        params = self.algorithm.global_params(self.state)
+        with torch.no_grad():
+            res = self.problem.model.evaluate(params, *self._test_set)
+        out = {"test_loss": float(res["loss"]),
+               "test_accuracy": None if res.get("accuracy") is None else float(res["accuracy"])}
+        if self.config["eval-train"]:
+            x, y = self._train_set
+            with torch.no_grad():
+                out["train_loss_full"] = float(self.problem.model.evaluate(params, x, y)["loss"])
+            grad = self.problem.model.full_gradient(params, x, y)
+            out["grad_norm"] = float(torch.linalg.vector_norm(grad.double()))
+        return out
+
+    def end_round(self, round: int, participants: list[int],
+                  diagnostics: dict[int, dict[str, float]], started: float) -> dict[str, Any]:
+        """Record round ``round``: its diagnostics' means, evaluation, ε, and its time since
+        ``started`` (evaluation included)."""
+        rounds = int(self.config["num-server-rounds"])
+        record: dict[str, Any] = {"round": round}
+        for key in sorted({k for m in diagnostics.values() for k in m}):
+            values = [m[key] for m in diagnostics.values() if key in m]
+            record[key.replace("-", "_")] = sum(values) / len(values)
+        if round % int(self.config["eval-every"]) == 0 or round == rounds:
+            self.last_eval = self.evaluate()
+            record.update(self.last_eval)
+        epsilon = self.accounting.report()
+        record.update({
+            "epsilon": epsilon,
+            "epsilon_max": max(epsilon.values()), "epsilon_min": min(epsilon.values()),
+            "clip": self.algorithm.clip_radius(self.state),
+            "participants": len(participants),
+        })
+        if (server := self.accounting.server_epsilon()) is not None:
+            record["server_epsilon"] = server
+        record["seconds"] = time.perf_counter() - started
+        self.rounds_done = round
+        self.records.append(record)
+        assert self.results is not None
+        self.results.add_round(record)
+        if self.echo:
+            print(self.describe(record, rounds), flush=True)
+        return record
+
+    def describe(self, r: dict[str, Any], rounds: int) -> str:
+        parts = [f"round {r['round']:>{len(str(rounds))}}/{rounds}"]
+        if r.get("train_loss") is not None:
+            parts.append(f"train loss {r['train_loss']:.4f}")
+        if "test_loss" in r:
+            acc = r.get("test_accuracy")
+            parts.append(f"test loss {r['test_loss']:.4f}"
+                         + (f" acc {100 * acc:5.2f}%" if acc is not None else ""))
+        parts.append(f"ε max {r['epsilon_max']:.3g} (δ={self.config['delta']:g})")
+        parts.append(f"{r['seconds']:.2f} s")
+        return " | ".join(parts)
+
+    def calibration_check(self) -> str | None:
+        """How the ε the noise was calibrated for compares with the accountant's ε of the
+        noise actually used (None when noise-multiplier was given directly)."""
+        cfg = self.config
+        epsilon = self.accounting.report()
+        if float(cfg["noise-multiplier"]) >= 0 or not epsilon:
+            return None
+        target, spent = float(cfg["epsilon"]), max(epsilon.values())
+        if spent > target * 1.01:
+            verdict = "looser than the accountant: the accountant's ε exceeds the target"
+        elif spent < target * 0.99:
+            verdict = "tighter than the accountant: the accountant's ε is below the target"
+        else:
+            verdict = "matched by the accountant"
+        return (f"calibration={cfg['calibration']} for ε={target:g}: the {cfg['accountant']} "
+                f"accountant gives ε={spent:.4g} at δ={cfg['delta']:g} after {self.rounds_done} "
+                f"rounds; the mapping is {verdict}")
+
+    def finish(self) -> dict[str, Any]:
+        """Write summary, model and plots; returns the summary."""
+        p = self.problem
+        wall = time.perf_counter() - self.started
+        if self.rounds_done and not self.last_eval:
+            self.last_eval = self.evaluate()
+        epsilon = self.accounting.report()
+        summary = {
+            "runtime": self.runtime,
+            "rounds_completed": self.rounds_done,
+            "stopped_early": self.stop_reason or None,
+            **self.last_eval,
+            "epsilon_max": max(epsilon.values()) if epsilon else 0.0,
+            "epsilon": epsilon,
+            "server_epsilon": self.accounting.server_epsilon(),
+            "delta": float(self.config["delta"]),
+            "accountant": self.config["accountant"],
+            "calibration": ("manual" if float(self.config["noise-multiplier"]) >= 0
+                            else self.config["calibration"]),
+            "protection": p.algorithm.protection,
+            "privacy": self.privacy_statement(),
+            "releases": self.releases(),
+            "wall_seconds": wall,
+            "seconds_per_round": wall / max(self.rounds_done, 1),
+            "results": str(self.path),
+        }
+        summary["calibration_check"] = self.calibration_check()
+        params = self.algorithm.global_params(self.state).cpu()
+        assert self.results is not None
+        self.results.finish(summary, p.model.load_into(params).state_dict())
+        if self.echo:
+            stop = f" (stopped: {self.stop_reason})" if self.stop_reason else ""
+            print(f"done: {self.rounds_done} rounds in {wall:.1f} s{stop}; results in {self.path}",
+                  flush=True)
+            for line in (summary["calibration_check"],
+                         None if summary["privacy"]["guarantee_against_server"]
+                         else f"WARNING: {NON_PRIVATE}"):
+                if line:
+                    print(line, flush=True)
+        log.info("results written to %s", self.path)
+        return summary
+

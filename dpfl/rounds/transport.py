@@ -1,0 +1,50 @@
+"""What the round driver needs from a transport, and the one reduction every transport uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from dpfl.algorithms import State
+
+
+@dataclass
+class Replies:
+    """One exchange's result: each upload summed over the participants, and (non-private
+    diagnostics only) each participant's diagnostics."""
+
+    sums: State
+    diagnostics: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+class Transport(Protocol):
+    """Carries one exchange to the participants and back: the in-process engine, or Flower
+    messages (strategy + ClientApp)."""
+
+    def exchange(self, exchange: str, round: int, broadcast: State,
+                 participants: list[int]) -> Replies:
+        """Send ``broadcast`` to ``participants`` (increasing id) and return their replies;
+        raises :class:`ClientRefused` when a client refuses the round."""
+        ...
+
+
+class ClientRefused(RuntimeError):
+    """A client refused an exchange because it would take its ε past ``max-epsilon``."""
+
+    def __init__(self, clients: list[int]) -> None:
+        super().__init__(f"clients {clients} refused: their privacy budget is spent")
+        self.clients = clients
+
+
+def sum_rows(rows: State, device: torch.device) -> State:
+    """Each upload ``[S, ...]`` (rows in increasing client id) summed over the participants on
+    ``device``: the one reduction, so every transport sums in the same order and the same
+    kernel (the engine equals Flower bit for bit)."""
+    return {k: v.to(device).sum(dim=0) for k, v in rows.items()}
+
+
+def per_client(ids: list[int], diagnostics: dict[str, torch.Tensor]) -> dict[int, dict[str, float]]:
+    """``{client: {name: value}}`` from diagnostics ``{name: [C]}`` of the cohort ``ids``."""
+    return {c: {k: float(v[i]) for k, v in diagnostics.items()} for i, c in enumerate(ids)}

@@ -1,0 +1,110 @@
+"""The run configuration: every key of a run, validated in one place.
+
+One schema serves ``flwr run`` (``[tool.flwr.app.config]`` in pyproject.toml) and ``dpfl run
+--run-config``: the common keys (:data:`dpfl.config.COMMON`), every registered algorithm's
+hyperparameters and every registered calibration's options. Flower passes every key of
+pyproject.toml, so the schema is the union; a key the selected algorithm (or calibration) does
+not read is refused when it is set to anything but its default. Bad input raises
+:class:`~dpfl.errors.ConfigError` naming the key and what is allowed. The selected algorithm's
+typed hyperparameters are built here, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from dpfl.algorithms import ALGORITHMS
+from dpfl.config import COMMON, Param, Value, build, params_of
+from dpfl.datasets import DATASETS, PARTITIONERS
+from dpfl.errors import ConfigError
+from dpfl.models import MODELS
+from dpfl.privacy import CALIBRATIONS
+
+
+def all_params() -> dict[str, Param]:
+    """Every key: the common ones, then every algorithm's and every calibration's own."""
+    params = {p.key: p for p in COMMON}
+    owned = [(f"algorithm {name}", params_of(ALGORITHMS.get(name).Hyperparameters))
+             for name in ALGORITHMS.names()]
+    owned += [(f"calibration {c.name}", params_of(c.options))
+              for c in CALIBRATIONS.all() if c.options is not None]
+    for owner, keys in owned:
+        for p in keys:
+            if params.setdefault(p.key, p) != p:
+                raise ValueError(f"{owner} redefines key {p.key}")
+    return params
+
+
+def defaults() -> dict[str, Value]:
+    return {key: p.default for key, p in all_params().items()}
+
+
+class RunConfig(Mapping[str, Value]):
+    """A validated run configuration (read-only mapping of every key to its value).
+
+    ``hyperparameters`` is the selected algorithm's frozen dataclass; ``calibration_options``
+    the selected calibration's (None when it has no keys of its own)."""
+
+    def __init__(self, values: Mapping[str, object] | None = None) -> None:
+        params = all_params()
+        given = dict(values or {})
+        merged: dict[str, Value] = {key: p.default for key, p in params.items()}
+        for key, value in given.items():
+            if key not in params:
+                close = difflib.get_close_matches(key, params, n=3)
+                raise ConfigError(key, "unknown key" + (
+                    f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""),
+                    allowed="the keys of `[tool.flwr.app.config]` in pyproject.toml (README: "
+                    "Run configuration)")
+            merged[key] = params[key].parse(value)
+        for key, registry in (("algorithm", ALGORITHMS), ("dataset", DATASETS),
+                              ("model", MODELS), ("partitioner", PARTITIONERS)):
+            registry.get(merged[key])  # raises ConfigError with the allowed names
+        algorithm = ALGORITHMS.get(merged["algorithm"])
+        calibration = CALIBRATIONS.get(str(merged["calibration"]), algorithm.name)
+        own = params_of(algorithm.Hyperparameters)
+        used = {p.key for p in COMMON} | {p.key for p in own}
+        if calibration.options is not None:
+            used |= {p.key for p in params_of(calibration.options)}
+        for key in given:
+            if key not in used and merged[key] != params[key].default:
+                raise ConfigError(key, f"not used by algorithm {algorithm.name!r} with "
+                                  f"calibration {calibration.name!r}; leave it at its default "
+                                  f"{params[key].default!r}",
+                                  allowed="its own keys " + ", ".join(p.key for p in own))
+        if merged["eval-train"] and not merged["non-private-diagnostics"]:
+            raise ConfigError("eval-train", "the server would evaluate on the clients' training "
+                              "data: set non-private-diagnostics=true to allow it (the run then "
+                              "has no privacy guarantee against the server)", allowed="false")
+        self._values = merged
+        self.hyperparameters: Any = build(algorithm.Hyperparameters, merged)
+        self.calibration_options: Any = (None if calibration.options is None
+                                         else build(calibration.options, merged))
+
+    def __getitem__(self, key: str) -> Value:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def replace(self, **changes: object) -> RunConfig:
+        """A copy with some keys changed (keys given with ``_`` or ``-``)."""
+        values: dict[str, object] = dict(self._values)
+        values.update({key.replace("_", "-"): value for key, value in changes.items()})
+        return RunConfig(values)
+
+    def as_dict(self) -> dict[str, Value]:
+        return dict(self._values)
+
+
+def check_runtime(config: RunConfig, runtime: str) -> None:
+    """Refuse settings the ``runtime`` ('engine' or 'flower') cannot honour."""
+    if runtime != "engine" and config["engine-mode"] != "exact":
+        raise ConfigError("engine-mode", f"{config['engine-mode']!r} is for the in-process "
+                          "engine (dpfl run) only; under Flower every client adds its own noise",
+                          ["exact"])

@@ -1,0 +1,131 @@
+"""Nothing leaves a client un-noised: the message schema is the privacy boundary.
+
+For every algorithm dpfl registers: every record a client sends over Flower is an upload its
+algorithm declares, covered by a release with noise; and the replies of two neighbouring
+datasets (one record of a client replaced) under the same seed agree in everything but the
+noised arrays, which differ by at most their release's sensitivity. Before the boundary existed
+clients also sent their exact training loss, gradient norms and clipping counts, which differ
+between neighbours however large the noise: the second test fails on such a reply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+
+from dpfl.algorithms import ALGORITHMS
+from dpfl.client.app import reply
+from dpfl.problem import build_problem
+from dpfl.runconfig import RunConfig
+from dpfl.strategies.algorithm import to_record
+from tests.inprocess_grid import InProcessGrid, run_flower_code_path
+
+OWN = sorted(name for name in ALGORITHMS.names()
+             if ALGORITHMS.get(name).__module__.startswith("dpfl.algorithms"))
+VARIANTS = {"clip-sgd": [{}, {"clipping": "per-sample"}]}
+CASES = [(name, extra) for name in OWN for extra in VARIANTS.get(name, [{}])]
+IDS = [name + "".join(f"-{v}" for v in extra.values()) for name, extra in CASES]
+# digits' 1437 training images in 3 equal partitions, batch = a client's whole data: the
+# replaced record is in every batch
+BASE = {"num-partitions": 3, "batch-size": 479, "num-server-rounds": 2, "learning-rate": 0.1}
+
+
+class RecordingGrid(InProcessGrid):
+    """Keeps every reply a node sends."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.replies: list[Message] = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = super().send_and_receive(messages, timeout=timeout)
+        self.replies += replies
+        return replies
+
+
+@pytest.mark.parametrize("name, extra", CASES, ids=IDS)
+def test_every_record_a_client_sends_is_an_upload_covered_by_a_noised_release(tmp_path, name,
+                                                                             extra):
+    values = {**BASE, **extra, "algorithm": name, "noise-multiplier": 1.0,
+              "results-dir": str(tmp_path), "run-name": "run"}
+    grid, problem = run_flower_code_path(values, [{"partition-id": i} for i in range(3)],
+                                         grid_class=RecordingGrid)
+    algorithm = problem.algorithm
+    uploads = {key: upload for e in algorithm.exchanges for key, upload in e.uploads.items()}
+    sent = 0
+    for message in grid.replies:
+        content = message.content
+        if message.metadata.message_type == f"{MessageType.QUERY}.clients":
+            assert list(content) == ["hosted"]  # which partitions the node hosts: public
+            assert set(content["hosted"]) == {"clients"}
+            continue
+        for record_name, record in content.items():
+            assert record_name.startswith("client."), record_name
+            assert isinstance(record, ArrayRecord), record_name
+            client = int(record_name.removeprefix("client."))
+            releases = {r.name: r for r in problem.releases(client)}
+            for key in record:
+                release = releases[uploads[key].release]
+                assert release.noise_multiplier > 0 and release.side == "client"
+                sent += 1
+    assert sent == 3 * 2 * sum(len(e.uploads) for e in algorithm.exchanges)
+
+
+def _neighbour(problem, client=0):
+    """The problem with one record of ``client``'s data replaced by a test image."""
+    ds = problem.dataset
+    train_x, train_y = ds.train_x.clone(), ds.train_y.clone()
+    row = int(problem.partitions[client][0])
+    train_x[row], train_y[row] = ds.test_x[0], (ds.test_y[0] + 1) % ds.num_classes
+    return dataclasses.replace(problem, dataset=dataclasses.replace(
+        ds, train_x=train_x, train_y=train_y), _cohorts={})
+
+
+def _replies(problem):
+    """Each exchange's reply of the node hosting client 0, round 1 then 2 (broadcasts of
+    the initial model; client state carried in the node's Context)."""
+    grid = InProcessGrid(None, problem.config.as_dict(), [{"partition-id": 0}])
+    context: Context = grid.contexts[1]
+    out = []
+    for round in (1, 2):
+        for exchange in problem.algorithm.exchanges:
+            broadcast = problem.algorithm.broadcast(
+                exchange.name, problem.algorithm.init_server_state(problem.x0), round)
+            msg = Message(RecordDict({"broadcast": to_record(broadcast), "config": ConfigRecord(
+                {"exchange": exchange.name, "round": round, "clients": [0]})}), 1,
+                MessageType.TRAIN)
+            out.append(reply(msg, context, problem).content)
+    return out
+
+
+@pytest.mark.parametrize("name, extra", CASES, ids=IDS)
+def test_neighbouring_datasets_under_huge_noise_give_replies_within_the_sensitivity(name, extra,
+                                                                                   tmp_path):
+    """Noise 10⁴ times the sensitivity, the same seed (so the same noise): the two replies may
+    differ only in noised arrays, and only by f(D) − f(D'), at most the sensitivity. An exact
+    statistic of the data (a loss, a norm, a count) in a reply breaks it."""
+    config = RunConfig({**BASE, **extra, "algorithm": name, "noise-multiplier": 1e4,
+                        "results-dir": str(tmp_path)})
+    problem = build_problem(config)
+    neighbour = _neighbour(problem)
+    assert not torch.equal(problem.cohort([0]).x, neighbour.cohort([0]).x)
+    releases = {r.name: r for r in problem.releases(0)}
+    uploads = {key: upload for e in problem.algorithm.exchanges
+               for key, upload in e.uploads.items()}
+    for ours, theirs in zip(_replies(problem), _replies(neighbour), strict=True):
+        assert list(ours) == list(theirs)
+        for record_name in ours:
+            a, b = ours[record_name], theirs[record_name]
+            assert type(a) is type(b) and list(a) == list(b)
+            if not isinstance(a, ArrayRecord):
+                assert dict(a) == dict(b), record_name  # nothing un-noised may differ
+                continue
+            for key in a:
+                diff = torch.from_numpy(a[key].numpy()).double() - torch.from_numpy(
+                    b[key].numpy()).double()
+                bound = releases[uploads[key].release].sensitivity()
+                # float32 rounding of values 10⁴ times the sensitivity adds a few percent
+                assert torch.linalg.vector_norm(diff).item() <= 1.1 * bound, key
