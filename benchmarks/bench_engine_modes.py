@@ -1,6 +1,6 @@
 """Engine modes: seconds per round of ``engine-mode="exact"`` against ``"fast"``.
 
-The Table-1 workload of the Clip21 reproduction (specs/clip21-sgd2m.md E3): MNIST, the
+The Table-1 workload of the Clip21 reproduction (E3, docs/reproductions.md): MNIST, the
 784-256-10 MLP, 25 clients, batch 64, ε = 27 under the 'practice' calibration, one torch
 thread (what each `dpfl reproduce` worker gets). The two modes alternate, ``--repeats`` times
 each, in this one process, and the ratio of their medians is reported, so machine noise
@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpfl.runconfig import RunConfig  # noqa: E402
 from dpfl.engine import run  # noqa: E402
+from dpfl.runconfig import RunConfig  # noqa: E402
 
 BASE = {"dataset": "mnist", "model": "mlp", "partitioner": "iid", "num-partitions": 25,
         "batch-size": 64, "calibration": "practice", "epsilon": 27.0, "delta": 1e-3,

@@ -1,6 +1,6 @@
 """Engine vs `flwr run`: seconds per round for the same run, and whether the models agree.
 
-DPSGD-GC, 10 clients, the 784-256-10 MLP on MNIST, batch 64 (issue 2's benchmark).
+DPSGD-GC, 10 clients, the 784-256-10 MLP on MNIST, batch 64.
 Both runtimes run the same configuration and seed in this one process tree; the
 ratio is taken from this single run, so machine noise affects both alike.
 
@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpfl.runconfig import RunConfig  # noqa: E402
 from dpfl.engine import run  # noqa: E402
 from dpfl.launch import flwr_run  # noqa: E402
+from dpfl.runconfig import RunConfig  # noqa: E402
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ LOSS_OF_TASK = {"classification": "cross-entropy", "binary": "logistic", "regres
 
 
 def data_dir(config: RunConfig) -> str:
-    """``data-dir``, else ``$DPFL_DATA_DIR``, else ``../shared/data`` beside the checkout."""
+    """``data-dir``, else ``$DPFL_DATA_DIR``, else a ``shared/data`` folder beside the source
+    checkout (where the Makefile points ``DPFL_DATA_DIR``)."""
     if config["data-dir"]:
         return str(config["data-dir"])
     default = Path(__file__).resolve().parents[2] / "shared" / "data"

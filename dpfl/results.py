@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from dpfl.runconfig import RunConfig
 from dpfl.errors import ConfigError
+from dpfl.runconfig import RunConfig
 
 
 def jsonable(value: Any) -> Any:

@@ -56,8 +56,8 @@ class RunConfig(Mapping[str, Value]):
                 close = difflib.get_close_matches(key, params, n=3)
                 raise ConfigError(key, "unknown key" + (
                     f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""),
-                    allowed="the keys of `[tool.flwr.app.config]` in pyproject.toml (README: "
-                    "Run configuration)")
+                    allowed="the keys of `[tool.flwr.app.config]` in pyproject.toml "
+                    "(docs/configuration.md)")
             merged[key] = params[key].parse(value)
         for key, registry in (("algorithm", ALGORITHMS), ("dataset", DATASETS),
                               ("model", MODELS), ("partitioner", PARTITIONERS)):

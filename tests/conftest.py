@@ -1,4 +1,4 @@
-"""Shared test setup: offline data from ../shared/data, small fast configurations."""
+"""Shared test setup: offline data from ``$DPFL_DATA_DIR``, small fast configurations."""
 
 from __future__ import annotations
 

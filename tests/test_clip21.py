@@ -307,8 +307,9 @@ def test_alpha_normec_sends_norm_alpha_with_sensitivity_two_and_has_no_clip(smal
 def test_alpha_normec_with_alpha_to_zero_is_clip21_sgd_with_tau_beta_hat(small_config):
     """With α ≪ ‖∇f_i − g_i‖, Norm_α(u) → u/‖u‖, so β̂·Norm_α(u) = clip_τ(u) for τ = β̂ < ‖u‖, and
     the noise (σ·1 on the message, then β̂ at the server) is Clip21-SGD's σ·τ: α-NormEC below
-    the paper's grid (β̂ ≤ 1e-3) is Clip21-SGD with τ = β̂, same draws, step for step (README,
-    "Below the grid": the two methods' seeds end within 0.2 points at ε = 3)."""
+    the paper's grid (β̂ ≤ 1e-3) is Clip21-SGD with τ = β̂, same draws, step for step
+    (docs/reproductions.md, "Below the grid": the two methods' seeds end within 0.2 points at
+    ε = 3)."""
     kw = dict(noise_multiplier=1.5, learning_rate=0.3)
     normec, cohort = _digits(small_config, "alpha-normec", normec_alpha=1e-12, beta_hat=1e-3,
                              **kw)
@@ -360,7 +361,7 @@ def test_partial_participation_samples_s_clients_and_freezes_the_idle_ones(small
                 assert same == (c not in h["ids"])
 
 
-# ---- Calibration (§4, §9 A1–A5) ---------------------------------------------------------------
+# ---- Calibration (App. G, the experiments' mapping, Opacus) ------------------------------------
 
 EPSILONS = [3.0, 5.2, 9.0, 15.6, 27.0]
 CLIP_KEYS = {"clip21-sgd2m": {"clip": 0.3}, "clip-sgd": {"clip": 0.3}, "alpha-normec": {},

@@ -188,3 +188,61 @@ def test_a_whole_data_batch_is_the_clients_data_and_a_smaller_one_is_drawn():
     small = [set(cohort.sample(rng, r, "batch", 2)[1][0].tolist()) for r in range(1, 30)]
     assert all(s <= {5, 0, 7, 2} and len(s) == 2 for s in small)
     assert len(set(map(frozenset, small))) > 1
+
+
+def _probe(**declarations):
+    """A ContractProbe whose class attributes or methods are replaced by ``declarations``."""
+    return type("Probe", (ContractProbe,), declarations)(ProbeHyperparameters(), None, 4)
+
+
+@pytest.mark.parametrize("declarations, message", [
+    ({"exchanges": (Exchange("statistic", ("x",), {"s": Upload("nothing")}),)},
+     "upload 's' of exchange 'statistic' is covered by no client-side query of it"),
+    ({"exchanges": (Exchange("statistic", ("x",), {"s": Upload("train")}),)},
+     "upload 's' of exchange 'statistic' is covered by no client-side query of it"),
+    ({"exchanges": (Exchange("train", ("x",), {"delta": Upload("train")}),)},
+     "upload 'delta' is noised by the runtime, so its query needs one step and a fixed radius"),
+    ({"queries": lambda self, n: [Query("statistic", "statistic", 1.0, "replace-one"),
+                                  Query("train", "train", None, "replace-one", steps=2)]},
+     "queries must have distinct names and streams"),
+    ({"server_queries": lambda self: [Query("model", "train", 0.01, "add-remove")]},
+     "queries() are client-side, server_queries() server-side"),
+])
+def test_the_schema_check_refuses_declarations_that_do_not_fit(declarations, message):
+    from dpfl.algorithms import check_schema
+
+    probe = _probe(**declarations)
+    with pytest.raises(TypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_schema(probe, probe.queries(100))
+    check_schema(_probe(), _probe().queries(100))  # the probe itself fits
+
+
+def test_the_client_runtime_refuses_a_step_that_breaks_its_declarations(tmp_path):
+    """A step must return exactly its declared uploads and draw exactly the in-step noise its
+    releases declare (one draw per step of a post-processing upload's query)."""
+    from dpfl.problem import build_problem
+    from dpfl.rounds import ClientRuntime
+
+    problem = build_problem(RunConfig(_config(tmp_path, "runtime")))
+    state = problem.algorithm.init_server_state(problem.x0)
+    states = problem.algorithm.init_client_state(4)
+    cohort = problem.full_cohort()
+    honest = ContractProbe.client_step
+
+    def one_draw_short(self, exchange, states, broadcast, cohort, ctx):
+        ctx.drawn["train"] -= 1  # as if the step had skipped one local step's noise
+        return honest(self, exchange, states, broadcast, cohort, ctx)
+
+    def extra_upload(self, exchange, states, broadcast, cohort, ctx):
+        uploads, states = honest(self, exchange, states, broadcast, cohort, ctx)
+        return {**uploads, "loss": torch.zeros(len(cohort))}, states
+
+    for step, message in ((one_draw_short, "release 'train' declares 2 in-step draws, the "
+                           "step made 1"),
+                          (extra_upload, r"returned \['delta', 'loss'\], declared \['delta'\]")):
+        runtime = ClientRuntime.of(problem)
+        runtime.algorithm = type("Probe", (ContractProbe,), {"client_step": step})(
+            ProbeHyperparameters(), problem.model, 4)
+        broadcast = {"x": state["x"], "radius": torch.ones(1)}
+        with pytest.raises((RuntimeError, TypeError), match=message):
+            runtime.step("train", 1, broadcast, states, cohort)

@@ -91,7 +91,7 @@ def test_summary_says_whether_the_calibration_is_looser_or_tighter(small_config)
     assert "looser" in practice["calibration_check"]  # §4: practice is no DP guarantee
     paper = run(small_config(calibration="paper", epsilon=4.0, num_server_rounds=100,
                              eval_every=100, run_name="paper"), echo=False)
-    assert "tighter" in paper["calibration_check"]  # specs/prisma.md §4.5
+    assert "tighter" in paper["calibration_check"]  # PriSMA's Theorem 3 is loose
     accountant = run(small_config(epsilon=4.0, run_name="acc"), echo=False)
     assert "matched" in accountant["calibration_check"]
     manual = run(small_config(noise_multiplier=1.0, run_name="manual"), echo=False)

@@ -7,18 +7,18 @@ import json
 import pytest
 import torch
 
-from dpfl.runconfig import RunConfig
 from dpfl.engine import run
 from dpfl.launch import flwr_run, started_processes
+from dpfl.runconfig import RunConfig
 
 pytestmark = pytest.mark.flower
 
 
 CASES = {
-    # issue 2: DPSGD-GC, 3 rounds, 4 clients
+    # stateless, per-sample clipping: DPSGD-GC, 3 rounds, 4 clients
     "dpsgd-gc": {"algorithm": "dpsgd-gc", "num-partitions": 4, "num-server-rounds": 3,
                  "batch-size": 16, "seed": 3},
-    # issue 3: stateful clients (v_i, g_i in Context.state), 25 virtual clients, sampling
+    # stateful clients (v_i, g_i in Context.state), 25 virtual clients, sampling
     "clip21-sgd2m": {"algorithm": "clip21-sgd2m", "num-partitions": 25, "num-server-rounds": 3,
                      "batch-size": 16, "seed": 4, "beta": 0.5, "beta-hat": 0.5, "clip": 0.1,
                      "fraction-train": 0.8, "calibration": "practice", "learning-rate": 0.5},

@@ -36,8 +36,8 @@ def _trainable(model: torch.nn.Module) -> int:
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("mlp", 203_530),  # Clip21 §9 D4: 784·256 + 256 + 256·10 + 10
-        ("clip21-cnn", 22_842),  # 416 + 6,416 + 16,010 (Clip21 §9 D4 says ≈ 22.8k)
+        ("mlp", 203_530),  # the Clip21 MLP: 784·256 + 256 + 256·10 + 10
+        ("clip21-cnn", 22_842),  # 416 + 6,416 + 16,010 with our linear head
         ("dpftrl-cnn", 550_570),  # PriSMA §5.2
         ("resnet20", 269_722),  # He et al. 2016: 0.27M
         ("logistic", 7_850),

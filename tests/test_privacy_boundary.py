@@ -129,3 +129,21 @@ def test_neighbouring_datasets_under_huge_noise_give_replies_within_the_sensitiv
                 bound = releases[uploads[key].release].sensitivity()
                 # float32 rounding of values 10⁴ times the sensitivity adds a few percent
                 assert torch.linalg.vector_norm(diff).item() <= 1.1 * bound, key
+
+
+@pytest.mark.parametrize("name", ["dpsgd-gc", "clip21-sgd2m"])
+def test_the_neighbour_check_catches_exact_statistics_in_a_reply(name, tmp_path):
+    """The defect the boundary fixes, reproduced: with the statistics clients used to send
+    (now only under non-private-diagnostics), two neighbouring datasets give replies that
+    differ outside the noised arrays, under noise 10⁴ times the sensitivity and the same seed:
+    the check above fails on such a reply."""
+    config = RunConfig({**BASE, "algorithm": name, "noise-multiplier": 1e4,
+                        "non-private-diagnostics": True, "results-dir": str(tmp_path)})
+    problem = build_problem(config)
+    leaked = [record_name
+              for ours, theirs in zip(_replies(problem), _replies(_neighbour(problem)),
+                                      strict=True)
+              for record_name in ours
+              if not isinstance(ours[record_name], ArrayRecord)
+              and dict(ours[record_name]) != dict(theirs[record_name])]
+    assert leaked and all(r.startswith("diagnostics.") for r in leaked)

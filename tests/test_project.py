@@ -1,11 +1,19 @@
-"""The project surface: every run-config key is in pyproject.toml and the README."""
+"""The project surface: every run-config key is in pyproject.toml and documented in
+docs/configuration.md, and every relative link in the documentation points to a file."""
 
 from __future__ import annotations
 
+import re
 import tomllib
+
+import pytest
 
 from dpfl.runconfig import all_params
 from tests.conftest import ROOT
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# [text](target) and [text](target "title"); images too
+LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 
 def test_pyproject_lists_every_key_with_its_default():
@@ -14,10 +22,31 @@ def test_pyproject_lists_every_key_with_its_default():
     assert flwr_config == {k: p.default for k, p in all_params().items()}
 
 
-def test_readme_documents_every_key():
-    readme = (ROOT / "README.md").read_text()
-    missing = [k for k in all_params() if f"`{k}`" not in readme]
+def test_docs_document_every_key():
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    missing = [k for k in all_params() if f"`{k}`" not in reference]
     assert not missing, missing
+
+
+def relative_links(path):
+    """Relative link targets of a Markdown file, without their #anchor (code spans and fenced
+    blocks excluded)."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    for target in LINK.findall(text):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("#"):
+            continue  # http:, https:, mailto: ..., or an anchor in the same file
+        yield target.split("#", 1)[0]
+
+
+def test_docs_link_checker_finds_links():
+    assert "docs/configuration.md" in set(relative_links(ROOT / "README.md"))
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_points_to_a_file_that_exists(doc):
+    broken = [t for t in relative_links(doc) if not (doc.parent / t).exists()]
+    assert not broken, broken
 
 
 def test_torchvision_imports_and_runs_an_op():

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from dpfl.cli import main
-from dpfl.config import RunConfig, parse_overrides
+from dpfl.config import parse_overrides
 from dpfl.engine import run
-from dpfl.experiments.clip21 import command
 from dpfl.experiments.lab import read_archive
+from dpfl.experiments.selection import command
+from dpfl.runconfig import RunConfig
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +243,8 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
     """Successive halving on a stand-in lab where, as for Clip-SGD, only γτ matters and a
     small γτ that is poor after 5 epochs wins at full length: every γτ must get its chance,
     once (ranking all points together would drop it after 5 epochs)."""
-    from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, edge_axes, select
+    from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, ladder
+    from dpfl.experiments.selection import edge_axes, select
 
     def outcome(c):
         gt = round(c["learning-rate"] * c["clip"], 12)
@@ -256,7 +258,7 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
     cell = ("mlp", "clip-sgd", 27.0)
     points = [{**MNIST_BASE, "algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
     lab = StandInLab(outcome)
-    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    ranked = select(lab, {cell: points}, ladder(((5, 0.25), (15, 3), (150, 1)), 1.0))
     rounds = [c["num-server-rounds"] for c in lab.runs]
     assert rounds.count(5 * 37) == 20
     assert rounds.count(15 * 37) == 8  # γτ ∈ {1e-7, ..., 1}: one run each, twins once
@@ -271,7 +273,8 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
 def test_selection_extends_the_hedge_while_its_smallest_step_wins():
     """When the smallest-step full-length run wins, the next smaller 15-epoch point runs too;
     the extension stops when it loses (or the grid has no smaller step)."""
-    from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, select
+    from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, ladder
+    from dpfl.experiments.selection import select
 
     def outcome(c):
         gt = round(c["learning-rate"] * c["clip"], 12)
@@ -283,7 +286,7 @@ def test_selection_extends_the_hedge_while_its_smallest_step_wins():
     cell = ("mlp", "clip-sgd", 27.0)
     points = [{**MNIST_BASE, "algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
     lab = StandInLab(outcome)
-    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    ranked = select(lab, {cell: points}, ladder(((5, 0.25), (15, 3), (150, 1)), 1.0))
     full = [round(c["learning-rate"] * c["clip"], 12) for c in lab.runs if c["num-server-rounds"]
             == 150 * 37]
     assert full == [1e-3, 1e-4, 1e-5, 1e-6, 1e-7]  # 1e-5 won, then 1e-6 won, 1e-7 lost
@@ -296,8 +299,8 @@ def test_selection_goes_below_the_grid_while_its_smallest_step_wins():
     """When the grid's smallest step wins at full length, the hedge goes on below the grid,
     dividing each step factor at its grid minimum by 10 while that wins (at most BELOW_GRID
     decades), and the selected point is marked as below the grid, not reported as interior."""
-    from dpfl.experiments.clip21 import (BELOW_GRID, MNIST_BASE, MNIST_GRIDS, edge_axes, select,
-                                         step_size)
+    from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, ladder, step_size
+    from dpfl.experiments.selection import BELOW_GRID, edge_axes, select
 
     def outcome(c, peak, by="step"):
         step = step_size(c)
@@ -314,21 +317,21 @@ def test_selection_goes_below_the_grid_while_its_smallest_step_wins():
     cell = ("mlp", "clip-sgd", 27.0)
     points = [{**MNIST_BASE, "algorithm": "clip-sgd", **p} for p in MNIST_GRIDS["clip-sgd"]]
     lab = StandInLab(functools.partial(outcome, peak=1e-9))
-    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    ranked = select(lab, {cell: points}, ladder(((5, 0.25), (15, 3), (150, 1)), 1.0))
     assert [step_size(c) for c in below(lab, points)] == [1e-8, 1e-8, 1e-9, 1e-9, 1e-10, 1e-10]
     best = ranked[cell][0][1]
     assert step_size(best) == 1e-9 and best["learning-rate"] == 1e-5  # γ/10 first, ties
     assert edge_axes(best, points) == ["learning-rate below grid", "clip"]
     # no end in sight: each axis stops BELOW_GRID decades under its grid minimum
     lab = StandInLab(functools.partial(outcome, peak=1e-30))
-    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    ranked = select(lab, {cell: points}, ladder(((5, 0.25), (15, 3), (150, 1)), 1.0))
     assert min(c["learning-rate"] for c in lab.runs) == pytest.approx(1e-3 / 10**BELOW_GRID)
     assert min(c["clip"] for c in lab.runs) == pytest.approx(1e-4 / 10**BELOW_GRID)
     assert edge_axes(ranked[cell][0][1], points) == ["learning-rate below grid (at the limit)",
                                                      "clip below grid (at the limit)"]
     # when the points below lose, the grid's point stays selected
     lab = StandInLab(functools.partial(outcome, peak=1e-7))
-    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    ranked = select(lab, {cell: points}, ladder(((5, 0.25), (15, 3), (150, 1)), 1.0))
     assert [(c["learning-rate"], c["clip"]) for c in below(lab, points)] == [(1e-4, 1e-4),
                                                                              (1e-3, 1e-5)]
     assert edge_axes(ranked[cell][0][1], points) == ["learning-rate", "clip"]
@@ -337,7 +340,7 @@ def test_selection_goes_below_the_grid_while_its_smallest_step_wins():
     points = [{**MNIST_BASE, "algorithm": "alpha-normec", **p}
               for p in MNIST_GRIDS["alpha-normec"]]
     lab = StandInLab(functools.partial(outcome, peak=1e-6, by="beta-hat"))
-    ranked = select(lab, {cell: points}, 1.0, ((5, 0.25), (15, 3), (150, 1)))
+    ranked = select(lab, {cell: points}, ladder(((5, 0.25), (15, 3), (150, 1)), 1.0))
     best = ranked[cell][0][1]
     assert (best["learning-rate"], best["beta-hat"]) == (1e-3, 1e-3)
     assert sorted((c["learning-rate"], c["beta-hat"]) for c in below(lab, points)) == [
@@ -346,7 +349,8 @@ def test_selection_goes_below_the_grid_while_its_smallest_step_wins():
 
 
 def test_survivors_rank_within_step_sizes_and_hedge_towards_smaller_steps():
-    from dpfl.experiments.clip21 import step_size, survivors
+    from dpfl.experiments.clip21 import step_size
+    from dpfl.experiments.selection import survivors
 
     def point(gamma, tau, beta_hat, beta=0.5):
         return {"algorithm": "clip21-sgd2m", "learning-rate": gamma, "clip": tau,
@@ -357,18 +361,18 @@ def test_survivors_rank_within_step_sizes_and_hedge_towards_smaller_steps():
               for b in (0.1, 0.5, 0.9, 1.0)]
     scores = [(90 - i, p) for i, p in enumerate(points)]  # grid order is rank order
     assert step_size(point(0.1, 1e-3, 0.5)) == step_size(point(1.0, 1e-4, 0.5)) == 5e-5
-    kept = survivors(scores, points, 0.25)  # a quarter of each step size's 4 points
+    kept = survivors(scores, points, 0.25, step_size)  # a quarter of each step size's 4 points
     assert [(p["learning-rate"], p["clip"]) for p in kept] == [(1.0, 1e-3), (0.1, 1e-3),
                                                                (1.0, 1e-5), (0.1, 1e-5)]
     # the leader (5e-4), then the best at ≤ 5e-5 and at ≤ 5e-6 (γ = 1, τ = 1e-5 ranks first)
-    assert survivors(scores, points, 3) == [points[0], points[4], points[8]]
-    assert survivors(scores, points, 1) == [points[0]]
-    assert survivors(list(reversed(scores)), points, 3) == [points[-1]]  # nothing smaller
-    # Clip-SGD has no β̂ and Clip21-SGD fixes β̂ = 1; α-NormEC's τ is 1, its default
-    assert step_size({"algorithm": "clip-sgd", "learning-rate": 0.1, "clip": 0.1,
-                      "beta-hat": 0.5}) == 0.01
-    assert step_size({"algorithm": "clip21-sgd", "learning-rate": 0.1, "clip": 0.1,
-                      "beta-hat": 0.5}) == 0.01
+    assert survivors(scores, points, 3, step_size) == [points[0], points[4], points[8]]
+    assert survivors(scores, points, 1, step_size) == [points[0]]
+    # nothing smaller than the last point's step
+    assert survivors(list(reversed(scores)), points, 3, step_size) == [points[-1]]
+    # Clip-SGD has no β̂ and Clip21-SGD fixes β̂ = 1 (neither accepts the key); α-NormEC has
+    # no τ (its messages have norm < 1: τ := 1)
+    assert step_size({"algorithm": "clip-sgd", "learning-rate": 0.1, "clip": 0.1}) == 0.01
+    assert step_size({"algorithm": "clip21-sgd", "learning-rate": 0.1, "clip": 0.1}) == 0.01
     assert step_size({"algorithm": "alpha-normec", "learning-rate": 0.01,
                       "beta-hat": 0.1}) == 1e-3
 
@@ -451,7 +455,7 @@ def test_mnist_dp_epochs_calibrates_every_run_with_t_counted_in_epochs(smoke):
     """Selection proxies (noise-multiplier set) and seed runs (practice calibration with
     practice-horizon="epochs") all use σ_ω/τ = (1/ε)√(T ln(1/δ)) at T = 1 epoch, not 37
     rounds."""
-    from dpfl.privacy import clip21_practice_noise_std
+    from dpfl.algorithms.clip21 import clip21_practice_noise_std
 
     expected = clip21_practice_noise_std(epsilon=27.0, delta=1e-3, rounds=1, clip=1.0)
     runs = sorted((smoke("mnist-dp-epochs") / "runs").iterdir())

@@ -6,24 +6,25 @@ table numbers are those of the ICLR 2026 submission "Momentum and Error Feedback
 with Fast Rates and Differential Privacy" (OpenReview dX1yxeQOF3), which adds α-NormEC,
 partial participation (Alg. 4), Clip21-SGD2M+ (Alg. 5) and the ε-calibrated experiments.
 
-One implementation, :class:`Clip21SGD2M` (Alg. 3, §2.2), carries every error-feedback method;
+One implementation, :class:`Clip21SGD2M` (Alg. 3), carries every error-feedback method;
 the others are it with constants fixed or a part swapped:
 
 * ``clip21-sgd2m``: Alg. 3, client momentum β, clipped error feedback, EF/server step β̂;
-* ``clip21-sgd``: Alg. 2 (§3.2), β = β̂ = 1;
-* ``alpha-normec``: §3.4, β = 1 and the compressor Norm_α(u) = u/(α + ||u||) in place of clip_τ;
-* ``clip21-sgd2m-plus``: Alg. 5 (§2.9), per-sample clipping at τ_in, noise inside the momentum;
-* ``clip-sgd``: Alg. 1 (§3.1), stateless (:class:`ClipSGD`, sharing privacy, sampling and
-  oracles through :class:`Clip21Family`); ``clipping="per-sample"`` is §3.5's DP-SGD baseline.
+* ``clip21-sgd``: Alg. 2, β = β̂ = 1;
+* ``alpha-normec`` (Shulgin et al. 2025, a baseline of App. I.2.2): β = 1 and the compressor
+  Norm_α(u) = u/(α + ||u||) in place of clip_τ;
+* ``clip21-sgd2m-plus``: Alg. 5 (App. J), per-sample clipping at τ_in, noise inside the momentum;
+* ``clip-sgd``: Alg. 1, stateless (:class:`ClipSGD`, sharing privacy, sampling and
+  oracles through :class:`Clip21Family`); ``clipping="per-sample"`` is App. J.2's DP-SGD baseline.
 
 A fixed constant is a ``ClassVar`` of the method's hyperparameter dataclass, so the method does
-not accept its key. Every method takes part in partial participation (Alg. 4, §2.8) through
+not accept its key. Every method takes part in partial participation (Alg. 4, App. A) through
 ``fraction-train``.
 
 Order of operations. Round r = 1, 2, … broadcasts the server's x, the clients take their
 gradient at that x, and the server updates ``g ← g + (β̂/s)·Σ_i c_i``, then ``x ← x − γ g``.
 With the zero initial states of the algorithm box (``g⁰ = v⁰ = 0``) this is Alg. 3 under both
-initialisations of §2.5:
+initialisations the paper uses (its algorithm box, and its proofs):
 
 * (a), the box: ``x¹ = x⁰ − γ·0 = x⁰``, so round r is iteration t = r − 1 (gradients at x^{t+1})
   and the model after round r is ``x^{r+1}``;
@@ -34,7 +35,7 @@ initialisations of §2.5:
 The two differ only in indexing, so no initialisation option is needed; ``num-server-rounds`` T
 is the number of releases (the paper's T iterations under (b) are T + 1 rounds).
 
-Privacy (§4, App. G). Replace-one neighbouring local datasets. Client-level methods release one
+Privacy (App. G). Replace-one neighbouring local datasets. Client-level methods release one
 vector per round of norm ≤ τ (≤ 1 for Norm_α): radius τ (1 for α-NormEC, whose noise is
 calibrated with τ := 1), no amplification (sample rate 1), because v_i and g_i carry private
 information across rounds. The per-sample forms (``clip21-sgd2m-plus``, ``clip-sgd`` with
@@ -50,7 +51,7 @@ the experiments with a noise-to-clip ratio). Otherwise ``calibration`` picks
   reproductions), rescaled by b/m for the per-sample forms (App. J.2: "we rescale the DP-noise
   variance σ_ω by a factor b/m"; applied to the standard deviation). Its T is the number of
   rounds, or of epochs (rounds/⌊m/b⌋) with ``practice-horizon="epochs"``: the paper does not say
-  which; the README explains why the experiments most likely counted epochs.
+  which; docs/reproductions.md explains why the experiments most likely counted epochs.
 
 Partial participation: the same σ as with full participation (calibrated over all T rounds, an
 upper bound on a client's releases), and a client's ledger records only the rounds it took part
@@ -58,8 +59,8 @@ in. The server knows who is sampled, so sampling gives no amplification against 
 
 Gradients: the client-level methods use the mini-batch gradient of ``batch-size`` records drawn
 without replacement each round; the per-sample forms draw a fixed-size batch too (the ledger
-uses Opacus' Poisson analysis at q = b/m, the proxy the README describes). Norms are taken over
-the whole flattened model (global clipping, §2.6).
+uses Opacus' Poisson analysis at q = b/m, the proxy docs/privacy.md describes). Norms are taken over
+the whole flattened model (global clipping, as in the paper's experiments).
 """
 
 from __future__ import annotations
@@ -83,8 +84,15 @@ from dpfl.algorithms.base import (
     Upload,
 )
 from dpfl.algorithms.registry import ALGORITHMS
-from dpfl.config import BATCH_SIZE, CLIP, LEARNING_RATE, Param, hyperparameter, positive, \
-    unit_interval
+from dpfl.config import (
+    BATCH_SIZE,
+    CLIP,
+    LEARNING_RATE,
+    Param,
+    hyperparameter,
+    positive,
+    unit_interval,
+)
 from dpfl.errors import ConfigError
 from dpfl.privacy import CALIBRATIONS, SERVER, Query, Randomness, Target, clip_factors
 
@@ -95,10 +103,10 @@ BETA = Param("beta", 0.1, "Client heavy-ball momentum of Clip21-SGD2M(+) (Alg. 3
 BETA_HAT = Param("beta-hat", 1.0, "Error-feedback and server step of Clip21-SGD2M(+) and "
                  "α-NormEC (Alg. 3 lines 8 and 10).", check=unit_interval, symbol="β̂")
 NORMEC_ALPHA = Param("normec-alpha", 1.0, "α of α-NormEC's compressor Norm_α(u) = u/(α + ||u||) "
-                     "(§3.4).", check=positive, symbol="α")
+                     "(Shulgin et al. 2025).", check=positive, symbol="α")
 NORMEC_NORMALIZE = Param("normec-normalize", False, "α-NormEC: rescale the server's g to unit "
                          "norm after each update, before the step, and keep it so (the related "
-                         "public code's `normalize` switch; §3.4 leaves it off).")
+                         "public code's `normalize` switch; off in the paper's description).")
 FRACTION_TRAIN = Param("fraction-train", 1.0, "Fraction of clients sampled each round, "
                        "s = round(fraction·n) uniformly without replacement (Alg. 4).",
                        check=unit_interval, symbol="s/n")
@@ -108,16 +116,17 @@ PP_SCALING = Param("pp-scaling", "printed", "Server scaling under partial partic
 CLIP_INNER = Param("clip-inner", 0.1, "Per-sample clipping threshold of Clip21-SGD2M+ (Alg. 5 "
                    "line 7); clip is its outer threshold.", check=positive, symbol="τ_in")
 CLIPPING = Param("clipping", "client", "Clip-SGD: clip each client's mini-batch gradient "
-                 "(Alg. 1) or each per-sample gradient (DP-SGD, §3.5).",
+                 "(Alg. 1) or each per-sample gradient (DP-SGD, App. J.2).",
                  choices=("client", "per-sample"))
 GRADIENT_NOISE = Param("gradient-noise", 0.0, "Std of Gaussian noise added to each client's "
                        "mini-batch gradient: the 'Gaussian-added' stochastic oracle of the "
-                       "logistic-regression experiment (§2.6, App. I.1); not DP noise.",
+                       "logistic-regression experiment (App. I.1); not DP noise.",
                        check=lambda v: None if v >= 0 else f"must be >= 0, got {v}", symbol="σ")
 PRACTICE_HORIZON = Param("practice-horizon", "rounds", "What T counts in calibration='practice', "
                          "σ_ω = (τ/ε)·√(T·ln(1/δ)): 'rounds', the number of releases, or "
                          "'epochs', passes over the local data, rounds/⌊m/b⌋ (the reading of "
-                         "Table 1's revealed cells and of the related public code: README).",
+                         "Table 1's revealed cells and of the related public code: "
+                         "docs/reproductions.md).",
                          choices=("rounds", "epochs"), symbol="T")
 
 
@@ -204,7 +213,7 @@ class Compressor:
 
 CLIP_TAU = Compressor(  # clip_τ(u) = min(1, τ/||u||)·u, eq. (4)
     "clip", lambda norms, hp: clip_factors(norms, hp.clip), lambda hp: hp.clip)
-NORM_ALPHA = Compressor(  # Norm_α(u) = u/(α + ||u||), §3.4; ||Norm_α(u)|| < 1 for every α
+NORM_ALPHA = Compressor(  # Norm_α(u) = u/(α + ||u||); ||Norm_α(u)|| < 1 for every α
     "norm-alpha", lambda norms, hp: 1 / (hp.normec_alpha + norms), lambda hp: 1.0)
 
 
@@ -285,7 +294,7 @@ class Clip21Family(Algorithm):
 
     def clipped_mean(self, x: Tensor, cohort: Cohort, ctx: ClientContext) -> Tensor:
         """The DP-SGD query before its noise, ``(1/b)Σ_{j∈S_i} clip_r(∇f_ij(x))`` ``[C, d]``
-        (Alg. 5 line 7, §3.5), r = ``radius()``."""
+        (Alg. 5 line 7, App. J.2), r = ``radius()``."""
         xb, yb = self.batch(cohort, ctx)
         losses = self.losses(cohort, ctx)
         mean, norms = self.model.clipped_mean(x, xb, yb, self.radius(), losses=losses)
@@ -299,13 +308,13 @@ class Clip21Family(Algorithm):
 
 @ALGORITHMS.register_class
 class Clip21SGD2M(Clip21Family):
-    """Clip21-SGD2M (Alg. 3, §2.2), its partial-participation form (Alg. 4, §2.8), and the
+    """Clip21-SGD2M (Alg. 3), its partial-participation form (Alg. 4, App. A), and the
     template of Clip21-SGD, α-NormEC and Clip21-SGD2M+.
 
     Client i (state ``v_i``, ``g_i``, zero at the start)::
 
         v_i ← (1 − β) v_i + β ∇f_i(x, ξ_i)          line 5 (Alg. 5: the noisy per-sample query)
-        u_i = C(v_i − g_i)                           C = clip_τ (eq. 4) or Norm_α (§3.4)
+        u_i = C(v_i − g_i)                           C = clip_τ (eq. 4) or Norm_α
         c_i = u_i + ω_i                              line 7, the message (Alg. 5: c_i = u_i)
         g_i ← g_i + β̂ u_i                            line 8, the same u_i, noise-free
 
@@ -318,9 +327,10 @@ class Clip21SGD2M(Clip21Family):
     their state (Alg. 4 lines 11–14): the runtimes only pass participants' states.
 
     Diagnostics per client (non-private mode only): ``train-loss``; ``clip-active`` (1 if
-    ||v_i − g_i|| > τ, so its round mean is |I_t|/n of §2.7; clip_τ only); ``clip-input-norm``
-    ||v_i − g_i||; ``ef-residual`` ||g_i − v_i||² after the step (the Lyapunov term of §2.7);
-    Alg. 5 adds ``clipped-fraction`` (per-sample clipping at τ_in).
+    ||v_i − g_i|| > τ, so its round mean is the fraction of clients whose clipping is active;
+    clip_τ only); ``clip-input-norm`` ||v_i − g_i||; ``ef-residual`` ||g_i − v_i||² after the
+    step (the error-feedback term of the Lyapunov function, eq. (9)); Alg. 5 adds
+    ``clipped-fraction`` (per-sample clipping at τ_in).
     """
 
     name = "clip21-sgd2m"
@@ -382,7 +392,7 @@ class Clip21SGD2M(Clip21Family):
 
 @ALGORITHMS.register_class
 class Clip21SGD(Clip21SGD2M):
-    """Clip21-SGD (Alg. 2, §3.2; Khirirat et al. 2023): Clip21-SGD2M with β = β̂ = 1, i.e.
+    """Clip21-SGD (Alg. 2; Khirirat et al. 2023): Clip21-SGD2M with β = β̂ = 1, i.e.
     ``c_i = clip_τ(∇f_i(x, ξ) − g_i) + ω_i``, ``g_i ← g_i + clip_τ(·)``, ``g ← g + mean(c)``.
     With the whole local dataset as the batch it is Clip21-GD."""
 
@@ -392,13 +402,14 @@ class Clip21SGD(Clip21SGD2M):
 
 @ALGORITHMS.register_class
 class AlphaNormEC(Clip21SGD2M):
-    """α-NormEC-SGD (§3.4; Shulgin et al. 2025a): β = 1 and ``Norm_α(u) = u/(α + ||u||)`` in
-    place of clip_τ: ``Δ_i = Norm_α(∇f_i(x, ξ) − g_i)``, ``g_i ← g_i + β̂Δ_i``, message
-    ``Δ_i + ω_i``, ``g ← g + β̂·mean``. ``||Norm_α(·)|| < 1``, so the sensitivity is 2 for any α
-    and the noise is calibrated with τ := 1; it has no ``clip``. α is ``normec-alpha``.
-    ``normec-normalize`` switches on the related code's server normalisation, ``g ← g/||g||``
-    after line 10 (kept normalised, so the next round adds to a unit vector), then ``x ← x − γg``;
-    off by default (§3.4). Post-processing of the noisy messages: the privacy is unchanged."""
+    """α-NormEC-SGD (Shulgin et al. 2025, arXiv:2502.13482): β = 1 and
+    ``Norm_α(u) = u/(α + ||u||)`` in place of clip_τ:
+    ``Δ_i = Norm_α(∇f_i(x, ξ) − g_i)``, ``g_i ← g_i + β̂Δ_i``, message ``Δ_i + ω_i``,
+    ``g ← g + β̂·mean``. ``||Norm_α(·)|| < 1``, so the sensitivity is 2 for any α and the noise
+    is calibrated with τ := 1; it has no ``clip``. α is ``normec-alpha``. ``normec-normalize``
+    switches on the related code's server normalisation, ``g ← g/||g||`` after line 10 (kept
+    normalised, so the next round adds to a unit vector), then ``x ← x − γg``; off by default.
+    Post-processing of the noisy messages: the privacy is unchanged."""
 
     name = "alpha-normec"
     Hyperparameters = AlphaNormECHyperparameters
@@ -416,7 +427,7 @@ class AlphaNormEC(Clip21SGD2M):
 
 @ALGORITHMS.register_class
 class Clip21SGD2MPlus(Clip21SGD2M):
-    """Clip21-SGD2M+ (Alg. 5, §2.9): the momentum absorbs the DP-SGD query,
+    """Clip21-SGD2M+ (Alg. 5, App. J): the momentum absorbs the DP-SGD query,
     ``v_i ← (1 − β)v_i + β((1/b)Σ_j clip_{τ_in}(∇f_ij(x)) + ω_i)``, and the message
     ``c_i = clip_τ(v_i − g_i)`` carries no fresh noise (post-processing of the noisy query), so
     ``g = mean_i g_i`` exactly. ``clip`` is τ_out, ``clip-inner`` τ_in. Privacy: the per-sample
@@ -436,9 +447,9 @@ class Clip21SGD2MPlus(Clip21SGD2M):
 
 @ALGORITHMS.register_class
 class ClipSGD(Clip21Family):
-    """Clip-SGD (Alg. 1, §3.1; "DP-SGD" of the papers' experiments): stateless,
+    """Clip-SGD (Alg. 1; "DP-SGD" of the papers' experiments): stateless,
     ``c_i = clip_τ(∇f_i(x, ξ_i)) + ω_i``, ``x ← x − γ·mean(c)``. With ``clipping="per-sample"``
-    it is §3.5's DP-SGD baseline, ``c_i = (1/b)Σ_j clip_τ(∇f_ij(x)) + ω_i`` (sensitivity 2τ/b,
+    it is App. J.2's DP-SGD baseline, ``c_i = (1/b)Σ_j clip_τ(∇f_ij(x)) + ω_i`` (sensitivity 2τ/b,
     sample rate b/m). With full gradients it is Clip-GD (Example 2.1: any x⁰ ∈ [−2, 2] is a
     fixed point). Diagnostics: ``train-loss``; client clipping ``clip-active`` and
     ``clip-input-norm`` (of the mini-batch gradient); per-sample ``clipped-fraction``."""
@@ -475,7 +486,7 @@ class ClipSGD(Clip21Family):
 FAMILY = ("clip-sgd", "clip21-sgd", "clip21-sgd2m", "clip21-sgd2m-plus", "alpha-normec")
 
 
-# ---- calibration (§4, App. G; the experiments' mapping) ---------------------------------------
+# ---- calibration (App. G; the experiments' mapping) --------------------------------------------
 
 def clip21_paper_noise_std(*, epsilon: float, delta: float, rounds: int, clip: float) -> float:
     """Clip21-SGD2M's proven noise level (App. G).

@@ -3,7 +3,7 @@
 Huang, Zhang, Ling, "Differential Privacy in Distributed Learning: Beyond Uniformly Bounded
 Stochastic Gradients", AISTATS 2025, PMLR 258:3223–3231.
 
-Distributed DPSGD-GC (§3 of the paper's baselines; Abadi et al. 2016). Per round t and client
+Distributed DPSGD-GC (the paper's baseline; Abadi et al. 2016). Per round t and client
 i, with a fresh batch B_i^t of b records drawn uniformly without replacement::
 
     v_i^t   = (1/b) Σ_{j∈B_i^t} clip_C(∇f_ij(x^t)) + ξ_i^t,   ξ_i^t ~ N(0, σ² I_d)
@@ -12,7 +12,7 @@ i, with a fresh batch B_i^t of b records drawn uniformly without replacement::
 with clipping per sample on the flattened gradient (eq. 3). That is per-sample Clip-SGD
 exactly, so ``dpsgd-gc`` is a registered preset of :class:`~dpfl.algorithms.clip21.ClipSGD`
 with ``clipping="per-sample"``; what it adds is the paper's calibration. The averaged query has
-replace-one sensitivity 2C/b (§2.6). Calibration: ``paper`` uses σ̂ of Theorem 3 with
+replace-one sensitivity 2C/b (eqs. (7)–(9)). Calibration: ``paper`` uses σ̂ of Theorem 3 with
 Corollary 1 (:func:`prisma_paper_calibration`); ``accountant`` the smallest multiplier whose
 Opacus ε over T rounds at sampling rate b/N meets the target.
 """

@@ -1,1 +1,1 @@
-"""Flower client side: the NumPyClient and the ClientApp (the client side of the Flower transport)."""
+"""Flower client side: the NumPyClient and the ClientApp (the Flower transport's client end)."""

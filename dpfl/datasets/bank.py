@@ -1,4 +1,4 @@
-"""UCI Bank Marketing (Moro, Cortez & Rita 2014), set up as adaptive-clipping spec §8 item 18."""
+"""UCI Bank Marketing (Moro, Cortez & Rita 2014), the AdaptDP-FedAvg paper's tabular task (§5)."""
 
 from __future__ import annotations
 

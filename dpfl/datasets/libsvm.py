@@ -4,7 +4,7 @@ Read with ``sklearn.datasets.load_svmlight_file`` from ``<data_dir>/libsvm``
 (``.bz2`` read directly) into dense float32 tensors. Labels are mapped to
 float32 ``{-1, +1}`` (task ``"binary"``, logistic loss). By default each row is
 scaled to unit ℓ2 norm, as the Clip21 logistic-regression experiments do
-(clip21-sgd2m spec §9 D3); pass ``normalize=False`` for the raw features.
+(our reading of the Clip21 paper's App. I.1); pass ``normalize=False`` for the raw features.
 
 a9a is evaluated on a9a.t. duke and w8a ship no test file here, so their test
 set *is* the training set (the same tensors): the papers using them report

@@ -12,7 +12,7 @@ Registered partitioners:
   partitioner itself cuts contiguous, unshuffled blocks; shuffling first is
   what ``FederatedDataset`` does). Sizes differ by at most one.
 - ``contiguous``: ``IidPartitioner`` in file order, unshuffled (the Clip21 LR
-  experiments' split, clip21-sgd2m spec §9 D1).
+  experiments' split: the Clip21 paper's "n equal shards", in file order).
 - ``dirichlet``: ``DirichletPartitioner`` (Hsu et al. 2019) with concentration
   ``alpha``, no self-balancing, and ``min_partition_size = min(10, n //
   num_partitions)`` (flwr-datasets' 10, relaxed where that is unattainable):

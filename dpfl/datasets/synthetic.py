@@ -29,7 +29,7 @@ def load_prisma_least_squares(
     duplicate: int = 1,
     dim: int = 10,
 ) -> Dataset:
-    """PriSMA §5.1 (eq. 22): distributed least squares, ``b = aᵀx* + φ``.
+    """PriSMA's first experiment (Figure 1, eq. 22): distributed least squares, ``b = aᵀx* + φ``.
 
     ``a_ij ~ U[-1, 1]^dim``, ``x* ~ N(0, I_dim)``, ``φ_ij ~ N(0, 2)`` (variance 2).
     Each of the ``num_clients`` (M) clients draws ``samples_per_client`` (N) rows,
@@ -73,10 +73,11 @@ QUADRATIC_RADIUS = math.sqrt(7.8)
 def load_quadratic(
     *, seed: int, num_samples: int = 3000, dim: int = 100, num_test: int = 1000
 ) -> Dataset:
-    """Adaptive-clipping task T1 (spec §5.2, §8 item 15): ``ℓ_i(x) = ½(z_iᵀ(x − b))²``.
+    """AdaptDP-FedAvg's synthetic quadratic (Fukami et al., §5; we complete what it leaves
+    unstated): ``ℓ_i(x) = ½(z_iᵀ(x − b))²``.
 
     ``z_i ~ N(0, I_dim)``; the reference ``b`` is uniform on the sphere of radius
-    √7.8, so ``f(0) ≈ 3.9`` (the spec's calibration guess). Written as regression
+    √7.8, so ``f(0) ≈ 3.9`` (our calibration guess). Written as regression
     with features ``z_i`` and targets ``y_i = z_iᵀb``, so the squared-error loss
     ``½(z_iᵀx − y_i)²`` is the per-sample loss above and interpolation holds at
     ``x = b``. Defaults: n = 3000, d = 100; the test set is ``num_test`` fresh rows.

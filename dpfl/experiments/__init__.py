@@ -1,4 +1,11 @@
-"""Paper reproductions: ``dpfl reproduce <paper> <experiment> [--smoke]``."""
+"""Paper reproductions: ``dpfl reproduce <paper> <experiment> [--smoke]``.
+
+One module per paper (its grids, federations, tables and figures), over shared machinery:
+:mod:`~dpfl.experiments.lab` runs configurations and archives and reports them,
+:mod:`~dpfl.experiments.selection` tunes a table's cells, :mod:`~dpfl.experiments.registry`
+names the experiments, :mod:`~dpfl.experiments.migrate` carries an archive across a change of
+run-config keys.
+"""
 
 from dpfl.experiments import clip21  # noqa: F401  (registers)
 from dpfl.experiments.lab import Lab

@@ -1,12 +1,21 @@
-"""Clip21 reproductions (specs/clip21-sgd2m.md §5-§6): ``dpfl reproduce clip21 <experiment>``.
+"""Clip21 reproductions: ``dpfl reproduce clip21 <experiment>``.
 
-* ``logreg`` — E1: non-convex logistic regression on LIBSVM duke (Fig. 2, Fig. I.1).
-* ``mnist-dp`` — E3: MNIST, MLP and CNN, ε-calibrated local DP (Table 1).
-* ``partial`` — E4: partial participation, n = 24, s ∈ {6, 12, 18} (Fig. 5), at E3's
+Islamov, Horváth, Lucchi, Richtárik, Gorbunov, "Double Momentum and Error Feedback for Clipping
+with Fast Rates and Differential Privacy", arXiv:2502.11682 (section and figure numbers of its
+extended version: :mod:`dpfl.algorithms.clip21`).
+
+* ``logreg`` — E1: non-convex logistic regression on LIBSVM duke (§4, App. I.1: Fig. 2,
+  Fig. I.1).
+* ``mnist-dp`` — E3: MNIST, MLP and CNN, ε-calibrated local DP (App. I.2.2, Table 1, Fig. 4).
+* ``partial`` — E4: partial participation, n = 24, s ∈ {6, 12, 18} (Fig. 5, Alg. 4), at E3's
   selected hyperparameters.
 * ``mnist-dp-epochs``, ``partial-epochs`` — the same with the practice calibration's T
-  counted in epochs (the paper's reading: README).
+  counted in epochs (the reading the paper's revealed cells support: docs/reproductions.md).
 * ``noise-mapping`` — which T the experiments' noise mapping used.
+
+The experiment labels E1–E4 are ours. The selection machinery is
+:mod:`dpfl.experiments.selection`; what is the paper's own here is its grids, its federations
+and its step size γτβ̂ (:func:`step_size`).
 
 Every run goes through the engine with the run-config keys of ``dpfl run``; the report prints,
 for each selected cell, the exact ``dpfl run --run-config`` that re-runs it alone.
@@ -24,42 +33,36 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from dpfl.algorithms.registry import ALGORITHMS
-from dpfl.config import RunConfig, Value
+from dpfl.algorithms.clip21 import clip21_practice_noise_std
 from dpfl.experiments.lab import Lab
 from dpfl.experiments.registry import experiment
-from dpfl.launch import format_overrides
-from dpfl.privacy import clip21_practice_noise_std
+from dpfl.experiments.selection import (
+    BELOW_GRID,
+    Config,
+    Rung,
+    StepLadder,
+    command,
+    final_accuracy,
+    grid,
+    mean_std,
+    seed_runs,
+    select,
+    walk_past_edge,
+)
+from dpfl.runconfig import RunConfig
 
-Config = dict[str, Value]
-
-
-def grid(**axes: Sequence[Value]) -> list[Config]:
-    """The Cartesian product of ``axes`` (keys with ``_`` become run-config keys with ``-``)."""
-    keys = [k.replace("_", "-") for k in axes]
-    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*axes.values())]
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def command(values: Config) -> str:
-    """The ``dpfl run`` line that re-runs ``values`` alone."""
-    keep = {k: v for k, v in values.items() if k not in ("results-dir", "run-name")}
-    return f"dpfl run --run-config '{format_overrides(keep)}'"
-
-
-# ---- E1: non-convex logistic regression (§5 E1, §9 D1-D3) ---------------------------------------
+# ---- E1: non-convex logistic regression (§4, App. I.1) ------------------------------------------
 
 LOGREG_BASE: Config = {
-    "dataset": "duke", "partitioner": "contiguous", "num-partitions": 4,  # 11/11/11/11 (D1)
-    "model": "logistic", "model-options": "bias=false zero_init=true",  # x⁰ = 0 (D3)
-    "nonconvex-reg": 2e-3,  # the paper's λ = 1e-3 on Σx²/(1+x²); ours is (λ/2)Σ… (README)
-    "noise-multiplier": 0.0, "beta-hat": 1.0, "eval-train": True,
-    "eval-every": 10,  # ‖∇f(x^t)‖ every 10th iteration: the metric and Fig. I.1's curves
+    "dataset": "duke", "partitioner": "contiguous", "num-partitions": 4,  # 11/11/11/11 records
+    "model": "logistic", "model-options": "bias=false zero_init=true",  # x⁰ = 0
+    "nonconvex-reg": 2e-3,  # the paper's λ = 1e-3 on Σx²/(1+x²); ours is (λ/2)Σx²/(1+x²)
+    "noise-multiplier": 0.0, "beta-hat": 1.0,
+    # ‖∇f(x^t)‖ of the whole training objective every 10th iteration (the metric and Fig. I.1's
+    # curves): the server reads the clients' data, a diagnostic of a noise-free experiment
+    "eval-train": True, "non-private-diagnostics": True, "eval-every": 10,
 }
-LOGREG_MODES: dict[str, Config] = {  # the two stochastic oracles (§2.6, D2)
+LOGREG_MODES: dict[str, Config] = {  # the two stochastic oracles (§2.6)
     "mini-batch": {"batch-size": 4},  # ceil(11/3): a third of the local data
     "gaussian": {"batch-size": 11, "gradient-noise": 0.05},  # full local gradient + N(0, σ²)
 }
@@ -75,7 +78,7 @@ def logreg_tail(rounds: list[dict[str, Any]], last: int) -> dict[str, float]:
 
 def fig2_check(norms: dict[tuple[str, float, str], float], modes: Sequence[str],
                taus: Sequence[float], methods: Sequence[str]) -> str:
-    """Spec §10 check 5 on the measured Fig. 2: for τ ≤ 1e-2, Clip21-SGD2M's tuned final
+    """The paper's Fig. 2 claim on the measured one: for τ ≤ 1e-2, Clip21-SGD2M's tuned final
     gradient norm is at most Clip-SGD's and Clip21-SGD's in each oracle. Says where it holds
     and where it fails (with the ratio), or why it cannot be checked."""
     rivals = [m for m in methods if m != "clip21-sgd2m"]
@@ -102,24 +105,12 @@ def past_the_edge(lab: Lab, best: dict[Any, tuple[float, float, Config]], gammas
                   ) -> dict[Any, tuple[float, float, Config]]:
     """E1's selection with γ past the grid: each cell whose selected γ is an end of ``gammas``
     runs its winner (same β) with γ doubled (halved at the low end), all seeds, and goes on
-    while the new γ has the lower mean metric, at most :data:`GAMMA_PAST_EDGE` times. The
-    paper's γ grid stops at 2^5; this asks whether a ranking at its edge is the grid's doing.
-    Returns every cell, extended or not."""
-    out = dict(best)
-    frontier = {key: b for key, b in best.items() if b[2]["learning-rate"] in (gammas[0],
-                                                                                 gammas[-1])}
-    for _ in range(GAMMA_PAST_EDGE):
-        trial = {key: {**p, "learning-rate": p["learning-rate"]
-                       * (2.0 if p["learning-rate"] >= gammas[-1] else 0.5)}
-                 for key, (_, _, p) in frontier.items()}
-        summaries = iter(lab.run_many([{**p, "seed": s} for p in trial.values() for s in seeds],
-                                      derive=derive))
-        frontier = {}
-        for key, point in trial.items():
-            m, sd = mean_std([next(summaries)["derived"]["grad_norm_tail"] for _ in seeds])
-            if math.isfinite(m) and m < out[key][0]:
-                out[key] = frontier[key] = (m, sd, point)
-    return out
+    while the new γ has the lower mean gradient norm, at most :data:`GAMMA_PAST_EDGE` times.
+    The paper's γ grid stops at 2^5; this asks whether a ranking at its edge is the grid's
+    doing. Returns every cell, extended or not."""
+    return walk_past_edge(lab, best, "learning-rate", gammas, seeds,
+                          lambda summary: summary["derived"]["grad_norm_tail"],
+                          limit=GAMMA_PAST_EDGE, derive=derive)
 
 
 def gamma_label(gamma: float, gammas: Sequence[float]) -> str:
@@ -168,7 +159,7 @@ def logreg(lab: Lab) -> str:
              f"β̂ = 1, {rounds} iterations, {len(seeds)} seed(s). Metric: ‖∇f(x^t)‖ of the "
              f"global objective averaged over the last {last} iterations and the seeds; γ (and "
              f"β) selected per (oracle, τ, method) by that metric. Leukemia is not available "
-             f"offline (shared/data/README.md), so only duke is reproduced.")
+             f"offline, so only duke is reproduced.")
     extended = past_the_edge(lab, best, gammas, seeds, derive)
 
     def fig2_tables(selected: dict[tuple[str, float, str], tuple[float, float, Config]],
@@ -234,13 +225,13 @@ def logreg(lab: Lab) -> str:
     return "Clip21 E1: non-convex logistic regression on duke"
 
 
-# ---- E3: MNIST with ε-calibrated local DP (§5 E3, §6.1, §9 A1, A4, D4, D7) ---------------------
+# ---- E3: MNIST with ε-calibrated local DP (App. I.2.2, Table 1) ---------------------------------
 
 MNIST_TRAIN = 60_000
 
 
 def epoch_steps(config: Config) -> int:
-    """Rounds per epoch: ⌊m/b⌋ with m = 60000/n records per client (drop_last, §9 A4): 37 for
+    """Rounds per epoch: ⌊m/b⌋ with m = 60000/n records per client (drop_last): 37 for
     E3's n = 25, 39 for E4's n = 24."""
     return MNIST_TRAIN // int(config["num-partitions"]) // int(config["batch-size"])
 
@@ -248,17 +239,17 @@ def epoch_steps(config: Config) -> int:
 MNIST_BASE: Config = {
     "dataset": "mnist", "partitioner": "iid", "num-partitions": 25, "batch-size": 64,
     "delta": 1e-3, "calibration": "practice",
-    "engine-mode": "fast",  # pooled noise: same law, ~1.6x faster (README, engine-mode)
+    "engine-mode": "fast",  # pooled noise: same law, ~1.6x faster (docs/performance.md)
 }
 MNIST_BASE["eval-every"] = EPOCH_STEPS = epoch_steps(MNIST_BASE)  # 37: evaluate every epoch
-EPSILONS = [27.0, 5.2, 15.6, 9.0, 3.0]  # revealed cells first (§6.1)
-PAPER_TABLE_1 = {  # revealed cells (§6.1): (model, method) -> {ε: (mean, std)}
+EPSILONS = [27.0, 5.2, 15.6, 9.0, 3.0]  # the ε of Table 1's revealed cells first
+PAPER_TABLE_1 = {  # Table 1's revealed cells: (model, method) -> {ε: (mean, std)}
     ("mlp", "clip-sgd"): {5.2: (74.5, 1.3), 15.6: (81.2, 0.3), 27.0: (88.5, 0.1)},
     ("mlp", "clip21-sgd"): {5.2: (68.1, 1.9), 15.6: (77.9, 0.6), 27.0: (86.7, 0.5)},
     ("mlp", "alpha-normec"): {5.2: (28.7, 6.7), 15.6: (53.4, 3.8), 27.0: (64.1, 3.5)},
     ("mlp", "clip21-sgd2m"): {5.2: (75.9, 0.9), 15.6: (87.7, 0.6), 27.0: (89.2, 0.3)},
 }
-MNIST_GRIDS: dict[str, list[Config]] = {  # §5 E3; Clip-SGD's τ only through γτ (§3.1)
+MNIST_GRIDS: dict[str, list[Config]] = {  # App. I.2.2; Clip-SGD's τ acts only through γτ
     "clip-sgd": grid(learning_rate=[1e-3, 1e-2, 1e-1, 1.0], clip=[1e-4, 1e-3, 1e-2, 1e-1, 1.0]),
     "clip21-sgd": grid(learning_rate=[1e-3, 1e-2, 1e-1, 1.0],
                        clip=[1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]),
@@ -271,28 +262,15 @@ SMOKE_GRIDS: dict[str, list[Config]] = {
     "clip-sgd": grid(learning_rate=[0.1, 1.0], clip=[0.1]),
     "clip21-sgd2m": grid(learning_rate=[0.1, 1.0], clip=[1e-2], beta=[0.5], beta_hat=[0.1]),
 }
-# Successive halving (§9 D7, coarse to fine): (epochs, what a rung passes on: a fraction keeps
+# Successive halving (coarse to fine): (epochs, what a rung passes on: a fraction keeps
 # that share of every step size γτβ̂, a count k the best point and the best points at 1/10, …,
 # 1/10^(k−1) of its step; :func:`survivors`). The last rung is the paper's full-length single
 # run (seed 0), which picks the cell's point among the 15-epoch leader and the best 15-epoch
 # points with 10 and 100 times smaller steps (and further down while the smallest wins: select).
-Rung = tuple[int, int | float]
 RUNGS: tuple[Rung, ...] = ((5, 0.25), (15, 3), (150, 1))
 SMOKE_RUNGS: tuple[Rung, ...] = ((1, 1),)
 
 Cell = tuple[str, str, float]  # (model, method, ε)
-
-
-def final_accuracy(summary: dict[str, Any]) -> float:
-    acc = summary.get("test_accuracy")
-    return 100 * acc if acc is not None and math.isfinite(acc) else 0.0
-
-
-def keep_count(keep: int | float, n: int) -> int:
-    """How many of ``n`` ranked points a rung passes on: ``keep`` itself if an int, else that
-    fraction of ``n`` rounded up; at least 1, at most ``n``."""
-    count = keep if isinstance(keep, int) else math.ceil(keep * n)
-    return max(1, min(n, count))
 
 
 def step_size(point: Config) -> float:
@@ -300,170 +278,23 @@ def step_size(point: Config) -> float:
     every Clip21-family message has norm at most τ and noise std σ_ω ∝ τ, the server adds β̂
     times their mean to g and x moves by γ·g (Clip-SGD and Clip21-SGD: β̂ = 1; α-NormEC
     normalises with τ := 1). Three significant digits (0.1·1e-3 is 1e-4)."""
-    values = RunConfig(point)
-    algorithm = ALGORITHMS.get(str(values["algorithm"]))
-    if "beta-hat" in {param.key for param in algorithm.params}:
-        beta_hat = float(values["beta-hat"])
-    else:
-        beta_hat = float(getattr(algorithm, "fixed", {}).get("beta-hat", 1.0))
-    return float(f"{float(values['learning-rate']) * float(values['clip']) * beta_hat:.3g}")
+    hp = RunConfig(point).hyperparameters
+    step = hp.learning_rate * getattr(hp, "clip", 1.0) * getattr(hp, "beta_hat", 1.0)
+    return float(f"{step:.3g}")
 
 
-def survivors(scores: list[tuple[float, Config]], points: list[Config],
-              keep: int | float) -> list[Config]:
-    """The points a rung passes on, from its distinct outcomes ``scores`` (best first) among the
-    rung's ``points``, by step size (:func:`step_size`):
-
-    * a fraction ``keep`` keeps that share of every step size's points (of ``points``, rounded
-      up), ranked within the step size;
-    * a count ``keep`` = k keeps the best point, and the best point whose step is at most
-      1/10, 1/100, …, 1/10^(k−1) of its step (when there is one, and not already kept).
-
-    Why: a short proxy run is biased towards large steps. The noise x carries grows with T (it
-    enters g, and through g x, every round) while the progress a large step buys shows early,
-    so the full-length optimum lies at a smaller step than a 5- or 15-epoch run's (measured at
-    ε = 27: README, "Selection"). The fraction keeps small steps alive through the short rungs;
-    the count hedges the full-length rung towards smaller steps, never larger."""
-    steps = [(step_size(p), p) for _, p in scores]
-    if isinstance(keep, int):
-        kept: list[Config] = []
-        for j in range(keep):
-            best = best_within(steps, steps[0][0] / 10**j)
-            if best is not None and all(best is not p for p in kept):
-                kept.append(best)
-        return kept
-    levels: dict[float, list[Config]] = {}
-    for step, p in steps:  # best first, so every level's list is ranked
-        levels.setdefault(step, []).append(p)
-    sizes = [step_size(p) for p in points]
-    return [p for level, ranked in levels.items()
-            for p in ranked[:keep_count(keep, sizes.count(level))]]
-
-
-def best_within(steps: list[tuple[float, Config]], limit: float) -> Config | None:
-    """The first (best-ranked) of ``steps`` (``(step, point)``) whose step is at most ``limit``
-    (steps carry 3 significant digits: a relative 1e-9 absorbs the division's rounding)."""
-    return next((p for step, p in steps if step <= limit * (1 + 1e-9)), None)
-
-
-def select(lab: Lab, candidates: dict[Cell, list[Config]], noise: float,
-           rungs: Sequence[Rung]) -> dict[Cell, list[tuple[float, Config]]]:
-    """The paper's protocol (best single run by test accuracy), coarse to fine (§9 D7):
-    successive halving over ``rungs``. At each rung every surviving point of every cell runs
-    that many epochs (seed 0) with the *full-length* run's noise (``noise-multiplier`` fixed to
-    σ_ω/τ of the 150-epoch calibration, so a short proxy sees the noise level it is selected
-    for), and :func:`survivors` go on, by step size γτβ̂, counting points whose runs end
-    identically (same final test accuracy and loss) once, by the first in grid order.
-
-    The hedge of the last rung towards smaller steps is extended while it wins: when the best
-    last-rung run is also the one with the smallest step, the previous rung's best point with at
-    most 1/10 of that step runs too (a selected point at the hedge's own edge is as suspect as
-    one at the grid's edge); past the grid's smallest step it goes on below the grid, dividing
-    one factor of the step by 10 (:func:`smaller_steps`; :func:`edge_axes` marks such a
-    point). Returns, per cell, the last rung's distinct points ranked by accuracy (best
-    first)."""
-    alive = {cell: list(points) for cell, points in candidates.items()}
-    ranked: dict[Cell, list[tuple[float, Config]]] = {}
-    previous: dict[Cell, list[tuple[float, Config]]] = {}
-    for epochs, keep in rungs:
-        previous = ranked
-        batch = [(cell, p) for cell, points in alive.items() for p in points]
-        summaries = lab.run_many([{**p, "num-server-rounds": epochs * epoch_steps(p),
-                                   "noise-multiplier": noise} for cell, p in batch])
-        ranked: dict[Cell, list[tuple[float, Config]]] = {}
-        seen: dict[Cell, dict[Any, int]] = {}
-        for (cell, p), summary in zip(batch, summaries, strict=True):
-            # Points whose runs end identically are one run: Clip-SGD with σ_ω ∝ τ depends on
-            # γτ only (§6.2), so a γτ anti-diagonal would otherwise fill every place of a rung.
-            # "Identically": the same test accuracy and the same test loss to 6 significant
-            # digits (the invariance is exact in arithmetic, not in floating point: measured
-            # twins differ by ~1e-8). The group is represented by its point with the fewest
-            # axes on the grid's edge.
-            loss = summary.get("test_loss")
-            outcome = (summary.get("test_accuracy"), None if loss is None else f"{loss:.6g}")
-            scores, where = ranked.setdefault(cell, []), seen.setdefault(cell, {})
-            if outcome not in where:
-                where[outcome] = len(scores)
-                scores.append((final_accuracy(summary), p))
-            elif (len(edge_axes(p, candidates[cell]))
-                  < len(edge_axes(scores[where[outcome]][1], candidates[cell]))):
-                scores[where[outcome]] = (final_accuracy(summary), p)
-        for cell, scores in ranked.items():
-            scores.sort(key=lambda t: -t[0])  # stable: grid order breaks ties
-            alive[cell] = survivors(scores, alive[cell], keep)
-    while extend := [(cell, p) for cell, scores in ranked.items()
-                     for p in smaller_steps(scores, previous.get(cell, []), candidates[cell])]:
-        summaries = lab.run_many([{**p, "num-server-rounds": rungs[-1][0] * epoch_steps(p),
-                                   "noise-multiplier": noise} for _, p in extend])
-        for (cell, p), summary in zip(extend, summaries, strict=True):
-            ranked[cell].append((final_accuracy(summary), p))
-        for cell in {cell for cell, _ in extend}:
-            ranked[cell].sort(key=lambda t: -t[0])
-    return ranked
-
-
-BELOW_GRID = 3  # decades a step axis may go below the grid when its smallest step wins
 STEP_AXES = ("learning-rate", "clip", "beta-hat")  # the factors of step_size: γ, τ, β̂
 
 
-def grid_floor(low: float) -> float:
-    """The smallest value the below-grid hedge may give an axis whose grid minimum is ``low``
-    (:data:`BELOW_GRID` decades below it); comparisons allow a relative 1e-9 of rounding."""
-    return low / 10**BELOW_GRID
-
-
-def smaller_steps(scores: list[tuple[float, Config]], previous: list[tuple[float, Config]],
-                  points: list[Config]) -> list[Config]:
-    """The next points of the extended hedge (:func:`select`), none unless the best of
-    ``scores`` has the smallest step among them: the best of ``previous`` (ranked) with at most
-    1/10 of its step; when ``previous`` has none, the best point itself with one step axis
-    (:data:`STEP_AXES` tuned by the grid ``points``) divided by 10, for every such axis at or
-    below the grid's smallest value (at most :data:`BELOW_GRID` decades below it), each not
-    run yet. A selected point at the small-step end of the grid is an edge the protocol would
-    otherwise never look past; which factor of the step to shrink matters (α-NormEC at ε = 27,
-    T = epochs, seed 1: γ/10 58.4%, β̂/10 85.2%), so every one is tried."""
-    winner = scores[0][1]
-    best = step_size(winner)
-    if best > min(step_size(p) for _, p in scores):
-        return []
-    inside = best_within([(step_size(p), p) for _, p in previous], best / 10)
-    if inside is not None:
-        return [inside]
-    done = [p for _, p in scores]
-    below = []
-    for axis in STEP_AXES:
-        values = sorted({float(p[axis]) for p in points if axis in p})
-        if len(values) < 2 or float(winner[axis]) > values[0]:
-            continue
-        value = float(f"{float(winner[axis]) / 10:.3g}")
-        if value >= grid_floor(values[0]) * (1 - 1e-9):
-            point = {**winner, axis: value}
-            if point not in done:
-                below.append(point)
-    return below
-
-
-def edge_axes(point: Config, points: list[Config]) -> list[str]:
-    """The tuned axes of ``point`` that sit on the edge of the grid ``points`` (empty when
-    interior), ``"<axis> below grid"``/``"<axis> above grid"`` for a value outside it (the
-    extended hedge of :func:`select`; ``" (at the limit)"`` added at :data:`BELOW_GRID` decades
-    below, where the hedge stops whether or not it still wins); an axis with at most two values
-    has no interior and is never counted as an edge."""
-    edges = []
-    for key in points[0]:
-        values = sorted({p[key] for p in points})
-        if point[key] < values[0]:
-            capped = point[key] <= grid_floor(values[0]) * (1 + 1e-9)
-            edges.append(f"{key} below grid{' (at the limit)' if capped else ''}")
-        elif point[key] > values[-1]:
-            edges.append(f"{key} above grid")
-        elif len(values) > 2 and point[key] in (values[0], values[-1]):
-            edges.append(key)
-    return edges
+def ladder(rungs: Sequence[Rung], noise: float) -> StepLadder:
+    """Table 1's selection ladder: rungs in epochs of E3/E4's federation, ranked by
+    :func:`step_size`, every proxy with the full-length run's noise multiplier ``noise``."""
+    return StepLadder(tuple(rungs), step_size, STEP_AXES, lambda point, epochs: {
+        **point, "num-server-rounds": epochs * epoch_steps(point), "noise-multiplier": noise})
 
 
 def horizon(base: Config, epochs: int) -> int:
-    """The T of the practice calibration (run-config key ``practice-horizon``, §9 A4) for a
+    """The T of the practice calibration (run-config key ``practice-horizon``) for a
     full-length run of ``epochs`` epochs: the number of rounds, or of epochs."""
     return epochs if base.get("practice-horizon", "rounds") == "epochs" else \
         epochs * epoch_steps(base)
@@ -484,31 +315,7 @@ def selection(lab: Lab, models: Sequence[str], eps: float, grids: dict[str, list
     # noise-multiplier: the same for every cell of this ε
     noise = clip21_practice_noise_std(epsilon=eps, delta=float(base["delta"]),
                                       rounds=horizon(base, epochs), clip=1.0)
-    return select(lab, candidates, noise, rungs)
-
-
-def seed_runs(lab: Lab, ranked: dict[Cell, list[tuple[float, Config]]],
-              grids: dict[str, list[Config]], seeds: Sequence[int],
-              change: Config | None = None) -> dict[Cell, Any]:
-    """Each cell's selected point, with ``change`` applied (E4: another federation), run with
-    fresh ``seeds``: the cells' results (accuracy mean ± std, the point run, the selection
-    runs, grid edges, accountant ε)."""
-    chosen = {cell: {**scores[0][1], **(change or {})} for cell, scores in ranked.items()}
-    reruns = {cell: [{**chosen[cell], "seed": s} for s in seeds] for cell in ranked}
-    summaries = iter(lab.run_many([c for runs in reruns.values() for c in runs]))
-    cells: dict[Cell, Any] = {}
-    for cell, runs in reruns.items():
-        accs = [final_accuracy(next(summaries)) for _ in runs]
-        tuned, points = ranked[cell][0][1], grids[cell[1]]
-        cells[cell] = {
-            "accuracy": mean_std(accs), "runs": accs, "selected": chosen[cell],
-            "proxy": [[acc, step_size(p), {k: p[k] for k in points[0]}]
-                      for acc, p in ranked[cell]],
-            "edge": ", ".join(edge_axes({k: tuned[k] for k in points[0]}, points)),
-            "epsilon_accountant": max((lab.summary(r) or {}).get("epsilon_max") or 0.0
-                                      for r in runs),
-        }
-    return cells
+    return select(lab, candidates, ladder(rungs, noise))
 
 
 def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
@@ -521,7 +328,7 @@ def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
     cells: dict[Cell, Any] = {}
     for eps in epsilons:
         ranked = selection(lab, models, eps, grids, epochs=epochs, rungs=rungs, base=base)
-        cells.update(seed_runs(lab, ranked, grids, seeds))
+        cells.update(seed_runs(lab, ranked, grids, seeds, step_size))
         if after_epsilon is not None:
             after_epsilon(cells)
     return cells
@@ -581,7 +388,7 @@ def protocol(setup: dict[str, Any], base: Config) -> str:
         return f"the best point and the best with at most {smaller} of its step go on"
 
     rungs = ", then ".join(f"{e} epochs ({keeps(k)})" for e, k in setup["rungs"])
-    return (f"Selection (the paper's 'best single run by test accuracy', coarse to fine, §9 D7): "
+    return (f"Selection (the paper's 'best single run by test accuracy', coarse to fine): "
             f"successive halving over every grid point of the cell by step size γτβ̂ (Clip-SGD, "
             f"Clip21-SGD: γτ; α-NormEC: γβ̂), since short runs favour large steps: {rungs}; while "
             f"the smallest step of the full-length runs wins, the best 15-epoch point with at most "
@@ -594,32 +401,33 @@ def protocol(setup: dict[str, Any], base: Config) -> str:
             f"{setup['epochs']} epochs with seeds {setup['seeds']} (fresh seeds, not the "
             f"selection's seed 0): mean ± std below. All runs use `engine-mode=\"fast\"` "
             f"(the noise of the clients' average drawn once: the same distribution as per-client "
-            f"noise; README).")
+            f"noise; docs/performance.md).")
 
 
 def e3_base(reading: str) -> Config:
     """E3's base configuration with the practice calibration's T counted in ``reading``
-    (``rounds``, the default and the spec's, or ``epochs``)."""
+    (``rounds``, the default, or ``epochs``)."""
     return MNIST_BASE if reading == "rounds" else {**MNIST_BASE, "practice-horizon": reading}
 
 
 READINGS = {
-    "rounds": "T' counts rounds, the spec's reading (§9 A4); the paper's runs most likely counted "
-              "epochs (`mnist-dp-epochs`: the revealed cells and the related public code's "
-              "training script agree on it, README).",
+    "rounds": "T' counts rounds (T is the number of releases); the paper's runs most likely "
+              "counted epochs (`mnist-dp-epochs`: the revealed cells and the related public code's "
+              "training script agree on it, docs/reproductions.md).",
     "epochs": "T' counts epochs, the paper's reading: the revealed cells agree with it "
               "(`noise-mapping`) and the related public code's training script computes "
-              "ε = (τ/σ)·√(epochs·ln(1/δ)) (README). Compare this report with the paper.",
+              "ε = (τ/σ)·√(epochs·ln(1/δ)) (docs/reproductions.md). Compare this report with the "
+              "paper.",
 }
 
 
 @experiment("clip21", "mnist-dp", "E3: MNIST MLP and CNN under local DP, the whole Table 1",
             axes=("model", "method", "epsilon"))
 def mnist_dp(lab: Lab, reading: str = "rounds") -> str:
-    """E3. ``reading`` is the practice calibration's T (``practice-horizon``): the spec's
+    """E3. ``reading`` is the practice calibration's T (``practice-horizon``): the literal
     ``rounds`` (``mnist-dp``) or ``epochs`` (``mnist-dp-epochs``, the reading the paper's
     revealed cells are consistent with, ``noise-mapping``, and the related public code's
-    training script uses: README)."""
+    training script uses: docs/reproductions.md)."""
     setup = mnist_setup(lab)
     base = e3_base(reading)
     title = "Clip21 E3: MNIST under local DP (Table 1" + (
@@ -631,11 +439,11 @@ def mnist_dp(lab: Lab, reading: str = "rounds") -> str:
         lab.text(
             f"MNIST, n = 25 iid clients (2400 records each), batch 64, {setup['epochs']} epochs "
             f"(T = {setup['epochs'] * epoch_steps(base)} rounds, drop_last), δ = 1e-3, no "
-            f"amplification, σ_ω = (τ/ε)·√(T'·ln(1/δ)) ('practice', §9 A1) with T' = "
+            f"amplification, σ_ω = (τ/ε)·√(T'·ln(1/δ)) ('practice') with T' = "
             f"{horizon(base, setup['epochs'])} ({reading}: `practice-horizon=\"{reading}\"`). "
             f"{READINGS[reading]} "
             f"{protocol(setup, base)} "
-            f"Paper values in brackets are the revealed cells of Table 1 (§6.1); the accountant "
+            f"Paper values in brackets are the revealed cells of Table 1; the accountant "
             f"ε column is the RDP ε of the noise actually used (replace-one, no amplification).")
         if len(done) < len(setup["epsilons"]):
             lab.text(f"**In progress:** ε = {', '.join(f'{e:g}' for e in done)} done of "
@@ -665,7 +473,7 @@ experiment("clip21", "mnist-dp-epochs", "E3 with the practice calibration's T co
            axes=("model", "method", "epsilon"))(functools.partial(mnist_dp, reading="epochs"))
 
 
-# ---- E4: partial participation (§5 E4, Alg. 4, §9 A-PP, A3) ------------------------------------
+# ---- E4: partial participation (§4, Fig. 5, Alg. 4) ---------------------------------------------
 
 PARTIAL_CLIENTS = 24
 PARTIAL_SIZES = [6, 12, 18]
@@ -676,7 +484,7 @@ PARTIAL_SIZES = [6, 12, 18]
 def partial(lab: Lab, reading: str = "rounds") -> str:
     """E4: Clip-SGD and Clip21-SGD2M with n = 24 clients, s sampled per round (Alg. 4).
 
-    The paper runs E4 in "the previous setup" (§5 E4) and tunes nothing new for it, so each
+    The paper runs E4 in "the previous setup" (§4) and tunes nothing new for it, so each
     (model, method, ε) takes E3's selected hyperparameters (:func:`selection` on E3's grids and
     federation, under the same ``reading`` of T: the very runs of ``mnist-dp[-epochs]``, which
     ``--reuse`` of that experiment's archive skips) and runs them with fresh seeds for every s.
@@ -703,7 +511,7 @@ def partial(lab: Lab, reading: str = "rounds") -> str:
             f"setup, T' = {horizon(federation, setup['epochs'])} ({reading}: "
             f"`practice-horizon=\"{reading}\"`). {READINGS[reading]} The noise is that of full "
             f"participation and each client's ledger counts only the rounds it took part in: "
-            f"the server knows who is sampled, so no amplification is claimed (§9 A3). "
+            f"the server knows who is sampled, so no amplification is claimed. "
             f"Hyperparameters: E3's selection for the same model, method and ε (n = 25, full "
             f"participation; the paper runs E4 in 'the previous setup' and reports no tuning "
             f"for it): {protocol(setup, source)} Here the selected point runs with n = 24 and "
@@ -730,7 +538,7 @@ def partial(lab: Lab, reading: str = "rounds") -> str:
         ranked = selection(lab, setup["models"], eps, grids, epochs=setup["epochs"],
                            rungs=setup["rungs"], base=source)
         for s in sizes:
-            results[s].update(seed_runs(lab, ranked, grids, setup["seeds"], change={
+            results[s].update(seed_runs(lab, ranked, grids, setup["seeds"], step_size, change={
                 **federation, "fraction-train": s / PARTIAL_CLIENTS}))
         report()
     return title
@@ -741,7 +549,7 @@ experiment("clip21", "partial-epochs", "E4 with the practice calibration's T cou
            axes=("model", "method", "epsilon", "s"))(functools.partial(partial, reading="epochs"))
 
 
-# ---- The ε → σ_ω mapping of the experiments (§4, §9 A1, A4): which T? -------------------------
+# ---- The ε → σ_ω mapping of the experiments: which T? --------------------------------------------
 
 MAPPING_POINTS: dict[str, Config] = {  # E3 ε = 27, T = rounds, first protocol: fixed
     "clip-sgd": {"learning-rate": 0.01, "clip": 0.1},
@@ -754,7 +562,7 @@ MAPPING_POINTS: dict[str, Config] = {  # E3 ε = 27, T = rounds, first protocol:
             axes=("method", "epsilon", "reading"))
 def noise_mapping(lab: Lab) -> str:
     """The papers state ε but not σ_ω (§4). The inferred 'practice' map has T = rounds
-    (§9 A4: 5550); T = epochs (150) gives √37 ≈ 6.1 times less noise. Fixed hyperparameters (E3's
+    (5550 for E3); T = epochs (150) gives √37 ≈ 6.1 times less noise. Fixed hyperparameters (E3's
     ε = 27 selection under T = rounds), full length, seed 0, both readings, at the ε of the
     revealed cells: the reading whose accuracies track the paper's is the one it used."""
     epochs = 1 if lab.smoke else 150
@@ -773,7 +581,7 @@ def noise_mapping(lab: Lab) -> str:
     lab.text(
         f"MNIST MLP, n = 25, batch 64, {epochs} epochs (T = {rounds} rounds), δ = 1e-3, seed 0, "
         f"`engine-mode=\"fast\"`. σ_ω/τ = (1/ε)·√(T'·ln(1/δ)) with T' = {rounds} (rounds, our "
-        f"`practice` calibration, §9 A4) or T' = {epochs} (epochs), set through "
+        f"`practice` calibration) or T' = {epochs} (epochs), set through "
         f"`noise-multiplier`. Hyperparameters fixed at E3's ε = 27 selection under T' = rounds: "
         + "; ".join(f"{m}: " + ", ".join(f"{k}={v:g}" for k, v in p.items())
                     for m, p in MAPPING_POINTS.items() if m in methods) + ". "

@@ -34,9 +34,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dpfl.config import RunConfig, Value  # noqa: E402
+from dpfl.config import Value  # noqa: E402
 from dpfl.errors import UsageError  # noqa: E402
-
+from dpfl.runconfig import RunConfig  # noqa: E402
 
 ARCHIVE = "runs.jsonl.gz"
 # The summary fields an archive keeps: what experiments and reports read of a finished run.
@@ -66,6 +66,23 @@ def read_archive(path: Path) -> dict[str, dict[str, Any]]:
             raise UsageError(f"--reuse {path}: run {key} does not match its configuration "
                              f"(edited or corrupted archive)")
     return runs
+
+
+def write_archive(path: Path, runs: dict[str, tuple[dict[str, Value], dict[str, Any]]]) -> Path:
+    """Write ``runs`` (key -> (configuration, summary)) to the archive ``path``: one line per
+    run, by key, with its configuration and its :data:`ARCHIVED` summary fields; byte-stable
+    (sorted, no time stamp in the header) and replaced whole (never half-written)."""
+    lines = [json.dumps({"key": key, "config": config,
+                         "summary": {k: summary[k] for k in ARCHIVED if k in summary}},
+                        sort_keys=True)
+             for key, (config, summary) in sorted(runs.items())]
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as f:
+        f.write("".join(line + "\n" for line in lines).encode())
+    partial = path.with_name(path.name + ".part")
+    partial.write_bytes(buffer.getvalue())
+    os.replace(partial, path)
+    return path
 
 
 def _run_one(values: dict[str, Value]) -> dict[str, Any]:
@@ -245,17 +262,5 @@ class Lab:
         return path
 
     def write_archive(self) -> Path:
-        """``runs.jsonl.gz``: every run reported on, by key, with its configuration and its
-        :data:`ARCHIVED` summary fields; byte-stable (sorted, no time stamp in the header)."""
-        lines = [json.dumps({"key": key, "config": config,
-                             "summary": {k: summary[k] for k in ARCHIVED if k in summary}},
-                            sort_keys=True)
-                 for key, (config, summary) in sorted(self.used.items())]
-        buffer = io.BytesIO()
-        with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as f:
-            f.write("".join(line + "\n" for line in lines).encode())
-        path = self.folder / ARCHIVE
-        partial = path.with_name(path.name + ".part")  # replaced whole: never half-written
-        partial.write_bytes(buffer.getvalue())
-        os.replace(partial, path)
-        return path
+        """``runs.jsonl.gz``: every run reported on (:func:`write_archive`)."""
+        return write_archive(self.folder / ARCHIVE, self.used)

@@ -21,8 +21,9 @@ clients' samples into the rows of one GEMM changes the rounding of every client'
 MKL picks its kernel by the matrix shape.)
 
 The nonconvex regulariser. ``nonconvex_reg = λ`` adds ``(λ/2) Σ_k x_k² / (1 + x_k²)`` to every
-per-sample loss, the convention of PriSMA eq. 22. Clip21's logistic regression (spec E1) writes
-``λ Σ_k x_k² / (1 + x_k²)``: pass ``nonconvex_reg = 2 λ_clip21`` (2e-3 for λ = 1e-3).
+per-sample loss, the convention of PriSMA eq. 22. The Clip21 paper's logistic regression
+(App. I.1) writes ``λ Σ_k x_k² / (1 + x_k²)``: pass ``nonconvex_reg = 2 λ_clip21`` (2e-3 for
+λ = 1e-3).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 
 from dpfl.models import grad_sample
 from dpfl.models.losses import LOSSES
+from dpfl.privacy.clipping import clip_factors
 
 _ALIGNMENT = 64  # bytes; PyTorch's CPU allocator aligns every fresh tensor to this
 
@@ -336,7 +338,8 @@ class FlatModel:
         first: bool,
     ) -> Tensor:
         """Add (1/b) Σ_j w_j g_j over one chunk of n samples to ``row`` (overwrite it if
-        ``first``), with w_j = min(1, C/‖g_j‖); return the norms ‖g_j‖."""
+        ``first``), with w_j = min(1, C/‖g_j‖) (:func:`~dpfl.privacy.clipping.clip_factors`,
+        the one clipping operator); return the norms ‖g_j‖."""
         sq = row.new_zeros(n)
         materialised: list[list[Tensor] | None] = []
         for layer, a, g in tape:
@@ -356,7 +359,7 @@ class FlatModel:
         if reg is not None:
             sq += reg.square().sum()
         norm = sq.clamp_min_(0).sqrt_()
-        w = (radius / norm.clamp_min(radius)).div_(b)  # exactly 1/b where ‖g_j‖ ≤ C
+        w = clip_factors(norm, radius).div_(b)  # exactly 1/b where ‖g_j‖ ≤ C
         beta = 0.0 if first else 1.0
         for (layer, a, g), grads in zip(tape, materialised):
             targets = [row[s].view(shape) for s, shape in zip(layer.slices, layer.shapes)]

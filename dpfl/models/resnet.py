@@ -1,10 +1,10 @@
 """CIFAR ResNet-20 (He et al. 2016, §4.2) with GroupNorm in place of BatchNorm.
 
-Clip21 spec §9 D5 recommends the CIFAR-style ResNet-20 (about 0.27M parameters). BatchNorm mixes
-the samples of a batch, which breaks per-sample gradients and is outside every DP analysis, so
-each BatchNorm becomes a GroupNorm with the same affine parameters (2 per channel): the parameter
-count is the paper's 269,722 for 10 classes. Shortcuts that change shape use option A of the
-paper (subsample, zero-pad the new channels), which has no parameters.
+The Clip21 paper's CIFAR-10 runs use a ResNet-20; we take the CIFAR-style one (about 0.27M
+parameters). BatchNorm mixes the samples of a batch, which breaks per-sample gradients and is
+outside every DP analysis, so each BatchNorm becomes a GroupNorm with the same affine parameters (2
+per channel): the parameter count is the paper's 269,722 for 10 classes. Shortcuts that change shape
+use option A of the paper (subsample, zero-pad the new channels), which has no parameters.
 """
 
 from __future__ import annotations

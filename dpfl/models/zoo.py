@@ -46,7 +46,8 @@ def logistic(
 ) -> nn.Module:
     """Linear model on the flattened input: multinomial logistic regression with
     ``cross-entropy``, or with ``num_classes=1`` the ±1-label model of Clip21 E1 paired with the
-    ``logistic`` loss (Clip21 uses ``bias=False, zero_init=True``: x⁰ = 0, §9 D3)."""
+    ``logistic`` loss (the Clip21 paper's logistic regression uses ``bias=False,
+    zero_init=True``: x⁰ = 0)."""
     linear = nn.Linear(_features(input_shape), num_classes, bias=bias)
     if zero_init:
         nn.init.zeros_(linear.weight)
@@ -76,7 +77,8 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 256) ->
 
 @MODELS.register("clip21-cnn")
 def clip21_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """Clip21 §9 D4: Conv(1→16, k5) → tanh → Conv(16→16, k5) → tanh → MaxPool(2) → Linear.
+    """The Clip21 paper's MNIST CNN (App. I.2.2; its head is not printed, ours is a linear layer):
+    Conv(1→16, k5) → tanh → Conv(16→16, k5) → tanh → MaxPool(2) → Linear.
 
     For 1×28×28 inputs the head is Linear(16·10·10 = 1600 → classes); d = 22,842 for 10 classes.
     """
@@ -95,7 +97,8 @@ def clip21_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
 
 @MODELS.register("dpftrl-cnn")
 def dpftrl_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """PriSMA §5.2: the DP-FTRL ``vgg128`` tanh CNN; d = 550,570 for 3×32×32 and 10 classes.
+    """PriSMA's CIFAR-10 model (its Table 1): the DP-FTRL ``vgg128`` tanh CNN; d = 550,570 for
+    3×32×32 and 10 classes.
 
     Init as the DP-FTRL code: conv weights N(0, 1/fan_in), linear weights Xavier-normal, zero
     biases.
@@ -126,10 +129,10 @@ def dpftrl_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
 def random_feature_mlp(
     input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 512, zero_head: bool = False
 ) -> nn.Module:
-    """Adaptive-clipping spec §8 item 17: a frozen random ``Linear(in, hidden)`` (PyTorch default
-    init, ``requires_grad=False``, so it is not among the trainable parameters but is in the
-    ``state_dict``), ReLU, and a trainable ``Linear(hidden, classes)`` head. The loss is convex
-    in the head."""
+    """AdaptDP-FedAvg's MNIST/Fashion-MNIST/Bank model (Fukami et al., §5): a frozen random
+    ``Linear(in, hidden)`` (PyTorch default init, ``requires_grad=False``, so it is not among the
+    trainable parameters but is in the ``state_dict``), ReLU, and a trainable
+    ``Linear(hidden, classes)`` head. The loss is convex in the head."""
     features = nn.Linear(_features(input_shape), hidden)
     features.requires_grad_(False)
     head = nn.Linear(hidden, num_classes)
@@ -141,5 +144,6 @@ def random_feature_mlp(
 
 @MODELS.register("resnet20")
 def resnet20(input_shape: tuple[int, ...], num_classes: int, *, norm_groups: int = 2) -> nn.Module:
-    """CIFAR ResNet-20 with GroupNorm (Clip21 §9 D5); see ``dpfl.models.resnet``."""
+    """CIFAR ResNet-20 with GroupNorm (the Clip21 paper's CIFAR-10 runs); see
+    ``dpfl.models.resnet``."""
     return ResNet20(input_shape[0], num_classes, norm_groups=norm_groups)

@@ -114,9 +114,10 @@ class RoundDriver:
         }
         self.results = ResultsWriter(self.path, self.config, meta)
         if self.config["non-private-diagnostics"]:
-            log.warning("dpfl: %s", NON_PRIVATE)
             if self.echo:
                 print(f"WARNING: {NON_PRIVATE}", flush=True)
+            else:
+                log.warning(NON_PRIVATE)
         self.started = time.perf_counter()
 
     def privacy_statement(self) -> dict[str, Any]:
