@@ -43,8 +43,33 @@ CASES = {
 }
 
 
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_input_gives_one_clear_line(name, tmp_path):
+def test_bad_input_gives_one_clear_line(name, tmp_path, capsys):
+    """Every case through the command line's entry point, in this process."""
+    from dpfl.cli import main
+
+    override, key, fragment = CASES[name]
+    results = tmp_path / "results"
+    assert main(["run", "--run-config",
+                 f'{override} results-dir="{results}" num-server-rounds=1']) == 2
+    out = capsys.readouterr()
+    line = _one_line(out.err)
+    assert f"'{key}'" in line and fragment in line
+    assert "Traceback" not in out.err + out.out
+    assert not results.exists() or not any(results.iterdir())
+
+
+# One case of each stage that can refuse: parsing a key, the schema, loading data, building
+# the federation. A process per case costs seconds of imports, so the others run in-process.
+@pytest.mark.parametrize("name", ["unknown_key", "key_the_algorithm_does_not_use",
+                                  "missing_data_directory", "batch_larger_than_client"])
+def test_bad_input_stops_the_process_with_status_2_and_no_traceback(name, tmp_path):
     override, key, fragment = CASES[name]
     results = tmp_path / "results"
     proc = subprocess.run(
@@ -52,9 +77,8 @@ def test_bad_input_gives_one_clear_line(name, tmp_path):
          f'{override} results-dir="{results}" num-server-rounds=1'],
         capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert f"'{key}'" in lines[0] and fragment in lines[0]
+    line = _one_line(proc.stderr)
+    assert f"'{key}'" in line and fragment in line
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not results.exists() or not any(results.iterdir())
 
@@ -67,7 +91,7 @@ def test_flower_refuses_the_fast_engine_mode_before_starting_anything(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=300,
         env={**os.environ, "FLWR_HOME": str(tmp_path / "flwr")})
     assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "'engine-mode'" in lines[0] and "allowed: exact" in lines[0]
+    line = _one_line(proc.stderr)
+    assert "'engine-mode'" in line and "allowed: exact" in line
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not results.exists() and not (tmp_path / "flwr").exists()

@@ -116,6 +116,9 @@ class Release(Query):
 
 def stds(releases: list[Release], radius: float | None = None) -> torch.Tensor:
     """float32 noise stds ``[C]`` of one query for a cohort (``releases[i]`` is client i's
-    calibration of it; clients calibrate from their own data size)."""
+    calibration of it; clients calibrate from their own data size, the sensitivity is the
+    query's and the same for every client)."""
     sensitivity = releases[0].sensitivity(radius)
+    if any(r.sensitivity(radius) != sensitivity for r in releases[1:]):
+        raise ValueError(f"query {releases[0].name!r}: the clients' sensitivities differ")
     return torch.tensor([r.noise_multiplier for r in releases], dtype=torch.float32) * sensitivity
