@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,11 +99,18 @@ class Problem:
                                                      self.num_clients)
         return self._server["server"]
 
+    @functools.cached_property
+    def exchange_rounds(self) -> Counter[str]:
+        """How many of the run's rounds run each exchange."""
+        return Counter(e.name for r in range(1, int(self.config["num-server-rounds"]) + 1)
+                       for e in self.algorithm.round_exchanges(r))
+
     def _calibrate(self, queries: list[Query], num_samples: int) -> list[Release]:
         cfg = self.config
+        steps = sum(q.steps * self.exchange_rounds[q.exchange] for q in queries)
         target = Target(epsilon=float(cfg["epsilon"]), delta=float(cfg["delta"]),
                         rounds=int(cfg["num-server-rounds"]), accountant=str(cfg["accountant"]),
-                        num_samples=num_samples)
+                        num_samples=num_samples, steps=steps)
         return calibrate(self.algorithm, queries, target, calibration=str(cfg["calibration"]),
                          noise_multiplier=float(cfg["noise-multiplier"]),
                          options=cfg.calibration_options)

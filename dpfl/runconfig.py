@@ -22,6 +22,8 @@ from dpfl.errors import ConfigError
 from dpfl.models import MODELS
 from dpfl.privacy import CALIBRATIONS
 
+NOISE_KEYS = ("noise-multiplier", "epsilon", "calibration")  # what sets the noise
+
 
 def all_params() -> dict[str, Param]:
     """Every key: the common ones, then every algorithm's and every calibration's own."""
@@ -68,10 +70,14 @@ class RunConfig(Mapping[str, Value]):
         used = {p.key for p in COMMON} | {p.key for p in own}
         if calibration.options is not None:
             used |= {p.key for p in params_of(calibration.options)}
+        if algorithm.noise_free:  # nothing to calibrate
+            used -= set(NOISE_KEYS) | {p.key for c in CALIBRATIONS.all() if c.options is not None
+                                       for p in params_of(c.options)}
+        which = (f"algorithm {algorithm.name!r}, which adds no noise" if algorithm.noise_free
+                 else f"algorithm {algorithm.name!r} with calibration {calibration.name!r}")
         for key in given:
             if key not in used and merged[key] != params[key].default:
-                raise ConfigError(key, f"not used by algorithm {algorithm.name!r} with "
-                                  f"calibration {calibration.name!r}; leave it at its default "
+                raise ConfigError(key, f"not used by {which}; leave it at its default "
                                   f"{params[key].default!r}",
                                   allowed="its own keys " + ", ".join(p.key for p in own))
         if merged["eval-train"] and not merged["non-private-diagnostics"]:

@@ -25,6 +25,11 @@ CASES = {
     "gradient_noise_with_per_sample_clipping": (
         'algorithm="clip-sgd" clipping="per-sample" gradient-noise=0.1', "gradient-noise",
         "applies to clipping='client' only"),
+    "eq_4_without_a_server_clip": ('algorithm="prisma" smoothness-L=11.0', "server-clip",
+                                   "give a finite server-clip"),
+    "noise_key_of_a_noise_free_algorithm": ('algorithm="non-prisma" epsilon=3.0', "epsilon",
+                                            "not used by algorithm 'non-prisma', which adds no "
+                                            "noise"),
     "wrong_type": ('clip="big"', "clip", "expected float"),
     "clip_not_positive": ("clip=0.0", "clip", "must be > 0"),
     "epsilon_not_positive": ("epsilon=-1.0", "epsilon", "must be > 0"),

@@ -203,8 +203,12 @@ def _probe(**declarations):
     ({"exchanges": (Exchange("train", ("x",), {"delta": Upload("train")}),)},
      "upload 'delta' is noised by the runtime, so its query needs one step and a fixed radius"),
     ({"queries": lambda self, n: [Query("statistic", "statistic", 1.0, "replace-one"),
+                                  Query("statistic", "train", None, "replace-one", steps=2)]},
+     "queries must have distinct names, and the queries of one exchange distinct streams"),
+    ({"queries": lambda self, n: [Query("statistic", "statistic", 1.0, "replace-one"),
+                                  Query("other", "statistic", 1.0, "replace-one"),
                                   Query("train", "train", None, "replace-one", steps=2)]},
-     "queries must have distinct names and streams"),
+     "queries must have distinct names, and the queries of one exchange distinct streams"),
     ({"server_queries": lambda self: [Query("model", "train", 0.01, "add-remove")]},
      "queries() are client-side, server_queries() server-side"),
 ])
@@ -246,3 +250,18 @@ def test_the_client_runtime_refuses_a_step_that_breaks_its_declarations(tmp_path
         broadcast = {"x": state["x"], "radius": torch.ones(1)}
         with pytest.raises((RuntimeError, TypeError), match=message):
             runtime.step("train", 1, broadcast, states, cohort)
+
+
+def test_exchanges_of_one_round_may_not_share_a_noise_stream(tmp_path):
+    """Two queries of different exchanges may share a stream only if no round runs both: the
+    probe's statistic and train exchanges run in every round."""
+    from dpfl.problem import build_problem
+    from dpfl.rounds import RoundDriver
+
+    problem = build_problem(RunConfig(_config(tmp_path, "streams")))
+    problem.algorithm = _probe(queries=lambda self, n: [
+        Query("statistic", "statistic", 1 / 8, "replace-one", sample_rate=8 / n),
+        Query("train", "train", None, "replace-one", sample_rate=8 / n, steps=LOCAL_STEPS)])
+    driver = RoundDriver(problem, transport=None, runtime="engine", echo=False)
+    with pytest.raises(TypeError, match="round 1's exchanges share a noise stream"):
+        driver.play(1, [0, 1, 2, 3])

@@ -22,6 +22,11 @@ CASES = {
     "clip21-sgd2m": {"algorithm": "clip21-sgd2m", "num-partitions": 25, "num-server-rounds": 3,
                      "batch-size": 16, "seed": 4, "beta": 0.5, "beta-hat": 0.5, "clip": 0.1,
                      "fraction-train": 0.8, "calibration": "practice", "learning-rate": 0.5},
+    # a first round of its own, then x^t and x^{t-1} broadcast, the noisy v_i in Context.state
+    # (server-clip stays at its default, inf, through Flower's run config)
+    "prisma": {"algorithm": "prisma", "num-partitions": 4, "num-server-rounds": 3,
+               "batch-size": 16, "seed": 5, "gamma": 0.3, "clip-diff": 0.2,
+               "learning-rate": 0.5},
 }
 
 

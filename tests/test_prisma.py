@@ -1,8 +1,11 @@
-"""PriSMA's family (Huang, Zhang, Ling, AISTATS 2025): its baseline DPSGD-GC — clip bound,
-noise scale, update rule, batching, a preset of per-sample Clip-SGD — and the calibration of
-Theorem 3 with Corollary 1 against the paper-derived test vectors."""
+"""The PriSMA family (Huang, Zhang, Ling, AISTATS 2025): PriSMA's update (eq. (20), eq. (4), the
+STORM recursion, the reduction to DPSGD-GC), its releases, noise and ledger; the baseline
+DPSGD-GC — clip bound, noise scale, update rule, batching, a preset of per-sample Clip-SGD — and
+the calibration of Theorem 3 with Corollary 1 against the paper-derived test vectors."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -116,3 +119,186 @@ def test_paper_noise_is_far_more_private_than_its_target_per_opacus():
                       sample_rate=512 / 5000, steps=1000, noise_multiplier=cal.noise_multiplier)
     ledger.record(release)
     assert ledger.epsilon(1e-5) == pytest.approx(1.203, rel=0.05)
+
+
+# ---- PriSMA -------------------------------------------------------------------------------------
+
+PRISMA = {"algorithm": "prisma", "num-partitions": 4, "num-server-rounds": 4, "batch-size": 16,
+          "learning-rate": 0.5, "clip": 1.0, "gamma": 0.3, "clip-diff": 0.2}
+
+
+def _run(tmp_path, name, values):
+    from dpfl.engine import run
+    from dpfl.runconfig import RunConfig
+
+    summary = run(RunConfig({**values, "results-dir": str(tmp_path), "run-name": name}),
+                  echo=False)
+    return summary, torch.load(tmp_path / name / "model.pt")
+
+
+def _same_model(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prisma_with_gamma_one_and_no_server_clip_is_dpsgd_gc_step_for_step(tmp_path):
+    """γ = 1, C2 = ∞: the momentum and the C3 term vanish, σ_1 = σ_0, and the server steps on
+    the plain mean: DPSGD-GC, bitwise, noise included (same batches, same noise streams), with
+    the same ε round by round."""
+    import json
+
+    base = {**PRISMA, "gamma": 1.0, "epsilon": 4.0}
+    ours, model = _run(tmp_path, "prisma", base)
+    theirs, reference = _run(tmp_path, "dpsgd", {
+        **{k: v for k, v in base.items() if k not in ("gamma", "clip-diff")},
+        "algorithm": "dpsgd-gc"})
+    assert _same_model(model, reference)
+    rounds = [[json.loads(line) for line in (tmp_path / run / "rounds.jsonl").open()]
+              for run in ("prisma", "dpsgd")]
+    assert [r["epsilon"] for r in rounds[0]] == [r["epsilon"] for r in rounds[1]]
+    assert ours["epsilon_max"] == theirs["epsilon_max"]
+
+
+def test_clip_diff_of_at_least_twice_c1_gives_eq_4_exactly(tmp_path):
+    """Each per-sample difference of C1-clipped gradients has norm ≤ 2·C1, so a C3 ≥ 2·C1 never
+    clips and eq. (20) is eq. (4) (without noise: the noise of eq. (4) is calibrated from L)."""
+    noise_free = {**PRISMA, "algorithm": "non-prisma", "server-clip": 1.0}
+    _, eq20 = _run(tmp_path, "eq20", {**noise_free, "clip-diff": 2.0})
+    _, eq4 = _run(tmp_path, "eq4", {**{k: v for k, v in noise_free.items() if k != "clip-diff"},
+                                    "smoothness-L": 11.0})
+    _, clipped = _run(tmp_path, "c3", {**noise_free, "clip-diff": 0.01})
+    assert _same_model(eq20, eq4) and not _same_model(eq20, clipped)
+
+
+def _storm_reference(problem, rounds, seed=0):
+    """Non-PriSMA by its STORM form (Cutkosky & Orabona 2019), written independently in float64
+    from whole clipped means: v^0 = g^0, v^t = γ g^t + (1 − γ)(v^{t−1} + g^t − g̃^t),
+    x^{t+1} = x^t − η·clip_C2(mean_i v_i^t); g, g̃ the C1-clipped batch means at x^t, x^{t−1}."""
+    hp, model = problem.algorithm.hp, problem.model
+    cohort = problem.full_cohort()
+    rng = Randomness(seed)
+
+    def clipped_mean(point, xb, yb):
+        grads = model.per_sample_gradients(point.float(), xb, yb).double()
+        return clip_by_norm(grads, hp.clip).mean(dim=1)
+
+    x = x_prev = problem.x0.double()
+    v = None
+    for round in range(1, rounds + 1):
+        xb, yb = cohort.sample(rng, round, "batch", hp.batch_size)
+        g = clipped_mean(x, xb, yb)
+        v = g if v is None else hp.gamma * g + (1 - hp.gamma) * (v + g - clipped_mean(x_prev, xb,
+                                                                                       yb))
+        x, x_prev = x - hp.learning_rate * clip_by_norm(v.mean(dim=0), hp.server_clip), x
+    return x
+
+
+def test_the_noise_free_recursion_is_storm(tmp_path, small_config):
+    values = {**PRISMA, "algorithm": "non-prisma", "server-clip": 0.5, "clip-diff": 2.0}
+    _, model = _run(tmp_path, "storm", values)
+    problem = build_problem(small_config(**{k.replace("-", "_"): v for k, v in values.items()}))
+    expected = _storm_reference(problem, rounds=values["num-server-rounds"])
+    got = torch.cat([p.detach().reshape(-1) for p in model.values()]).double()
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(problem.x0.double(), expected)
+
+
+def test_the_message_differs_from_the_noise_free_one_by_exactly_the_drawn_noise(small_config):
+    """Round 2 (the momentum release) of 3 clients from the same state: PriSMA's message minus
+    Non-PriSMA's is the noise drawn from each client's stream, whose std over the model's
+    ~19,000 coordinates is the release's σ_1 = multiplier × 2(γC1 + (1 − γ)C3)/b."""
+    values = {k.replace("-", "_"): v for k, v in PRISMA.items()}
+    noisy = build_problem(small_config(**values, noise_multiplier=3.0))
+    clean = build_problem(small_config(**{**values, "algorithm": "non-prisma"}))
+    state = noisy.algorithm.init_server_state(noisy.x0)
+    broadcast = {"x": state["x"] + 0.01, "x_prev": state["x"]}
+    v_prev = {"v": torch.full((3, noisy.model.d), 0.1)}
+    cohort = noisy.full_cohort().select([0, 1, 3])
+
+    def message(problem):
+        runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(0))
+        return runtime.step("train", 2, broadcast, v_prev, cohort)[0]["v"]
+
+    noise = message(noisy) - message(clean)
+    release = next(r for r in noisy.releases(0) if r.name == "momentum")
+    std = release.noise_multiplier * release.sensitivity()
+    assert std == pytest.approx(3.0 * (0.3 * 1.0 + 0.7 * 0.2) / 16)
+    drawn = Randomness(0).normal([0, 1, 3], 2, "noise", (noisy.model.d,), torch.full((3,), std))
+    assert torch.allclose(noise, drawn, atol=1e-6)
+    assert torch.allclose(noise.std(dim=1), torch.full((3,), std), rtol=0.03)
+
+
+@pytest.mark.parametrize("calibration, relation", [("paper", "replace-one"),
+                                                   ("accountant", "replace-one"),
+                                                   ("accountant", "add-remove")])
+def test_the_ledger_is_never_below_an_independent_opacus_recomputation(tmp_path, calibration,
+                                                                       relation):
+    """From the releases the summary lists (σ_0's once, σ_1's T − 1 times), Opacus' RDP
+    accountant, stepped by hand, gives the ε the ledger reports."""
+    from opacus.accountants import RDPAccountant
+
+    summary, _ = _run(tmp_path, calibration, {**PRISMA, "calibration": calibration,
+                                               "relation": relation, "epsilon": 3.0})
+    for client, releases in summary["releases"].items():
+        by_name = {r["name"]: r for r in releases}
+        assert {r["relation"] for r in releases} == {relation}
+        accountant = RDPAccountant()
+        for round in range(1, PRISMA["num-server-rounds"] + 1):
+            r = by_name["init" if round == 1 else "momentum"]
+            accountant.step(noise_multiplier=r["noise_multiplier"], sample_rate=r["sample_rate"])
+        ledger = summary["epsilon"][int(client)]
+        assert ledger >= accountant.get_epsilon(1e-5) * (1 - 1e-9)
+        assert ledger == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-6)
+    if calibration == "accountant":
+        assert summary["epsilon_max"] <= 3.0
+    else:  # condition (18) fails: 4 rounds at rate 16/359 leave Theorem 3's noise too small
+        assert summary["epsilon_max"] > 3.0 and "looser" in summary["calibration_check"]
+
+
+def test_paper_calibration_gives_sigma_0_and_sigma_1_of_eq_17(small_config):
+    """σ_0 = σ̂·2C1/b and σ_1 = σ̂·2(γC1 + (1 − γ)C3)/b: with the least-squares setting's
+    ε = 1, δ = 1e-4, T = 2000 and b = 0.1N, σ_0/C1 = 0.52143·(2000/N)."""
+    values = {**PRISMA, "calibration": "paper", "epsilon": 1.0, "delta": 1e-4,
+              "num-server-rounds": 2000, "num-partitions": 3, "batch-size": 47}
+    config = small_config(**{k.replace("-", "_"): v for k, v in values.items()})
+    problem = build_problem(config)
+    n = len(problem.partitions[0])
+    init, momentum = problem.releases(0)
+    sigma0 = init.noise_multiplier * init.sensitivity()
+    z = prisma_paper_calibration(epsilon=1.0, delta=1e-4, batch_size=47, num_samples=n,
+                                 rounds=2000).noise_multiplier
+    assert init.noise_multiplier == momentum.noise_multiplier == z
+    assert sigma0 == pytest.approx(z * 2 * 1.0 / 47)
+    assert momentum.noise_multiplier * momentum.sensitivity() == pytest.approx(
+        z * 2 * (0.3 * 1.0 + 0.7 * 0.2) / 47)
+    # the closed form of σ_0 (no b): (2C1/N)·sqrt(7T(1 + 2 ln(1/δ)/ε)/ε)
+    assert sigma0 == pytest.approx(2 / n * (7 * 2000 * (1 + 2 * math.log(1e4))) ** 0.5)
+
+
+def test_condition_18_is_checked_and_a_failure_is_logged(caplog):
+    with caplog.at_level("WARNING"):
+        assert not prisma_paper_calibration(epsilon=1.0, delta=1e-4, batch_size=200,
+                                            num_samples=2000, rounds=2000).valid
+    assert "condition (18) does not hold" in caplog.text
+
+
+def test_flower_code_path_equals_engine_with_prismas_client_state(tmp_path):
+    """The noisy v_i lives in the node's Context.state between rounds; the first round is the
+    init exchange, the others broadcast x^t and x^{t−1}: bit for bit the engine's model."""
+    from tests.inprocess_grid import run_flower_code_path
+
+    values = {**PRISMA, "results-dir": str(tmp_path)}
+    _run(tmp_path, "engine", PRISMA)
+    grid, _ = run_flower_code_path({**values, "run-name": "flower"},
+                                   [{"partition-id": i} for i in range(4)])
+    assert _same_model(torch.load(tmp_path / "engine" / "model.pt"),
+                       torch.load(tmp_path / "flower" / "model.pt"))
+    for node, context in grid.contexts.items():
+        v = context.state[f"dpfl.state.{node - 1}"]["v"].numpy()
+        assert abs(v).sum() > 0
+
+
+def test_non_prisma_adds_no_noise_and_says_so(tmp_path):
+    summary, _ = _run(tmp_path, "non", {**PRISMA, "algorithm": "non-prisma"})
+    assert summary["epsilon_max"] == math.inf and summary["calibration"] == "none"
+    assert summary["privacy"]["guarantee_against_server"] is False
+    assert all(r["noise_multiplier"] == 0 for rs in summary["releases"].values() for r in rs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -172,20 +173,28 @@ def test_calibrations_prefer_an_algorithms_own_entry_and_list_what_is_offered():
         CALIBRATIONS.get("practice", "dpsgd-gc")
 
 
-def test_the_generic_accountant_calibration_refuses_two_releases_per_round():
+def test_the_generic_accountant_calibration_needs_one_sample_rate_and_composes_every_release():
     from dpfl.errors import ConfigError
     from dpfl.privacy import Target, calibrate
 
     class Two:
         name = "two-queries"
 
-    queries = [Query("a", "statistic", 1.0, "replace-one", stream="a"),
-               Query("b", "train", 1.0, "replace-one", stream="b")]
-    target = Target(epsilon=1.0, delta=1e-5, rounds=10, accountant="rdp", num_samples=100)
-    with pytest.raises(ConfigError, match="one release per round; algorithm 'two-queries'"):
+    queries = [Query("a", "statistic", 1.0, "replace-one", sample_rate=0.1, stream="a"),
+               Query("b", "train", 1.0, "replace-one", sample_rate=0.2, stream="b")]
+    target = Target(epsilon=1.0, delta=1e-5, rounds=10, accountant="rdp", num_samples=100,
+                    steps=20)
+    with pytest.raises(ConfigError, match="releases of one sample rate; algorithm 'two-queries' "
+                                          "makes releases at 2"):
         calibrate(Two(), queries, target, calibration="accountant", noise_multiplier=-1.0)
     manual = calibrate(Two(), queries, target, calibration="accountant", noise_multiplier=4.0)
     assert [r.noise_multiplier for r in manual] == [2.0, 2.0]
+    # one sample rate: one multiplier, for the 20 compositions of both releases together
+    same = [dataclasses.replace(q, sample_rate=0.1) for q in queries]
+    releases = calibrate(Two(), same, target, calibration="accountant", noise_multiplier=-1.0)
+    z = accountant_noise_multiplier(epsilon=1.0, delta=1e-5, sample_rate=0.1, steps=20,
+                                    accountant="rdp")
+    assert [r.noise_multiplier for r in releases] == [z, z]
 
 
 # ---- drawing noise: exact per client, or pooled for a sum --------------------------------------
@@ -230,12 +239,13 @@ def test_accounting_charges_participants_only_and_stops_before_the_limit():
                             relation="replace-one", delta=1e-5, limit=2.0)
     one_round = accounting.clients[0].epsilon_after([release], 1e-5)
     rounds = 0
-    while accounting.refusal(rounds + 1, [0, 2]) is None:
+    while accounting.refusal(rounds + 1, [0, 2], ["train"]) is None:
         accounting.charge([0, 2], "train")
         rounds += 1
     assert rounds > 1 and accounting.epsilon(0) <= 2.0 < accounting.clients[0].epsilon_after(
         [release], 1e-5)
     assert accounting.report() == {0: accounting.epsilon(0), 2: accounting.epsilon(2)}
     assert accounting.epsilon(1) == 0.0 and one_round > 0
-    assert "max-epsilon" in accounting.refusal(rounds + 1, [0])
-    assert accounting.refusal(rounds + 1, [1]) is None  # client 1 has spent nothing
+    assert "max-epsilon" in accounting.refusal(rounds + 1, [0], ["train"])
+    assert accounting.refusal(rounds + 1, [0], ["another"]) is None  # releases nothing
+    assert accounting.refusal(rounds + 1, [1], ["train"]) is None  # client 1 spent nothing

@@ -24,7 +24,9 @@ from dpfl.strategies.algorithm import to_record
 from tests.inprocess_grid import InProcessGrid, run_flower_code_path
 
 OWN = sorted(name for name in ALGORITHMS.names()
-             if ALGORITHMS.get(name).__module__.startswith("dpfl.algorithms"))
+             if ALGORITHMS.get(name).__module__.startswith("dpfl.algorithms")
+             and not ALGORITHMS.get(name).noise_free)
+NOISE_FREE = sorted(name for name in ALGORITHMS.names() if ALGORITHMS.get(name).noise_free)
 VARIANTS = {"clip-sgd": [{}, {"clipping": "per-sample"}]}
 CASES = [(name, extra) for name in OWN for extra in VARIANTS.get(name, [{}])]
 IDS = [name + "".join(f"-{v}" for v in extra.values()) for name, extra in CASES]
@@ -71,7 +73,7 @@ def test_every_record_a_client_sends_is_an_upload_covered_by_a_noised_release(tm
                 release = releases[uploads[key].release]
                 assert release.noise_multiplier > 0 and release.side == "client"
                 sent += 1
-    assert sent == 3 * 2 * sum(len(e.uploads) for e in algorithm.exchanges)
+    assert sent == 3 * sum(len(e.uploads) for r in (1, 2) for e in algorithm.round_exchanges(r))
 
 
 def _neighbour(problem, client=0):
@@ -91,7 +93,7 @@ def _replies(problem):
     context: Context = grid.contexts[1]
     out = []
     for round in (1, 2):
-        for exchange in problem.algorithm.exchanges:
+        for exchange in problem.algorithm.round_exchanges(round):
             broadcast = problem.algorithm.broadcast(
                 exchange.name, problem.algorithm.init_server_state(problem.x0), round)
             msg = Message(RecordDict({"broadcast": to_record(broadcast), "config": ConfigRecord(
@@ -147,3 +149,15 @@ def test_the_neighbour_check_catches_exact_statistics_in_a_reply(name, tmp_path)
               if not isinstance(ours[record_name], ArrayRecord)
               and dict(ours[record_name]) != dict(theirs[record_name])]
     assert leaked and all(r.startswith("diagnostics.") for r in leaked)
+
+
+@pytest.mark.parametrize("name", NOISE_FREE)
+def test_a_noise_free_ablation_declares_that_it_protects_nothing(name, tmp_path):
+    """An algorithm that adds no noise (an ablation) releases at multiplier 0, and its results
+    say there is no guarantee against the server (ε = ∞)."""
+    from dpfl.engine import run
+
+    summary = run(RunConfig({**BASE, "algorithm": name, "num-server-rounds": 1,
+                             "results-dir": str(tmp_path)}), echo=False)
+    assert summary["privacy"]["guarantee_against_server"] is False
+    assert summary["epsilon_max"] == float("inf")

@@ -13,8 +13,9 @@ from dpfl.algorithms.base import (
     State,
     Upload,
     check_schema,
+    distinct_streams,
 )
 from dpfl.algorithms.registry import ALGORITHMS
 
 __all__ = ["ALGORITHMS", "Algorithm", "ClientContext", "Cohort", "Exchange", "ServerContext",
-           "State", "Upload", "check_schema"]
+           "State", "Upload", "check_schema", "distinct_streams"]

@@ -5,9 +5,10 @@ frozen dataclass of its hyperparameters (``Hyperparameters``), and driven unchan
 runtime: the round driver over the Flower transport (one client, or a cohort, per ClientApp
 call) and over the in-process engine (all clients at once).
 
-* ``exchanges`` declares each exchange of a round: what the server broadcasts and what every
-  client uploads (:class:`Exchange`, :class:`Upload`). This schema is the privacy boundary:
-  a client sends exactly its uploads, and each upload names the release that covers it.
+* ``exchanges`` declares every exchange: what the server broadcasts and what every client
+  uploads (:class:`Exchange`, :class:`Upload`); ``round_exchanges(round)`` those a round runs,
+  in order (all of them, every round, by default). This schema is the privacy boundary: a
+  client sends exactly its uploads, and each upload names the release that covers it.
 * ``queries(num_samples)`` declares the Gaussian mechanisms (:class:`~dpfl.privacy.Query`)
   a client holding ``num_samples`` records runs per round; calibration turns them into releases.
 * ``client_step(exchange, states[C], broadcast, cohort, ctx) -> (messages[C], states[C])``
@@ -179,6 +180,7 @@ class Algorithm(ABC):
     exchanges: ClassVar[tuple[Exchange, ...]]
     protection: ClassVar[str]
     relation: ClassVar[str] = "replace-one"
+    noise_free: ClassVar[bool] = False  # an ablation without noise (ε = ∞): no calibration keys
 
     def __init__(self, hp: Any, model: FlatModel, num_clients: int) -> None:
         self.hp = hp
@@ -187,6 +189,12 @@ class Algorithm(ABC):
 
     def exchange(self, name: str) -> Exchange:
         return next(e for e in self.exchanges if e.name == name)
+
+    def round_exchanges(self, round: int) -> tuple[Exchange, ...]:
+        """The exchanges ``round`` runs, in order (every declared one by default; an algorithm
+        whose first round differs, e.g. an initialisation, overrides this). A release is charged
+        in the rounds whose exchanges carry it."""
+        return self.exchanges
 
     # ---- privacy -------------------------------------------------------------------------
     @abstractmethod
@@ -236,15 +244,17 @@ def check_schema(algorithm: Algorithm, queries: list[Query]) -> None:
     """Raise ``TypeError`` where the declarations of ``algorithm`` do not fit together (client
     ``queries`` of one client, ``server_queries``): every upload is covered by a client-side
     query of its exchange; one the runtime noises has one step and a fixed radius; no two
-    client queries share a name or a noise stream."""
+    client queries share a name, and no two of one exchange a noise stream (queries of
+    exchanges that run in the same round must not share one either: the round driver checks
+    that for the rounds it runs)."""
     if any(q.side != "client" for q in queries) or any(
             q.side != "server" for q in algorithm.server_queries()):
         raise TypeError(f"{algorithm.name}: queries() are client-side, server_queries() "
                         f"server-side")
     names = [q.name for q in queries]
-    streams = [q.stream for q in queries]
-    if len(set(names)) < len(names) or len(set(streams)) < len(streams):
-        raise TypeError(f"{algorithm.name}: queries must have distinct names and streams")
+    if len(set(names)) < len(names) or not distinct_streams(queries):
+        raise TypeError(f"{algorithm.name}: queries must have distinct names, and the queries "
+                        f"of one exchange distinct streams")
     by_name = {q.name: q for q in queries}
     for exchange in algorithm.exchanges:
         for key, upload in exchange.uploads.items():
@@ -255,3 +265,13 @@ def check_schema(algorithm: Algorithm, queries: list[Query]) -> None:
             if not upload.post_processing and (query.steps != 1 or query.radius is None):
                 raise TypeError(f"{algorithm.name}: upload {key!r} is noised by the runtime, "
                                 f"so its query needs one step and a fixed radius")
+
+
+def distinct_streams(queries: Sequence[Query], exchanges: Sequence[str] | None = None) -> bool:
+    """Whether the queries of each exchange (of ``exchanges`` together, when given: those one
+    round runs) draw from distinct noise streams."""
+    groups: dict[Any, list[str]] = {}
+    for q in queries:
+        if exchanges is None or q.exchange in exchanges:
+            groups.setdefault(None if exchanges is not None else q.exchange, []).append(q.stream)
+    return all(len(set(streams)) == len(streams) for streams in groups.values())

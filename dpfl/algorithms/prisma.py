@@ -1,20 +1,40 @@
-"""PriSMA's family: its baseline DPSGD-GC and the calibration of its Theorem 3.
+"""The PriSMA family: PriSMA, Non-PriSMA and the paper's baseline DPSGD-GC.
 
 Huang, Zhang, Ling, "Differential Privacy in Distributed Learning: Beyond Uniformly Bounded
-Stochastic Gradients", AISTATS 2025, PMLR 258:3223–3231.
+Stochastic Gradients", AISTATS 2025, PMLR 258:3223–3231 (equation, algorithm and section numbers
+below are the paper's).
 
-Distributed DPSGD-GC (the paper's baseline; Abadi et al. 2016). Per round t and client
-i, with a fresh batch B_i^t of b records drawn uniformly without replacement::
+**PriSMA** (Algorithm 1): clipped recursive momentum (STORM) with client-side Gaussian noise and
+a server-side clip. Client i keeps the noisy message v_i it sent; every round it draws a fresh
+batch B_i^t of b records uniformly without replacement and takes per-sample gradients at x^t and
+x^{t−1} on that same batch::
 
-    v_i^t   = (1/b) Σ_{j∈B_i^t} clip_C(∇f_ij(x^t)) + ξ_i^t,   ξ_i^t ~ N(0, σ² I_d)
-    x^{t+1} = x^t − η · (1/M) Σ_i v_i^t                       (no server clip, no momentum)
+    t = 0:  v_i^0 = (1/b) Σ_j clip_C1(∇f_ij(x^0)) + ξ_i^0,                  ξ ~ N(0, σ_0² I)
+    t ≥ 1:  v_i^t = (1 − γ) v_i^{t−1} + (γ/b) Σ_j clip_C1(∇f_ij(x^t))
+                    + ((1 − γ)/b) Σ_j clip_C3(clip_C1(∇f_ij(x^t)) − clip_C1(∇f_ij(x^{t−1})))
+                    + ξ_i^t,                                                 ξ ~ N(0, σ_1² I)  (20)
+    server: x^{t+1} = x^t − η · clip_C2((1/M) Σ_i v_i^t)                                  (4)
 
-with clipping per sample on the flattened gradient (eq. 3). That is per-sample Clip-SGD
-exactly, so ``dpsgd-gc`` is a registered preset of :class:`~dpfl.algorithms.clip21.ClipSGD`
-with ``clipping="per-sample"``; what it adds is the paper's calibration. The averaged query has
-replace-one sensitivity 2C/b (eqs. (7)–(9)). Calibration: ``paper`` uses σ̂ of Theorem 3 with
-Corollary 1 (:func:`prisma_paper_calibration`); ``accountant`` the smallest multiplier whose
-Opacus ε over T rounds at sampling rate b/N meets the target.
+Eq. (20) is the default; with ``smoothness-L`` = L > 0 it is eq. (4), v_i^t = g_i^t +
+(1 − γ)(v_i^{t−1} − g̃_i^t) + ξ_i^t, the same sum without the C3 clip, whose sensitivity is bounded
+through ‖x^t − x^{t−1}‖ ≤ ηC2 instead (eqs. (8)–(9)). The noise enters v_i, which the next round
+reuses, so it is drawn inside the client step and the message is post-processing of it.
+
+Privacy. Replace-one neighbours (the paper's) or add/remove (``relation``). Each round releases
+one subsampled Gaussian query at rate b/N: at t = 0 the clipped mean (radius C1/b), at t ≥ 1 the
+momentum increment q_i^t (radius (γC1 + (1 − γ)C3)/b, eq. (21); eq. (4): (γC1 + (1 − γ)LηC2)/b,
+eq. (9)); everything else v_i carries is post-processing of earlier releases. The sensitivity is
+RELATIONS[relation] × radius. Calibration ``paper`` gives both releases the noise multiplier σ̂ of
+Theorem 3 with Corollary 1 (:func:`prisma_paper_calibration`: σ_t = σ̂·sensitivity_t, so σ_0 and
+σ_1 of eq. (17)); ``accountant`` gives both the Opacus multiplier for the T rounds at rate b/N.
+
+**Non-PriSMA** (Lemma 1, Theorem 2): PriSMA with σ_0 = σ_1 = 0, an ablation without privacy
+(ε = ∞).
+
+**DPSGD-GC** (the baseline; Abadi et al. 2016, Li et al. 2024): per-sample Clip-SGD, a registered
+preset of :class:`~dpfl.algorithms.clip21.ClipSGD` with ``clipping="per-sample"``;
+``v_i^t = (1/b) Σ_j clip_C(∇f_ij(x^t)) + ξ_i^t``, ``x^{t+1} = x^t − η · mean_i v_i^t``. PriSMA
+with γ = 1 and C2 = ∞ is DPSGD-GC. Its ``paper`` calibration is σ̂ too (γ = 1 in Theorem 3).
 """
 
 from __future__ import annotations
@@ -22,19 +42,59 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import torch
+from torch import Tensor
+
+from dpfl.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    Cohort,
+    Exchange,
+    ServerContext,
+    State,
+    Upload,
+)
 from dpfl.algorithms.clip21 import Clip21Hyperparameters, ClipSGD
 from dpfl.algorithms.registry import ALGORITHMS
-from dpfl.config import CLIP, hyperparameter
-from dpfl.privacy import CALIBRATIONS, Query, Target
+from dpfl.config import (
+    BATCH_SIZE,
+    CLIP,
+    LEARNING_RATE,
+    Param,
+    at_least,
+    hyperparameter,
+    positive,
+    unit_interval,
+)
+from dpfl.errors import ConfigError
+from dpfl.privacy import CALIBRATIONS, RELATIONS, Query, Target, clip_by_norm
 
 log = logging.getLogger(__name__)
+
+
+RELATION = Param("relation", "replace-one", "The neighbouring relation protected: "
+                 "'replace-one' (one record replaced, the papers' choice: sensitivity twice a "
+                 "clipped record's norm) or 'add-remove' (one record added or removed: Opacus' "
+                 "analysis, half the noise for the same ε).",
+                 choices=tuple(RELATIONS))
+GAMMA = Param("gamma", 0.5, "PriSMA: weight of the fresh clipped gradient in the recursive "
+              "momentum (eqs. (4), (20)); 1 = no momentum.", check=unit_interval, symbol="γ")
+SERVER_CLIP = Param("server-clip", math.inf, "PriSMA: the server clips the mean of the messages "
+                    "at C2 before its step (eq. (4)); inf = no server clip.", check=positive,
+                    symbol="C2")
+CLIP_DIFF = Param("clip-diff", 0.5, "PriSMA eq. (20): per-sample clip C3 of the difference of a "
+                  "sample's clipped gradients at x^t and x^{t−1}.", check=positive, symbol="C3")
+SMOOTHNESS = Param("smoothness-L", 0.0, "PriSMA: the smoothness constant L; > 0 selects eq. (4) "
+                   "(no C3 clip; the sensitivity is bounded through L·η·C2, so server-clip must "
+                   "be finite); 0 = eq. (20).", check=at_least(0.0), symbol="L")
 
 
 @dataclass(frozen=True)
 class DPSGDGCHyperparameters(Clip21Hyperparameters):
     clip: float = hyperparameter(CLIP)  # C
+    relation: str = hyperparameter(RELATION)
     clipping: ClassVar[str] = "per-sample"
     gradient_noise: ClassVar[float] = 0.0
 
@@ -46,7 +106,12 @@ class DPSGDGC(ClipSGD):
 
     name = "dpsgd-gc"
     Hyperparameters = DPSGDGCHyperparameters
-    protection = "record-level local DP per client (replace-one neighbours), client-side noise"
+    protection = ("record-level local DP per client (the relation's neighbours), per-sample "
+                  "clipping, client-side noise, sampling amplification at rate b/N")
+
+    @property
+    def relation(self) -> str:  # type: ignore[override]
+        return self.hp.relation
 
 
 @dataclass(frozen=True)
@@ -80,10 +145,144 @@ def prisma_paper_calibration(*, epsilon: float, delta: float, batch_size: int,
     return PrismaCalibration(noise_multiplier=z, alpha=alpha, rho=rho, valid=valid)
 
 
-@CALIBRATIONS.register("paper", "dpsgd-gc")
-def paper_calibration(algorithm: DPSGDGC, query: Query, target: Target, options: None) -> float:
-    """σ̂ of Theorem 3 for the client's N records."""
-    return prisma_paper_calibration(epsilon=target.epsilon, delta=target.delta,
-                                    batch_size=algorithm.hp.batch_size,
-                                    num_samples=target.num_samples,
-                                    rounds=target.rounds).noise_multiplier
+@CALIBRATIONS.register("paper", "dpsgd-gc", "prisma")
+def paper_calibration(algorithm: Any, query: Query, target: Target, options: None) -> float:
+    """σ̂ of Theorem 3 for the client's N records, for every release (σ_t = σ̂·Δ̃_t, eq. (17)),
+    as std over the sensitivity under the query's relation (σ̂ is relative to replace-one)."""
+    z = prisma_paper_calibration(epsilon=target.epsilon, delta=target.delta,
+                                 batch_size=algorithm.hp.batch_size,
+                                 num_samples=target.num_samples, rounds=target.rounds)
+    return z.noise_multiplier * RELATIONS["replace-one"] / RELATIONS[query.relation]
+
+
+# ---- PriSMA -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PrismaHyperparameters:
+    batch_size: int = hyperparameter(BATCH_SIZE)  # b
+    learning_rate: float = hyperparameter(LEARNING_RATE)  # η
+    clip: float = hyperparameter(CLIP)  # C1
+    gamma: float = hyperparameter(GAMMA)  # γ
+    server_clip: float = hyperparameter(SERVER_CLIP)  # C2
+    clip_diff: float = hyperparameter(CLIP_DIFF)  # C3
+    smoothness_L: float = hyperparameter(SMOOTHNESS)  # L
+    relation: str = hyperparameter(RELATION)
+
+    def __post_init__(self) -> None:
+        if self.smoothness_L > 0:
+            if math.isinf(self.server_clip):
+                raise ConfigError("server-clip", "eq. (4) (smoothness-L > 0) bounds the "
+                                  "sensitivity through L·η·C2: give a finite server-clip")
+            if self.clip_diff != CLIP_DIFF.default:
+                raise ConfigError("clip-diff", "eq. (4) (smoothness-L > 0) has no C3 clip: "
+                                  "leave clip-diff at its default",
+                                  allowed=f"{CLIP_DIFF.default}")
+
+
+@ALGORITHMS.register_class
+class Prisma(Algorithm):
+    """PriSMA (Algorithm 1; eq. (20), or eq. (4) with ``smoothness-L``). See the module
+    docstring. The first round is its own exchange (``init``: x^0 only, σ_0); every later round
+    (``train``) broadcasts x^t and x^{t−1}, so a client keeps only the noisy v_i it sent (x^{t−1}
+    is public and the same for every client)."""
+
+    name = "prisma"
+    Hyperparameters = PrismaHyperparameters
+    protection = ("record-level local DP per client (the relation's neighbours): per-sample "
+                  "clipping at C1 (and C3 on the differences), client-side Gaussian noise inside "
+                  "the momentum, sampling amplification at rate b/N")
+    exchanges = (Exchange("init", ("x",), {"v": Upload("init", post_processing=True)}),
+                 Exchange("train", ("x", "x_prev"),
+                          {"v": Upload("momentum", post_processing=True)}))
+
+    @property
+    def relation(self) -> str:  # type: ignore[override]
+        return self.hp.relation
+
+    def round_exchanges(self, round: int) -> tuple[Exchange, ...]:
+        return self.exchanges[:1] if round == 1 else self.exchanges[1:]
+
+    def momentum_radius(self) -> float:
+        """The norm bound of one record's term of q_i^t = γ·clip_C1(∇f_ij(x^t)) + (1 − γ)·
+        (its difference term), times b: γC1 + (1 − γ)C3 (eq. (21)), or γC1 + (1 − γ)LηC2 for
+        eq. (4) (eq. (9))."""
+        hp = self.hp
+        drift = (hp.smoothness_L * hp.learning_rate * hp.server_clip if hp.smoothness_L > 0
+                 else hp.clip_diff)
+        return hp.gamma * hp.clip + (1 - hp.gamma) * drift
+
+    def queries(self, num_samples: int) -> list[Query]:
+        """The round's subsampled Gaussian query at rate b/N: the clipped mean at t = 0, the
+        momentum increment q_i^t after. Both draw from stream ``noise``: they never share a
+        round."""
+        b = self.hp.batch_size
+        rate = b / num_samples
+        return [Query("init", "init", radius=self.hp.clip / b, relation=self.relation,
+                      sample_rate=rate),
+                Query("momentum", "train", radius=self.momentum_radius() / b,
+                      relation=self.relation, sample_rate=rate)]
+
+    # ---- server --------------------------------------------------------------------------
+    def init_server_state(self, x0: Tensor) -> State:
+        return {"x": x0.clone(), "x_prev": x0.clone()}
+
+    def broadcast(self, exchange: str, state: State, round: int) -> State:
+        if exchange == "init":
+            return {"x": state["x"]}
+        return {"x": state["x"], "x_prev": state["x_prev"]}
+
+    def server_step(self, exchange: str, state: State, sums: State,
+                    ctx: ServerContext) -> State:
+        """x^{t+1} = x^t − η·clip_C2(mean_i v_i^t) (unweighted mean, the whole vector)."""
+        mean = sums["v"] / len(ctx.participants)
+        step = clip_by_norm(mean, self.hp.server_clip)
+        return {"x": state["x"] - self.hp.learning_rate * step, "x_prev": state["x"]}
+
+    # ---- client --------------------------------------------------------------------------
+    def init_client_state(self, num_clients: int) -> State:
+        return {"v": torch.zeros(num_clients, self.model.d)}
+
+    def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
+                    ctx: ClientContext) -> tuple[State, State]:
+        hp = self.hp
+        xb, yb = cohort.sample(ctx.rng, ctx.round, "batch", hp.batch_size)
+        xb, yb = xb.to(ctx.device), yb.to(ctx.device)
+        x = broadcast["x"].to(ctx.device)
+        if exchange == "init":
+            mean, _ = self.model.clipped_mean(x, xb, yb, hp.clip)
+            v = ctx.privatize("init", mean)  # v_i^0, line 7
+        else:
+            if hp.gamma == 1:  # no momentum: the difference term has weight 0 (DPSGD-GC's query)
+                q, _ = self.model.clipped_mean(x, xb, yb, hp.clip)
+            else:
+                q = self.increment(x, broadcast["x_prev"].to(ctx.device), xb, yb)
+            v = torch.add(ctx.privatize("momentum", q), states["v"].to(ctx.device),
+                          alpha=1 - hp.gamma)  # eq. (20) / (4), line 10
+        v = v.cpu()
+        return {"v": v}, {"v": v}
+
+    def increment(self, x: Tensor, x_prev: Tensor, xb: Tensor, yb: Tensor) -> Tensor:
+        """q_i^t ``[C, d]``: (1/b) Σ_j [γ·c_j + (1 − γ)·clip_C3(c_j − c̃_j)] with c_j, c̃_j the
+        C1-clipped per-sample gradients at x^t and x^{t−1} on the same batch (no C3 clip for
+        eq. (4)). Per-sample gradients are materialised one chunk at a time."""
+        hp = self.hp
+        out = xb.new_zeros(len(xb), self.model.d)
+        now = self.model.per_sample_gradient_chunks(x, xb, yb)
+        before = self.model.per_sample_gradient_chunks(x_prev, xb, yb)
+        for (c, _, g), (_, _, g_prev) in zip(now, before, strict=True):
+            clipped = clip_by_norm(g, hp.clip)
+            diff = clipped - clip_by_norm(g_prev, hp.clip)
+            if hp.smoothness_L <= 0:
+                diff = clip_by_norm(diff, hp.clip_diff)
+            out[c] += hp.gamma * clipped.sum(dim=0) + (1 - hp.gamma) * diff.sum(dim=0)
+        return out / hp.batch_size
+
+
+@ALGORITHMS.register_class
+class NonPrisma(Prisma):
+    """Non-PriSMA (Lemma 1, Theorem 2): PriSMA without noise (σ_0 = σ_1 = 0), an ablation with no
+    privacy (ε = ∞); it takes no calibration keys."""
+
+    name = "non-prisma"
+    noise_free = True
+    protection = "none: the noise-free ablation of PriSMA (ε = ∞)"

@@ -88,9 +88,11 @@ class AlgorithmClient(NumPyClient):
         states, ledgers = self._load()
         limit, delta = float(self.problem.config["max-epsilon"]), float(
             self.problem.config["delta"])
-        if limit > 0 and exchange == algorithm.exchanges[0].name:
+        today = [e.name for e in algorithm.round_exchanges(round)]
+        if limit > 0 and exchange == today[0]:  # the round's releases, checked at its start
             spent = [c for c, ledger in zip(self.clients, ledgers, strict=True)
-                     if ledger.epsilon_after(self._releases(c), delta) > limit]
+                     if ledger.epsilon_after([r for r in self._releases(c)
+                                              if r.exchange in today], delta) > limit]
             if spent:
                 raise BudgetSpent(spent)
         uploads, states, diagnostics = self.runtime.step(

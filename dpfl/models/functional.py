@@ -29,6 +29,7 @@ per-sample loss, the convention of PriSMA eq. 22. The Clip21 paper's logistic re
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -248,18 +249,27 @@ class FlatModel:
         """``[C, b, d]``: every sample's gradient (materialised; use ``clipped_mean`` to clip)."""
         n_clients, b = x.shape[:2]
         out = x.new_zeros(n_clients, b, self.d)
-        for c in range(n_clients):
+        for c, start, rows in self.per_sample_gradient_chunks(flat, x, y):
+            out[c, start : start + len(rows)] = rows
+        return out
+
+    def per_sample_gradient_chunks(self, flat: Tensor, x: Tensor, y: Tensor
+                                   ) -> Iterator[tuple[int, int, Tensor]]:
+        """``(client, start, [n, d])``: every sample's gradient, client by client in fixed chunks
+        of ``chunk_size`` samples from ``start`` (what :meth:`per_sample_gradients` stacks, in
+        ``chunk_size × d`` memory at a time)."""
+        for c in range(x.shape[0]):
             point = self._point(flat, c)
             reg = self._reg_grad(point) if self.nonconvex_reg else None
             for start, xs, ys in self._chunks(x, y, c):
-                rows = out[c, start : start + len(xs)]
+                rows = x.new_zeros(len(xs), self.d)
                 for layer, a, g in self._record(point, xs, ys):
                     grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
                     for p, where in zip(grads, layer.slices):
                         rows[:, where] = p
                 if reg is not None:
                     rows += reg
-        return out
+                yield c, start, rows
 
     def clipped_mean(
         self, flat: Tensor, x: Tensor, y: Tensor, clip: float | Tensor, *,

@@ -33,6 +33,7 @@ class Target:
     rounds: int  # rounds the client may take part in: every round of the run
     accountant: str  # "rdp" or "prv"
     num_samples: int  # the client's records
+    steps: int  # compositions of all the client's releases over those rounds
 
 
 # (algorithm, query, target, options) -> noise multiplier (std / sensitivity)
@@ -106,28 +107,34 @@ def accountant_noise_multiplier(*, epsilon: float, delta: float, sample_rate: fl
 
 @CALIBRATIONS.register("accountant")
 def accountant(algorithm: Any, query: Query, target: Target, options: None) -> float:
-    """Opacus' smallest multiplier for the target over ``rounds × steps`` compositions at the
-    query's sample rate. Opacus analyses Poisson sampling with add/remove neighbours; the
-    multiplier is used as std / sensitivity under the algorithm's own relation (the usual
-    conservative proxy for fixed-size batches and replace-one neighbours)."""
+    """Opacus' smallest multiplier for the target over all of the run's compositions
+    (``target.steps``: every release of the client, each round it runs in, times its steps) at
+    the query's sample rate, which every release shares (:func:`calibrate`). Opacus analyses
+    Poisson sampling with add/remove neighbours; the multiplier is used as std / sensitivity
+    under the algorithm's own relation (the usual conservative proxy for fixed-size batches and
+    replace-one neighbours)."""
     return accountant_noise_multiplier(epsilon=target.epsilon, delta=target.delta,
-                                       sample_rate=query.sample_rate,
-                                       steps=target.rounds * query.steps,
+                                       sample_rate=query.sample_rate, steps=target.steps,
                                        accountant=target.accountant)
 
 
 def calibrate(algorithm: Any, queries: list[Query], target: Target, *, calibration: str,
               noise_multiplier: float, options: Any = None) -> list[Release]:
-    """The releases of ``queries`` for one client: ``noise_multiplier`` (run-config
-    convention, std / radius) when it is ≥ 0, else the calibration ``calibration`` registered
-    for ``algorithm.name``. A calibration meets the target for the whole round; the generic
-    ``accountant`` one knows how to do that for a single query per round only."""
+    """The releases of ``queries`` for one client: none of them noised for a ``noise_free``
+    algorithm; ``noise_multiplier`` (run-config convention, std / radius) when it is ≥ 0; else
+    the calibration ``calibration`` registered for ``algorithm.name``. A calibration meets the
+    target for the whole run; the generic ``accountant`` one gives every release the same
+    multiplier, which is how to do that when they share a sample rate (one release per round; or
+    one in the first round, another in the others) and only then."""
+    if getattr(algorithm, "noise_free", False):
+        return [Release.of(q, 0.0) for q in queries]
     if noise_multiplier >= 0:
         return [Release.from_opacus(q, noise_multiplier) for q in queries]
     entry = CALIBRATIONS.get(calibration, algorithm.name)
-    if entry.algorithms is None and len(queries) > 1:
-        raise ConfigError("calibration", f"{calibration!r} calibrates one release per round; "
-                          f"algorithm {algorithm.name!r} makes {len(queries)}: set "
+    if entry.algorithms is None and len({q.sample_rate for q in queries}) > 1:
+        raise ConfigError("calibration", f"{calibration!r} calibrates releases of one sample "
+                          f"rate; algorithm {algorithm.name!r} makes releases at "
+                          f"{len({q.sample_rate for q in queries})}: set "
                           f"noise-multiplier, or use a calibration of its own",
                           allowed=[n for n in CALIBRATIONS.offered(algorithm.name)
                                    if n != calibration])

@@ -141,12 +141,16 @@ class Accounting:
     def epsilon(self, client: int) -> float:
         return self.clients[client].epsilon(self.delta)
 
-    def refusal(self, round: int, participants: Iterable[int]) -> str | None:
-        """Why ``round`` must not run (a participant's ε would pass ``limit``), or None."""
+    def refusal(self, round: int, participants: Iterable[int],
+                exchanges: Iterable[str]) -> str | None:
+        """Why ``round``, which runs ``exchanges``, must not run (a participant's ε would pass
+        ``limit``), or None."""
         if self.limit <= 0:
             return None
-        worst = max((self.clients[c].epsilon_after(self.client_releases(c), self.delta)
-                     for c in participants), default=0.0)
+        names = set(exchanges)
+        worst = max((self.clients[c].epsilon_after(
+            [r for r in self.client_releases(c) if r.exchange in names], self.delta)
+            for c in participants), default=0.0)
         if worst > self.limit:
             return f"max-epsilon: round {round} would take ε to {worst:.4g} > {self.limit:g}"
         return None

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dpfl.algorithms import ServerContext
+from dpfl.algorithms import ServerContext, distinct_streams
 from dpfl.privacy import Accounting, Randomness
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter, results_path
@@ -29,6 +29,10 @@ log = logging.getLogger("dpfl")
 NON_PRIVATE = ("non-private-diagnostics=true: clients send exact, un-noised training statistics "
                "and the server may read their training data; this run has NO privacy guarantee "
                "against the server")
+
+
+NOISE_FREE = ("noise multiplier 0: clients send their messages without noise (ε = ∞); this run "
+              "has no privacy guarantee against the server")
 
 
 class RoundDriver:
@@ -68,7 +72,8 @@ class RoundDriver:
         for round in range(1, int(self.config["num-server-rounds"]) + 1):
             participants = sorted(self.algorithm.participants(
                 round, list(range(self.problem.num_clients)), self.rng))
-            if reason := self.accounting.refusal(round, participants):
+            exchanges = [e.name for e in self.algorithm.round_exchanges(round)]
+            if reason := self.accounting.refusal(round, participants, exchanges):
                 self.stop_reason = reason
                 break
             started = time.perf_counter()
@@ -84,7 +89,12 @@ class RoundDriver:
         """Round ``round``'s exchanges; returns the participants' diagnostics."""
         diagnostics: dict[int, dict[str, float]] = {}
         server_releases = {r.name: r for r in self.problem.server_releases()}
-        for exchange in self.algorithm.exchanges:
+        exchanges = self.algorithm.round_exchanges(round)
+        if not distinct_streams(self.problem.releases(0),
+                                [e.name for e in exchanges]):
+            raise TypeError(f"{self.algorithm.name}: the releases of round {round}'s exchanges "
+                            f"share a noise stream")
+        for exchange in exchanges:
             broadcast = self.algorithm.broadcast(exchange.name, self.state, round)
             if tuple(broadcast) != exchange.broadcast:
                 raise TypeError(f"{self.algorithm.name}: exchange {exchange.name!r} broadcast "
@@ -113,18 +123,21 @@ class RoundDriver:
             "releases": self.releases(),
         }
         self.results = ResultsWriter(self.path, self.config, meta)
-        if self.config["non-private-diagnostics"]:
+        if not meta["privacy"]["guarantee_against_server"]:
             if self.echo:
-                print(f"WARNING: {NON_PRIVATE}", flush=True)
+                print(f"WARNING: {meta['privacy']['note']}", flush=True)
             else:
-                log.warning(NON_PRIVATE)
+                log.warning(meta["privacy"]["note"])
         self.started = time.perf_counter()
 
     def privacy_statement(self) -> dict[str, Any]:
-        private = not self.config["non-private-diagnostics"]
-        return {"guarantee_against_server": private,
-                "note": "replies carry only noised uploads covered by the releases"
-                if private else NON_PRIVATE}
+        if self.config["non-private-diagnostics"]:
+            return {"guarantee_against_server": False, "note": NON_PRIVATE}
+        if any(r.noise_multiplier <= 0 for c in range(self.problem.num_clients)
+               for r in self.problem.releases(c)):
+            return {"guarantee_against_server": False, "note": NOISE_FREE}
+        return {"guarantee_against_server": True,
+                "note": "replies carry only noised uploads covered by the releases"}
 
     def releases(self) -> dict[str, Any]:
         out: dict[str, Any] = {str(c): [dataclasses.asdict(r) for r in self.problem.releases(c)]
@@ -203,10 +216,11 @@ class RoundDriver:
 
     def calibration_check(self) -> str | None:
         """How the ε the noise was calibrated for compares with the accountant's ε of the
-        noise actually used (None when noise-multiplier was given directly)."""
+        noise actually used (None when noise-multiplier was given directly, or the algorithm
+        adds no noise)."""
         cfg = self.config
         epsilon = self.accounting.report()
-        if float(cfg["noise-multiplier"]) >= 0 or not epsilon:
+        if float(cfg["noise-multiplier"]) >= 0 or self.algorithm.noise_free or not epsilon:
             return None
         target, spent = float(cfg["epsilon"]), max(epsilon.values())
         if spent > target * 1.01:
@@ -236,7 +250,8 @@ class RoundDriver:
             "server_epsilon": self.accounting.server_epsilon(),
             "delta": float(self.config["delta"]),
             "accountant": self.config["accountant"],
-            "calibration": ("manual" if float(self.config["noise-multiplier"]) >= 0
+            "calibration": ("none" if p.algorithm.noise_free
+                            else "manual" if float(self.config["noise-multiplier"]) >= 0
                             else self.config["calibration"]),
             "protection": p.algorithm.protection,
             "privacy": self.privacy_statement(),
@@ -255,7 +270,7 @@ class RoundDriver:
                   flush=True)
             for line in (summary["calibration_check"],
                          None if summary["privacy"]["guarantee_against_server"]
-                         else f"WARNING: {NON_PRIVATE}"):
+                         else f"WARNING: {summary['privacy']['note']}"):
                 if line:
                     print(line, flush=True)
         log.info("results written to %s", self.path)
