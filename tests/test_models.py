@@ -168,3 +168,8 @@ def test_linear_models_closed_form_gradients_equal_autograd(model, loss, classes
     assert fast.abs().max() > 1e-2  # not trivially zero
     alone = closed.batch_gradients(flat, x[1:2], y[1:2])  # a client alone: the same bits
     assert torch.equal(alone[0], fast[1])
+    # per-sample gradients, closed form against autograd's layer by layer
+    per_fast = closed.per_sample_gradients(flat, x, y)
+    assert torch.allclose(per_fast, auto.per_sample_gradients(flat, x, y), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(per_fast.mean(dim=1), fast, rtol=1e-5, atol=1e-6)
+    assert torch.equal(closed.per_sample_gradients(flat, x[1:2], y[1:2])[0], per_fast[1])

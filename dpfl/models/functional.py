@@ -258,10 +258,17 @@ class FlatModel:
         """``(client, start, [n, d])``: every sample's gradient, client by client in fixed chunks
         of ``chunk_size`` samples from ``start`` (what :meth:`per_sample_gradients` stacks, in
         ``chunk_size × d`` memory at a time)."""
+        closed_form = self._linear is not None and self.loss.output_grad is not None
         for c in range(x.shape[0]):
             point = self._point(flat, c)
             reg = self._reg_grad(point) if self.nonconvex_reg else None
             for start, xs, ys in self._chunks(x, y, c):
+                if closed_form:
+                    rows = self._linear_per_sample(point, xs, ys)
+                    if reg is not None:
+                        rows += reg
+                    yield c, start, rows
+                    continue
                 rows = x.new_zeros(len(xs), self.d)
                 for layer, a, g in self._record(point, xs, ys):
                     grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
@@ -316,6 +323,26 @@ class FlatModel:
             return layers[-1]
         return None
 
+    def _linear_outputs(self, point: Tensor, x: Tensor) -> tuple[Tensor, Tensor, bool]:
+        """``(a, o, has bias)`` of a linear model at ``point``: the flattened inputs ``a`` and
+        the outputs ``o = aWᵀ + b``."""
+        linear = self._linear
+        assert linear is not None
+        a = x.reshape(len(x), -1)
+        weight = point[: linear.weight.numel()].view(linear.weight.shape)
+        bias = point[linear.weight.numel():] if linear.bias is not None else None
+        return a, torch.nn.functional.linear(a, weight, bias), bias is not None
+
+    def _linear_per_sample(self, point: Tensor, x: Tensor, y: Tensor) -> Tensor:
+        """``[n, d]``: a linear model's per-sample loss gradients in closed form (without the
+        regulariser), ``∇W_j = δ_j a_jᵀ`` and ``∇b_j = δ_j`` with ``δ_j = ∂loss_j/∂o_j``, in
+        the parameters' flat order (weight row-major, then bias)."""
+        assert self.loss.output_grad is not None
+        a, outputs, has_bias = self._linear_outputs(point, x)
+        delta = self.loss.output_grad(outputs, y).reshape(len(a), -1)
+        weight = (delta.unsqueeze(2) * a.unsqueeze(1)).reshape(len(a), -1)
+        return torch.cat([weight, delta], dim=1) if has_bias else weight
+
     def _linear_gradient(self, point: Tensor, x: Tensor, y: Tensor, out: Tensor,
                          losses_out: Tensor | None) -> None:
         """A linear model's mean-loss gradient in closed form (no autograd: the cost of the
@@ -324,15 +351,12 @@ class FlatModel:
         ``∇W = δᵀa``, ``∇b = Σ_j δ_j``, plus the regulariser's gradient."""
         linear = self._linear
         assert linear is not None and self.loss.output_grad is not None
-        a = x.reshape(len(x), -1)
-        weight = point[: linear.weight.numel()].view(linear.weight.shape)
-        bias = point[linear.weight.numel():] if linear.bias is not None else None
-        outputs = torch.nn.functional.linear(a, weight, bias)
+        a, outputs, has_bias = self._linear_outputs(point, x)
         if losses_out is not None:
             losses_out.copy_(self.loss.per_sample(outputs, y))
         delta = self.loss.output_grad(outputs, y).reshape(len(a), -1) / len(a)
         torch.mm(delta.t(), a, out=out[: linear.weight.numel()].view(linear.weight.shape))
-        if bias is not None:
+        if has_bias:
             torch.sum(delta, dim=0, out=out[linear.weight.numel():])
         if self.nonconvex_reg:
             out += self._reg_grad(point)
