@@ -153,6 +153,8 @@ COMMON: tuple[Param, ...] = (
           "the server reads the clients' training data)."),
     Param("model-options", "", "Options of the model builder as key=value pairs, e.g. "
           "'bias=false zero_init=true' or 'hidden=512'."),
+    Param("dataset-options", "", "Options of the dataset loader as key=value pairs, e.g. "
+          "'duplicate=3' (prisma-least-squares: each client's records repeated 3 times)."),
     Param("data-dir", "", "Folder of the offline datasets; empty = $DPFL_DATA_DIR."),
     Param("download", False, "Allow torchvision to download a dataset that is not on disk."),
     Param("nonconvex-reg", 0.0, "λ of the nonconvex regulariser (λ/2)Σx²/(1+x²) per sample.",

@@ -8,13 +8,15 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from dpfl.algorithms import ALGORITHMS, Algorithm, Cohort, check_schema
 from dpfl.config import parse_overrides
-from dpfl.datasets import Dataset, load_dataset, partition
+from dpfl.datasets import DATASETS, Dataset, load_dataset, partition
+from dpfl.datasets.loading import PROVIDED
 from dpfl.errors import ConfigError
 from dpfl.models import MODELS, FlatModel, build_model
 from dpfl.privacy import Query, Release, Target, calibrate
@@ -116,27 +118,30 @@ class Problem:
                          options=cfg.calibration_options)
 
 
-def model_options(config: RunConfig) -> dict[str, object]:
-    """``model-options`` parsed (``key=value`` pairs, keys with ``_`` or ``-``) and checked
-    against the model builder's keyword arguments."""
-    text = str(config["model-options"]).strip()
+def options(config: RunConfig, key: str, kind: str, builder: Any) -> dict[str, object]:
+    """The run-config key ``key`` (``model-options`` or ``dataset-options``) parsed
+    (``key=value`` pairs, keys with ``_`` or ``-``) and checked against the keyword arguments
+    of ``builder``, the selected ``kind``'s (a model builder or a dataset loader)."""
+    text = str(config[key]).strip()
     if not text:
         return {}
-    options = {k.replace("-", "_"): v for k, v in parse_overrides(text).items()}
-    accepted = [p.name for p in inspect.signature(MODELS.get(str(config["model"]))).parameters
-                .values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    for key in options:
-        if key not in accepted:
-            raise ConfigError("model-options", f"model {config['model']!r} has no option "
-                              f"{key!r}", allowed=accepted or "none")
-    return options
+    given = {k.replace("-", "_"): v for k, v in parse_overrides(text).items()}
+    accepted = [p.name for p in inspect.signature(builder).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in PROVIDED]
+    for name in given:
+        if name not in accepted:
+            raise ConfigError(key, f"{kind} {config[kind]!r} has no option {name!r}",
+                              allowed=accepted or "none")
+    return given
 
 
 def build_problem(config: RunConfig) -> Problem:
     """Load, partition and initialise; raises ConfigError on bad input."""
     device = resolve_device(config)
     dataset = load_dataset(str(config["dataset"]), seed=int(config["seed"]),
-                           data_dir=data_dir(config), download=bool(config["download"]))
+                           data_dir=data_dir(config), download=bool(config["download"]),
+                           **options(config, "dataset-options", "dataset",
+                                     DATASETS.get(str(config["dataset"]))))
     parts = partition(dataset, partitioner=str(config["partitioner"]),
                       num_partitions=int(config["num-partitions"]), seed=int(config["seed"]),
                       alpha=float(config["alpha"]),
@@ -148,7 +153,8 @@ def build_problem(config: RunConfig) -> Problem:
                           f"{smallest} records", allowed=f"1..{smallest}")
     module = build_model(str(config["model"]), input_shape=dataset.input_shape,
                          num_classes=dataset.num_classes, seed=int(config["seed"]),
-                         **model_options(config)).to(device)
+                         **options(config, "model-options", "model",
+                                   MODELS.get(str(config["model"])))).to(device)
     model = FlatModel(module, LOSS_OF_TASK[dataset.task],
                       nonconvex_reg=float(config["nonconvex-reg"]))
     algorithm = ALGORITHMS.get(str(config["algorithm"]))(config.hyperparameters, model,

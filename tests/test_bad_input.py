@@ -30,6 +30,8 @@ CASES = {
     "noise_key_of_a_noise_free_algorithm": ('algorithm="non-prisma" epsilon=3.0', "epsilon",
                                             "not used by algorithm 'non-prisma', which adds no "
                                             "noise"),
+    "unknown_dataset_option": ('dataset-options="dup=2"', "dataset-options",
+                               "dataset 'digits' has no option 'dup' (allowed: none)"),
     "wrong_type": ('clip="big"', "clip", "expected float"),
     "clip_not_positive": ("clip=0.0", "clip", "must be > 0"),
     "epsilon_not_positive": ("epsilon=-1.0", "epsilon", "must be > 0"),

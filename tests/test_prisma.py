@@ -302,3 +302,20 @@ def test_non_prisma_adds_no_noise_and_says_so(tmp_path):
     assert summary["epsilon_max"] == math.inf and summary["calibration"] == "none"
     assert summary["privacy"]["guarantee_against_server"] is False
     assert all(r["noise_multiplier"] == 0 for rs in summary["releases"].values() for r in rs)
+
+
+def test_the_least_squares_problem_grows_n_by_duplicating_each_clients_records(small_config):
+    """PriSMA's Figure 1 setting through the run config: N = 2000·l per client by repeating
+    each client's own 2000 records l times (``dataset-options``), so F is the same for every l."""
+    values = {"dataset": "prisma-least-squares", "partitioner": "natural", "num_partitions": 10,
+              "model": "least-squares", "nonconvex_reg": 1.0, "batch_size": 600}
+    one = build_problem(small_config(**values))
+    three = build_problem(small_config(**values, dataset_options="duplicate=3"))
+    assert [len(p) for p in three.partitions] == [6000] * 10
+    rows = three.partitions[4]
+    assert torch.equal(three.dataset.train_x[rows[:2000]], three.dataset.train_x[rows[4000:]])
+    assert torch.equal(three.dataset.train_x[rows[:2000]],
+                       one.dataset.train_x[one.partitions[4]])
+    full = [problem.model.full_gradient(problem.x0 + 0.1, problem.dataset.train_x,
+                                        problem.dataset.train_y) for problem in (one, three)]
+    assert torch.allclose(full[0], full[1], rtol=1e-5)

@@ -26,7 +26,7 @@ DATASETS: Registry[Loader] = Registry("dataset")
 
 DATA_DIR_ENV = "DPFL_DATA_DIR"
 CACHE_DIR_ENV = "DPFL_CACHE_DIR"
-_PROVIDED = ("seed", "data_dir", "cache_dir", "download")
+PROVIDED = ("seed", "data_dir", "cache_dir", "download")  # options the run config sets
 
 
 def load_dataset(
@@ -61,7 +61,7 @@ def load_dataset(
     """
     loader = DATASETS.get(name)
     accepted = inspect.signature(loader).parameters
-    allowed = [p for p in accepted if p not in _PROVIDED]
+    allowed = [p for p in accepted if p not in PROVIDED]
     for option in options:
         if option not in allowed:
             raise ConfigError(
