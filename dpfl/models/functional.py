@@ -259,10 +259,12 @@ class FlatModel:
         of ``chunk_size`` samples from ``start`` (what :meth:`per_sample_gradients` stacks, in
         ``chunk_size × d`` memory at a time)."""
         closed_form = self._linear is not None and self.loss.output_grad is not None
+        # a linear model's rows cost n·d memory and no autograd tape: one chunk per client
+        size = x.shape[1] if closed_form else self.chunk_size
         for c in range(x.shape[0]):
             point = self._point(flat, c)
             reg = self._reg_grad(point) if self.nonconvex_reg else None
-            for start, xs, ys in self._chunks(x, y, c):
+            for start, xs, ys in self._chunks(x, y, c, size):
                 if closed_form:
                     rows = self._linear_per_sample(point, xs, ys)
                     if reg is not None:
@@ -296,10 +298,21 @@ class FlatModel:
         out = x.new_empty(n_clients, self.d)  # the first chunk's GEMMs overwrite it (β = 0)
         norms = x.new_empty(n_clients, b)
         scratch = _Scratch(out)
+        closed_form = self._linear is not None and self.loss.output_grad is not None
         for c in range(n_clients):
             point = self._point(flat, c)
             reg = self._reg_grad(point) if self.nonconvex_reg else None
             row = scratch.row(c)
+            if closed_form:  # the rows themselves: n·d memory, no autograd
+                (_, xs, ys), = self._chunks(x, y, c, b)
+                rows = self._linear_per_sample(point, xs, ys,
+                                               None if losses is None else losses[c])
+                if reg is not None:
+                    rows += reg
+                norms[c] = torch.linalg.vector_norm(rows, dim=1)
+                torch.mv(rows.t(), clip_factors(norms[c], radii[c]).div_(b), out=row)
+                scratch.commit(c)
+                continue
             for start, xs, ys in self._chunks(x, y, c):
                 tape = self._record(point, xs, ys,
                                     None if losses is None else losses[c, start:start + len(xs)])
@@ -333,12 +346,16 @@ class FlatModel:
         bias = point[linear.weight.numel():] if linear.bias is not None else None
         return a, torch.nn.functional.linear(a, weight, bias), bias is not None
 
-    def _linear_per_sample(self, point: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    def _linear_per_sample(self, point: Tensor, x: Tensor, y: Tensor,
+                           losses_out: Tensor | None = None) -> Tensor:
         """``[n, d]``: a linear model's per-sample loss gradients in closed form (without the
         regulariser), ``∇W_j = δ_j a_jᵀ`` and ``∇b_j = δ_j`` with ``δ_j = ∂loss_j/∂o_j``, in
-        the parameters' flat order (weight row-major, then bias)."""
+        the parameters' flat order (weight row-major, then bias); the per-sample losses go to
+        ``losses_out`` if given."""
         assert self.loss.output_grad is not None
         a, outputs, has_bias = self._linear_outputs(point, x)
+        if losses_out is not None:
+            losses_out.copy_(self.loss.per_sample(outputs, y))
         delta = self.loss.output_grad(outputs, y).reshape(len(a), -1)
         weight = (delta.unsqueeze(2) * a.unsqueeze(1)).reshape(len(a), -1)
         return torch.cat([weight, delta], dim=1) if has_bias else weight
@@ -475,10 +492,12 @@ class FlatModel:
     def _point(self, flat: Tensor, c: int) -> Tensor:
         return _aligned(flat if flat.dim() == 1 else flat[c])
 
-    def _chunks(self, x: Tensor, y: Tensor, c: int):
-        """(start, x, y) for client c's fixed-size sample chunks, each on aligned memory."""
-        for start in range(0, x.shape[1], self.chunk_size):
-            stop = start + self.chunk_size
+    def _chunks(self, x: Tensor, y: Tensor, c: int, size: int | None = None):
+        """(start, x, y) for client c's fixed-size sample chunks (``chunk_size`` samples unless
+        ``size``), each on aligned memory."""
+        size = size or self.chunk_size
+        for start in range(0, x.shape[1], size):
+            stop = start + size
             yield start, _aligned(x[c, start:stop]), _aligned(y[c, start:stop])
 
     @staticmethod
