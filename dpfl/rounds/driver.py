@@ -62,6 +62,7 @@ class RoundDriver:
         self.records: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] = {}
         self.stop_reason = ""
+        self.checked: set[tuple[str, ...]] = set()  # exchange sets whose streams are checked
         self.rounds_done = 0
         self.started = time.perf_counter()
 
@@ -90,10 +91,7 @@ class RoundDriver:
         diagnostics: dict[int, dict[str, float]] = {}
         server_releases = {r.name: r for r in self.problem.server_releases()}
         exchanges = self.algorithm.round_exchanges(round)
-        if not distinct_streams(self.problem.releases(0),
-                                [e.name for e in exchanges]):
-            raise TypeError(f"{self.algorithm.name}: the releases of round {round}'s exchanges "
-                            f"share a noise stream")
+        self.check_streams(tuple(e.name for e in exchanges), round)
         for exchange in exchanges:
             broadcast = self.algorithm.broadcast(exchange.name, self.state, round)
             if tuple(broadcast) != exchange.broadcast:
@@ -108,6 +106,16 @@ class RoundDriver:
             for c, values in replies.diagnostics.items():
                 diagnostics.setdefault(c, {}).update(values)
         return diagnostics
+
+    def check_streams(self, exchanges: tuple[str, ...], round: int) -> None:
+        """Refuse a round whose exchanges' releases share a noise stream (checked once per
+        distinct set of exchanges, at the first round that runs it)."""
+        if exchanges in self.checked:
+            return
+        if not distinct_streams(self.problem.releases(0), exchanges):
+            raise TypeError(f"{self.algorithm.name}: the releases of round {round}'s exchanges "
+                            f"share a noise stream")
+        self.checked.add(exchanges)
 
     # ---- results ------------------------------------------------------------------------
     def open(self) -> None:
