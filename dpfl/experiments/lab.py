@@ -13,7 +13,8 @@ run with its key, its configuration and the summary fields experiments read
 ``dpfl reproduce --reuse ARCHIVE`` counts an archived run as finished, so
 a report can be regenerated or extended on another machine, or in a later session, without
 running again what is archived (the committed ``reports/`` keep theirs). The archive is
-rewritten as each run finishes, so an interrupted sweep leaves one of every run it finished.
+rewritten as each run finishes, so an interrupted sweep leaves one of every run it finished,
+and the lab reads its own folder's archive when it starts: a sweep run again resumes.
 """
 
 from __future__ import annotations
@@ -94,6 +95,14 @@ def _run_one(values: dict[str, Value]) -> dict[str, Any]:
     return run(RunConfig(values), echo=False)
 
 
+def _simulate(simulate: Callable[[list[dict[str, Value]]], list[dict[str, Any]]],
+              group: list[dict[str, Value]]) -> list[dict[str, Any]]:
+    import torch
+
+    torch.set_num_threads(1)
+    return simulate(group)
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds:.0f} s"
 
@@ -110,7 +119,7 @@ class Lab:
         self.workers = max(1, workers)
         self.only = dict(only or {})
         self.archived: dict[str, dict[str, Any]] = {}
-        for path in reuse:
+        for path in [p for p in [folder / ARCHIVE] if p.exists()] + list(reuse):
             self.archived.update(read_archive(Path(path)))
         # every run reported on: key -> (its configuration, its summary)
         self.used: dict[str, tuple[dict[str, Value], dict[str, Any]]] = {}
@@ -216,6 +225,44 @@ class Lab:
                     record(futures[future])
                     self.write_archive()
         return [record(c) for c in configs]
+
+    def run_batched(self, configs: Sequence[dict[str, Value]], *,
+                    federation: Callable[[dict[str, Value]], Any],
+                    simulate: Callable[[list[dict[str, Value]]], list[dict[str, Any]]],
+                    ) -> list[dict[str, Any]]:
+        """Like :meth:`run_many`, for configurations a batched simulator runs together (e.g.
+        :func:`~dpfl.experiments.least_squares.simulate`): the unfinished ones are grouped by
+        ``federation(config)`` (what a group shares), each group is one job of the worker pool,
+        and each configuration's summary is archived as its group finishes (no run folders)."""
+        for c in configs:
+            RunConfig(c)  # validate before anything runs
+        todo: dict[Any, list[dict[str, Value]]] = {}
+        for c in configs:
+            if run_key(c) not in self.archived and run_key(c) not in self.used:
+                todo.setdefault(federation(c), []).append(dict(c))
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+        def record(group: list[dict[str, Value]], summaries: list[dict[str, Any]]) -> None:
+            for c, summary in zip(group, summaries, strict=True):
+                self.used[run_key(c)] = (c, summary)
+            self.write_archive()
+
+        groups = list(todo.values())
+        if self.workers == 1 or len(groups) <= 1:
+            for group in groups:
+                record(group, _simulate(simulate, group))
+        else:
+            with ProcessPoolExecutor(max_workers=self.workers) as pool:
+                futures = {pool.submit(_simulate, simulate, g): i for i, g in enumerate(groups)}
+                for future in as_completed(futures):
+                    record(groups[futures[future]], future.result())
+        out = []
+        for c in configs:
+            key = run_key(c)
+            if key not in self.used:
+                self.used[key] = (dict(c), dict(self.archived[key]["summary"]))
+            out.append(self.used[key][1])
+        return out
 
     def run_seconds(self) -> float:
         """Single-thread run time behind the report: the runs' own wall times."""

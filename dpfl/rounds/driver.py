@@ -232,9 +232,11 @@ class RoundDriver:
             return None
         target, spent = float(cfg["epsilon"]), max(epsilon.values())
         if spent > target * 1.01:
-            verdict = "looser than the accountant: the accountant's ε exceeds the target"
+            verdict = ("optimistic: the accountant's ε exceeds the target (the run is less "
+                       "private than the mapping claims)")
         elif spent < target * 0.99:
-            verdict = "tighter than the accountant: the accountant's ε is below the target"
+            verdict = ("conservative: the accountant's ε is below the target (more noise "
+                       "than the target needs)")
         else:
             verdict = "matched by the accountant"
         return (f"calibration={cfg['calibration']} for ε={target:g}: the {cfg['accountant']} "

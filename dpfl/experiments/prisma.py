@@ -1,0 +1,314 @@
+"""PriSMA's experiments (Huang, Zhang, Ling, AISTATS 2025, §5): Figure 1 and Table 1.
+
+**least-squares** (Figure 1, §5.1): ‖∇F‖ against the records per client N for PriSMA and
+DPSGD-GC, each at its best configuration of the paper's grid per N. M = 10 clients, d = 10,
+λ = 1, ε = 1, δ = 1e-4, N = 2000·l (each client's 2000 records repeated l times, so F is the
+same for every N), b = 0.1·N, x^0 = 0, noise from Theorem 3 (``calibration="paper"``), replace-one
+neighbours. The metric is the full gradient norm at the final iterate, ‖∇F(x^T)‖ over all M·N
+records (the paper does not say which iterate; the running mean (1/T)Σ_t‖∇F(x^t)‖ of its
+theorems is reported beside it). The grid has 4,725 PriSMA and 225 DPSGD-GC configurations per
+N; it runs in the vectorised simulator (:mod:`~dpfl.experiments.least_squares`, the engine's
+randomness and arithmetic in float64), coarse to fine:
+
+1. **coarse**, tuning seed 0: DPSGD-GC's whole grid; PriSMA's with C1, γ and C3 thinned
+   (:data:`COARSE`: η and T whole);
+2. **local**: around each (N, method)'s best, every paper-grid neighbour (one step on any
+   axes at once), repeated until the best has all its neighbours searched (interior);
+3. **confirm**: the :data:`CONFIRM` best points rerun with tuning seeds 1 and 2, and the best
+   mean over the three seeds is selected (the paper picks its best with no validation split);
+4. **trials**: 25 fresh seeds at the selected points: mean ± standard error (ddof 1), a log-log
+   fit of the slope in N (theory: about −2/5 for PriSMA, −1/3 for DPSGD-GC).
+
+**cifar10** (Table 1, §5.2) is configured (:data:`CIFAR_BASE`, the grid of :func:`cifar_grid`)
+but needs CIFAR-10 and a GPU to run at size; its smoke version runs on synthetic CIFAR-shaped
+data.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from dpfl.experiments import least_squares
+from dpfl.experiments.lab import Lab
+from dpfl.experiments.registry import experiment
+from dpfl.experiments.selection import Config, command, edge_axes, grid, mean_std
+from dpfl.privacy import PrivacyLedger
+from dpfl.problem import build_problem
+from dpfl.runconfig import RunConfig
+
+SIZES = (2000, 4000, 6000, 8000, 10000, 12000)
+# The paper's grid (§5.1): η ∈ {1, 2, 5}×10^{−1,−2,−3}, C1, T = 10³·2^l; PriSMA's C2 = 1, γ, C3.
+AXES: dict[str, dict[str, tuple[float, ...]]] = {
+    "dpsgd-gc": {"learning-rate": (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5),
+                 "clip": (5.0, 8.0, 10.0, 12.0, 15.0),
+                 "num-server-rounds": (2000, 4000, 8000, 16000, 32000)},
+}
+AXES["prisma"] = {**AXES["dpsgd-gc"],
+                  "gamma": (0.001, 0.002, 0.005, 0.008, 0.01, 0.02, 0.05),
+                  "clip-diff": (0.005, 0.01, 0.02)}
+COARSE = {"clip": (5.0, 10.0, 15.0), "gamma": (0.001, 0.005, 0.02, 0.05),
+          "clip-diff": (0.005, 0.02)}
+SMOKE_AXES = {"dpsgd-gc": {"learning-rate": (0.01, 0.05, 0.2), "clip": (5.0, 10.0, 15.0),
+                           "num-server-rounds": (20, 40)}}
+SMOKE_AXES["prisma"] = {**SMOKE_AXES["dpsgd-gc"], "gamma": (0.01, 0.05),
+                        "clip-diff": (0.005, 0.02)}
+FIXED = {"prisma": {"server-clip": 1.0}, "dpsgd-gc": {}}
+METHODS = ("prisma", "dpsgd-gc")
+LABEL = {"prisma": "PriSMA", "dpsgd-gc": "DPSGD-GC"}
+LS_BASE: Config = {"dataset": "prisma-least-squares", "model": "least-squares",
+                   "nonconvex-reg": 1.0, "partitioner": "natural", "num-partitions": 10,
+                   "calibration": "paper", "epsilon": 1.0, "delta": 1e-4,
+                   "relation": "replace-one", "eval-train": True,
+                   "non-private-diagnostics": True}
+TUNING_SEEDS = (0, 1, 2)
+TRIAL_SEEDS = tuple(range(100, 125))
+CONFIRM = 5
+LOCAL_LIMIT = 4  # rounds of the local search
+THEORY_SLOPE = {"prisma": -2 / 5, "dpsgd-gc": -1 / 3}
+# Measured single-thread cost of the simulator (float64, fused): per round, the draws of one
+# federation (≈ 0.35 ms per 2000 records per client) and each configuration (≈ 40 µs + 20 µs
+# per 2000 records per client); the estimate printed before a sweep.
+DRAW_SECONDS, CONFIG_SECONDS, CONFIG_SECONDS_PER_L = 0.35e-3, 40e-6, 20e-6
+
+
+def federation_of(size: int, seed: int) -> Config:
+    """The run-config keys of the federation at N = ``size`` records per client."""
+    copies = size // 2000 if size >= 2000 else 1
+    return {**LS_BASE, "dataset-options": f"duplicate={copies}", "batch-size": size // 10,
+            "seed": seed}
+
+
+def config_of(method: str, point: Config, size: int, seed: int) -> Config:
+    """The run configuration of ``point`` (its grid axes) for ``method`` at N and seed; the
+    ``dpfl run`` of it evaluates only at its last round."""
+    return {**federation_of(size, seed), "algorithm": method, **FIXED[method], **point,
+            "eval-every": point["num-server-rounds"]}
+
+
+def batch_key(config: Config) -> Any:
+    """One simulator batch: a federation and a horizon T (so that a batch is minutes long and
+    archived when it ends)."""
+    return least_squares.federation(config), config["num-server-rounds"]
+
+
+def estimate_seconds(configs: Sequence[Config]) -> float:
+    """Single-thread seconds of ``configs`` in the simulator (the measured cost model)."""
+    batches: dict[Any, list[Config]] = {}
+    for c in configs:
+        batches.setdefault(batch_key(c), []).append(c)
+    total = 0.0
+    for group in batches.values():
+        rounds = int(group[0]["num-server-rounds"])
+        copies = int(str(group[0]["dataset-options"]).split("=")[1])
+        total += rounds * (DRAW_SECONDS * copies
+                           + len(group) * (CONFIG_SECONDS + CONFIG_SECONDS_PER_L * copies))
+    return total
+
+
+def neighbours(point: Config, axes: dict[str, tuple[float, ...]]) -> list[Config]:
+    """``point`` and every point one grid step away on any of ``axes`` at once."""
+    options = []
+    for key, values in axes.items():
+        i = values.index(point[key])
+        options.append(values[max(0, i - 1): i + 2])
+    return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*options)]
+
+
+def score(summary: dict[str, Any]) -> float:
+    value = summary["derived"]["grad_norm"]
+    return value if math.isfinite(value) else math.inf
+
+
+class Figure1:
+    """The least-squares sweep's stages (see the module docstring) for one lab."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.axes = SMOKE_AXES if lab.smoke else AXES
+        self.sizes = lab.restrict("size", SIZES[:2] if lab.smoke else SIZES)
+        self.simulate = functools.partial(least_squares.simulate, fused=not lab.smoke)
+        self.searched: dict[tuple[str, int], dict[str, float]] = {}  # seed-0 scores by point
+
+    def run(self, configs: list[Config]) -> list[dict[str, Any]]:
+        return self.lab.run_batched(configs, federation=batch_key, simulate=self.simulate)
+
+    @staticmethod
+    def key(point: Config) -> str:
+        return ",".join(f"{k}={v}" for k, v in sorted(point.items()))
+
+    def search(self, points: dict[tuple[str, int], list[Config]]) -> None:
+        """Run ``points`` (grid axes only) at tuning seed 0 and remember their scores."""
+        jobs = [(cell, p) for cell, ps in points.items() for p in ps
+                if self.key(p) not in self.searched.setdefault(cell, {})]
+        summaries = self.run([config_of(m, p, n, TUNING_SEEDS[0]) for (m, n), p in jobs])
+        for (cell, p), s in zip(jobs, summaries, strict=True):
+            self.searched[cell][self.key(p)] = score(s)
+
+    def best(self, cell: tuple[str, int], count: int = 1) -> list[Config]:
+        ranked = sorted(self.searched[cell].items(), key=lambda kv: kv[1])[:count]
+        return [self.point(k, cell[0]) for k, _ in ranked]
+
+    def point(self, key: str, method: str) -> Config:
+        values = dict(item.split("=") for item in key.split(","))
+        return {k: type(self.axes[method][k][0])(v) for k, v in values.items()}
+
+    def coarse(self) -> list[Config]:
+        out = {}
+        for method in METHODS:
+            axes = dict(self.axes[method])
+            if not self.lab.smoke:
+                axes.update({k: v for k, v in COARSE.items() if k in axes})
+            out[method] = grid(**{k.replace("-", "_"): v for k, v in axes.items()})
+        return out
+
+    def local(self) -> int:
+        """The local search; returns how many of its rounds ran."""
+        for step in range(LOCAL_LIMIT):
+            todo = {}
+            for cell in self.searched:
+                around = neighbours(self.best(cell)[0], self.axes[cell[0]])
+                todo[cell] = [p for p in around if self.key(p) not in self.searched[cell]]
+            if not any(todo.values()):
+                return step
+            self.search(todo)
+        return LOCAL_LIMIT
+
+    def confirm(self) -> dict[tuple[str, int], tuple[Config, list[float]]]:
+        """Each cell's :data:`CONFIRM` best rerun on every tuning seed; the best mean wins."""
+        candidates = {cell: self.best(cell, CONFIRM) for cell in self.searched}
+        configs = [config_of(m, p, n, s) for (m, n), ps in candidates.items() for p in ps
+                   for s in TUNING_SEEDS]
+        summaries = iter(self.run(configs))
+        chosen = {}
+        for cell, points in candidates.items():
+            scored = [([score(next(summaries)) for _ in TUNING_SEEDS], p) for p in points]
+            values, point = min(scored, key=lambda sp: statistics.fmean(sp[0]))
+            chosen[cell] = (point, values)
+        return chosen
+
+    def trials(self, chosen: dict[tuple[str, int], tuple[Config, list[float]]],
+               seeds: Sequence[int]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+        configs = {cell: [config_of(cell[0], p, cell[1], s) for s in seeds]
+                   for cell, (p, _) in chosen.items()}
+        summaries = iter(self.run([c for cs in configs.values() for c in cs]))
+        return {cell: [next(summaries) for _ in cs] for cell, cs in configs.items()}
+
+
+def accountant_epsilon(config: Config) -> float:
+    """The RDP accountant's ε (δ of the config, replace-one) of the noise ``config`` uses: every
+    release of every round, as the ledger of a ``dpfl run`` records them."""
+    problem = build_problem(RunConfig(config))
+    ledger = PrivacyLedger(accountant=str(config.get("accountant", "rdp")),
+                           relation=str(config["relation"]))
+    for round in range(1, int(config["num-server-rounds"]) + 1):
+        for exchange in problem.algorithm.round_exchanges(round):
+            for release in problem.releases(0):
+                if release.exchange == exchange.name:
+                    ledger.record(release)
+    return ledger.epsilon(float(config["delta"]))
+
+
+def slope(sizes: Sequence[int], values: Sequence[float]) -> float:
+    """The least-squares slope of log(value) against log(N)."""
+    return float(np.polyfit(np.log(sizes), np.log(values), 1)[0])
+
+
+@experiment("prisma", "least-squares", "Figure 1: ‖∇F‖ vs N for PriSMA and DPSGD-GC on "
+            "nonconvex regularised least squares (M = 10, d = 10, ε = 1)", axes=("size",))
+def figure1(lab: Lab) -> str:
+    fig1 = Figure1(lab)
+    coarse = fig1.coarse()
+    cells = [(m, n) for n in fig1.sizes for m in METHODS]
+    stage1 = [config_of(m, p, n, TUNING_SEEDS[0]) for m, n in cells for p in coarse[m]]
+    estimate = estimate_seconds(stage1)
+    lab.text(f"Cost estimate before the sweep (single-thread, measured cost model): coarse "
+             f"stage {estimate / 3600:.2f} h for {len(stage1)} configurations; the local search "
+             f"and the confirmation are of the same order at most, the 25 trials about "
+             f"{estimate_seconds([config_of(m, {k: v[-1] for k, v in fig1.axes[m].items()}, n, 0) for m, n in cells]) * len(TRIAL_SEEDS) / 3600:.2f} h "  # noqa: E501
+             f"at the longest horizon.")
+    print(f"prisma/least-squares: coarse stage ≈ {estimate / 3600:.2f} h single-thread for "
+          f"{len(stage1)} configurations", flush=True)
+    fig1.search({(m, n): coarse[m] for m, n in cells})
+    local_rounds = fig1.local()
+    chosen = fig1.confirm()
+    results = fig1.trials(chosen, TRIAL_SEEDS[:3] if lab.smoke else TRIAL_SEEDS)
+    report_figure1(lab, fig1, chosen, results, local_rounds)
+    return "PriSMA Figure 1: nonconvex regularised least squares"
+
+
+def report_figure1(lab: Lab, fig1: Figure1, chosen: dict[tuple[str, int], Any],
+                   results: dict[tuple[str, int], list[dict[str, Any]]],
+                   local_rounds: int) -> None:
+    sizes = fig1.sizes
+    stats = {cell: mean_std([s["derived"]["grad_norm"] for s in runs])
+             for cell, runs in results.items()}
+    theory = {cell: statistics.fmean(s["derived"]["grad_norm_mean"] for s in runs)
+              for cell, runs in results.items()}
+    n_trials = len(next(iter(results.values())))
+    se = {cell: sd / math.sqrt(n_trials) for cell, (_, sd) in stats.items()}
+    slopes = {m: slope(sizes, [stats[(m, n)][0] for n in sizes]) if len(sizes) > 1 else math.nan
+              for m in METHODS}
+    searched = sum(len(v) for v in fig1.searched.values())
+    lab.text(f"""
+## Protocol
+
+M = 10 clients, d = 10, λ = 1, ε = 1, δ = 1e-4 (Theorem 3's noise, replace-one), b = 0.1·N,
+x^0 = 0, N = 2000·l with each client's records repeated l times. Metric: ‖∇F(x^T)‖ of the full
+objective at the final iterate. Search at tuning seed 0: the coarse grid (DPSGD-GC whole;
+PriSMA with C1 ∈ {{5, 10, 15}}, γ ∈ {{0.001, 0.005, 0.02, 0.05}}, C3 ∈ {{0.005, 0.02}}, η and T
+whole), then the paper-grid neighbours of each best point until it is interior to what was
+searched ({local_rounds} rounds of local search; {searched} configurations searched in all,
+of {sum(math.prod(len(v) for v in fig1.axes[m].values()) for m in METHODS) * len(sizes)} in
+the paper's grids); the {CONFIRM} best per cell rerun on tuning seeds 1, 2 and the best mean
+of three selected; then {n_trials} fresh seeds. Runs in the vectorised float64 simulator with
+the engine's random streams; each `dpfl run` line below reruns one trial in the engine.
+""")
+    rows = []
+    for n in sizes:
+        for m in METHODS:
+            point, tuning = chosen[(m, n)]
+            mean, _ = stats[(m, n)]
+            edges = edge_axes(point, grid(**{k.replace("-", "_"): v
+                                            for k, v in fig1.axes[m].items()}))
+            rows.append([n, LABEL[m], f"{mean:.4f} ± {se[(m, n)]:.4f}", f"{theory[(m, n)]:.4f}",
+                         f"{statistics.fmean(tuning):.4f}",
+                         ", ".join(f"{k}={v:g}" for k, v in point.items()),
+                         ", ".join(edges) or "interior",
+                         f"{accountant_epsilon(config_of(m, point, n, 0)):.3f}"])
+    lab.table("Figure 1 numbers: ‖∇F(x^T)‖, mean ± s.e. over the trials",
+              ["N", "method", "‖∇F(x^T)‖", "(1/T)Σ‖∇F(x^t)‖", "tuning mean (3 seeds)",
+               "selected", "grid edge", "accountant ε (RDP, replace-one)"], rows)
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for m in METHODS:
+        ax.errorbar(sizes, [stats[(m, n)][0] for n in sizes], yerr=[se[(m, n)] for n in sizes],
+                    marker="o", capsize=3, label=f"{LABEL[m]} (slope {slopes[m]:.3f})")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("N (records per client)")
+    ax.set_ylabel("‖∇F(x^T)‖")
+    ax.legend()
+    lab.figure("figure1", fig, f"‖∇F(x^T)‖ vs N, mean ± s.e. over {n_trials} trials, log-log")
+    below = all(stats[("prisma", n)][0] < stats[("dpsgd-gc", n)][0] for n in sizes)
+    steeper = slopes["prisma"] < slopes["dpsgd-gc"]
+    lab.text(f"""
+## The paper's claims
+
+- PriSMA below DPSGD-GC at every N: **{'holds' if below else 'does not hold'}**
+  ({', '.join(f"N={n}: {stats[('prisma', n)][0] / stats[('dpsgd-gc', n)][0]:.3f}×"
+              for n in sizes)} DPSGD-GC's ‖∇F‖).
+- PriSMA's gradient norm falls faster with N (steeper log-log slope): **{'holds' if steeper else
+  'does not hold'}** (fitted slopes: PriSMA {slopes['prisma']:.3f}, DPSGD-GC
+  {slopes['dpsgd-gc']:.3f}; the theory's rates: −2/5 and −1/3).
+""")
+    lab.text("## Reruns\n\nOne trial of each selected point in the engine (prints ‖∇F(x^T)‖ as "
+             "`grad_norm` at its last round; the simulator agrees to float32 rounding):\n\n"
+             + "\n".join(f"- N = {n}, {LABEL[m]}: `{command(config_of(m, chosen[(m, n)][0], n, TRIAL_SEEDS[0]))}`"  # noqa: E501
+                         for n in sizes for m in METHODS))

@@ -1,0 +1,138 @@
+"""PriSMA's Figure 1 machinery: the vectorised least-squares simulator against the engine, its
+batching, the lab's batched runs and their resumption, and the smoke reproduction."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from dpfl import cli
+from dpfl.engine.runner import EngineTransport
+from dpfl.experiments import least_squares
+from dpfl.experiments.lab import ARCHIVE, Lab
+from dpfl.experiments.prisma import config_of, estimate_seconds, neighbours
+from dpfl.problem import build_problem
+from dpfl.rounds.driver import RoundDriver
+from dpfl.runconfig import RunConfig
+
+PRISMA = {"learning-rate": 0.1, "clip": 5.0, "gamma": 0.05, "clip-diff": 0.01,
+          "num-server-rounds": 40}
+DPSGD = {"learning-rate": 0.1, "clip": 5.0, "num-server-rounds": 40}
+
+
+def _config(method, point, tmp_path, *, size=2000, seed=3, **changes):
+    values = {**config_of(method, point, size, seed), "batch-size": 40,
+              "results-dir": str(tmp_path), **changes}
+    return RunConfig(values)
+
+
+def _engine_iterate(config):
+    problem = build_problem(config)
+    driver = RoundDriver(problem, EngineTransport(problem), "engine", echo=False)
+    driver.run()
+    return driver.algorithm.global_params(driver.state).double()
+
+
+@pytest.mark.parametrize("method, point", [("prisma", PRISMA), ("dpsgd-gc", DPSGD),
+                                           ("prisma", {**PRISMA, "clip": 0.5})])
+def test_the_simulator_follows_the_engine_to_float32_rounding(tmp_path, method, point):
+    """Same seed, same draws: the float64 simulator and the float32 engine reach the same x^T
+    (PriSMA eq. (20) with C2 = 1 and C3 active, DPSGD-GC, and C1 clipping most samples)."""
+    config = _config(method, point, tmp_path)
+    expected = _engine_iterate(config)
+    (result,) = least_squares.LeastSquaresSweep(config).run([config])
+    assert result["rounds"] == 40
+    assert torch.allclose(result["x"], expected, rtol=1e-4, atol=1e-5)
+    assert (result["x"] - expected).abs().max() > 0  # two computations, not one
+    sweep = least_squares.LeastSquaresSweep(config)
+    assert result["grad_norm"] == pytest.approx(
+        float(torch.linalg.vector_norm(sweep.gradient(expected[None]))), rel=1e-4)
+
+
+def test_a_configuration_does_not_depend_on_its_batch(tmp_path):
+    """Configurations share the draws, not their arithmetic: alone or among others (of other
+    horizons, methods and chunks), a configuration reaches the same iterate."""
+    base = _config("prisma", PRISMA, tmp_path)
+    sweep = least_squares.LeastSquaresSweep(base)
+    alone = sweep.run([base])[0]
+    others = [_config("dpsgd-gc", {**DPSGD, "num-server-rounds": 20}, tmp_path)] + [
+        _config("prisma", {**PRISMA, "learning-rate": 0.01 * k}, tmp_path) for k in range(1, 40)]
+    batched = sweep.run(others[:20] + [base] + others[20:])[20]
+    assert torch.allclose(batched["x"], alone["x"], rtol=1e-12, atol=1e-14)
+
+
+def test_the_fused_kernels_compute_what_the_eager_ones_do(tmp_path):
+    config = _config("prisma", PRISMA, tmp_path)
+    eager = least_squares.LeastSquaresSweep(config).run([config])[0]
+    saved = least_squares._clipped_coefficients, least_squares._increment_coefficients
+    try:
+        if not least_squares.compile_kernels():
+            pytest.skip("torch.compile is not available on this machine")
+        fused = least_squares.LeastSquaresSweep(config).run([config])[0]
+    finally:
+        least_squares._clipped_coefficients, least_squares._increment_coefficients = saved
+    assert torch.allclose(fused["x"], eager["x"], rtol=1e-10, atol=1e-12)
+
+
+def test_the_simulator_refuses_what_it_does_not_simulate(tmp_path):
+    config = _config("prisma", PRISMA, tmp_path)
+    sweep = least_squares.LeastSquaresSweep(config)
+    with pytest.raises(ValueError, match="batch-size"):
+        sweep.run([_config("prisma", PRISMA, tmp_path, **{"batch-size": 20})])
+    with pytest.raises(ValueError, match="eq. \\(4\\)"):
+        sweep.run([_config("prisma", {**PRISMA, "smoothness-L": 11.0, "clip-diff": 0.5},
+                           tmp_path)])
+    with pytest.raises(ValueError, match="cannot simulate"):
+        sweep.run([_config("dpsgd-gc", DPSGD, tmp_path, algorithm="clip-sgd")])
+
+
+def test_the_lab_runs_batches_once_and_resumes_from_its_archive(tmp_path):
+    calls = []
+
+    def simulate(group):
+        calls.append(len(group))
+        return [{"rounds_completed": 1, "derived": {"grad_norm": float(c["learning-rate"])}}
+                for c in group]
+
+    configs = [config_of("dpsgd-gc", {**DPSGD, "learning-rate": lr, "num-server-rounds": t},
+                         2000, 0) for lr in (0.1, 0.2) for t in (10, 20)]
+    lab = Lab(tmp_path / "lab", smoke=True)
+    first = lab.run_batched(configs, federation=lambda c: c["num-server-rounds"],
+                            simulate=simulate)
+    assert calls == [2, 2] and [s["derived"]["grad_norm"] for s in first] == [0.1, 0.1, 0.2, 0.2]
+    with gzip.open(tmp_path / "lab" / ARCHIVE, "rt") as f:
+        assert len([json.loads(line) for line in f]) == 4
+    again = Lab(tmp_path / "lab", smoke=True)  # a new invocation: reads its own archive
+    assert again.run_batched(configs, federation=lambda c: 0, simulate=simulate) == first
+    assert calls == [2, 2]
+
+
+def test_neighbours_step_once_on_every_axis_and_stop_at_the_grid_ends():
+    axes = {"a": (1, 2, 3), "b": (0.1, 0.2)}
+    assert len(neighbours({"a": 2, "b": 0.1}, axes)) == 3 * 2
+    assert {p["a"] for p in neighbours({"a": 3, "b": 0.2}, axes)} == {2, 3}
+
+
+def test_the_cost_estimate_grows_with_rounds_records_and_configurations():
+    one = config_of("prisma", {**PRISMA, "num-server-rounds": 1000}, 2000, 0)
+    assert estimate_seconds([one]) > 0
+    assert estimate_seconds([{**one, "num-server-rounds": 2000}]) == pytest.approx(
+        2 * estimate_seconds([one]))
+    big = config_of("prisma", {**PRISMA, "num-server-rounds": 1000}, 12000, 0)
+    assert estimate_seconds([big]) > 3 * estimate_seconds([one])
+
+
+def test_the_smoke_reproduction_reports_figure_1(tmp_path, capsys):
+    assert cli.main(["reproduce", "prisma", "least-squares", "--smoke",
+                     "--results-dir", str(tmp_path)]) == 0
+    folder = tmp_path / "reproduce-prisma-least-squares-smoke"
+    report = (folder / "report.md").read_text()
+    for text in ("Figure 1 numbers", "PriSMA below DPSGD-GC at every N", "fitted slopes",
+                 "dpfl run --run-config", "accountant ε", "Cost estimate"):
+        assert text in report
+    assert (folder / "figure1.png").stat().st_size > 0
+    with gzip.open(folder / ARCHIVE, "rt") as f:
+        assert sum(1 for _ in f) > 100
