@@ -164,8 +164,8 @@ class Figure1:
         out = {}
         for method in METHODS:
             axes = dict(self.axes[method])
-            if not self.lab.smoke:
-                axes.update({k: v for k, v in COARSE.items() if k in axes})
+            if method == "prisma" and not self.lab.smoke:
+                axes.update(COARSE)
             out[method] = grid(**{k.replace("-", "_"): v for k, v in axes.items()})
         return out
 
