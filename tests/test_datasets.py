@@ -74,6 +74,7 @@ def test_registered_dataset_names():
             "mnist",
             "prisma-least-squares",
             "quadratic",
+            "synthetic-cifar10",
             "w8a",
         ]
     )
@@ -450,3 +451,12 @@ def test_natural_partitioner_errors(mnist):
     with pytest.raises(ConfigError) as error:
         partition(load("prisma-least-squares"), partitioner="natural", num_partitions=3, seed=0)
     assert error.value.key == "num-partitions"
+
+
+def test_synthetic_cifar10_is_cifar_shaped_seeded_and_bounded():
+    one = load_dataset("synthetic-cifar10", seed=4, num_train=60, num_test=20)
+    again = load_dataset("synthetic-cifar10", seed=4, num_train=60, num_test=20)
+    assert one.train_x.shape == (60, 3, 32, 32) and one.test_x.shape == (20, 3, 32, 32)
+    assert one.train_x.dtype == torch.float32 and one.train_y.dtype == torch.int64
+    assert one.train_x.abs().max() <= 1.0 and set(one.train_y.tolist()) <= set(range(10))
+    assert torch.equal(one.train_x, again.train_x)

@@ -136,3 +136,34 @@ def test_the_smoke_reproduction_reports_figure_1(tmp_path, capsys):
     assert (folder / "figure1.png").stat().st_size > 0
     with gzip.open(folder / ARCHIVE, "rt") as f:
         assert sum(1 for _ in f) > 100
+
+
+def test_the_smoke_table_1_runs_on_synthetic_cifar_shaped_data(tmp_path):
+    """§5.2's pipeline end to end (the DP-FTRL CNN, both methods, tuning, trials, the paper's
+    numbers beside ours) on synthetic CIFAR-shaped images: CIFAR-10 and a GPU are for the full
+    size."""
+    assert cli.main(["reproduce", "prisma", "cifar10", "--smoke",
+                     "--results-dir", str(tmp_path)]) == 0
+    report = (tmp_path / "reproduce-prisma-cifar10-smoke" / "report.md").read_text()
+    assert "| 8 | PriSMA |" in report and "| 8 | DPSGD-GC |" in report
+    assert "61.20 ± 0.19" in report  # the paper's cell beside ours
+    assert 'model="dpftrl-cnn"' in report and "server-clip=2.0" in report  # C2 = min(4, C1/2)
+
+
+def test_the_cifar_grid_is_the_papers():
+    from dpfl.experiments.prisma import cifar_config, cifar_grid
+
+    assert len(cifar_grid("prisma", False, coarse=False)) == 675
+    assert len(cifar_grid("dpsgd-gc", False, coarse=False)) == 45
+    assert len(cifar_grid("prisma", False, coarse=True)) == 180
+    config = cifar_config("prisma", {"clip": 16.0}, 4.0, 0, False)
+    assert config["server-clip"] == 4.0 and config["batch-size"] == 512
+    assert config["num-server-rounds"] == 1000 and config["delta"] == 1e-5
+
+
+def test_cifar10_scaling_is_checked_before_any_data_is_read():
+    from dpfl.datasets import load_dataset
+    from dpfl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="dataset-options.*standardised, symmetric"):
+        load_dataset("cifar10", seed=0, scaling="unit")

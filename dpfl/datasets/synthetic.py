@@ -91,3 +91,23 @@ def load_quadratic(
     z_test = rng.standard_normal((positive_int("num-test", num_test), dim))
     train_x, train_y, test_x, test_y = _tensors(z_train, z_train @ b, z_test, z_test @ b)
     return Dataset("quadratic", train_x, train_y, test_x, test_y, task="regression", num_classes=1)
+
+
+@DATASETS.register("synthetic-cifar10")
+def load_synthetic_cifar10(*, seed: int, num_train: int = 500, num_test: int = 100) -> Dataset:
+    """CIFAR-10-shaped stand-in (``[n, 3, 32, 32]`` float32 in [−1, 1], 10 classes) for smoke
+    runs without the real data: each class is a fixed random image, each sample that image
+    plus uniform noise, clipped; labels uniform. Learnable, not CIFAR."""
+    rng = np.random.default_rng(seed)
+    prototypes = rng.uniform(-1.0, 1.0, size=(10, 3, 32, 32))
+
+    def draw(rows: int) -> tuple[np.ndarray, np.ndarray]:
+        labels = rng.integers(0, 10, size=rows)
+        images = prototypes[labels] + rng.uniform(-1.0, 1.0, size=(rows, 3, 32, 32))
+        return np.clip(images, -1.0, 1.0), labels
+
+    (train_x, train_y), (test_x, test_y) = (draw(positive_int("num-train", num_train)),
+                                            draw(positive_int("num-test", num_test)))
+    return Dataset("synthetic-cifar10", *_tensors(train_x), torch.from_numpy(train_y),
+                   *_tensors(test_x), torch.from_numpy(test_y), task="classification",
+                   num_classes=10)

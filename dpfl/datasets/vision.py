@@ -91,12 +91,21 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 
-@DATASETS.register("cifar10")
-def load_cifar10(*, data_dir: Path | None, cache_dir: Path, download: bool) -> Dataset:
-    """CIFAR-10 (50,000 train / 10,000 test, [n, 3, 32, 32]), per-channel standardised.
+SCALINGS = ("standardised", "symmetric")
 
-    Mean and std are the per-channel statistics of the training images.
+
+@DATASETS.register("cifar10")
+def load_cifar10(*, data_dir: Path | None, cache_dir: Path, download: bool,
+                 scaling: str = "standardised") -> Dataset:
+    """CIFAR-10 (50,000 train / 10,000 test, [n, 3, 32, 32]).
+
+    ``scaling``: ``standardised`` (per channel, with the training images' statistics) or
+    ``symmetric`` (pixels/127.5 − 1, in [−1, 1]: the DP-FTRL code's, which PriSMA's Table 1
+    follows).
     """
+    if scaling not in SCALINGS:
+        raise ConfigError("dataset-options", f"cifar10's scaling {scaling!r} is not offered",
+                          allowed=", ".join(SCALINGS))
     folder = data_dir / "cifar10" if data_dir else None
     if folder is not None and (folder / CIFAR10.base_folder).is_dir():
         root = folder
@@ -111,7 +120,9 @@ def load_cifar10(*, data_dir: Path | None, cache_dir: Path, download: bool) -> D
         ]
     (train_x, train_y), (test_x, test_y) = [
         (
-            _standardised(torch.from_numpy(s.data).permute(0, 3, 1, 2), CIFAR10_MEAN, CIFAR10_STD),
+            _standardised(torch.from_numpy(s.data).permute(0, 3, 1, 2),
+                          *((CIFAR10_MEAN, CIFAR10_STD) if scaling == "standardised"
+                            else ((0.5,) * 3, (0.5,) * 3))),
             torch.tensor(s.targets, dtype=torch.int64),
         )
         for s in splits
