@@ -30,6 +30,7 @@ the rounds (1/T)·Σ_t ‖∇F(x^t)‖, the quantity of the paper's theorems.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -51,7 +52,8 @@ VARYING = ("algorithm", "learning-rate", "clip", "gamma", "server-clip", "clip-d
            "smoothness-L", "num-server-rounds", "relation", "calibration", "epsilon", "delta",
            "noise-multiplier", "accountant", "run-name", "results-dir")
 log = logging.getLogger(__name__)
-CHUNK = 16  # configurations whose per-sample arrays are formed at once (cache-sized)
+CHUNK = 200_000  # per-sample values formed at once: a few MB (cache-sized), ~16 configurations
+# at b = 1200, M = 10
 
 SIMULATED = ("prisma", "dpsgd-gc", "non-prisma")
 
@@ -88,6 +90,45 @@ def point(problem: Problem) -> Point:
                  math.inf, math.inf, std, std)
 
 
+@dataclass
+class _Batch:
+    """The live configurations of a batch: constants ``[K]`` and state (x, x^{t−1} ``[K, d]``,
+    the clients' v ``[K, M, d]``, the running Σ_t‖∇F(x^t)‖); ``live`` maps a row to its
+    configuration's position in the request."""
+
+    live: Tensor
+    rounds: Tensor
+    eta: Tensor
+    c1: Tensor
+    gamma: Tensor
+    c2: Tensor
+    c3: Tensor
+    s0: Tensor
+    s1: Tensor
+    x: Tensor
+    x_prev: Tensor
+    v: Tensor
+    norm_sum: Tensor
+
+    @classmethod
+    def of(cls, points: list[Point], *, clients: int, dim: int) -> _Batch:
+        def column(name: str) -> Tensor:
+            return torch.tensor([getattr(p, name) for p in points], dtype=torch.float64)
+
+        k = len(points)
+        x = torch.zeros(k, dim, dtype=torch.float64)
+        return cls(torch.arange(k), torch.tensor([p.rounds for p in points]),
+                   column("learning_rate"), column("clip"), column("gamma"),
+                   column("server_clip"), column("clip_diff"), column("init_std"),
+                   column("momentum_std"), x, x.clone(),
+                   torch.zeros(k, clients, dim, dtype=torch.float64),
+                   torch.zeros(k, dtype=torch.float64))
+
+    def keep(self, rows: Tensor) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name)[rows])
+
+
 class LeastSquaresSweep:
     """Configurations of one least-squares federation (``base``: dataset, partition, model,
     batch size, seed) run together. ``run(configs)`` returns one result per configuration:
@@ -109,6 +150,11 @@ class LeastSquaresSweep:
         self.hessian = self.a.T @ self.a / n  # ∇F(x) = H x − h + λ·x/(1 + x²)²
         self.target = self.a.T @ self.y / n
         self.indices = [torch.from_numpy(p) for p in self.problem.partitions]
+        # the clients' records back to back, so that a round's batches are one gather
+        order = torch.cat(self.indices)
+        self.client_a, self.client_y = self.a[order], self.y[order]
+        self.client_sq = self.client_a.square().sum(dim=1)
+        self.offsets = torch.tensor([0, *itertools.accumulate(len(i) for i in self.indices)][:-1])
         self.batch_size = int(base.hyperparameters.batch_size)
         self.rng = Randomness(int(base["seed"]))
 
@@ -131,70 +177,60 @@ class LeastSquaresSweep:
     def _reg(self, x: Tensor) -> Tensor:
         return self.reg * x / (1 + x.square()).square()
 
-    def draws(self, round: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Round ``round``'s batch ``a [M, b, d]``, ``y [M, b]`` and standard normals
-        ``[M, d]`` (the engine's draws for every client)."""
+    def draws(self, round: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Round ``round``'s batch ``a [M, b, d]``, ``y [M, b]``, its ‖a_j‖² ``[M, b]`` and
+        standard normals ``[M, d]`` (the engine's draws for every client)."""
         clients = list(range(len(self.indices)))
         picks = self.rng.sample_without_replacement(
             clients, [len(i) for i in self.indices], round, "batch", self.batch_size)
-        rows = torch.cat([idx[p] for idx, p in zip(self.indices, picks, strict=True)])
+        rows = (torch.stack(picks) + self.offsets[:, None]).reshape(-1)
         z = self.rng.normal(clients, round, "noise", (self.a.shape[1],), torch.ones(len(clients)),
                             dtype=torch.float64)
         shape = (len(clients), self.batch_size)
-        return (self.a.index_select(0, rows).view(*shape, -1),
-                self.y.index_select(0, rows).view(shape), z)
+        return (self.client_a.index_select(0, rows).view(*shape, -1),
+                self.client_y.index_select(0, rows).view(shape),
+                self.client_sq.index_select(0, rows).view(shape), z)
 
     def run(self, configs: Sequence[RunConfig]) -> list[dict[str, Any]]:
         points = [point(self.problem_of(c)) for c in configs]
-        order = sorted(range(len(points)), key=lambda k: points[k].rounds)
+        batch = _Batch.of(points, clients=len(self.indices), dim=self.a.shape[1])
         results: list[dict[str, Any]] = [{} for _ in points]
-        live = torch.tensor(order)
-
-        def column(field: str) -> Tensor:
-            return torch.tensor([getattr(points[k], field) for k in order], dtype=torch.float64)
-
-        eta, c1, gamma, c2, c3, s0, s1 = (column(f) for f in (
-            "learning_rate", "clip", "gamma", "server_clip", "clip_diff", "init_std",
-            "momentum_std"))
-        rounds = torch.tensor([points[k].rounds for k in order])
-        k_all, d = len(points), self.a.shape[1]
-        m = len(self.indices)
-        x = torch.zeros(k_all, d, dtype=torch.float64)
-        x_prev = x.clone()
-        v = torch.zeros(k_all, m, d, dtype=torch.float64)
-        norm_sum = torch.zeros(k_all, dtype=torch.float64)
-        for t in range(int(rounds.max())):
-            norm_sum += torch.linalg.vector_norm(self.gradient(x), dim=1)
-            a, y, z = self.draws(t + 1)
-            q = torch.cat([self._messages(*part, a, y, t == 0) for part in zip(
-                *(u.split(CHUNK) for u in (x, x_prev, c1, c3, gamma)), strict=True)]
-            ) / self.batch_size
-            if t == 0:
-                v = q + s0[:, None, None] * z
-            else:
-                v = (1 - gamma)[:, None, None] * v + q + s1[:, None, None] * z
-            mean = v.mean(dim=1)
-            factor = torch.clamp(c2 / torch.linalg.vector_norm(mean, dim=1), max=1.0)
-            x, x_prev = x - (eta * factor)[:, None] * mean, x
-            done = rounds == t + 1
-            if bool(done.any()):
-                final = torch.linalg.vector_norm(self.gradient(x[done]), dim=1)
-                for k, g, s, n, xk in zip(live[done].tolist(), final.tolist(),
-                                          norm_sum[done].tolist(), rounds[done].tolist(),
-                                          x[done], strict=True):
-                    results[k] = {"grad_norm": g, "grad_norm_mean": s / n, "rounds": n, "x": xk}
-                keep = ~done
-                live, rounds, x, x_prev, v, norm_sum = (
-                    u[keep] for u in (live, rounds, x, x_prev, v, norm_sum))
-                eta, c1, gamma, c2, c3, s0, s1 = (
-                    u[keep] for u in (eta, c1, gamma, c2, c3, s0, s1))
+        chunk = max(1, CHUNK // (len(self.indices) * self.batch_size))
+        ends, total = {p.rounds for p in points}, max(p.rounds for p in points)
+        for t in range(total):
+            self._round(t, batch, *self.draws(t + 1), chunk)
+            if t + 1 in ends:
+                self._finish(t + 1, batch, results)
         return results
 
+    def _round(self, t: int, b: _Batch, a: Tensor, y: Tensor, sq: Tensor, z: Tensor,
+               chunk: int) -> None:
+        """Round t + 1 (the paper's t) of every configuration of ``b``."""
+        b.norm_sum += torch.linalg.vector_norm(self.gradient(b.x), dim=1)
+        q = torch.cat([self._messages(*part, a, y, sq, t == 0) for part in zip(
+            *(u.split(chunk) for u in (b.x, b.x_prev, b.c1, b.c3, b.gamma)), strict=True)]
+        ) / self.batch_size
+        if t == 0:
+            b.v = q + b.s0[:, None, None] * z
+        else:
+            b.v = (1 - b.gamma)[:, None, None] * b.v + q + b.s1[:, None, None] * z
+        mean = b.v.mean(dim=1)
+        factor = torch.clamp(b.c2 / torch.linalg.vector_norm(mean, dim=1), max=1.0)
+        b.x, b.x_prev = b.x - (b.eta * factor)[:, None] * mean, b.x
+
+    def _finish(self, rounds: int, b: _Batch, results: list[dict[str, Any]]) -> None:
+        """The configurations of ``rounds`` rounds record their results and leave ``b``."""
+        done = b.rounds == rounds
+        final = torch.linalg.vector_norm(self.gradient(b.x[done]), dim=1)
+        for k, g, s, x in zip(b.live[done].tolist(), final.tolist(), b.norm_sum[done].tolist(),
+                              b.x[done], strict=True):
+            results[k] = {"grad_norm": g, "grad_norm_mean": s / rounds, "rounds": rounds, "x": x}
+        b.keep(~done)
+
     def _messages(self, x: Tensor, x_prev: Tensor, c1: Tensor, c3: Tensor, gamma: Tensor,
-                  a: Tensor, y: Tensor, first: bool) -> Tensor:
+                  a: Tensor, y: Tensor, sq: Tensor, first: bool) -> Tensor:
         """``[K, M, d]``: each client's Σ_j clip_C1(∇f_ij(x)) (``first``: round t = 0) or b·q_i^t
-        of eq. (20) (see the module docstring)."""
-        sq = a.square().sum(dim=2)
+        of eq. (20) (see the module docstring); ``sq`` are the batch's ‖a_j‖²."""
         g, gp = self._reg(x), self._reg(x_prev)
         both = torch.cat([x, g] if first else [x, g, x_prev, gp])  # one product for all
         products = (both @ a.reshape(-1, a.shape[2]).T).view(len(both), *a.shape[:2]).split(len(x))
