@@ -108,6 +108,13 @@ def test_the_lab_runs_batches_once_and_resumes_from_its_archive(tmp_path):
     again = Lab(tmp_path / "lab", smoke=True)  # a new invocation: reads its own archive
     assert again.run_batched(configs, federation=lambda c: 0, simulate=simulate) == first
     assert calls == [2, 2]
+    # a resumed invocation that runs more keeps the earlier runs in every archive it rewrites
+    extra = {**configs[0], "learning-rate": 0.3}
+    third = Lab(tmp_path / "lab", smoke=True)
+    third.run_batched([extra, *configs], federation=lambda c: 0, simulate=simulate)
+    assert calls == [2, 2, 1]
+    with gzip.open(tmp_path / "lab" / ARCHIVE, "rt") as f:
+        assert len([json.loads(line) for line in f]) == 5
 
 
 def test_neighbours_step_once_on_every_axis_and_stop_at_the_grid_ends():

@@ -238,7 +238,10 @@ class Lab:
             RunConfig(c)  # validate before anything runs
         todo: dict[Any, list[dict[str, Value]]] = {}
         for c in configs:
-            if run_key(c) not in self.archived and run_key(c) not in self.used:
+            key = run_key(c)
+            if key in self.archived and key not in self.used:  # kept by every rewrite below
+                self.used[key] = (dict(c), dict(self.archived[key]["summary"]))
+            elif key not in self.used:
                 todo.setdefault(federation(c), []).append(dict(c))
         self.folder.mkdir(parents=True, exist_ok=True)
 
@@ -256,13 +259,7 @@ class Lab:
                 futures = {pool.submit(_simulate, simulate, g): i for i, g in enumerate(groups)}
                 for future in as_completed(futures):
                     record(groups[futures[future]], future.result())
-        out = []
-        for c in configs:
-            key = run_key(c)
-            if key not in self.used:
-                self.used[key] = (dict(c), dict(self.archived[key]["summary"]))
-            out.append(self.used[key][1])
-        return out
+        return [self.used[run_key(c)][1] for c in configs]
 
     def run_seconds(self) -> float:
         """Single-thread run time behind the report: the runs' own wall times."""
