@@ -210,7 +210,11 @@ class Lab:
             return recorded[key]
 
         # Each run is archived as it finishes, so an interrupted sweep leaves an archive of
-        # what it finished (``--reuse`` resumes from it on another machine).
+        # what it finished (``--reuse`` resumes from it on another machine); the runs finished
+        # before are recorded first, so that every rewrite keeps them.
+        for c in configs:
+            if finished(c):
+                record(c)
         if self.workers == 1 or len(prepared) <= 1:
             for c, v in zip(todo, prepared, strict=True):
                 _run_one(v)
