@@ -71,11 +71,12 @@ def deployment(tmp_path):
                                             start_new_session=True))
 
     def start(nodes: list[str]) -> dict[str, str]:
-        spawn("superlink.log", "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-              "--disable-runtime-dependency-installation")
+        spawn("superlink.log", "flower-superlink", "--insecure", "--host", "127.0.0.1",
+              "--port", str(port), "--disable-runtime-dependency-installation")
         for i, ids in enumerate(nodes):
-            spawn(f"supernode-{i}.log", "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}",
-                  "--port", str(_free_port()), "--node-config", f'partition-ids="{ids}"')
+            spawn(f"supernode-{i}.log", "flower-supernode", "--insecure", "--superlink",
+                  f"127.0.0.1:{port}", "--port", str(_free_port()),
+                  "--node-config", f'partition-ids="{ids}"')
         deadline = time.monotonic() + 120
         while (tmp_path / "superlink.log").read_text().count("Activated node_id") \
                 < len(nodes):
