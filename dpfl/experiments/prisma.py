@@ -10,12 +10,14 @@ theorems is reported beside it). The grid has 4,725 PriSMA and 225 DPSGD-GC conf
 N; it runs in the vectorised simulator (:mod:`~dpfl.experiments.least_squares`, the engine's
 randomness and arithmetic in float64), coarse to fine:
 
-1. **coarse**, tuning seed 0: DPSGD-GC's whole grid; PriSMA's with C1, γ and C3 thinned
-   (:data:`COARSE`: η and T whole);
-2. **local**: around each (N, method)'s best, every paper-grid neighbour (one step on any
-   axes at once), repeated until the best has all its neighbours searched (interior);
-3. **confirm**: the :data:`CONFIRM` best points rerun with tuning seeds 1 and 2, and the best
-   mean over the three seeds is selected (the paper picks its best with no validation split);
+1. **coarse**, tuning seed 0, per (method, N, T) cell: DPSGD-GC's whole grid; PriSMA's with
+   C1, γ and C3 thinned (:data:`COARSE`; η whole);
+2. **local**: around each cell's best, every paper-grid neighbour (one step on any axes at
+   once), repeated until the best has all its neighbours searched (interior);
+3. **confirm**: each cell's best on tuning seeds 0–4; per (method, N) the T whose point has the
+   lowest mean is selected (the paper picks its best with no validation split). Points are
+   ranked within a T at one seed because configurations of one T share every draw (a paired
+   comparison), and T across seeds because a final iterate follows the draws of its last rounds;
 4. **trials**: 25 fresh seeds at the selected points: mean ± standard error (ddof 1), a log-log
    fit of the slope in N (theory: about −2/5 for PriSMA, −1/3 for DPSGD-GC).
 
@@ -68,9 +70,8 @@ LS_BASE: Config = {"dataset": "prisma-least-squares", "model": "least-squares",
                    "calibration": "paper", "epsilon": 1.0, "delta": 1e-4,
                    "relation": "replace-one", "eval-train": True,
                    "non-private-diagnostics": True}
-TUNING_SEEDS = (0, 1, 2)
+TUNING_SEEDS = (0, 1, 2, 3, 4)
 TRIAL_SEEDS = tuple(range(100, 125))
-CONFIRM = 5
 LOCAL_LIMIT = 4  # rounds of the local search
 THEORY_SLOPE = {"prisma": -2 / 5, "dpsgd-gc": -1 / 3}
 # Measured single-thread cost of the simulator (float64, fused): per round, the draws of one
@@ -127,72 +128,96 @@ def score(summary: dict[str, Any]) -> float:
     return value if math.isfinite(value) else math.inf
 
 
+Cell = tuple[str, int, int]  # (method, N, T)
+
+
 class Figure1:
-    """The least-squares sweep's stages (see the module docstring) for one lab."""
+    """The least-squares sweep's stages (see the module docstring) for one lab. The search
+    ranks points within a (method, N, T) cell: at one seed the configurations of one T share
+    every random draw up to their last round, so their comparison is paired, while across T the
+    final iterates see different draws (a single seed's ranking across T follows the luck of
+    the last rounds); T is chosen by the mean over the tuning seeds."""
 
     def __init__(self, lab: Lab) -> None:
         self.lab = lab
         self.axes = SMOKE_AXES if lab.smoke else AXES
         self.sizes = lab.restrict("size", SIZES[:2] if lab.smoke else SIZES)
         self.simulate = functools.partial(least_squares.simulate, fused=not lab.smoke)
-        self.searched: dict[tuple[str, int], dict[str, float]] = {}  # seed-0 scores by point
+        self.searched: dict[Cell, dict[str, float]] = {}  # seed-0 scores by point
 
     def run(self, configs: list[Config]) -> list[dict[str, Any]]:
         return self.lab.run_batched(configs, federation=batch_key, simulate=self.simulate)
+
+    def tuned(self, method: str) -> dict[str, tuple[float, ...]]:
+        """The axes searched within a cell (all but T)."""
+        return {k: v for k, v in self.axes[method].items() if k != "num-server-rounds"}
 
     @staticmethod
     def key(point: Config) -> str:
         return ",".join(f"{k}={v}" for k, v in sorted(point.items()))
 
-    def search(self, points: dict[tuple[str, int], list[Config]]) -> None:
-        """Run ``points`` (grid axes only) at tuning seed 0 and remember their scores."""
-        jobs = [(cell, p) for cell, ps in points.items() for p in ps
-                if self.key(p) not in self.searched.setdefault(cell, {})]
-        summaries = self.run([config_of(m, p, n, TUNING_SEEDS[0]) for (m, n), p in jobs])
-        for (cell, p), s in zip(jobs, summaries, strict=True):
-            self.searched[cell][self.key(p)] = score(s)
-
-    def best(self, cell: tuple[str, int], count: int = 1) -> list[Config]:
-        ranked = sorted(self.searched[cell].items(), key=lambda kv: kv[1])[:count]
-        return [self.point(k, cell[0]) for k, _ in ranked]
-
     def point(self, key: str, method: str) -> Config:
         values = dict(item.split("=") for item in key.split(","))
         return {k: type(self.axes[method][k][0])(v) for k, v in values.items()}
 
-    def coarse(self) -> list[Config]:
+    def cells(self) -> list[Cell]:
+        return [(m, n, t) for n in self.sizes for m in METHODS
+                for t in self.axes[m]["num-server-rounds"]]
+
+    def config(self, cell: Cell, point: Config, seed: int) -> Config:
+        method, size, rounds = cell
+        return config_of(method, {**point, "num-server-rounds": rounds}, size, seed)
+
+    def coarse(self) -> dict[Cell, list[Config]]:
+        """DPSGD-GC's whole grid; PriSMA's with :data:`COARSE` (smoke: its whole grid)."""
         out = {}
-        for method in METHODS:
-            axes = dict(self.axes[method])
-            if method == "prisma" and not self.lab.smoke:
+        for cell in self.cells():
+            axes = dict(self.tuned(cell[0]))
+            if cell[0] == "prisma" and not self.lab.smoke:
                 axes.update(COARSE)
-            out[method] = grid(**{k.replace("-", "_"): v for k, v in axes.items()})
+            out[cell] = grid(**{k.replace("-", "_"): v for k, v in axes.items()})
         return out
 
+    def search(self, points: dict[Cell, list[Config]]) -> None:
+        """Run ``points`` at tuning seed 0 and remember their scores."""
+        jobs = [(cell, p) for cell, ps in points.items() for p in ps
+                if self.key(p) not in self.searched.setdefault(cell, {})]
+        summaries = self.run([self.config(cell, p, TUNING_SEEDS[0]) for cell, p in jobs])
+        for (cell, p), summary in zip(jobs, summaries, strict=True):
+            self.searched[cell][self.key(p)] = score(summary)
+
+    def best(self, cell: Cell) -> Config:
+        key = min(self.searched[cell], key=lambda k: self.searched[cell][k])
+        return self.point(key, cell[0])
+
     def local(self) -> int:
-        """The local search; returns how many of its rounds ran."""
+        """Every paper-grid neighbour of each cell's best, until the best is interior to what
+        was searched; returns how many rounds ran."""
         for step in range(LOCAL_LIMIT):
-            todo = {}
-            for cell in self.searched:
-                around = neighbours(self.best(cell)[0], self.axes[cell[0]])
-                todo[cell] = [p for p in around if self.key(p) not in self.searched[cell]]
+            todo = {cell: [p for p in neighbours(self.best(cell), self.tuned(cell[0]))
+                           if self.key(p) not in self.searched[cell]] for cell in self.searched}
             if not any(todo.values()):
                 return step
             self.search(todo)
         return LOCAL_LIMIT
 
-    def confirm(self) -> dict[tuple[str, int], tuple[Config, list[float]]]:
-        """Each cell's :data:`CONFIRM` best rerun on every tuning seed; the best mean wins."""
-        candidates = {cell: self.best(cell, CONFIRM) for cell in self.searched}
-        configs = [config_of(m, p, n, s) for (m, n), ps in candidates.items() for p in ps
+    def confirm(self) -> dict[tuple[str, int], dict[int, tuple[Config, list[float]]]]:
+        """Each T's best point of every (method, N) on every tuning seed: ``{(method, N): {T:
+        (point, scores)}}``."""
+        configs = [self.config(cell, self.best(cell), s) for cell in self.searched
                    for s in TUNING_SEEDS]
         summaries = iter(self.run(configs))
-        chosen = {}
-        for cell, points in candidates.items():
-            scored = [([score(next(summaries)) for _ in TUNING_SEEDS], p) for p in points]
-            values, point = min(scored, key=lambda sp: statistics.fmean(sp[0]))
-            chosen[cell] = (point, values)
-        return chosen
+        out: dict[tuple[str, int], dict[int, tuple[Config, list[float]]]] = {}
+        for cell in self.searched:
+            scores = [score(next(summaries)) for _ in TUNING_SEEDS]
+            out.setdefault(cell[:2], {})[cell[2]] = (
+                {**self.best(cell), "num-server-rounds": cell[2]}, scores)
+        return out
+
+    @staticmethod
+    def select(confirmed: dict[int, tuple[Config, list[float]]]) -> tuple[Config, list[float]]:
+        """The T (and its point) with the lowest mean over the tuning seeds."""
+        return min(confirmed.values(), key=lambda ps: statistics.fmean(ps[1]))
 
     def trials(self, chosen: dict[tuple[str, int], tuple[Config, list[float]]],
                seeds: Sequence[int]) -> dict[tuple[str, int], list[dict[str, Any]]]:
@@ -226,25 +251,32 @@ def slope(sizes: Sequence[int], values: Sequence[float]) -> float:
 def figure1(lab: Lab) -> str:
     fig1 = Figure1(lab)
     coarse = fig1.coarse()
-    cells = [(m, n) for n in fig1.sizes for m in METHODS]
-    stage1 = [config_of(m, p, n, TUNING_SEEDS[0]) for m, n in cells for p in coarse[m]]
+    stage1 = [fig1.config(cell, p, TUNING_SEEDS[0]) for cell, ps in coarse.items() for p in ps]
     estimate = estimate_seconds(stage1)
-    lab.text(f"Cost estimate before the sweep (single-thread, measured cost model): coarse "
+    longest = [fig1.config(cell, {k: v[-1] for k, v in fig1.tuned(cell[0]).items()}, 0)
+               for cell in fig1.cells()]
+    top = max(c["num-server-rounds"] for c in longest)
+    lab.text(f"Cost estimate before the sweep (single-thread, the measured cost model): coarse "
              f"stage {estimate / 3600:.2f} h for {len(stage1)} configurations; the local search "
-             f"and the confirmation are of the same order at most, the 25 trials about "
-             f"{estimate_seconds([config_of(m, {k: v[-1] for k, v in fig1.axes[m].items()}, n, 0) for m, n in cells]) * len(TRIAL_SEEDS) / 3600:.2f} h "  # noqa: E501
-             f"at the longest horizon.")
+             f"at most of the same order; the confirmation (every T's best on "
+             f"{len(TUNING_SEEDS) - 1} more seeds) "
+             f"{estimate_seconds(longest) * (len(TUNING_SEEDS) - 1) / 3600:.2f} h; the "
+             f"{len(TRIAL_SEEDS)} trials at most (T = 32,000 everywhere) "
+             f"{estimate_seconds([c for c in longest if c['num-server-rounds'] == top]) * len(TRIAL_SEEDS) / 3600:.2f} h.")  # noqa: E501
     print(f"prisma/least-squares: coarse stage ≈ {estimate / 3600:.2f} h single-thread for "
           f"{len(stage1)} configurations", flush=True)
-    fig1.search({(m, n): coarse[m] for m, n in cells})
+    fig1.search(coarse)
     local_rounds = fig1.local()
-    chosen = fig1.confirm()
+    confirmed = fig1.confirm()
+    chosen = {cell: fig1.select(by_t) for cell, by_t in confirmed.items()}
     results = fig1.trials(chosen, TRIAL_SEEDS[:3] if lab.smoke else TRIAL_SEEDS)
-    report_figure1(lab, fig1, chosen, results, local_rounds)
+    report_figure1(lab, fig1, confirmed, chosen, results, local_rounds)
     return "PriSMA Figure 1: nonconvex regularised least squares"
 
 
-def report_figure1(lab: Lab, fig1: Figure1, chosen: dict[tuple[str, int], Any],
+def report_figure1(lab: Lab, fig1: Figure1,
+                   confirmed: dict[tuple[str, int], dict[int, tuple[Config, list[float]]]],
+                   chosen: dict[tuple[str, int], tuple[Config, list[float]]],
                    results: dict[tuple[str, int], list[dict[str, Any]]],
                    local_rounds: int) -> None:
     sizes = fig1.sizes
@@ -267,9 +299,12 @@ PriSMA with C1 ∈ {{5, 10, 15}}, γ ∈ {{0.001, 0.005, 0.02, 0.05}}, C3 ∈ {{
 whole), then the paper-grid neighbours of each best point until it is interior to what was
 searched ({local_rounds} rounds of local search; {searched} configurations searched in all,
 of {sum(math.prod(len(v) for v in fig1.axes[m].values()) for m in METHODS) * len(sizes)} in
-the paper's grids); the {CONFIRM} best per cell rerun on tuning seeds 1, 2 and the best mean
-of three selected; then {n_trials} fresh seeds. Runs in the vectorised float64 simulator with
-the engine's random streams; each `dpfl run` line below reruns one trial in the engine.
+the paper's grids), all within each (method, N, T) cell: at one seed the configurations of one
+T share every random draw (a paired comparison), while final iterates of different T follow
+different last draws. Each T's best then ran on tuning seeds 0–{len(TUNING_SEEDS) - 1}, and the
+T with the lowest mean was selected (table below); then {n_trials} fresh seeds. Runs in the
+vectorised float64 simulator with the engine's random streams; each `dpfl run` line below
+reruns one trial in the engine.
 """)
     rows = []
     for n in sizes:
@@ -284,8 +319,15 @@ the engine's random streams; each `dpfl run` line below reruns one trial in the 
                          ", ".join(edges) or "interior",
                          f"{accountant_epsilon(config_of(m, point, n, 0)):.3f}"])
     lab.table("Figure 1 numbers: ‖∇F(x^T)‖, mean ± s.e. over the trials",
-              ["N", "method", "‖∇F(x^T)‖", "(1/T)Σ‖∇F(x^t)‖", "tuning mean (3 seeds)",
-               "selected", "grid edge", "accountant ε (RDP, replace-one)"], rows)
+              ["N", "method", "‖∇F(x^T)‖", "(1/T)Σ‖∇F(x^t)‖",
+               f"tuning mean ({len(TUNING_SEEDS)} seeds)", "selected", "grid edge",
+               "accountant ε (RDP, replace-one)"], rows)
+    horizons = sorted({t for by_t in confirmed.values() for t in by_t})
+    lab.table(f"Selection of T: each T's best point, ‖∇F(x^T)‖ mean over tuning seeds "
+              f"0–{len(TUNING_SEEDS) - 1}",
+              ["N", "method", *[f"T = {t}" for t in horizons]],
+              [[n, LABEL[m], *[f"{statistics.fmean(confirmed[(m, n)][t][1]):.4f}"
+                               for t in horizons]] for n in sizes for m in METHODS])
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for m in METHODS:
         ax.errorbar(sizes, [stats[(m, n)][0] for n in sizes], yerr=[se[(m, n)] for n in sizes],
