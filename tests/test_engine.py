@@ -85,13 +85,13 @@ def test_model_options_reach_the_builder_and_are_checked(small_config):
         build_problem(small_config(model_options="depth=3"))
 
 
-def test_summary_says_whether_the_calibration_is_looser_or_tighter(small_config):
+def test_summary_says_whether_the_calibration_is_optimistic_or_conservative(small_config):
     practice = run(small_config(algorithm="clip21-sgd2m", calibration="practice",
                                 epsilon=27.0, run_name="practice"), echo=False)
-    assert "looser" in practice["calibration_check"]  # §4: practice is no DP guarantee
+    assert "optimistic" in practice["calibration_check"]  # §4: practice is no DP guarantee
     paper = run(small_config(calibration="paper", epsilon=4.0, num_server_rounds=100,
                              eval_every=100, run_name="paper"), echo=False)
-    assert "tighter" in paper["calibration_check"]  # PriSMA's Theorem 3 is loose
+    assert "conservative" in paper["calibration_check"]  # PriSMA's Theorem 3 is loose
     accountant = run(small_config(epsilon=4.0, run_name="acc"), echo=False)
     assert "matched" in accountant["calibration_check"]
     manual = run(small_config(noise_multiplier=1.0, run_name="manual"), echo=False)

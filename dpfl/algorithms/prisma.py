@@ -39,7 +39,6 @@ with γ = 1 and C2 = ∞ is DPSGD-GC. Its ``paper`` calibration is σ̂ too (γ 
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -131,7 +130,6 @@ class PrismaCalibration:
     valid: bool
 
 
-@functools.lru_cache(maxsize=256)  # warn once per setting, not once per configuration
 def prisma_paper_calibration(*, epsilon: float, delta: float, batch_size: int,
                              num_samples: int, rounds: int) -> PrismaCalibration:
     alpha = 1 + 2 * math.log(1 / delta) / epsilon

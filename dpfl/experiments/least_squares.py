@@ -29,12 +29,13 @@ the rounds (1/T)·Σ_t ‖∇F(x^t)‖, the quantity of the paper's theorems.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,7 +193,8 @@ class LeastSquaresSweep:
                 self.client_sq.index_select(0, rows).view(shape), z)
 
     def run(self, configs: Sequence[RunConfig]) -> list[dict[str, Any]]:
-        points = [point(self.problem_of(c)) for c in configs]
+        with _once(logging.getLogger("dpfl.algorithms.prisma")):  # a warning per setting
+            points = [point(self.problem_of(c)) for c in configs]
         batch = _Batch.of(points, clients=len(self.indices), dim=self.a.shape[1])
         results: list[dict[str, Any]] = [{} for _ in points]
         chunk = max(1, CHUNK // (len(self.indices) * self.batch_size))
@@ -246,6 +248,25 @@ class LeastSquaresSweep:
                 gamma[:, None, None])
         return (torch.bmm(coeff.transpose(0, 1), a).transpose(0, 1) + g_sum[..., None] * g[:, None]
                 - gp_sum[..., None] * gp[:, None])
+
+
+@contextlib.contextmanager
+def _once(logger: logging.Logger) -> Iterator[None]:
+    """Within the block, ``logger`` emits each distinct message once (a calibration warning
+    that every configuration of a batch would repeat)."""
+    seen: set[str] = set()
+
+    def first(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        new = message not in seen
+        seen.add(message)
+        return new
+
+    logger.addFilter(first)
+    try:
+        yield
+    finally:
+        logger.removeFilter(first)
 
 
 def _clip_factor(norm_sq: Tensor, clip: Tensor) -> Tensor:
