@@ -143,7 +143,7 @@ class Figure1:
         self.axes = SMOKE_AXES if lab.smoke else AXES
         self.sizes = lab.restrict("size", SIZES[:2] if lab.smoke else SIZES)
         self.simulate = functools.partial(least_squares.simulate, fused=not lab.smoke)
-        self.searched: dict[Cell, dict[str, float]] = {}  # seed-0 scores by point
+        self.searched: dict[Cell, dict[str, tuple[float, Config]]] = {}  # key: (score, point)
 
     def run(self, configs: list[Config]) -> list[dict[str, Any]]:
         return self.lab.run_batched(configs, federation=batch_key, simulate=self.simulate)
@@ -155,10 +155,6 @@ class Figure1:
     @staticmethod
     def key(point: Config) -> str:
         return ",".join(f"{k}={v}" for k, v in sorted(point.items()))
-
-    def point(self, key: str, method: str) -> Config:
-        values = dict(item.split("=") for item in key.split(","))
-        return {k: type(self.axes[method][k][0])(v) for k, v in values.items()}
 
     def cells(self) -> list[Cell]:
         return [(m, n, t) for n in self.sizes for m in METHODS
@@ -184,11 +180,10 @@ class Figure1:
                 if self.key(p) not in self.searched.setdefault(cell, {})]
         summaries = self.run([self.config(cell, p, TUNING_SEEDS[0]) for cell, p in jobs])
         for (cell, p), summary in zip(jobs, summaries, strict=True):
-            self.searched[cell][self.key(p)] = score(summary)
+            self.searched[cell][self.key(p)] = (score(summary), p)
 
     def best(self, cell: Cell) -> Config:
-        key = min(self.searched[cell], key=lambda k: self.searched[cell][k])
-        return self.point(key, cell[0])
+        return min(self.searched[cell].values(), key=lambda sp: sp[0])[1]
 
     def local(self) -> int:
         """Every paper-grid neighbour of each cell's best, until the best is interior to what
