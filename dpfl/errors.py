@@ -24,6 +24,10 @@ class ConfigError(ValueError):
             text += f" (allowed: {allowed})"
         super().__init__(text)
 
+    def __reduce__(self) -> tuple[type, tuple[str, str, str | None]]:
+        # raised in a worker process (dpfl reproduce), it must cross back whole
+        return ConfigError, (self.key, self.problem, self.allowed)
+
 
 class UsageError(ValueError):
     """A bad command-line option outside the run config (e.g. ``dpfl reproduce --only``);

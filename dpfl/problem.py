@@ -125,7 +125,13 @@ def options(config: RunConfig, key: str, kind: str, builder: Any) -> dict[str, o
     text = str(config[key]).strip()
     if not text:
         return {}
-    given = {k.replace("-", "_"): v for k, v in parse_overrides(text).items()}
+    try:
+        parsed = parse_overrides(text)
+    except ConfigError as exc:
+        raise ConfigError(key, f"cannot parse {text!r} (strings in double quotes)",
+                          allowed="space-separated key=value pairs, e.g. "
+                                  "'scaling=\"symmetric\" duplicate=3'") from exc
+    given = {k.replace("-", "_"): v for k, v in parsed.items()}
     accepted = [p.name for p in inspect.signature(builder).parameters.values()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in PROVIDED]
     for name in given:
@@ -135,13 +141,18 @@ def options(config: RunConfig, key: str, kind: str, builder: Any) -> dict[str, o
     return given
 
 
+def dataset_of(config: RunConfig) -> Dataset:
+    """The run's dataset (cached in-process); raises ConfigError where it is not available."""
+    return load_dataset(str(config["dataset"]), seed=int(config["seed"]),
+                        data_dir=data_dir(config), download=bool(config["download"]),
+                        **options(config, "dataset-options", "dataset",
+                                  DATASETS.get(str(config["dataset"]))))
+
+
 def build_problem(config: RunConfig) -> Problem:
     """Load, partition and initialise; raises ConfigError on bad input."""
     device = resolve_device(config)
-    dataset = load_dataset(str(config["dataset"]), seed=int(config["seed"]),
-                           data_dir=data_dir(config), download=bool(config["download"]),
-                           **options(config, "dataset-options", "dataset",
-                                     DATASETS.get(str(config["dataset"]))))
+    dataset = dataset_of(config)
     parts = partition(dataset, partitioner=str(config["partitioner"]),
                       num_partitions=int(config["num-partitions"]), seed=int(config["seed"]),
                       alpha=float(config["alpha"]),

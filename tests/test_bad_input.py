@@ -32,6 +32,8 @@ CASES = {
                                             "noise"),
     "unknown_dataset_option": ('dataset-options="dup=2"', "dataset-options",
                                "dataset 'digits' has no option 'dup' (allowed: none)"),
+    "unparsable_dataset_options": ("dataset-options='scaling=symmetric'", "dataset-options",
+                                   "cannot parse 'scaling=symmetric' (strings in double quotes)"),
     "wrong_type": ('clip="big"', "clip", "expected float"),
     "clip_not_positive": ("clip=0.0", "clip", "must be > 0"),
     "epsilon_not_positive": ("epsilon=-1.0", "epsilon", "must be > 0"),

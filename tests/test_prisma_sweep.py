@@ -174,3 +174,22 @@ def test_cifar10_scaling_is_checked_before_any_data_is_read():
 
     with pytest.raises(ConfigError, match="dataset-options.*standardised, symmetric"):
         load_dataset("cifar10", seed=0, scaling="unit")
+
+
+def test_a_reproduction_without_its_data_stops_with_one_line_and_writes_nothing(
+        tmp_path, monkeypatch, capsys):
+    """CIFAR-10 absent: the dataset is loaded once before any run, in this process, so the
+    experiment stops with the loader's line (exit 2) before its folder exists; and a
+    ConfigError raised in a worker process would cross back whole."""
+    import pickle
+
+    from dpfl.errors import ConfigError
+
+    monkeypatch.setenv("DPFL_DATA_DIR", str(tmp_path / "empty"))
+    code = cli.main(["reproduce", "prisma", "cifar10", "--only", "epsilon=8", "--only",
+                     "method=dpsgd-gc", "--results-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "'cifar10' is not available locally" in err[0]
+    assert not (tmp_path / "out").exists()
+    error = pickle.loads(pickle.dumps(ConfigError("clip", "must be > 0", allowed="0..1")))
+    assert str(error) == "run config key 'clip': must be > 0 (allowed: 0..1)"

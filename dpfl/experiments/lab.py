@@ -40,6 +40,8 @@ from dpfl.errors import UsageError  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
 
 ARCHIVE = "runs.jsonl.gz"
+# the run-config keys that fix a run's dataset (checked once per distinct value before a sweep)
+DATA_KEYS = ("dataset", "dataset-options", "data-dir", "download", "seed")
 # The summary fields an archive keeps: what experiments and reports read of a finished run.
 ARCHIVED = ("rounds_completed", "stopped_early", "test_loss", "test_accuracy", "epsilon_max",
             "wall_seconds", "seconds_per_round", "calibration_check", "derived")
@@ -153,6 +155,20 @@ class Lab:
         return "; ".join(f"{k} = {', '.join(v)}" for k, v in self.only.items())
 
     # ---- runs ----------------------------------------------------------------------------
+    def _check(self, configs: Sequence[dict[str, Value]]) -> None:
+        """Validate ``configs`` and load each distinct dataset once, before anything is run or
+        written: bad input, or data that is not there, stops the experiment with its one line
+        (:class:`~dpfl.errors.ConfigError`)."""
+        from dpfl.problem import dataset_of
+
+        seen = set()
+        for values in configs:
+            config = RunConfig(values)
+            key = tuple(str(config[k]) for k in DATA_KEYS)
+            if key not in seen:
+                seen.add(key)
+                dataset_of(config)
+
     def _values(self, values: dict[str, Value]) -> dict[str, Value]:
         RunConfig(values)  # validate before anything runs
         values = dict(values)
@@ -188,6 +204,7 @@ class Lab:
                 derive is None or "derived" in archived["summary"])
 
         todo = [c for c in configs if not finished(c)]
+        self._check(todo)
         for c in todo:  # a half-written folder from an interrupted run is started again
             folder = self.folder / "runs" / run_key(c)
             if folder.exists():
@@ -238,8 +255,6 @@ class Lab:
         :func:`~dpfl.experiments.least_squares.simulate`): the unfinished ones are grouped by
         ``federation(config)`` (what a group shares), each group is one job of the worker pool,
         and each configuration's summary is archived as its group finishes (no run folders)."""
-        for c in configs:
-            RunConfig(c)  # validate before anything runs
         todo: dict[Any, list[dict[str, Value]]] = {}
         for c in configs:
             key = run_key(c)
@@ -247,6 +262,7 @@ class Lab:
                 self.used[key] = (dict(c), dict(self.archived[key]["summary"]))
             elif key not in self.used:
                 todo.setdefault(federation(c), []).append(dict(c))
+        self._check([c for group in todo.values() for c in group])
         self.folder.mkdir(parents=True, exist_ok=True)
 
         def record(group: list[dict[str, Value]], summaries: list[dict[str, Any]]) -> None:

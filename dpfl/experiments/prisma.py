@@ -354,7 +354,7 @@ reruns one trial in the engine.
 # ---- Table 1: CIFAR-10 ----------------------------------------------------------------------
 
 EPSILONS = (4.0, 8.0, 16.0, 32.0)
-CIFAR_BASE: Config = {"dataset": "cifar10", "dataset-options": "scaling=symmetric",
+CIFAR_BASE: Config = {"dataset": "cifar10", "dataset-options": 'scaling="symmetric"',
                       "model": "dpftrl-cnn", "partitioner": "iid", "num-partitions": 10,
                       "batch-size": 512, "num-server-rounds": 1000, "calibration": "paper",
                       "delta": 1e-5, "relation": "replace-one", "eval-every": 100,
