@@ -112,12 +112,12 @@ class _Batch:
     norm_sum: Tensor
 
     @classmethod
-    def of(cls, points: list[Point], *, clients: int, dim: int) -> _Batch:
+    def of(cls, points: list[Point], *, clients: int, x0: Tensor) -> _Batch:
         def column(name: str) -> Tensor:
             return torch.tensor([getattr(p, name) for p in points], dtype=torch.float64)
 
-        k = len(points)
-        x = torch.zeros(k, dim, dtype=torch.float64)
+        k, dim = len(points), len(x0)
+        x = x0.double().expand(k, dim).clone()
         return cls(torch.arange(k), torch.tensor([p.rounds for p in points]),
                    column("learning_rate"), column("clip"), column("gamma"),
                    column("server_clip"), column("clip_diff"), column("init_std"),
@@ -195,7 +195,7 @@ class LeastSquaresSweep:
     def run(self, configs: Sequence[RunConfig]) -> list[dict[str, Any]]:
         with _once(logging.getLogger("dpfl.algorithms.prisma")):  # a warning per setting
             points = [point(self.problem_of(c)) for c in configs]
-        batch = _Batch.of(points, clients=len(self.indices), dim=self.a.shape[1])
+        batch = _Batch.of(points, clients=len(self.indices), x0=self.problem.x0)
         results: list[dict[str, Any]] = [{} for _ in points]
         chunk = max(1, CHUNK // (len(self.indices) * self.batch_size))
         ends, total = {p.rounds for p in points}, max(p.rounds for p in points)
