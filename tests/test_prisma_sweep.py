@@ -85,6 +85,9 @@ def test_the_simulator_refuses_what_it_does_not_simulate(tmp_path):
     with pytest.raises(ValueError, match="eq. \\(4\\)"):
         sweep.run([_config("prisma", {**PRISMA, "smoothness-L": 11.0, "clip-diff": 0.5},
                            tmp_path)])
+    with pytest.raises(ValueError, match="d < 16"):
+        least_squares.LeastSquaresSweep(_config("prisma", PRISMA, tmp_path,
+                                                **{"dataset-options": "dim=16"}))
     with pytest.raises(ValueError, match="cannot simulate"):
         sweep.run([_config("dpsgd-gc", DPSGD, tmp_path, algorithm="clip-sgd")])
 

@@ -9,7 +9,8 @@ configurations of one federation (same data, batch size and seed) in lock step, 
   each client's batch from ``(seed, client, round, "batch")``, its noise from ``(seed, client,
   round, "noise")``), drawn once per round and shared by every configuration, which differ only
   in how they scale it; so a configuration here follows the ``dpfl run`` of the same run config
-  up to float32 rounding (the engine computes in float32);
+  up to float32 rounding (the engine computes in float32; its normals are the float64 ones
+  rounded, for d < 16, which the simulator requires);
 * for a linear model, every per-sample quantity PriSMA needs is a scalar per sample: with
   r_j = a_jᵀx − y_j and g = ∇ of the regulariser at x, the sample's gradient is r_j·a_j + g, so
   its norm, its clip factor s_j, the norm of the difference of two clipped gradients and that
@@ -143,6 +144,9 @@ class LeastSquaresSweep:
         if model._linear is None or model._linear.bias is not None or model.d != \
                 model._linear.weight.numel() or self.problem.dataset.task != "regression":
             raise ValueError("the sweep simulates a bias-free linear least-squares model")
+        if model.d >= 16:
+            raise ValueError("the sweep simulates d < 16: from 16 values on, torch draws float64 "
+                             "normals other than the float32 ones the engine draws")
         self.reg = model.nonconvex_reg
         ds = self.problem.dataset
         self.a = ds.train_x.reshape(len(ds.train_x), -1).double()
