@@ -41,7 +41,14 @@ import numpy as np
 from dpfl.experiments import least_squares
 from dpfl.experiments.lab import Lab
 from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import Config, command, edge_axes, grid, mean_std
+from dpfl.experiments.selection import (
+    Config,
+    command,
+    edge_axes,
+    final_accuracy,
+    grid,
+    mean_std,
+)
 from dpfl.privacy import PrivacyLedger
 from dpfl.problem import build_problem
 from dpfl.runconfig import RunConfig
@@ -399,11 +406,6 @@ def cifar_grid(method: str, smoke: bool, *, coarse: bool) -> list[Config]:
     return grid(**{k.replace("-", "_"): v for k, v in axes.items()})
 
 
-def accuracy(summary: dict[str, Any]) -> float:
-    value = summary.get("test_accuracy")
-    return 100 * value if value is not None and math.isfinite(value) else 0.0
-
-
 @experiment("prisma", "cifar10", "Table 1: CIFAR-10 accuracy and loss of PriSMA and DPSGD-GC "
             "(DP-FTRL CNN, M = 10, T = 1000, b = 512) at ε ∈ {4, 8, 16, 32}; needs CIFAR-10 and "
             "a GPU (--smoke: synthetic CIFAR-shaped data)", axes=("epsilon", "method"))
@@ -419,7 +421,7 @@ def table1(lab: Lab) -> str:
 
     def best(method: str, eps: float, points: list[Config], count: int = 1) -> list[Config]:
         summaries = lab.run_many([cifar_config(method, p, eps, 0, smoke) for p in points])
-        ranked = sorted(zip(summaries, points, strict=True), key=lambda sp: -accuracy(sp[0]))
+        ranked = sorted(zip(summaries, points, strict=True), key=lambda sp: -final_accuracy(sp[0]))
         return [p for _, p in ranked[:count]]
 
     chosen: dict[tuple[str, float], Config] = {}
@@ -438,7 +440,7 @@ def table1(lab: Lab) -> str:
     rows = []
     for (method, eps), configs in runs.items():
         done = [next(summaries) for _ in configs]
-        acc, acc_sd = mean_std([accuracy(s) for s in done])
+        acc, acc_sd = mean_std([final_accuracy(s) for s in done])
         loss, loss_sd = mean_std([s.get("test_loss") or math.nan for s in done])
         (paper_acc, paper_acc_se), (paper_loss, paper_loss_se) = CIFAR_PAPER[(method, eps)]
         root = math.sqrt(len(done))
