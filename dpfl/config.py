@@ -151,6 +151,10 @@ COMMON: tuple[Param, ...] = (
     Param("eval-train", False, "Also evaluate the full training objective at evaluation "
           "rounds: its loss and gradient norm ‖∇F(x)‖ (needs non-private-diagnostics=true: "
           "the server reads the clients' training data)."),
+    Param("eval-norm-quantiles", False, "Also record τ_q = Q_q(‖∇ℓ_z(x)‖²)/mean_z ‖∇ℓ_z(x)‖² over "
+          "the whole training set at evaluation rounds, q = 0.5, 0.6, …, 1.0 (the quantile/mean "
+          "ratio of the adaptive-clipping paper, Definition 1): a non-private diagnostic, not "
+          "privacy-accounted (needs non-private-diagnostics=true)."),
     Param("model-options", "", "Options of the model builder as key=value pairs, e.g. "
           "'bias=false zero_init=true' or 'hidden=512'."),
     Param("dataset-options", "", "Options of the dataset loader as key=value pairs, e.g. "

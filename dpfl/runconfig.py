@@ -80,10 +80,12 @@ class RunConfig(Mapping[str, Value]):
                 raise ConfigError(key, f"not used by {which}; leave it at its default "
                                   f"{params[key].default!r}",
                                   allowed="its own keys " + ", ".join(p.key for p in own))
-        if merged["eval-train"] and not merged["non-private-diagnostics"]:
-            raise ConfigError("eval-train", "the server would evaluate on the clients' training "
-                              "data: set non-private-diagnostics=true to allow it (the run then "
-                              "has no privacy guarantee against the server)", allowed="false")
+        for key in ("eval-train", "eval-norm-quantiles"):
+            if merged[key] and not merged["non-private-diagnostics"]:
+                raise ConfigError(key, "the server would evaluate on the clients' training "
+                                  "data: set non-private-diagnostics=true to allow it (the run "
+                                  "then has no privacy guarantee against the server)",
+                                  allowed="false")
         self._values = merged
         self.hyperparameters: Any = build(algorithm.Hyperparameters, merged)
         self.calibration_options: Any = (None if calibration.options is None

@@ -42,7 +42,7 @@ CASES = {
     "more_partitions_than_samples": ("num-partitions=5000", "num-partitions", "allowed: 1..1437"),
     "unknown_dataset": ('dataset="imagenet"', "dataset", "allowed: a9a"),
     "unknown_model": ('model="gpt"', "model", "allowed:"),
-    "unknown_algorithm": ('algorithm="sgd"', "algorithm", "clip21-sgd2m-plus, dpsgd-gc"),
+    "unknown_algorithm": ('algorithm="sgd"', "algorithm", "clip21-sgd2m-plus, dp-fedavg, dpsgd-gc"),
     "unknown_accountant": ('accountant="gdp"', "accountant", "allowed: rdp, prv"),
     "missing_data_directory": ('dataset="mnist" data-dir="/nonexistent/data"', "dataset",
                                "/nonexistent/data"),

@@ -1,6 +1,7 @@
 """The math of every algorithm, batched over clients (see ``base``), one family per module."""
 
 from dpfl.algorithms import (
+    adaptive,  # noqa: F401  (registers)
     clip21,  # noqa: F401  (registers)
     prisma,  # noqa: F401  (registers)
 )

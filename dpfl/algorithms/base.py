@@ -152,7 +152,9 @@ class ClientContext:
 class ServerContext:
     """What a server step needs besides state and the uploads' sums: the round, the
     participants (increasing id), the number of clients, the server's keyed randomness and its
-    own releases (server-side noise, charged to the server's ledger by ``charge``)."""
+    own releases (server-side noise, charged to the server's ledger by ``charge``); the run's
+    rounds and every client's releases (public: calibrated from the clients' data sizes), for
+    a server step that debiases a noisy statistic."""
 
     round: int
     rng: Randomness
@@ -160,6 +162,12 @@ class ServerContext:
     num_clients: int
     releases: dict[str, Release] = field(default_factory=dict)
     charge: Callable[[Release], None] = lambda release: None
+    num_rounds: int = 0
+    client_releases: Callable[[int], list[Release]] = lambda client: []
+
+    def client_release(self, client: int, name: str) -> Release:
+        """Client ``client``'s release ``name``."""
+        return next(r for r in self.client_releases(client) if r.name == name)
 
     def privatize(self, name: str, values: torch.Tensor, *,
                   radius: float | None = None) -> torch.Tensor:
@@ -181,6 +189,8 @@ class Algorithm(ABC):
     protection: ClassVar[str]
     relation: ClassVar[str] = "replace-one"
     noise_free: ClassVar[bool] = False  # an ablation without noise (ε = ∞): no calibration keys
+    # the accountant of the algorithm's paper, whose ε the ledger reports beside the run's own
+    paper_accountant: ClassVar[str | None] = None
 
     def __init__(self, hp: Any, model: FlatModel, num_clients: int) -> None:
         self.hp = hp

@@ -42,12 +42,15 @@ Formula = Callable[[Any, Query, Target, Any], float]
 
 @dataclass(frozen=True)
 class Calibration:
-    """A registered calibration: ``formula`` for ``algorithms`` (None: any algorithm)."""
+    """A registered calibration: ``formula`` for ``algorithms`` (None: any algorithm);
+    ``targets_epsilon`` is false for one that sets the noise from its own keys instead of
+    meeting ``epsilon``."""
 
     name: str
     formula: Formula
     algorithms: tuple[str, ...] | None = None
     options: type | None = None  # its own run-config keys, as a hyperparameter dataclass
+    targets_epsilon: bool = True
 
 
 class CalibrationRegistry:
@@ -56,11 +59,11 @@ class CalibrationRegistry:
     def __init__(self) -> None:
         self._entries: list[Calibration] = []
 
-    def register(self, name: str, *algorithms: str,
-                 options: type | None = None) -> Callable[[Formula], Formula]:
+    def register(self, name: str, *algorithms: str, options: type | None = None,
+                 targets_epsilon: bool = True) -> Callable[[Formula], Formula]:
         """Decorator: ``formula`` is calibration ``name`` for ``algorithms`` (all if none)."""
         def add(formula: Formula) -> Formula:
-            entry = Calibration(name, formula, algorithms or None, options)
+            entry = Calibration(name, formula, algorithms or None, options, targets_epsilon)
             if any(e.name == name and e.algorithms == entry.algorithms for e in self._entries):
                 raise ValueError(f"calibration {name!r} is registered twice for {algorithms}")
             self._entries.append(entry)

@@ -2,8 +2,10 @@
 
 Following ``dp_accounting``'s event view, a ledger never adds ε values by hand. It records each
 :class:`~dpfl.privacy.release.Release` as an event (noise multiplier, sample rate, steps) in
-Opacus' compact history format and asks an Opacus accountant (RDP or PRV) for the ε of the whole
-history at the run's δ.
+Opacus' compact history format and asks an accountant for the ε of the whole history at the
+run's δ: Opacus' RDP or PRV accountant (``rdp``, ``prv``), or ``rdp-wor``, the RDP bound for
+fixed-size sampling without replacement under replace-one neighbours (Wang et al. 2019,
+Theorem 9; :mod:`dpfl.privacy.subsampled_rdp`) that the adaptive-clipping paper accounts with.
 
 The multiplier recorded is std / sensitivity under the release's neighbouring relation. Opacus'
 accountants analyse Poisson subsampling with add/remove neighbours; for fixed-size sampling
@@ -30,6 +32,7 @@ from opacus.accountants import RDPAccountant, create_accountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 
 from dpfl.privacy.release import Release
+from dpfl.privacy.subsampled_rdp import epsilon_of_history
 
 Event = tuple[float, float, int]  # (noise_multiplier, sample_rate, steps)
 
@@ -47,12 +50,16 @@ def _epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float
         return 0.0
     if any(z <= 0 for z, _, _ in history):
         return math.inf
+    if accountant == "rdp-wor":
+        return epsilon_of_history(history, delta)
     if accountant == "rdp":
         # RDPAccountant.get_epsilon, with each (z, q) curve computed once: the RDP of
         # `steps` compositions is `steps` times the one-step curve (Opacus does the same).
         rdp = sum(_rdp_per_step(z, q) * steps for z, q, steps in history)
-        eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp,
-                                                delta=delta)
+        with warnings.catch_warnings():  # "optimal order is the smallest alpha" at tiny noise
+            warnings.simplefilter("ignore", UserWarning)
+            eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS,
+                                                    rdp=rdp, delta=delta)
         return float(eps)
     acc = create_accountant(mechanism=accountant)
     acc.history = list(history)
@@ -83,8 +90,9 @@ class PrivacyLedger:
         """One round of ``release``: its steps at its noise multiplier and sample rate."""
         _merge(self.history, release.event)
 
-    def epsilon(self, delta: float) -> float:
-        return _epsilon(self.accountant, tuple(self.history), delta)
+    def epsilon(self, delta: float, accountant: str | None = None) -> float:
+        """ε of the history at ``delta`` by the ledger's accountant (or ``accountant``)."""
+        return _epsilon(accountant or self.accountant, tuple(self.history), delta)
 
     def epsilon_after(self, releases: Iterable[Release], delta: float) -> float:
         """ε if ``releases`` were made next (nothing is recorded)."""
@@ -113,14 +121,17 @@ class Accounting:
 
     ``releases(client)`` are the client's calibrated releases (one round's); a client is charged
     an exchange's releases when it takes part in it, the server its own releases when it draws
-    their noise. ``limit`` is ``max-epsilon`` (0: none).
+    their noise. ``limit`` is ``max-epsilon`` (0: none). ``also`` names further accountants
+    whose ε of the same histories is reported beside the main one's (a paper's own).
     """
 
     def __init__(self, *, num_clients: int, releases: Callable[[int], list[Release]],
-                 accountant: str, relation: str, delta: float, limit: float = 0.0) -> None:
+                 accountant: str, relation: str, delta: float, limit: float = 0.0,
+                 also: tuple[str, ...] = ()) -> None:
         self.releases = releases
         self.delta = delta
         self.limit = limit
+        self.accountants = (accountant, *(a for a in also if a != accountant))
         self.clients = [PrivacyLedger(accountant, relation) for _ in range(num_clients)]
         self.server = PrivacyLedger(accountant, "client-level (server-side noise)")
         self.charged: set[int] = set()  # clients that released something
@@ -158,6 +169,11 @@ class Accounting:
     def report(self) -> dict[int, float]:
         """ε of every client that has released something, by client id."""
         return {c: self.epsilon(c) for c in sorted(self.charged)}
+
+    def report_by_accountant(self) -> dict[str, float]:
+        """The largest client ε by each of ``accountants`` (the main one first)."""
+        return {a: max((self.clients[c].epsilon(self.delta, a) for c in self.charged),
+                       default=0.0) for a in self.accountants}
 
     def server_epsilon(self) -> float | None:
         return self.server.epsilon(self.delta) if self.server.history else None

@@ -27,6 +27,10 @@ EPSILON_RANGE = (1e-8, 1e14)
 #: the largest order evaluated (a sum of α terms): an ε whose α* exceeds it (ε below
 #: 2 log(1/δ)/10⁵, e.g. 1.8e-4 at δ = 1e-4) is not certified
 MAX_ORDER = 100_000
+#: the integer orders the ledger's accountant minimises over (every order from 2 to 64, then
+#: a geometric grid to 4096)
+LEDGER_ORDERS = tuple(range(2, 65)) + (80, 96, 128, 160, 192, 256, 384, 512, 768, 1024, 1536,
+                                       2048, 3072, 4096)
 
 
 def gaussian_kappa(sigma: float, batch_size: int) -> float:
@@ -103,6 +107,32 @@ def noise_size(*, epsilon: float, delta: float, batch_size: int, num_samples: in
             <= share * epsilon
 
     return _bisect(ok, *SIGMA_RANGE, increasing=True)
+
+
+def rdp_of_event(noise_multiplier: float, sample_rate: float, alpha: int) -> float:
+    """RDP at order ``alpha`` of one step of a Gaussian mechanism whose noise std is
+    ``noise_multiplier`` times its replace-one sensitivity, on a fixed-size batch at
+    ``sample_rate``: 𝒮 with κ = 1/(2z²); at rate 1 (no sampling) the Gaussian's own κα
+    (Lemma 4; Remark 3's full-batch statistic), which Wang et al.'s bound only approaches."""
+    kappa = 1.0 / (2.0 * noise_multiplier * noise_multiplier)
+    if sample_rate >= 1:
+        return kappa * alpha
+    return subsampled_rdp(kappa, sample_rate, alpha)
+
+
+def epsilon_of_history(history: tuple[tuple[float, float, int], ...], delta: float,
+                       orders: tuple[int, ...] = LEDGER_ORDERS) -> float:
+    """ε of a composition of ``(noise multiplier, sample rate, steps)`` events (replace-one
+    multipliers, fixed-size sampling without replacement): the RDP of every event summed at
+    each order, converted with Lemma 3 and minimised over ``orders`` (the paper fixes one order
+    α* for calibration; any order is a valid certificate for the same composition)."""
+    if not history:
+        return 0.0
+    if any(z <= 0 for z, _, _ in history):
+        return math.inf
+    return min(epsilon_from_rdp(sum(steps * rdp_of_event(z, q, alpha)
+                                    for z, q, steps in history), alpha, delta)
+               for alpha in orders)
 
 
 def implied_epsilon(*, sigma: float, delta: float, batch_size: int, num_samples: int,

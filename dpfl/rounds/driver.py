@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 from typing import Any
 
 import torch
 
 from dpfl.algorithms import ServerContext, distinct_streams
-from dpfl.privacy import Accounting, Randomness
+from dpfl.privacy import CALIBRATIONS, Accounting, Randomness
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter, results_path
 from dpfl.rounds.transport import ClientRefused, Transport
@@ -30,6 +31,9 @@ NON_PRIVATE = ("non-private-diagnostics=true: clients send exact, un-noised trai
                "and the server may read their training data; this run has NO privacy guarantee "
                "against the server")
 
+
+QUANTILES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # of τ_q (eval-norm-quantiles)
+EVAL_BATCH = 4096  # records per per-sample-gradient pass of an evaluation
 
 NOISE_FREE = ("noise multiplier 0: clients send their messages without noise (ε = ∞); this run "
               "has no privacy guarantee against the server")
@@ -56,7 +60,8 @@ class RoundDriver:
         self.accounting = Accounting(
             num_clients=problem.num_clients, releases=problem.releases,
             accountant=str(cfg["accountant"]), relation=self.algorithm.relation,
-            delta=float(cfg["delta"]), limit=float(cfg["max-epsilon"]))
+            delta=float(cfg["delta"]), limit=float(cfg["max-epsilon"]),
+            also=tuple(a for a in (self.algorithm.paper_accountant,) if a))
         self.path = results_path(cfg, runtime)
         self.results: ResultsWriter | None = None
         self.records: list[dict[str, Any]] = []
@@ -101,7 +106,9 @@ class RoundDriver:
             self.accounting.charge(participants, exchange.name)
             ctx = ServerContext(round=round, rng=self.rng, participants=participants,
                                 num_clients=self.problem.num_clients, releases=server_releases,
-                                charge=self.accounting.charge_server)
+                                charge=self.accounting.charge_server,
+                                num_rounds=int(self.config["num-server-rounds"]),
+                                client_releases=self.problem.releases)
             self.state = self.algorithm.server_step(exchange.name, self.state, replies.sums, ctx)
             for c, values in replies.diagnostics.items():
                 diagnostics.setdefault(c, {}).update(values)
@@ -178,7 +185,24 @@ class RoundDriver:
                 out["train_loss_full"] = float(self.problem.model.evaluate(params, x, y)["loss"])
             grad = self.problem.model.full_gradient(params, x, y)
             out["grad_norm"] = float(torch.linalg.vector_norm(grad.double()))
+        if self.config["eval-norm-quantiles"]:
+            out["tau_q_nonprivate"] = self.norm_quantile_ratios(params)
         return out
+
+    def norm_quantile_ratios(self, params: torch.Tensor) -> dict[str, float]:
+        """τ_q(x) = Q_q({‖∇ℓ_z(x)‖²}_z)/mean_z ‖∇ℓ_z(x)‖² over the whole training set, for
+        q ∈ QUANTILES (a non-private diagnostic: the server reads the training data)."""
+        x, y = self._train_set
+        squares = torch.cat([
+            torch.linalg.vector_norm(rows.double(), dim=1).square()
+            for start in range(0, len(x), EVAL_BATCH)
+            for _, _, rows in self.problem.model.per_sample_gradient_chunks(
+                params, x[start:start + EVAL_BATCH].unsqueeze(0),
+                y[start:start + EVAL_BATCH].unsqueeze(0))])
+        mean = squares.mean()
+        levels = torch.tensor(QUANTILES, dtype=squares.dtype)
+        return {f"{q:g}": float(v / mean) if mean > 0 else math.nan
+                for q, v in zip(QUANTILES, torch.quantile(squares, levels).tolist())}
 
     def end_round(self, round: int, participants: list[int],
                   diagnostics: dict[int, dict[str, float]], started: float) -> dict[str, Any]:
@@ -201,6 +225,8 @@ class RoundDriver:
         })
         if (server := self.accounting.server_epsilon()) is not None:
             record["server_epsilon"] = server
+        if len(self.accounting.accountants) > 1:
+            record["epsilon_by_accountant"] = self.accounting.report_by_accountant()
         record["seconds"] = time.perf_counter() - started
         self.rounds_done = round
         self.records.append(record)
@@ -225,12 +251,21 @@ class RoundDriver:
     def calibration_check(self) -> str | None:
         """How the ε the noise was calibrated for compares with the accountant's ε of the
         noise actually used (None when noise-multiplier was given directly, or the algorithm
-        adds no noise)."""
+        adds no noise); the ε of every accountant the ledger asks, for a calibration with no ε
+        target."""
         cfg = self.config
         epsilon = self.accounting.report()
         if float(cfg["noise-multiplier"]) >= 0 or self.algorithm.noise_free or not epsilon:
             return None
-        target, spent = float(cfg["epsilon"]), max(epsilon.values())
+        by_accountant = list(self.accounting.report_by_accountant().items())
+        others = "".join(f"; the {name} accountant gives ε={value:.4g}"
+                         for name, value in by_accountant[1:])
+        spent = max(epsilon.values())
+        head = (f"the {cfg['accountant']} accountant gives ε={spent:.4g} at δ={cfg['delta']:g} "
+                f"after {self.rounds_done} rounds")
+        if not CALIBRATIONS.get(str(cfg["calibration"]), self.algorithm.name).targets_epsilon:
+            return f"calibration={cfg['calibration']} (noise set directly): {head}{others}"
+        target = float(cfg["epsilon"])
         if spent > target * 1.01:
             verdict = ("optimistic: the accountant's ε exceeds the target (the run is less "
                        "private than the mapping claims)")
@@ -239,9 +274,8 @@ class RoundDriver:
                        "than the target needs)")
         else:
             verdict = "matched by the accountant"
-        return (f"calibration={cfg['calibration']} for ε={target:g}: the {cfg['accountant']} "
-                f"accountant gives ε={spent:.4g} at δ={cfg['delta']:g} after {self.rounds_done} "
-                f"rounds; the mapping is {verdict}")
+        return (f"calibration={cfg['calibration']} for ε={target:g}: {head}; the mapping is "
+                f"{verdict}{others}")
 
     def finish(self) -> dict[str, Any]:
         """Write summary, model and plots; returns the summary."""
@@ -258,6 +292,7 @@ class RoundDriver:
             "epsilon_max": max(epsilon.values()) if epsilon else 0.0,
             "epsilon": epsilon,
             "server_epsilon": self.accounting.server_epsilon(),
+            "epsilon_by_accountant": self.accounting.report_by_accountant(),
             "delta": float(self.config["delta"]),
             "accountant": self.config["accountant"],
             "calibration": ("none" if p.algorithm.noise_free
