@@ -174,11 +174,13 @@ def test_calibrations_prefer_an_algorithms_own_entry_and_list_what_is_offered():
 
 
 def test_the_generic_accountant_calibration_needs_one_sample_rate_and_composes_every_release():
+    from dpfl.algorithms import Algorithm
     from dpfl.errors import ConfigError
     from dpfl.privacy import Target, calibrate
 
     class Two:
         name = "two-queries"
+        noise_multipliers = Algorithm.noise_multipliers
 
     queries = [Query("a", "statistic", 1.0, "replace-one", sample_rate=0.1, stream="a"),
                Query("b", "train", 1.0, "replace-one", sample_rate=0.2, stream="b")]

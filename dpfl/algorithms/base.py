@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from dpfl.privacy import SERVER, Query, Randomness, Release, add_noise, stds
+from dpfl.privacy import RELATIONS, SERVER, Query, Randomness, Release, add_noise, stds
 
 if TYPE_CHECKING:
     from dpfl.models import FlatModel
@@ -53,11 +53,21 @@ class Upload:
     ``release`` names the query whose release covers it. By default the runtime adds that
     release's noise to the array ``client_step`` returns; ``post_processing=True`` declares the
     array a function of noise already drawn in ``client_step`` (``ctx.privatize``) and of state
-    built from such noise only, so it is sent as returned.
+    built from such noise only, so it is sent as returned. ``central=True`` (central DP, a
+    trusted server) names a server-side query instead: the array leaves the client un-noised
+    (clipped) and the server adds that query's noise to the participants' sum in
+    ``server_step``; the run then has no guarantee against the server, and the summary says so.
     """
 
     release: str
     post_processing: bool = False
+    central: bool = False
+
+    @property
+    def sent_as_returned(self) -> bool:
+        """Whether the client sends it without adding noise (post-processing of in-step noise,
+        or a central upload the server noises)."""
+        return self.post_processing or self.central
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,17 @@ class Algorithm(ABC):
     def queries(self, num_samples: int) -> list[Query]:
         """The Gaussian mechanisms of one round for a client holding ``num_samples`` records."""
 
+    def noise_multipliers(self, queries: list[Query], multiplier: float) -> list[float]:
+        """The noise multiplier (std / sensitivity) of each of ``queries`` when the run sets
+        ``noise-multiplier`` (std / radius, Opacus' convention) directly: the same std over
+        radius for every query by default."""
+        return [multiplier / RELATIONS[q.relation] for q in queries]
+
+    def central_releases(self) -> dict[str, str]:
+        """The server-side releases that cover central uploads, by exchange."""
+        return {u.release: e.name for e in self.exchanges for u in e.uploads.values()
+                if u.central}
+
     def server_queries(self) -> list[Query]:
         """The Gaussian mechanisms the server runs itself each round (``side="server"``:
         central noise, drawn in ``server_step`` with ``ctx.privatize``); none by default."""
@@ -266,12 +287,16 @@ def check_schema(algorithm: Algorithm, queries: list[Query]) -> None:
         raise TypeError(f"{algorithm.name}: queries must have distinct names, and the queries "
                         f"of one exchange distinct streams")
     by_name = {q.name: q for q in queries}
+    central = {q.name: q for q in algorithm.server_queries()}
     for exchange in algorithm.exchanges:
         for key, upload in exchange.uploads.items():
-            query = by_name.get(upload.release)
+            query = (central if upload.central else by_name).get(upload.release)
             if query is None or query.exchange != exchange.name:
+                side = "server-side" if upload.central else "client-side"
                 raise TypeError(f"{algorithm.name}: upload {key!r} of exchange "
-                                f"{exchange.name!r} is covered by no client-side query of it")
+                                f"{exchange.name!r} is covered by no {side} query of it")
+            if upload.central:
+                continue
             if not upload.post_processing and (query.steps != 1 or query.radius is None):
                 raise TypeError(f"{algorithm.name}: upload {key!r} is noised by the runtime, "
                                 f"so its query needs one step and a fixed radius")

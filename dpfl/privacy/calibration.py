@@ -124,7 +124,8 @@ def accountant(algorithm: Any, query: Query, target: Target, options: None) -> f
 def calibrate(algorithm: Any, queries: list[Query], target: Target, *, calibration: str,
               noise_multiplier: float, options: Any = None) -> list[Release]:
     """The releases of ``queries`` for one client: none of them noised for a ``noise_free``
-    algorithm; ``noise_multiplier`` (run-config convention, std / radius) when it is ≥ 0; else
+    algorithm; ``noise_multiplier`` (run-config convention, std / radius, as the algorithm's
+    ``noise_multipliers`` maps it) when it is ≥ 0; else
     the calibration ``calibration`` registered for ``algorithm.name``. A calibration meets the
     target for the whole run; the generic ``accountant`` one gives every release the same
     multiplier, which is how to do that when they share a sample rate (one release per round; or
@@ -132,7 +133,8 @@ def calibrate(algorithm: Any, queries: list[Query], target: Target, *, calibrati
     if getattr(algorithm, "noise_free", False):
         return [Release.of(q, 0.0) for q in queries]
     if noise_multiplier >= 0:
-        return [Release.from_opacus(q, noise_multiplier) for q in queries]
+        return [Release.of(q, z) for q, z in
+                zip(queries, algorithm.noise_multipliers(queries, noise_multiplier), strict=True)]
     entry = CALIBRATIONS.get(calibration, algorithm.name)
     if entry.algorithms is None and len({q.sample_rate for q in queries}) > 1:
         raise ConfigError("calibration", f"{calibration!r} calibrates releases of one sample "

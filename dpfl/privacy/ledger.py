@@ -121,14 +121,18 @@ class Accounting:
 
     ``releases(client)`` are the client's calibrated releases (one round's); a client is charged
     an exchange's releases when it takes part in it, the server its own releases when it draws
-    their noise. ``limit`` is ``max-epsilon`` (0: none). ``also`` names further accountants
-    whose ε of the same histories is reported beside the main one's (a paper's own).
+    their noise. ``central`` are the server's releases that cover clients' un-noised
+    (central) uploads: a client is charged them too in the exchanges it takes part in, at the
+    client level, since they protect its whole upload. ``limit`` is ``max-epsilon`` (0: none).
+    ``also`` names further accountants whose ε of the same histories is reported beside the
+    main one's (a paper's own).
     """
 
     def __init__(self, *, num_clients: int, releases: Callable[[int], list[Release]],
                  accountant: str, relation: str, delta: float, limit: float = 0.0,
-                 also: tuple[str, ...] = ()) -> None:
+                 also: tuple[str, ...] = (), central: tuple[Release, ...] = ()) -> None:
         self.releases = releases
+        self.central = central
         self.delta = delta
         self.limit = limit
         self.accountants = (accountant, *(a for a in also if a != accountant))
@@ -137,8 +141,9 @@ class Accounting:
         self.charged: set[int] = set()  # clients that released something
 
     def client_releases(self, client: int, exchange: str | None = None) -> list[Release]:
-        return [r for r in self.releases(client)
-                if r.side == "client" and exchange in (None, r.exchange)]
+        """The releases a client is charged for (its own, and the central ones)."""
+        return [r for r in [*self.releases(client), *self.central]
+                if (r.side == "client" or r in self.central) and exchange in (None, r.exchange)]
 
     def charge(self, clients: Iterable[int], exchange: str) -> None:
         for c in clients:

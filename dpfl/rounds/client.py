@@ -57,7 +57,7 @@ class ClientRuntime:
         if set(messages) != set(spec.uploads):
             raise TypeError(f"{algorithm.name}: exchange {exchange!r} returned {sorted(messages)}"
                             f", declared {sorted(spec.uploads)}")
-        noised = {u.release for u in spec.uploads.values() if not u.post_processing}
+        noised = {u.release for u in spec.uploads.values() if not u.sent_as_returned}
         for name, release in releases[0].items():
             wanted = 0 if name in noised else release.steps
             if release.side == "client" and release.exchange == exchange \
@@ -66,7 +66,7 @@ class ClientRuntime:
                                    f"in-step draws, the step made {ctx.drawn[name]}")
         uploads = {}
         for key, upload in spec.uploads.items():
-            if upload.post_processing:
+            if upload.sent_as_returned:
                 uploads[key] = messages[key]
                 continue
             own = [rel[upload.release] for rel in releases]

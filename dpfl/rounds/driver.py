@@ -32,6 +32,10 @@ NON_PRIVATE = ("non-private-diagnostics=true: clients send exact, un-noised trai
                "against the server")
 
 
+CENTRAL = ("central DP: clients send clipped, un-noised updates and the server adds the noise "
+           "(a trusted server); the ε is client-level and holds for what the server releases, "
+           "not against the server")
+
 QUANTILES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # of τ_q (eval-norm-quantiles)
 EVAL_BATCH = 4096  # records per per-sample-gradient pass of an evaluation
 
@@ -61,7 +65,9 @@ class RoundDriver:
             num_clients=problem.num_clients, releases=problem.releases,
             accountant=str(cfg["accountant"]), relation=self.algorithm.relation,
             delta=float(cfg["delta"]), limit=float(cfg["max-epsilon"]),
-            also=tuple(a for a in (self.algorithm.paper_accountant,) if a))
+            also=tuple(a for a in (self.algorithm.paper_accountant,) if a),
+            central=tuple(r for r in problem.server_releases()
+                          if r.name in self.algorithm.central_releases()))
         self.path = results_path(cfg, runtime)
         self.results: ResultsWriter | None = None
         self.records: list[dict[str, Any]] = []
@@ -148,6 +154,8 @@ class RoundDriver:
     def privacy_statement(self) -> dict[str, Any]:
         if self.config["non-private-diagnostics"]:
             return {"guarantee_against_server": False, "note": NON_PRIVATE}
+        if self.algorithm.central_releases():
+            return {"guarantee_against_server": False, "note": CENTRAL}
         if any(r.noise_multiplier <= 0 for c in range(self.problem.num_clients)
                for r in self.problem.releases(c)):
             return {"guarantee_against_server": False, "note": NOISE_FREE}

@@ -1,0 +1,246 @@
+"""Client-level DP-FedAvg with quantile-based adaptive clipping, on Flower's own classes.
+
+Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with Adaptive Clipping",
+NeurIPS 2021 (arXiv:1905.03871), Algorithm 1, as Flower implements it in
+``DifferentialPrivacyClientSideAdaptiveClipping`` (server) with ``adaptiveclipping_mod``
+(client): the row the adaptive-clipping experiments compare against. Central DP: the server is
+trusted to add the noise, and the unit protected is a client's whole update (add/remove one
+client).
+
+Each round (one ``train`` exchange, every client): the server broadcasts the model x and the
+clipping norm C; client i runs K local SGD steps (no per-sample clipping, no local noise) on
+fresh batches, clips its update Δ_i = x_K − x at C with Flower's ``adaptive_clip_inputs_inplace``
+and sends the clipped update and the bit b_i = 1[‖Δ_i‖ ≤ C], both un-noised. The server adds
+Gaussian noise to both sums and steps::
+
+    x ← x + (Σ_i clip_C(Δ_i) + N(0, (z_Δ C)² I)) / P
+    C ← C · exp(−η_C ((Σ_i b_i + N(0, σ_b²)) / P − γ))      (Flower's ``_geometric_update``)
+
+The noise split is Flower's ``compute_adaptive_noise_params``: σ_b = P/20 unless
+``clipped-count-stddev`` is given, and z_Δ = (z^−2 − (2σ_b)^−2)^−1/2 for the run's effective
+multiplier z (``noise-multiplier``, or calibrated). The geometric update is Flower's own, on an
+instance of Flower's class. Three deliberate differences from Flower 1.41's classes, measured in
+docs/algorithms.md:
+
+* the bit is Andrew et al.'s b_i = 1[‖Δ_i‖ ≤ C]; Flower's mod and server-side class send
+  1[‖Δ_i‖ > C] into the same update, which then moves C away from the target quantile;
+* the update's noise is scaled by the C the updates were clipped at (Flower scales it by the
+  norm after the geometric update);
+* noise is drawn from the run's keyed streams, not ``np.random``, so a run is reproducible and
+  the engine equals Flower bit for bit; the mean is unweighted (FedAvg's weights are the
+  clients' record counts: equal for an equal split).
+
+Privacy. Two server-side Gaussian releases per round at sample rate 1: the update sum
+(sensitivity C, multiplier z_Δ) and the count (sensitivity 1: a bit in {0, 1}, multiplier σ_b).
+Andrew et al.'s split gives the pair the effective multiplier z for centred bits
+(sensitivity ½); with Flower's uncentred bits the ledger composes what is actually released,
+which costs more than z (docs/privacy.md has the numbers).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.serverapp.strategy import DifferentialPrivacyClientSideAdaptiveClipping, FedAvg
+from flwr.supercore.differential_privacy import (
+    adaptive_clip_inputs_inplace,
+    compute_adaptive_noise_params,
+)
+from torch import Tensor
+
+from dpfl.algorithms.adaptive import LOCAL_STEPS
+from dpfl.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    Cohort,
+    Exchange,
+    ServerContext,
+    State,
+    Upload,
+)
+from dpfl.algorithms.registry import ALGORITHMS
+from dpfl.config import (
+    BATCH_SIZE,
+    CLIP,
+    LEARNING_RATE,
+    Param,
+    hyperparameter,
+    positive,
+)
+from dpfl.errors import ConfigError
+from dpfl.privacy import CALIBRATIONS, Query, Target
+from dpfl.privacy.ledger import PrivacyLedger
+
+TARGET_QUANTILE = Param("target-quantile", 0.5, "dp-fedavg-quantile: the quantile of the "
+                        "clients' update norms the clipping norm tracks (the fraction of "
+                        "updates left unclipped).",
+                        check=lambda v: None if 0 <= v <= 1 else f"must be in [0, 1], got {v}",
+                        symbol="γ")
+CLIP_LEARNING_RATE = Param("clip-learning-rate", 0.2, "dp-fedavg-quantile: step of the "
+                           "geometric update of the clipping norm.", check=positive, symbol="η_C")
+COUNT_STDDEV = Param("clipped-count-stddev", -1.0, "dp-fedavg-quantile: std of the noise on the "
+                     "count of unclipped updates; -1 = Flower's default, clients/20.",
+                     check=lambda v: None if v == -1.0 or v >= 0 else
+                     f"must be -1 or >= 0, got {v}", symbol="σ_b")
+
+
+@dataclass(frozen=True)
+class QuantileHyperparameters:
+    batch_size: int = hyperparameter(BATCH_SIZE)  # b
+    learning_rate: float = hyperparameter(LEARNING_RATE)  # client step size
+    clip: float = hyperparameter(CLIP)  # C_0, the initial clipping norm
+    local_steps: int = hyperparameter(LOCAL_STEPS)  # K
+    target_quantile: float = hyperparameter(TARGET_QUANTILE)  # γ
+    clip_learning_rate: float = hyperparameter(CLIP_LEARNING_RATE)  # η_C
+    clipped_count_stddev: float = hyperparameter(COUNT_STDDEV)  # σ_b
+
+
+@ALGORITHMS.register_class
+class QuantileDPFedAvg(Algorithm):
+    """DP-FedAvg with quantile-based adaptive clipping (client-level central DP; see the
+    module docstring)."""
+
+    name = "dp-fedavg-quantile"
+    Hyperparameters = QuantileHyperparameters
+    protection = ("client-level central DP (add/remove one client): clients clip their update "
+                  "at an adaptive norm, the trusted server adds Gaussian noise to the sum of "
+                  "updates and to the count of unclipped ones")
+    relation = "add-remove"
+    exchanges = (Exchange("train", ("x", "clip"),
+                          {"delta": Upload("model", central=True),
+                           "unclipped": Upload("count", central=True)}),)
+
+    def queries(self, num_samples: int) -> list[Query]:
+        return []  # the clients add no noise
+
+    def server_queries(self) -> list[Query]:
+        """The update sum (radius C, sent each round) and the count of unclipped updates
+        (radius 1), streams ``model-noise`` and ``count-noise``."""
+        return [Query("model", "train", radius=None, relation=self.relation, side="server",
+                      stream="model-noise"),
+                Query("count", "train", radius=1.0, relation=self.relation, side="server",
+                      stream="count-noise")]
+
+    def noise_multipliers(self, queries: list[Query], multiplier: float) -> list[float]:
+        """Flower's split of the effective multiplier z: z_Δ for the update sum, σ_b for the
+        count (``compute_adaptive_noise_params``)."""
+        count, model = self.noise_split(multiplier)
+        return [model if q.name == "model" else count for q in queries]
+
+    @property
+    def count_stddev(self) -> float:
+        """σ_b of a noisy run: ``clipped-count-stddev``, or Flower's default P/20."""
+        given = self.hp.clipped_count_stddev
+        return self.num_clients / 20 if given < 0 else given
+
+    def noise_split(self, multiplier: float) -> tuple[float, float]:
+        """(σ_b, z_Δ) for the effective multiplier z, as Flower computes them."""
+        given = self.hp.clipped_count_stddev
+        try:
+            return compute_adaptive_noise_params(multiplier, self.num_clients,
+                                                 None if given < 0 else given)
+        except ValueError:
+            sigma_b = self.count_stddev
+            raise ConfigError("clipped-count-stddev", f"the count noise σ_b = {sigma_b:g} "
+                              f"leaves no room for the effective noise multiplier "
+                              f"{multiplier:g}, which must stay below 2σ_b",
+                              allowed=f"> {multiplier / 2:g}") from None
+
+    @functools.cached_property
+    def flower(self) -> DifferentialPrivacyClientSideAdaptiveClipping:
+        """Flower's strategy wrapper, used for its clipping-norm update."""
+        hp = self.hp
+        return DifferentialPrivacyClientSideAdaptiveClipping(
+            FedAvg(), noise_multiplier=0.0, num_sampled_clients=self.num_clients,
+            initial_clipping_norm=hp.clip, target_clipped_quantile=hp.target_quantile,
+            clip_norm_lr=hp.clip_learning_rate)
+
+    # ---- server --------------------------------------------------------------------------
+    def init_server_state(self, x0: Tensor) -> State:
+        return {"x": x0.clone(), "clip": torch.tensor([self.hp.clip], dtype=torch.float64)}
+
+    def broadcast(self, exchange: str, state: State, round: int) -> State:
+        return dict(state)
+
+    def server_step(self, exchange: str, state: State, sums: State,
+                    ctx: ServerContext) -> State:
+        clip = float(state["clip"][0])
+        p = len(ctx.participants)
+        update = ctx.privatize("model", sums["delta"], radius=clip)
+        count = float(ctx.privatize("count", sums["unclipped"].double()).sum())
+        flower = self.flower
+        flower.clipping_norm = clip
+        flower._geometric_update(count / p)  # Flower's rule: C·exp(−η_C(fraction − γ))
+        return {"x": state["x"] + update / p,
+                "clip": torch.tensor([flower.clipping_norm], dtype=torch.float64)}
+
+    def clip_radius(self, state: State) -> float:
+        return float(state["clip"][0])
+
+    # ---- client --------------------------------------------------------------------------
+    def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
+                    ctx: ClientContext) -> tuple[State, State]:
+        hp = self.hp
+        x = broadcast["x"].to(ctx.device)
+        clip = float(broadcast["clip"][0])
+        params = x.unsqueeze(0).repeat(len(cohort), 1)
+        for k in range(hp.local_steps):
+            xb, yb = cohort.sample(ctx.rng, ctx.round, f"batch-{k}", hp.batch_size)
+            params = params - hp.learning_rate * self.model.batch_gradients(
+                params, xb.to(ctx.device), yb.to(ctx.device))
+        deltas = (params - x).cpu().numpy().copy()
+        unclipped = np.ones((len(cohort), 1), dtype=np.float32)
+        for row, bit in zip(deltas, unclipped, strict=True):
+            if np.any(row):  # Flower's clip divides by the norm
+                bit[0] = not adaptive_clip_inputs_inplace([row], clip)
+        return {"delta": torch.from_numpy(deltas), "unclipped": torch.from_numpy(unclipped)}, {}
+
+
+@CALIBRATIONS.register("accountant", "dp-fedavg-quantile")
+def accountant_calibration(algorithm: QuantileDPFedAvg, query: Query, target: Target,
+                           options: None) -> float:
+    """The smallest effective multiplier z whose pair of releases under Flower's split,
+    (z_Δ(z), σ_b) every round, meets the target by the Opacus accountant; the query's part of
+    it."""
+    z = quantile_noise_multiplier(algorithm, target)
+    return algorithm.noise_multipliers([query], z)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _epsilon(accountant: str, model: float, count: float, rounds: int, delta: float) -> float:
+    ledger = PrivacyLedger(accountant, "add-remove",
+                           [(model, 1.0, rounds), (count, 1.0, rounds)])
+    return ledger.epsilon(delta)
+
+
+def quantile_noise_multiplier(algorithm: QuantileDPFedAvg, target: Target) -> float:
+    """Bisection on z in (0, 2σ_b) (in log space, to 1e-6 relative): ε of R rounds of both
+    releases is decreasing in z."""
+    sigma_b = algorithm.count_stddev
+    if sigma_b <= 0:
+        raise ConfigError("clipped-count-stddev", "a noisy run needs noise on the count",
+                          allowed="-1 (clients/20) or > 0")
+    low, high = math.log(1e-6), math.log(2 * sigma_b * (1 - 1e-9))
+
+    def epsilon(log_z: float) -> float:
+        flower = logging.getLogger("flwr")
+        level, flower.level = flower.level, logging.ERROR  # its "significant noise" warning
+        try:
+            count, model = algorithm.noise_split(math.exp(log_z))
+        finally:
+            flower.level = level
+        return _epsilon(target.accountant, model, count, target.rounds, target.delta)
+
+    if epsilon(high) > target.epsilon:
+        raise ConfigError("epsilon", f"ε={target.epsilon:g} is not reachable with the count "
+                          f"noise σ_b = {sigma_b:g} (the effective multiplier must stay below "
+                          f"2σ_b): raise clipped-count-stddev, or the target ε")
+    while high - low > 1e-6:
+        mid = (low + high) / 2
+        low, high = (low, mid) if epsilon(mid) <= target.epsilon else (mid, high)
+    return math.exp(high)

@@ -1,0 +1,175 @@
+"""dp-fedavg-quantile: client-level DP-FedAvg with Andrew et al.'s quantile clipping on
+Flower's own classes — the clipping-norm trajectory equals Flower's
+``DifferentialPrivacyClientSideAdaptiveClipping`` fed the same replies, the server's noise has
+the declared std, the ledger composes both central releases, and Flower = engine."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import DifferentialPrivacyClientSideAdaptiveClipping, FedAvg
+from flwr.supercore.differential_privacy import KEY_NORM_BIT
+from flwr.supercore.task_identity import TaskIdentity
+from opacus.accountants import RDPAccountant
+
+from dpfl.algorithms import ServerContext
+from dpfl.engine import run
+from dpfl.errors import ConfigError
+from dpfl.privacy import Randomness
+from dpfl.problem import build_problem
+from dpfl.rounds import ClientRuntime
+from dpfl.runconfig import RunConfig
+
+VALUES = {"algorithm": "dp-fedavg-quantile", "dataset": "digits", "model": "logistic",
+          "num-partitions": 10, "num-server-rounds": 6, "batch-size": 16, "local-steps": 3,
+          "learning-rate": 0.5, "clip": 0.05, "clipped-count-stddev": 4.0, "epsilon": 6.0,
+          "delta": 1e-4, "seed": 2}
+
+
+def _config(tmp_path, name="run", **changes):
+    values = {**VALUES, "results-dir": str(tmp_path), "run-name": name}
+    values.update({k.replace("_", "-"): v for k, v in changes.items()})
+    return RunConfig(values)
+
+
+class RecordingContext(ServerContext):
+    """A server context that keeps what each release's noise made of its input."""
+
+    def privatize(self, name, values, *, radius=None):
+        noisy = super().privatize(name, values, radius=radius)
+        self.seen = {**getattr(self, "seen", {}), name: (values, noisy)}
+        return noisy
+
+
+def _replies(x, uploads):
+    """One reply per client as Flower's client-side wrapper expects them: the clipped model,
+    the record count, and the norm bit (here Andrew et al.'s: 1 when unclipped)."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    replies = []
+    for i, (delta, bit) in enumerate(zip(uploads["delta"], uploads["unclipped"], strict=True)):
+        sent = Message(RecordDict(), dst_node_id=i + 1, message_type="train")
+        replies.append(Message(RecordDict({
+            "arrays": ArrayRecord({"x": Array((x + delta).numpy())}),
+            "metrics": MetricRecord({"num-examples": 100, KEY_NORM_BIT: int(bit[0])})}),
+            reply_to=sent))
+    return replies
+
+
+def test_the_clipping_norm_follows_flowers_client_side_adaptive_clipping(tmp_path,
+                                                                         monkeypatch):
+    """Six noisy rounds: every round the clients' uploads go both to our server step and, as
+    replies, to Flower's own strategy wrapper, whose count noise is made the draw of our
+    keyed stream; the two clipping norms agree to the last bit, and they move."""
+    problem = build_problem(_config(tmp_path))
+    algorithm = problem.algorithm
+    flower = DifferentialPrivacyClientSideAdaptiveClipping(
+        FedAvg(), noise_multiplier=0.0, num_sampled_clients=10, initial_clipping_norm=0.05,
+        target_clipped_quantile=0.5, clip_norm_lr=0.2, clipped_count_stddev=4.0)
+    runtime = ClientRuntime(algorithm, problem.releases, Randomness(2))
+    state = algorithm.init_server_state(problem.x0)
+    cohort = problem.full_cohort()
+    ours, theirs = [], []
+    for round in range(1, 7):
+        uploads = runtime.step("train", round, algorithm.broadcast("train", state, round), {},
+                               cohort)[0]
+        sums = {k: v.sum(dim=0) for k, v in uploads.items()}
+        ctx = RecordingContext(round, Randomness(2), list(range(10)), 10,
+                               releases={r.name: r for r in problem.server_releases()})
+        x = state["x"]
+        state = algorithm.server_step("train", state, sums, ctx)
+        count, noisy_count = ctx.seen["count"]
+        monkeypatch.setattr(np.random, "normal", lambda loc=0.0, scale=1.0, size=None:
+                            float(noisy_count.sum()) if size is None
+                            else np.zeros(size))
+        flower.aggregate_train(round, _replies(x, uploads))
+        monkeypatch.undo()
+        ours.append(float(state["clip"][0]))
+        theirs.append(flower.clipping_norm)
+        assert float(noisy_count.sum()) != float(count.sum())  # the count was noised
+    assert ours == theirs
+    assert len(set(ours)) == 6
+
+
+def test_clients_clip_their_update_and_report_whether_it_was_left_unclipped(tmp_path):
+    problem = build_problem(_config(tmp_path, noise_multiplier=0.0))
+    runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(0))
+    state = problem.algorithm.init_server_state(problem.x0)
+    for clip in (0.05, 50.0):
+        broadcast = {"x": state["x"], "clip": torch.tensor([clip], dtype=torch.float64)}
+        uploads = runtime.step("train", 1, broadcast, {}, problem.full_cohort())[0]
+        norms = torch.linalg.vector_norm(uploads["delta"].double(), dim=1)
+        assert (norms <= clip * (1 + 1e-6)).all()
+        assert uploads["unclipped"][:, 0].tolist() == [float(n < clip * (1 - 1e-6))
+                                                       for n in norms]
+    assert uploads["unclipped"].sum() == 10  # nothing clipped at 50
+
+
+def test_the_server_adds_noise_of_std_z_delta_times_the_clip_to_the_update_sum(tmp_path):
+    """On the sum of the clipped updates the server draws N(0, (z_Δ·C)²) per coordinate, C the
+    norm the updates were clipped at (not the updated one), z_Δ Flower's split of z = 2."""
+    problem = build_problem(_config(tmp_path, noise_multiplier=2.0, dataset="mnist",
+                                    num_server_rounds=1))
+    algorithm = problem.algorithm
+    sigma_b, z_delta = algorithm.noise_split(2.0)
+    assert sigma_b == 4.0 and z_delta == pytest.approx((2.0 ** -2 - 8.0 ** -2) ** -0.5)
+    model, count = problem.server_releases()
+    assert (model.noise_multiplier, count.noise_multiplier) == (z_delta, 4.0)
+    state = algorithm.init_server_state(problem.x0)
+    sums = {"delta": torch.zeros(algorithm.model.d), "unclipped": torch.tensor([10.0])}
+    ctx = ServerContext(1, Randomness(0), list(range(10)), 10,
+                        releases={r.name: r for r in problem.server_releases()})
+    new = algorithm.server_step("train", state, sums, ctx)
+    noise = (new["x"] - state["x"]) * 10
+    assert noise.std().item() == pytest.approx(z_delta * 0.05, rel=0.05)
+    assert float(new["clip"][0]) != 0.05
+
+
+def test_the_ledger_composes_both_central_releases_for_every_client(tmp_path):
+    """Each client's ε is the client-level ε of the server's two releases per round,
+    recomputed with Opacus; the accountant calibration meets the target; the pair costs more
+    than one Gaussian at the effective multiplier z (the bits are not centred)."""
+    summary = run(_config(tmp_path), echo=False)
+    model, count = summary["releases"]["server"]
+    accountant = RDPAccountant()
+    for _ in range(6):
+        for r in (model, count):
+            accountant.step(noise_multiplier=r["noise_multiplier"], sample_rate=1.0)
+    recomputed = accountant.get_epsilon(1e-4)
+    assert set(summary["epsilon"]) == set(range(10))
+    assert all(e == pytest.approx(recomputed, rel=1e-6) for e in summary["epsilon"].values())
+    assert summary["server_epsilon"] == pytest.approx(recomputed, rel=1e-6)
+    assert recomputed <= 6.0 * (1 + 1e-4) and recomputed > 6.0 * 0.99
+    z = (model["noise_multiplier"] ** -2 - 8.0 ** -2) ** -0.5  # Flower's effective multiplier
+    single = RDPAccountant()
+    for _ in range(6):
+        single.step(noise_multiplier=z, sample_rate=1.0)
+    assert single.get_epsilon(1e-4) < recomputed
+    assert not summary["privacy"]["guarantee_against_server"]
+    assert "central DP" in summary["privacy"]["note"]
+
+
+def test_an_unreachable_target_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="'epsilon'.*raise clipped-count-stddev"):
+        build_problem(_config(tmp_path, clipped_count_stddev=0.5)).server_releases()
+    with pytest.raises(ConfigError, match="'clipped-count-stddev'"):
+        build_problem(_config(tmp_path, clipped_count_stddev=0.5,
+                              noise_multiplier=1.5)).server_releases()
+
+
+def test_flower_code_path_equals_engine(tmp_path):
+    from tests.inprocess_grid import run_flower_code_path
+
+    values = {**VALUES, "results-dir": str(tmp_path)}
+    run(RunConfig({**values, "run-name": "engine"}), echo=False)
+    run_flower_code_path({**values, "run-name": "flower"},
+                         [{"partition-id": i} for i in range(10)])
+    e, f = (torch.load(tmp_path / name / "model.pt") for name in ("engine", "flower"))
+    assert all(torch.equal(e[key], f[key]) for key in e)
+    rounds = [[json.loads(line)["clip"] for line in
+               (tmp_path / name / "rounds.jsonl").read_text().splitlines()]
+              for name in ("engine", "flower")]
+    assert rounds[0] == rounds[1] and len(set(rounds[0])) == 6
