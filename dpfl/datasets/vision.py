@@ -19,8 +19,10 @@ int64 labels 0-9, on the standard train/test splits.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 from filelock import FileLock
 from torchvision.datasets import CIFAR10, MNIST, FashionMNIST
@@ -50,8 +52,27 @@ def _standardised(
     return ((scaled - torch.tensor(mean).view(shape)) / torch.tensor(std).view(shape)).contiguous()
 
 
+IDX_SCALINGS = ("standardised", "unit")
+
+
+def _subset(x: torch.Tensor, y: torch.Tensor, size: int, seed: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``size`` training records drawn with ``seed``, stratified by label (in stored order)."""
+    if not 0 < size < len(y):
+        raise ConfigError("dataset-options", f"num_train must be between 1 and {len(y) - 1}, "
+                          f"got {size}", allowed=f"1..{len(y) - 1}, or 0 for all")
+    from sklearn.model_selection import train_test_split
+
+    rows, _ = train_test_split(np.arange(len(y)), train_size=size, random_state=seed,
+                               stratify=y.numpy())
+    rows = torch.from_numpy(np.sort(rows))
+    return x[rows], y[rows]
+
+
 def _idx_loader(name: str, source: type[MNIST], subdir: str, mean: float, std: float) -> Loader:
-    def load(*, data_dir: Path | None, cache_dir: Path, download: bool) -> Dataset:
+    @functools.lru_cache(maxsize=2)
+    def read(data_dir: Path | None, cache_dir: Path, download: bool, scaling: str) -> Dataset:
+        """The whole dataset (one copy per scaling, whatever the run seed)."""
         folder = data_dir / subdir if data_dir else None
         files = [filename for filename, _ in source.resources]
         local = folder is not None and all((folder / f).is_file() for f in files)
@@ -67,17 +88,32 @@ def _idx_loader(name: str, source: type[MNIST], subdir: str, mean: float, std: f
                 if local:
                     link.symlink_to((folder / filename).resolve())
             splits = [source(str(cache_dir), train=train, download=True) for train in (True, False)]
+        statistics = ((mean,), (std,)) if scaling == "standardised" else ((0.0,), (1.0,))
         (train_x, train_y), (test_x, test_y) = [
-            (_standardised(s.data.unsqueeze(1), (mean,), (std,)), s.targets.to(torch.int64))
+            (_standardised(s.data.unsqueeze(1), *statistics), s.targets.to(torch.int64))
             for s in splits
         ]
         return Dataset(
             name, train_x, train_y, test_x, test_y, task="classification", num_classes=10
         )
 
+    def load(*, seed: int, data_dir: Path | None, cache_dir: Path, download: bool,
+             num_train: int = 0, scaling: str = "standardised") -> Dataset:
+        if scaling not in IDX_SCALINGS:
+            raise ConfigError("dataset-options", f"{name}'s scaling {scaling!r} is not offered",
+                              allowed=", ".join(IDX_SCALINGS))
+        whole = read(data_dir, cache_dir, download, scaling)
+        if not num_train:
+            return whole
+        train_x, train_y = _subset(whole.train_x, whole.train_y, num_train, seed)
+        return Dataset(name, train_x, train_y, whole.test_x, whole.test_y,
+                       task="classification", num_classes=10)
+
     load.__doc__ = (
-        f"{source.__name__}: 60,000 train / 10,000 test images, [n, 1, 28, 28], "
-        f"standardised with mean {mean}, std {std}."
+        f"{source.__name__}: 60,000 train / 10,000 test images, [n, 1, 28, 28]; ``scaling``: "
+        f"``standardised`` (mean {mean}, std {std}) or ``unit`` (pixels in [0, 1]); "
+        f"``num_train``: a stratified random subset of the training images, drawn with the "
+        f"run seed (0 = all; the adaptive-clipping paper trains on 3,000)."
     )
     return load
 
