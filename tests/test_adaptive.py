@@ -310,3 +310,26 @@ def test_the_grids_and_noise_are_the_papers():
     dp = config_of(TASKS["t2"], "dp-fedavg", 3, {"learning-rate": 0.1, "clip": 0.5}, 0)
     assert "statistic-noise-size" not in dp and dp["noise-size"] == 0.03
     assert RunConfig(config) and RunConfig(dp)
+
+
+@pytest.mark.parametrize("task, points", [("t1", [(0.1, 3.0), (0.5, 0.5)]),
+                                          ("t3", [(0.3, 0.05), (0.1, 0.5)])])
+def test_the_simulator_follows_the_engine(tmp_path, task, points):
+    """A batch of both methods at two levels and two grid points, 4 rounds: each configuration's
+    training loss and C_r every round equal the engine's `dpfl run` of the same run config to
+    float32 rounding (C_r exactly: it is broadcast in float32), and its ε is the ledger's."""
+    from dpfl.experiments.adaptive import TASKS, config_of
+    from dpfl.experiments.fixed_features import simulate
+
+    configs = [config_of(TASKS[task], m, lv, {"learning-rate": lr, "clip": c}, 0, rounds=4,
+                         smoke=True)
+               for m in ("dp-fedavg", "adaptdp-fedavg") for lv in (1, 3) for lr, c in points]
+    simulated = simulate(configs)
+    for i in (0, 3, 4, 7):
+        engine = run(RunConfig({**configs[i], "results-dir": str(tmp_path),
+                                "run-name": str(i)}), echo=False)
+        for e, s in zip(_rounds(engine), simulated[i]["rounds"], strict=True):
+            assert s["train_loss_full"] == pytest.approx(e["train_loss_full"], rel=1e-5)
+            assert s["clip"] == e["clip"]
+        assert simulated[i]["epsilon_max"] == pytest.approx(engine["epsilon_max"], rel=1e-9)
+    assert len({s["rounds"][-1]["clip"] for s in simulated[4:]}) > 1

@@ -35,6 +35,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from dpfl.experiments import fixed_features
 from dpfl.experiments.lab import Lab
 from dpfl.experiments.registry import experiment
 from dpfl.experiments.selection import Config, command, edge_axes, grid
@@ -230,7 +231,7 @@ class Sweep:
         cells = [(m, lv) for m in self.methods for lv in self.levels]
         configs = [self.config(m, lv, p, s) for m, lv in cells for p in self.points
                    for s in SEEDS]
-        summaries = iter(self.lab.run_many(configs, derive=derive))
+        summaries = iter(batched(self.lab, configs))
         self.scores: dict[tuple[str, int], dict[tuple[float, float], list[dict]]] = {}
         chosen = {}
         for cell in cells:
@@ -241,6 +242,20 @@ class Sweep:
                 s["derived"]["min_train_loss"] for s in by_point[k]))
             chosen[cell] = ({"learning-rate": best[0], "clip": best[1]}, by_point[best])
         return chosen
+
+
+def simulate(configs: list[Config]) -> list[dict[str, Any]]:
+    """:func:`fixed_features.simulate` with each summary's :func:`derive` numbers (the
+    evaluated rounds themselves are not kept)."""
+    summaries = fixed_features.simulate(configs)
+    for summary in summaries:
+        summary["derived"] = derive(summary.pop("rounds"))
+    return summaries
+
+
+def batched(lab: Lab, configs: list[Config]) -> list[dict[str, Any]]:
+    """``configs`` in the simulator, the configurations of one federation in one batch."""
+    return lab.run_batched(configs, federation=fixed_features.federation, simulate=simulate)
 
 
 def loss_cell(runs: list[dict[str, Any]], key: str = "min_train_loss") -> str:
@@ -345,7 +360,7 @@ def report_clients(lab: Lab, sweep: Sweep,
                            for s in SEEDS]
                for cell, (point, _) in chosen.items() for p in clients}
     flat = [c for cs in configs.values() for c in cs]
-    summaries = iter(lab.run_many(flat, derive=derive))
+    summaries = iter(batched(lab, flat))
     results = {k: [next(summaries) for _ in v] for k, v in configs.items()}
     cells = list(chosen)
     rows = []
@@ -362,6 +377,10 @@ def report_clients(lab: Lab, sweep: Sweep,
 
 def report_figures(lab: Lab, sweep: Sweep,
                    chosen: dict[tuple[str, int], tuple[Config, list[dict[str, Any]]]]) -> None:
+    """Figure 1 (the simulator's loss curves at the level-3 selections, seed 0); the same two
+    runs in the engine (each its `dpfl run` line: the simulator checked at full length, and the
+    cost per round, Table 6); Figure 2 from a third engine run of AdaptDP-FedAvg's selection
+    with the non-private τ_q diagnostic."""
     level = max(sweep.levels)
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for method in sweep.methods:
@@ -374,13 +393,24 @@ def report_figures(lab: Lab, sweep: Sweep,
     ax.legend()
     lab.figure(f"figure1-{sweep.name}", fig, f"Figure 1: training loss per round at the "
                f"selected Lv.{level} points (seed 0)")
-    if "adaptdp-fedavg" not in sweep.methods:
+    engine = {m: sweep.config(m, level, chosen[(m, level)][0], 0) for m in sweep.methods}
+    diagnosed = ({**engine["adaptdp-fedavg"], "eval-norm-quantiles": True}
+                 if "adaptdp-fedavg" in engine else None)
+    reruns = lab.run_many([*engine.values(), *([diagnosed] if diagnosed else [])],
+                          derive=derive)
+    rows = []
+    for (method, config), summary in zip(engine.items(), reruns, strict=False):
+        simulated = chosen[(method, level)][1][0]["derived"]["min_train_loss"]
+        rows.append([LABEL[method], f"{summary['derived']['min_train_loss']:.6g}",
+                     f"{simulated:.6g}", f"{summary['seconds_per_round']:.4f}"])
+    lab.table(f"The Lv.{level} selections (seed 0) in the engine: lowest training loss against "
+              f"the simulator's, and the cost per round (Table 6; one thread, evaluation "
+              f"included)", ["method", "engine", "simulator", "s / round"], rows)
+    if diagnosed is None:
         return
-    point, _ = chosen[("adaptdp-fedavg", level)]
-    diagnosed = sweep.config("adaptdp-fedavg", level, point, 0)
-    diagnosed["eval-norm-quantiles"] = True
-    (summary,) = lab.run_many([diagnosed], derive=derive)
-    curve, tau = summary["derived"]["curve"], summary["derived"]["tau_q"]
+    point = chosen[("adaptdp-fedavg", level)][0]
+    derived = reruns[-1]["derived"]
+    curve, tau = derived["curve"], derived["tau_q"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot([c[0] for c in curve], [c[2] for c in curve])
     left.set_xlabel("round")
