@@ -16,6 +16,7 @@ the mean by at most 2C/b, so one step is (α, κα)-RDP with κ = (2/b)²/(2σ²
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -120,6 +121,13 @@ def rdp_of_event(noise_multiplier: float, sample_rate: float, alpha: int) -> flo
     return subsampled_rdp(kappa, sample_rate, alpha)
 
 
+@functools.lru_cache(maxsize=4096)
+def _rdp_curve(noise_multiplier: float, sample_rate: float,
+               orders: tuple[int, ...]) -> np.ndarray:
+    """One step's RDP at each of ``orders`` (computed once per (z, q))."""
+    return np.array([rdp_of_event(noise_multiplier, sample_rate, a) for a in orders])
+
+
 def epsilon_of_history(history: tuple[tuple[float, float, int], ...], delta: float,
                        orders: tuple[int, ...] = LEDGER_ORDERS) -> float:
     """ε of a composition of ``(noise multiplier, sample rate, steps)`` events (replace-one
@@ -130,9 +138,9 @@ def epsilon_of_history(history: tuple[tuple[float, float, int], ...], delta: flo
         return 0.0
     if any(z <= 0 for z, _, _ in history):
         return math.inf
-    return min(epsilon_from_rdp(sum(steps * rdp_of_event(z, q, alpha)
-                                    for z, q, steps in history), alpha, delta)
-               for alpha in orders)
+    rdp = sum(steps * _rdp_curve(z, q, orders) for z, q, steps in history)
+    alphas = np.asarray(orders, dtype=np.float64)
+    return float(np.min(rdp + math.log(1 / delta) / (alphas - 1)))
 
 
 def implied_epsilon(*, sigma: float, delta: float, batch_size: int, num_samples: int,
