@@ -1,7 +1,7 @@
 """Real Flower processes: a ``flower-superlink`` and ``flower-supernode`` processes hosting
 cohorts of clients, driven by ``flwr run``, give the engine's model bit for bit (PriSMA: its
 first round of its own, then x^t and x^{t−1} broadcast and the noisy v_i kept in each node's
-``Context.state``, two clients per node)."""
+``Context.state``; AdaptDP-FedAvg: two exchanges a round; two clients per node)."""
 
 from __future__ import annotations
 
@@ -93,10 +93,21 @@ def deployment(tmp_path):
         assert all(p.poll() is not None for p in started)
 
 
-def test_prisma_on_real_supernodes_equals_the_engine_bitwise(tmp_path, deployment):
-    overrides = {"algorithm": "prisma", "num-partitions": 4, "num-server-rounds": 3,
-                 "batch-size": 16, "seed": 5, "gamma": 0.3, "clip-diff": 0.2,
-                 "learning-rate": 0.5, "results-dir": str(tmp_path / "results")}
+CASES = {
+    "prisma": {"algorithm": "prisma", "num-partitions": 4, "num-server-rounds": 3,
+               "batch-size": 16, "seed": 5, "gamma": 0.3, "clip-diff": 0.2,
+               "learning-rate": 0.5},
+    # two exchanges a round: the noisy statistic sets C_r, then K local DP-SGD steps
+    "adaptdp-fedavg": {"algorithm": "adaptdp-fedavg", "dataset": "quadratic",
+                       "model": "least-squares", "num-partitions": 4, "num-server-rounds": 4,
+                       "batch-size": 50, "local-steps": 5, "learning-rate": 0.4, "clip": 3.0,
+                       "calibration": "paper", "epsilon": 1000.0, "delta": 1e-4, "seed": 3},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_real_supernodes_equal_the_engine_bitwise(tmp_path, deployment, case):
+    overrides = {**CASES[case], "results-dir": str(tmp_path / "results")}
     env = deployment(["0,1", "2,3"])
     done = subprocess.run(
         [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--stream", "--run-config",
