@@ -395,7 +395,9 @@ def report_figures(lab: Lab, sweep: Sweep,
     ax.legend()
     lab.figure(f"figure1-{sweep.name}", fig, f"Figure 1: training loss per round at the "
                f"selected Lv.{level} points (seed 0)")
-    engine = {m: sweep.config(m, level, chosen[(m, level)][0], 0) for m in sweep.methods}
+    # engine-mode="exact" (the default) spelled out: a run of its own, not the simulated one
+    engine = {m: {**sweep.config(m, level, chosen[(m, level)][0], 0), "engine-mode": "exact"}
+              for m in sweep.methods}
     diagnosed = ({**engine["adaptdp-fedavg"], "eval-norm-quantiles": True}
                  if "adaptdp-fedavg" in engine else None)
     reruns = lab.run_many([*engine.values(), *([diagnosed] if diagnosed else [])],
