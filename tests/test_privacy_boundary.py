@@ -11,6 +11,7 @@ between neighbours however large the noise: the second test fails on such a repl
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -27,9 +28,14 @@ OWN = sorted(name for name in ALGORITHMS.names()
              if ALGORITHMS.get(name).__module__.startswith("dpfl.algorithms")
              and not ALGORITHMS.get(name).noise_free)
 NOISE_FREE = sorted(name for name in ALGORITHMS.names() if ALGORITHMS.get(name).noise_free)
-VARIANTS = {"clip-sgd": [{}, {"clipping": "per-sample"}]}
+VARIANTS = {"clip-sgd": [{}, {"clipping": "per-sample"}],
+            "dp-fedavg-quantile": [{"clipped-count-stddev": 5.0}]}
 CASES = [(name, extra) for name in OWN for extra in VARIANTS.get(name, [{}])]
 IDS = [name + "".join(f"-{v}" for v in extra.values()) for name, extra in CASES]
+# central DP (a trusted server noises clipped updates): protects a whole client, not a record
+LOCAL = [(name, extra) for name, extra in CASES
+         if not ALGORITHMS.get(name).central_releases()]
+LOCAL_IDS = [i for i, case in zip(IDS, CASES, strict=True) if case in LOCAL]
 # digits' 1437 training images in 3 equal partitions, batch = a client's whole data: the
 # replaced record is in every batch
 BASE = {"num-partitions": 3, "batch-size": 479, "num-server-rounds": 2, "learning-rate": 0.1}
@@ -69,9 +75,16 @@ def test_every_record_a_client_sends_is_an_upload_covered_by_a_noised_release(tm
             assert isinstance(record, ArrayRecord), record_name
             client = int(record_name.removeprefix("client."))
             releases = {r.name: r for r in problem.releases(client)}
+            central = {r.name: r for r in problem.server_releases()}
             for key in record:
-                release = releases[uploads[key].release]
-                assert release.noise_multiplier > 0 and release.side == "client"
+                if uploads[key].central:  # noised by the server, and the run says so
+                    release = central[uploads[key].release]
+                    assert release.noise_multiplier > 0 and release.side == "server"
+                    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+                    assert summary["privacy"]["guarantee_against_server"] is False
+                else:
+                    release = releases[uploads[key].release]
+                    assert release.noise_multiplier > 0 and release.side == "client"
                 sent += 1
     assert sent == 3 * sum(len(e.uploads) for r in (1, 2) for e in algorithm.round_exchanges(r))
 
@@ -103,12 +116,25 @@ def _replies(problem):
     return out
 
 
-@pytest.mark.parametrize("name, extra", CASES, ids=IDS)
+def _bound(problem, release, upload) -> float:
+    """How far one replaced record can move an upload under the same noise: its release's
+    sensitivity; for the local model after one noisy DP-SGD step at the radius the server
+    sends (AdaptDP-FedAvg, DP-FedAvg: K = 1 here), η times the step's sensitivity 2C/b at the
+    initial radius C = clip."""
+    if release.radius is not None:
+        return release.sensitivity()
+    hp = problem.algorithm.hp
+    assert upload.post_processing and hp.local_steps == 1
+    return hp.learning_rate * release.sensitivity(hp.clip / hp.batch_size)
+
+
+@pytest.mark.parametrize("name, extra", LOCAL, ids=LOCAL_IDS)
 def test_neighbouring_datasets_under_huge_noise_give_replies_within_the_sensitivity(name, extra,
                                                                                    tmp_path):
     """Noise 10⁴ times the sensitivity, the same seed (so the same noise): the two replies may
     differ only in noised arrays, and only by f(D) − f(D'), at most the sensitivity. An exact
-    statistic of the data (a loss, a norm, a count) in a reply breaks it."""
+    statistic of the data (a loss, a norm, a count) in a reply breaks it. (Central DP protects
+    whole clients and sends clipped updates un-noised by design: not a record-level case.)"""
     config = RunConfig({**BASE, **extra, "algorithm": name, "noise-multiplier": 1e4,
                         "results-dir": str(tmp_path)})
     problem = build_problem(config)
@@ -128,7 +154,7 @@ def test_neighbouring_datasets_under_huge_noise_give_replies_within_the_sensitiv
             for key in a:
                 diff = torch.from_numpy(a[key].numpy()).double() - torch.from_numpy(
                     b[key].numpy()).double()
-                bound = releases[uploads[key].release].sensitivity()
+                bound = _bound(problem, releases[uploads[key].release], uploads[key])
                 # float32 rounding of values 10⁴ times the sensitivity adds a few percent
                 assert torch.linalg.vector_norm(diff).item() <= 1.1 * bound, key
 

@@ -227,9 +227,10 @@ class Algorithm(ABC):
         radius for every query by default."""
         return [multiplier / RELATIONS[q.relation] for q in queries]
 
-    def central_releases(self) -> dict[str, str]:
+    @classmethod
+    def central_releases(cls) -> dict[str, str]:
         """The server-side releases that cover central uploads, by exchange."""
-        return {u.release: e.name for e in self.exchanges for u in e.uploads.values()
+        return {u.release: e.name for e in cls.exchanges for u in e.uploads.values()
                 if u.central}
 
     def server_queries(self) -> list[Query]:
