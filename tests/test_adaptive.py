@@ -288,13 +288,28 @@ def test_the_smoke_reproduction_reports_tables_2_to_4_and_figures(tmp_path, task
     folder = tmp_path / f"reproduce-adaptive-{task}-smoke"
     report = (folder / "report.md").read_text()
     for text in ("Table 2", "Table 3", "| Lv.3 | DP-FedAvg |", "| Lv.3 | AdaptDP-FedAvg |",
-                 "dpfl run --run-config", "Cost estimate", "training loss below"):
+                 "dpfl run --run-config", "Cost estimate", "training loss below",
+                 "Past the paper's grid", "in the engine"):
         assert text in report
     assert ("### Table 4" in report) == (task != "t2")
     assert ("(7.62e-05)" in report) == (task == "t1")  # Table 4's revealed T1 cell
     for figure in ("figure1", "figure2"):
         assert (folder / f"{figure}-{task}.png").stat().st_size > 0
     assert "τ_0.7 = " in report
+
+
+def test_a_walk_past_the_edge_steps_each_axis_at_its_end_singly_and_together():
+    from dpfl.experiments.adaptive import beyond
+    from dpfl.experiments.selection import grid
+
+    points = grid(learning_rate=(0.1, 0.3), clip=(0.05, 0.1, 0.5))
+    assert beyond({"learning-rate": 0.3, "clip": 0.5}, points) == [
+        {"learning-rate": 0.6, "clip": 0.5}, {"learning-rate": 0.3, "clip": 1.0},
+        {"learning-rate": 0.6, "clip": 1.0}]
+    assert beyond({"learning-rate": 0.1, "clip": 0.1}, points) == [
+        {"learning-rate": 0.05, "clip": 0.1}]
+    assert beyond({"learning-rate": 0.6, "clip": 0.1}, points + [
+        {"learning-rate": 0.6, "clip": 0.1}]) == [{"learning-rate": 1.2, "clip": 0.1}]
 
 
 def test_the_grids_and_noise_are_the_papers():

@@ -47,6 +47,8 @@ SEEDS = (0, 1)
 CLIENTS = (2, 4, 6)
 PER_CLIENT = 1500
 CURVE_POINTS = 100  # points of a loss / radius curve kept in the archive
+EDGE_STEPS = 3  # steps past the paper's grid (an extension)
+EDGE_FACTOR = 2.0
 COMMON: Config = {"partitioner": "iid", "batch-size": 100, "delta": 1e-4,
                   "calibration": "noise-size", "non-private-diagnostics": True,
                   "eval-train": True}
@@ -245,6 +247,53 @@ class Sweep:
             chosen[cell] = ({"learning-rate": best[0], "clip": best[1]}, by_point[best])
         return chosen
 
+    def extend(self, chosen: dict[tuple[str, int], tuple[Config, list[dict[str, Any]]]]
+               ) -> dict[tuple[str, int], tuple[Config, list[dict[str, Any]], bool]]:
+        """Each cell's selection walked past the edge of the paper's grid (:func:`beyond`),
+        both seeds, while the mean lowest training loss improves, at most EDGE_STEPS steps;
+        per cell the point, its runs and whether it is still on the edge of what was
+        searched."""
+        def score(runs: list[dict[str, Any]]) -> float:
+            return statistics.fmean(s["derived"]["min_train_loss"] for s in runs)
+
+        searched = {cell: list(self.points) for cell in chosen}
+        best = {cell: (point, runs) for cell, (point, runs) in chosen.items()}
+        open_cells = set(chosen)
+        for _ in range(1 if self.lab.smoke else EDGE_STEPS):
+            candidates = {cell: beyond(best[cell][0], searched[cell]) for cell in open_cells}
+            candidates = {cell: points for cell, points in candidates.items() if points}
+            if not candidates:
+                break
+            configs = [self.config(*cell, p, seed) for cell, points in candidates.items()
+                       for p in points for seed in SEEDS]
+            summaries = iter(batched(self.lab, configs))
+            open_cells = set()
+            for cell, points in candidates.items():
+                searched[cell] += points
+                for p in points:
+                    runs = [next(summaries) for _ in SEEDS]
+                    if score(runs) < score(best[cell][1]):
+                        best[cell] = (p, runs)
+                        open_cells.add(cell)
+        return {cell: (p, runs, bool(beyond(p, searched[cell])))
+                for cell, (p, runs) in best.items()}
+
+
+def beyond(point: Config, searched: list[Config]) -> list[Config]:
+    """The points one step (× or ÷ EDGE_FACTOR) past each axis at whose end of ``searched``
+    ``point`` sits, one axis at a time and both together, not searched yet."""
+    moves = {}
+    for key in ("learning-rate", "clip"):
+        values = [p[key] for p in searched]
+        if point[key] >= max(values):
+            moves[key] = point[key] * EDGE_FACTOR
+        elif point[key] <= min(values):
+            moves[key] = point[key] / EDGE_FACTOR
+    out = [{**point, key: value} for key, value in moves.items()]
+    if len(moves) == 2:
+        out.append({**point, **moves})
+    return [p for p in out if p not in searched]
+
 
 def simulate(configs: list[Config]) -> list[dict[str, Any]]:
     """:func:`fixed_features.simulate` with each summary's :func:`derive` numbers (the
@@ -258,6 +307,32 @@ def simulate(configs: list[Config]) -> list[dict[str, Any]]:
 def batched(lab: Lab, configs: list[Config]) -> list[dict[str, Any]]:
     """``configs`` in the simulator, the configurations of one federation in one batch."""
     return lab.run_batched(configs, federation=fixed_features.federation, simulate=simulate)
+
+
+def report_extension(lab: Lab, sweep: Sweep,
+                     chosen: dict[tuple[str, int], tuple[Config, list[dict[str, Any]]]],
+                     extended: dict[tuple[str, int], tuple[Config, list[dict[str, Any]], bool]]
+                     ) -> None:
+    rows, ratios = [], []
+    for cell, (point, runs, edge) in extended.items():
+        grid_point, grid_runs = chosen[cell]
+        rows.append([f"Lv.{cell[1]}", LABEL[cell[0]],
+                     f"{loss_cell(grid_runs)} at (C={grid_point['clip']:g}, "
+                     f"η={grid_point['learning-rate']:g})",
+                     f"{loss_cell(runs)} at (C={point['clip']:g}, η={point['learning-rate']:g})"
+                     + (" still on the edge" if edge else ""), accuracy_cell(runs)])
+    for level in sweep.levels:
+        if all((m, level) in extended for m in METHODS):
+            dp, adapt = (statistics.fmean(s["derived"]["min_train_loss"]
+                                          for s in extended[(m, level)][1]) for m in METHODS)
+            ratios.append(f"Lv.{level}: {dp / adapt:.3g}×")
+    lab.table(f"Past the paper's grid (an extension): each cell's selection walked past the "
+              f"grid's edge, one step (×/÷ {EDGE_FACTOR:g}) per axis at a time, while the "
+              f"lowest training loss improves ({1 if lab.smoke else EDGE_STEPS} steps at most)",
+              ["level", "method", "paper's grid", "extended", "test accuracy"], rows)
+    if ratios:
+        lab.text("DP-FedAvg / AdaptDP-FedAvg at the extended selections: " + "; ".join(ratios)
+                 + ".")
 
 
 def loss_cell(runs: list[dict[str, Any]], key: str = "min_train_loss") -> str:
@@ -292,6 +367,7 @@ def reproduce(lab: Lab, name: str) -> str:
     if task.table4_rounds and len(sweep.methods) == 2:
         report_clients(lab, sweep, chosen)
     report_figures(lab, sweep, chosen)
+    report_extension(lab, sweep, chosen, sweep.extend(chosen))
     return f"AdaptDP-FedAvg {task.name}"
 
 
