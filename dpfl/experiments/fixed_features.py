@@ -159,9 +159,13 @@ class FeatureSweep:
         s = len(configs)
         lr = torch.tensor([a.hp.learning_rate for a in algorithms], dtype=torch.float64)
         adaptive = [a.hp.adaptive for a in algorithms]
-        train = [next(r for r in p.releases(0) if r.name == "train") for p in problems]
-        statistic = [next((r for r in p.releases(0) if r.name == "statistic"), None)
-                     for p in problems]
+        def own(problem: Problem, name: str) -> list[Any] | None:  # every client's release
+            found = [next((r for r in problem.releases(c) if r.name == name), None)
+                     for c in clients]
+            return None if found[0] is None else found
+
+        train = [own(p, "train") for p in problems]
+        statistic = [own(p, "statistic") for p in problems]
         radius = torch.tensor([a.hp.clip for a in algorithms], dtype=torch.float32).double()
         x = self.theta0.expand(s, *self.theta0.shape).clone()  # [S, classes, F]
         records: list[list[dict[str, Any]]] = [[] for _ in configs]
@@ -171,7 +175,7 @@ class FeatureSweep:
                 radius = self.radii(round, x, problems, statistic, adaptive, radius, rng,
                                     clients, sizes, indices)
             local = x.unsqueeze(1).expand(s, n_clients, *x.shape[1:]).clone()
-            std = torch.stack([stds([t] * n_clients, float(r) / b).double()
+            std = torch.stack([stds(t, float(r) / b).double()
                                for t, r in zip(train, radius.tolist(), strict=True)])  # [S, P]
             for k in range(k_steps):
                 picks = rng.sample_without_replacement(clients, sizes, round, f"batch-{k}", b)
@@ -217,7 +221,7 @@ class FeatureSweep:
         z = rng.normal(clients, round, "statistic-noise", (1,), torch.ones(len(clients)))
         out = radius.clone()
         for j, i in enumerate(index):
-            std = stds([statistic[i]] * len(clients)).double()
+            std = stds(statistic[i]).double()
             sums = (means[j].float() + (std * z[:, 0].double()).float()).sum()
             problem = problems[i]
             ctx = ServerContext(round, rng, clients, len(clients),
