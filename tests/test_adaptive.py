@@ -327,18 +327,30 @@ def test_the_grids_and_noise_are_the_papers():
     assert RunConfig(config) and RunConfig(dp)
 
 
-@pytest.mark.parametrize("task, points", [("t1", [(0.1, 3.0), (0.5, 0.5)]),
-                                          ("t3", [(0.3, 0.05), (0.1, 0.5)])])
-def test_the_simulator_follows_the_engine(tmp_path, task, points):
+@pytest.mark.parametrize("task, points, paper", [("t1", [(0.1, 3.0), (0.5, 0.5)], False),
+                                                 ("t3", [(0.3, 0.05), (0.1, 0.5)], False),
+                                                 ("t2", [(0.1, 0.5), (0.03, 0.1)], True)])
+def test_the_simulator_follows_the_engine(tmp_path, task, points, paper):
     """A batch of both methods at two levels and two grid points, 4 rounds: each configuration's
     training loss and C_r every round equal the engine's `dpfl run` of the same run config to
-    float32 rounding (C_r exactly: it is broadcast in float32), and its ε is the ledger's."""
+    float32 rounding (C_r exactly: it is broadcast in float32), and its ε is the ledger's. With
+    T2's clients of 22,606 and 22,605 records and `calibration="paper"`, each client's own noise
+    (calibrated from its size) is the one scaled."""
     from dpfl.experiments.adaptive import TASKS, config_of
     from dpfl.experiments.fixed_features import simulate
+
+    def calibrated(config, level):  # ε 50 and 5 instead of the noise sizes of the levels
+        config = {k: v for k, v in config.items()
+                  if k not in ("noise-size", "statistic-noise-size")}
+        return {**config, "calibration": "paper", "epsilon": 50.0 if level == 1 else 5.0}
 
     configs = [config_of(TASKS[task], m, lv, {"learning-rate": lr, "clip": c}, 0, rounds=4,
                          smoke=True)
                for m in ("dp-fedavg", "adaptdp-fedavg") for lv in (1, 3) for lr, c in points]
+    if paper:
+        configs = [calibrated(c, 1 if i % 4 < 2 else 3) for i, c in enumerate(configs)]
+        problem = build_problem(RunConfig(configs[0]))  # unequal sizes, unequal noise
+        assert problem.releases(0)[0].noise_multiplier != problem.releases(1)[0].noise_multiplier
     simulated = simulate(configs)
     for i in (0, 3, 4, 7):
         engine = run(RunConfig({**configs[i], "results-dir": str(tmp_path),
