@@ -106,4 +106,9 @@ class AlgorithmClient(NumPyClient):
         return [uploads[k].numpy() for k in spec.uploads], len(self.clients), metrics
 
     def _releases(self, client: int, exchange: str | None = None) -> list:
-        return [r for r in self.problem.releases(client) if exchange in (None, r.exchange)]
+        """What the client is charged for: its own releases, and the server's that cover its
+        central uploads (client-level)."""
+        central = self.problem.algorithm.central_releases()
+        return [r for r in [*self.problem.releases(client), *(
+            r for r in self.problem.server_releases() if r.name in central)]
+            if exchange in (None, r.exchange)]
