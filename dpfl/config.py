@@ -129,8 +129,9 @@ COMMON: tuple[Param, ...] = (
           choices=("rdp", "prv")),
     Param("calibration", "accountant",
           "How noise is calibrated when noise-multiplier=-1: 'accountant' (Opacus), "
-          "'paper' (the paper's proven formula) or 'practice' (the formula the paper's "
-          "experiments used); each algorithm lists the ones it offers."),
+          "'paper' (the paper's proven formula), 'practice' (the formula the paper's "
+          "experiments used) or 'noise-size' (the paper's own noise sizes, given directly); "
+          "each algorithm lists the ones it offers."),
     Param("max-epsilon", 0.0,
           "Stop the run before a round would take any client's ε above this; 0 = no stop.",
           check=at_least(0.0)),
