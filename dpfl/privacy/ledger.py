@@ -3,9 +3,13 @@
 Following ``dp_accounting``'s event view, a ledger never adds ε values by hand. It records each
 :class:`~dpfl.privacy.release.Release` as an event (noise multiplier, sample rate, steps) in
 Opacus' compact history format and asks an accountant for the ε of the whole history at the
-run's δ: Opacus' RDP or PRV accountant (``rdp``, ``prv``), or ``rdp-wor``, the RDP bound for
+run's δ: Opacus' RDP or PRV accountant (``rdp``, ``prv``); ``rdp-wor``, the RDP bound for
 fixed-size sampling without replacement under replace-one neighbours (Wang et al. 2019,
-Theorem 9; :mod:`dpfl.privacy.subsampled_rdp`) that the adaptive-clipping paper accounts with.
+Theorem 9; :mod:`dpfl.privacy.subsampled_rdp`) that the adaptive-clipping paper accounts with;
+or ``rdp-classical``, Opacus' Poisson-subsampled RDP converted the classical way,
+ε = min_α RDP(α) + ln(1/δ)/(α − 1) over the integer orders 2–256 (Mironov 2017; TF-Privacy's
+``rdp_accountant``), which papers of the TF-Privacy era report (Opacus' own conversion, Balle
+et al. 2020, is tighter).
 
 The multiplier recorded is std / sensitivity under the release's neighbouring relation. Opacus'
 accountants analyse Poisson subsampling with add/remove neighbours; for fixed-size sampling
@@ -37,11 +41,18 @@ from dpfl.privacy.subsampled_rdp import epsilon_of_history
 Event = tuple[float, float, int]  # (noise_multiplier, sample_rate, steps)
 
 
+#: the integer orders of the classical conversion (TF-Privacy's ``rdp_accountant`` and Opacus
+#: before 1.0): Opacus' default orders stop at 63, too low for small ε
+CLASSICAL_ORDERS = tuple(range(2, 257))
+
+
 @functools.lru_cache(maxsize=4096)
-def _rdp_per_step(noise_multiplier: float, sample_rate: float) -> np.ndarray:
-    """Opacus' RDP curve of one subsampled-Gaussian step at its default orders."""
+def _rdp_per_step(noise_multiplier: float, sample_rate: float,
+                  orders: tuple[float, ...] = tuple(RDPAccountant.DEFAULT_ALPHAS)) -> np.ndarray:
+    """Opacus' RDP curve of one Poisson-subsampled Gaussian step at ``orders`` (its default
+    orders unless given)."""
     return np.asarray(rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier,
-                                               steps=1, orders=RDPAccountant.DEFAULT_ALPHAS))
+                                               steps=1, orders=list(orders)))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -52,6 +63,10 @@ def _epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float
         return math.inf
     if accountant == "rdp-wor":
         return epsilon_of_history(history, delta)
+    if accountant == "rdp-classical":
+        rdp = sum(_rdp_per_step(z, q, CLASSICAL_ORDERS) * steps for z, q, steps in history)
+        orders = np.asarray(CLASSICAL_ORDERS, dtype=np.float64)
+        return float(np.min(rdp + math.log(1 / delta) / (orders - 1)))
     if accountant == "rdp":
         # RDPAccountant.get_epsilon, with each (z, q) curve computed once: the RDP of
         # `steps` compositions is `steps` times the one-step curve (Opacus does the same).
