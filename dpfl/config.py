@@ -105,6 +105,9 @@ BATCH_SIZE = Param("batch-size", 32, "Per-client mini-batch size, sampled withou
 LEARNING_RATE = Param("learning-rate", 2.0, "Server/client step size.", check=positive,
                       symbol="η, γ")
 CLIP = Param("clip", 1.0, "Clipping threshold (max grad norm).", check=positive, symbol="C, τ")
+FRACTION_TRAIN = Param("fraction-train", 1.0, "Fraction of clients sampled each round, "
+                       "s = round(fraction·n) (at least 1), uniformly without replacement from "
+                       "the server's stream.", check=unit_interval, symbol="s/n")
 
 COMMON: tuple[Param, ...] = (
     Param("algorithm", "dpsgd-gc", "Algorithm to run (see the algorithm table)."),

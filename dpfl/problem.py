@@ -168,8 +168,11 @@ def build_problem(config: RunConfig) -> Problem:
                                    MODELS.get(str(config["model"])))).to(device)
     model = FlatModel(module, LOSS_OF_TASK[dataset.task],
                       nonconvex_reg=float(config["nonconvex-reg"]))
+    public = (None if dataset.public_y is None
+              else (dataset.public_x.to(device), dataset.public_y.to(device)))
     algorithm = ALGORITHMS.get(str(config["algorithm"]))(config.hyperparameters, model,
-                                                         num_clients=len(parts))
+                                                         num_clients=len(parts), public=public)
+    algorithm.check_run(int(config["num-server-rounds"]))
     return Problem(config, dataset, parts, model, algorithm, model.initial_params().cpu(), device)
 
 

@@ -31,7 +31,7 @@ CASES = {
                                             "not used by algorithm 'non-prisma', which adds no "
                                             "noise"),
     "unknown_dataset_option": ('dataset-options="dup=2"', "dataset-options",
-                               "dataset 'digits' has no option 'dup' (allowed: none)"),
+                               "dataset 'digits' has no option 'dup' (allowed: num_public)"),
     "unparsable_dataset_options": ("dataset-options='scaling=symmetric'", "dataset-options",
                                    "cannot parse 'scaling=symmetric' (strings in double quotes)"),
     "wrong_type": ('clip="big"', "clip", "expected float"),
@@ -43,7 +43,7 @@ CASES = {
     "unknown_dataset": ('dataset="imagenet"', "dataset", "allowed: a9a"),
     "unknown_model": ('model="gpt"', "model", "allowed:"),
     "unknown_algorithm": ('algorithm="sgd"', "algorithm",
-                          "dp-fedavg, dp-fedavg-quantile, dpsgd-gc"),
+                          "dp-fedavg, dp-fedavg-quantile, dp-scaffold, dp-sgd, dpsgd-gc"),
     "unknown_accountant": ('accountant="gdp"', "accountant", "allowed: rdp, prv"),
     "missing_data_directory": ('dataset="mnist" data-dir="/nonexistent/data"', "dataset",
                                "/nonexistent/data"),

@@ -21,6 +21,8 @@ SHAPES = {
     "dpftrl-cnn": ((3, 32, 32), 10),
     "random-feature-mlp": ((784,), 10),
     "resnet20": ((3, 32, 32), 10),
+    "pcdp-cnn": ((1, 28, 28), 10),
+    "pcdp-lenet": ((3, 32, 32), 10),
 }
 
 
@@ -43,6 +45,8 @@ def _trainable(model: torch.nn.Module) -> int:
         ("logistic", 7_850),
         ("least-squares", 20),
         ("random-feature-mlp", 5_130),  # adaptive-clipping §8 item 17: 512·10 + 10
+        ("pcdp-cnn", 26_010),  # PCDP-SGD's CNN (the first author's public code)
+        ("pcdp-lenet", 797_962),  # its CIFAR-10 LeNet
     ],
 )
 def test_parameter_counts_match_the_specs(name, expected):

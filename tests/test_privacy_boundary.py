@@ -17,8 +17,9 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
-from dpfl.algorithms import ALGORITHMS
+from dpfl.algorithms import ALGORITHMS, ServerContext
 from dpfl.client.app import reply
+from dpfl.privacy import RELATIONS, Randomness
 from dpfl.problem import build_problem
 from dpfl.runconfig import RunConfig
 from dpfl.strategies.algorithm import to_record
@@ -37,8 +38,16 @@ LOCAL = [(name, extra) for name, extra in CASES
          if not ALGORITHMS.get(name).central_releases()]
 LOCAL_IDS = [i for i, case in zip(IDS, CASES, strict=True) if case in LOCAL]
 # digits' 1437 training images in 3 equal partitions, batch = a client's whole data: the
-# replaced record is in every batch
+# replaced record is in every batch (Poisson sampling at rate 1 too)
 BASE = {"num-partitions": 3, "batch-size": 479, "num-server-rounds": 2, "learning-rate": 0.1}
+# a public subspace needs public records: 3 held out leave 478 per client
+PUBLIC = {"dataset-options": "num_public=3", "batch-size": 478}
+
+
+def base(name: str) -> dict:
+    """BASE, with public records for an algorithm that projects onto them."""
+    public = getattr(ALGORITHMS.get(name).Hyperparameters, "projection", None) == "public"
+    return {**BASE, **(PUBLIC if public else {})}
 
 
 class RecordingGrid(InProcessGrid):
@@ -57,7 +66,7 @@ class RecordingGrid(InProcessGrid):
 @pytest.mark.parametrize("name, extra", CASES, ids=IDS)
 def test_every_record_a_client_sends_is_an_upload_covered_by_a_noised_release(tmp_path, name,
                                                                              extra):
-    values = {**BASE, **extra, "algorithm": name, "noise-multiplier": 1.0,
+    values = {**base(name), **extra, "algorithm": name, "noise-multiplier": 1.0,
               "results-dir": str(tmp_path), "run-name": "run"}
     grid, problem = run_flower_code_path(values, [{"partition-id": i} for i in range(3)],
                                          grid_class=RecordingGrid)
@@ -105,10 +114,12 @@ def _replies(problem):
     grid = InProcessGrid(None, problem.config.as_dict(), [{"partition-id": 0}])
     context: Context = grid.contexts[1]
     out = []
+    algorithm = problem.algorithm
     for round in (1, 2):
-        for exchange in problem.algorithm.round_exchanges(round):
-            broadcast = problem.algorithm.broadcast(
-                exchange.name, problem.algorithm.init_server_state(problem.x0), round)
+        state = algorithm.begin_round(algorithm.init_server_state(problem.x0), ServerContext(
+            round, Randomness(0), [0], problem.num_clients))
+        for exchange in algorithm.round_exchanges(round):
+            broadcast = algorithm.broadcast(exchange.name, state, round)
             msg = Message(RecordDict({"broadcast": to_record(broadcast), "config": ConfigRecord(
                 {"exchange": exchange.name, "round": round, "clients": [0]})}), 1,
                 MessageType.TRAIN)
@@ -116,16 +127,18 @@ def _replies(problem):
     return out
 
 
-def _bound(problem, release, upload) -> float:
-    """How far one replaced record can move an upload under the same noise: its release's
-    sensitivity; for the local model after one noisy DP-SGD step at the radius the server
-    sends (AdaptDP-FedAvg, DP-FedAvg: K = 1 here), η times the step's sensitivity 2C/b at the
-    initial radius C = clip."""
+def _bound(problem, release, upload, key) -> float:
+    """How far one replaced record can move an upload under the same noise: twice its
+    release's radius (a replacement is a removal and an addition); for the local model after
+    one noisy DP-SGD step at the radius the server sends (K = 1 here), η times the step's 2C/b
+    at the initial radius C = clip, and for SCAFFOLD's control-variate change (x − y)/(Kη) − c,
+    the step's 2C/b itself."""
     if release.radius is not None:
-        return release.sensitivity()
+        return RELATIONS["replace-one"] * release.radius
     hp = problem.algorithm.hp
     assert upload.post_processing and hp.local_steps == 1
-    return hp.learning_rate * release.sensitivity(hp.clip / hp.batch_size)
+    step = RELATIONS["replace-one"] * hp.clip / hp.batch_size
+    return step if key == "dc" else hp.learning_rate * step
 
 
 @pytest.mark.parametrize("name, extra", LOCAL, ids=LOCAL_IDS)
@@ -135,7 +148,7 @@ def test_neighbouring_datasets_under_huge_noise_give_replies_within_the_sensitiv
     differ only in noised arrays, and only by f(D) − f(D'), at most the sensitivity. An exact
     statistic of the data (a loss, a norm, a count) in a reply breaks it. (Central DP protects
     whole clients and sends clipped updates un-noised by design: not a record-level case.)"""
-    config = RunConfig({**BASE, **extra, "algorithm": name, "noise-multiplier": 1e4,
+    config = RunConfig({**base(name), **extra, "algorithm": name, "noise-multiplier": 1e4,
                         "results-dir": str(tmp_path)})
     problem = build_problem(config)
     neighbour = _neighbour(problem)
@@ -154,7 +167,7 @@ def test_neighbouring_datasets_under_huge_noise_give_replies_within_the_sensitiv
             for key in a:
                 diff = torch.from_numpy(a[key].numpy()).double() - torch.from_numpy(
                     b[key].numpy()).double()
-                bound = _bound(problem, releases[uploads[key].release], uploads[key])
+                bound = _bound(problem, releases[uploads[key].release], uploads[key], key)
                 # float32 rounding of values 10⁴ times the sensitivity adds a few percent
                 assert torch.linalg.vector_norm(diff).item() <= 1.1 * bound, key
 

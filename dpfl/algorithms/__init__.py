@@ -4,7 +4,9 @@ from dpfl.algorithms import (
     adaptive,  # noqa: F401  (registers)
     clip21,  # noqa: F401  (registers)
     prisma,  # noqa: F401  (registers)
+    projected,  # noqa: F401  (registers)
     quantile,  # noqa: F401  (registers)
+    scaffold,  # noqa: F401  (registers)
 )
 from dpfl.algorithms.base import (
     Algorithm,

@@ -66,11 +66,13 @@ from dpfl.algorithms.base import (
     ServerContext,
     State,
     Upload,
+    sample_clients,
 )
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import (
     BATCH_SIZE,
     CLIP,
+    FRACTION_TRAIN,
     LEARNING_RATE,
     Param,
     at_least,
@@ -78,8 +80,10 @@ from dpfl.config import (
     open_unit,
     positive,
 )
-from dpfl.privacy import CALIBRATIONS, Query, Target, clip_by_norm
+from dpfl.privacy import CALIBRATIONS, Query, Randomness, Target, clip_by_norm
 from dpfl.privacy.subsampled_rdp import noise_size
+
+Batch = tuple[Tensor, Tensor]  # one client's records of a step: x [b_c, ...], y [b_c]
 
 LOCAL_STEPS = Param("local-steps", 1, "Local DP-SGD steps per round, each on a fresh batch.",
                     check=at_least(1), symbol="K")
@@ -98,22 +102,54 @@ PROJECTION = Param("projection-radius", math.inf, "AdaptDP-FedAvg: project the a
 NOISE_SIZE = Param("noise-size", 0.01, "calibration='noise-size': σ_p, the training noise std "
                    "relative to the clip radius on a batch mean (the paper's Table 1 unit).",
                    check=positive, symbol="σ_p")
+SAMPLING = Param("sampling", "fixed", "How each local step draws its batch: 'fixed' (b records "
+                 "uniformly without replacement; replace-one neighbours) or 'poisson' (each record "
+                 "with probability b/n, the sum divided by the expected b; add/remove neighbours, "
+                 "Opacus' analysis).", choices=("fixed", "poisson"))
+SERVER_LEARNING_RATE = Param("server-learning-rate", 1.0, "Global step size: the server moves "
+                             "by this times the mean update, x ← x − γ_g·mean_i(x − x_i); 1 = "
+                             "the average of the local models.", check=positive, symbol="γ_g")
+PROXIMAL_MU = Param("proximal-mu", 0.0, "FedProx's proximal weight: each per-sample gradient "
+                    "gets μ(x_k − x) added before clipping (the local loss plus (μ/2)‖x_k − x‖², "
+                    "Li et al. 2020); 0 = FedAvg.", check=at_least(0.0), symbol="μ")
 STATISTIC_NOISE_SIZE = Param("statistic-noise-size", 0.005, "calibration='noise-size': σ_p^C, "
                              "the statistic's noise std relative to Ĝ² (AdaptDP-FedAvg).",
                              check=positive, symbol="σ_p^C")
 
 
 @dataclass(frozen=True)
-class DPFedAvgHyperparameters:
+class LocalDPSGDHyperparameters:
+    """What K local DP-SGD steps read. The constants are those of AdaptDP-FedAvg (and of
+    DP-FedAvg's defaults): fixed-size batches, every client, the server averages."""
+
     batch_size: int = hyperparameter(BATCH_SIZE)  # b
-    learning_rate: float = hyperparameter(LEARNING_RATE)  # η
+    learning_rate: float = hyperparameter(LEARNING_RATE)  # η (γ_l)
     clip: float = hyperparameter(CLIP)  # C (DP-FedAvg), Ĝ (AdaptDP-FedAvg)
     local_steps: int = hyperparameter(LOCAL_STEPS)  # K
+    sampling: ClassVar[str] = "fixed"
+    fraction_train: ClassVar[float] = 1.0
+    server_learning_rate: ClassVar[float] = 1.0
+    proximal_mu: ClassVar[float] = 0.0
     adaptive: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
-class AdaptDPFedAvgHyperparameters(DPFedAvgHyperparameters):
+class FederatedHyperparameters(LocalDPSGDHyperparameters):
+    """Local DP-SGD inside a federation that samples batches and clients and has a server
+    step size."""
+
+    sampling: str = hyperparameter(SAMPLING)
+    fraction_train: float = hyperparameter(FRACTION_TRAIN)  # S/N
+    server_learning_rate: float = hyperparameter(SERVER_LEARNING_RATE)  # γ_g
+
+
+@dataclass(frozen=True)
+class DPFedAvgHyperparameters(FederatedHyperparameters):
+    proximal_mu: float = hyperparameter(PROXIMAL_MU)  # μ (FedProx)
+
+
+@dataclass(frozen=True)
+class AdaptDPFedAvgHyperparameters(LocalDPSGDHyperparameters):
     tau: float = hyperparameter(TAU)  # τ
     statistic_batch_size: int = hyperparameter(STATISTIC_BATCH)  # b^C
     failure_probability: float = hyperparameter(FAILURE)  # u
@@ -144,11 +180,16 @@ class AdaptDPFedAvg(Algorithm):
     protection = ("record-level local DP per client (replace-one neighbours): the radius "
                   "statistic and K local DP-SGD steps per round, each noised on the client, "
                   "fixed-size sampling without replacement")
-    paper_accountant = "rdp-wor"
+    reported_accountants = ("rdp-wor",)
     exchanges = (Exchange("statistic", ("x",), {"s": Upload("statistic")}),
                  Exchange("train", ("x", "radius"), {"x": Upload("train", post_processing=True)}))
     #: the share of ε each release gets in the paper's calibration (eqs. (1), (3))
     epsilon_share: ClassVar[float] = 1 / 4
+
+    @property
+    def relation(self) -> str:  # type: ignore[override]
+        """Replace-one for fixed-size batches (the paper's), add/remove for Poisson sampling."""
+        return "add-remove" if self.hp.sampling == "poisson" else "replace-one"
 
     def batch_of(self, release: str) -> int:
         """The records per client behind one step of ``release``."""
@@ -182,10 +223,14 @@ class AdaptDPFedAvg(Algorithm):
             mean = float(sums["s"].double().sum()) / len(ctx.participants)
             return {"x": state["x"], "radius": torch.tensor([self.radius(mean, ctx)],
                                                             dtype=torch.float32)}
-        x = sums["x"] / len(ctx.participants)
+        x = torch.lerp(state["x"], sums["x"] / len(ctx.participants),
+                       self.hp.server_learning_rate)  # the mean itself at γ_g = 1
         if self.hp.adaptive and math.isfinite(self.hp.projection_radius):
             x = clip_by_norm(x, self.hp.projection_radius)
         return {"x": x, "radius": state["radius"]}
+
+    def participants(self, round: int, clients: list[int], rng: Randomness) -> list[int]:
+        return sample_clients(self.hp.fraction_train, round, clients, rng)
 
     def radius(self, mean: float, ctx: ServerContext) -> float:
         """C_r = min(√(max(2τ(mean + ν̃), 0)), Ĝ) (Algorithm 1 line 9)."""
@@ -219,17 +264,58 @@ class AdaptDPFedAvg(Algorithm):
         params = x.unsqueeze(0).repeat(len(cohort), 1)
         clipped = torch.zeros(len(cohort), device=ctx.device)
         for k in range(hp.local_steps):
-            xb, yb = cohort.sample(ctx.rng, ctx.round, f"batch-{k}", hp.batch_size)
-            if radius > 0:
-                g, norms = self.model.clipped_mean(params, xb.to(ctx.device), yb.to(ctx.device),
-                                                   radius)
-                clipped += (norms > radius).float().mean(dim=1)
-            else:  # C_r = 0: nothing to add, and the noise std is 0 too
-                g = torch.zeros_like(params)
-            g = ctx.privatize("train", g, radius=radius / hp.batch_size, step=k)
+            g, fraction = self.noisy_gradient(params, x, self.batches(cohort, k, ctx),
+                                              radius, k, ctx)
+            clipped += fraction
             params = params - hp.learning_rate * g
         ctx.diagnose("clipped-fraction", clipped / hp.local_steps)
         return {"x": params.cpu()}, states
+
+    def batches(self, cohort: Cohort, k: int, ctx: ClientContext) -> list[Batch]:
+        """Each client's batch of local step ``k``: b records without replacement, or each
+        record with probability b/n (``sampling="poisson"``), from stream ``batch-<k>``."""
+        hp = self.hp
+        if hp.sampling == "poisson":
+            return cohort.poisson(ctx.rng, ctx.round, f"batch-{k}", hp.batch_size)
+        xb, yb = cohort.sample(ctx.rng, ctx.round, f"batch-{k}", hp.batch_size)
+        return list(zip(xb, yb, strict=True))
+
+    def noisy_gradient(self, params: Tensor, x: Tensor, batches: list[Batch], radius: float,
+                       k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
+        """``[C, d]``: (1/b) Σ_j clip_C(∇ℓ_j(x_k) + μ(x_k − x)) plus the release's noise
+        (std σ·C/b), and the fraction of the batch clipped ``[C]``. C_r = 0 takes no step."""
+        hp = self.hp
+        clipped = torch.zeros(len(params), device=ctx.device)
+        if radius > 0:
+            offset = hp.proximal_mu * (params - x) if hp.proximal_mu else None
+            g, clipped = self.clipped_means(params, batches, radius, ctx, offset=offset)
+        else:  # nothing to add, and the noise std is 0 too
+            g = torch.zeros_like(params)
+        return ctx.privatize("train", g, radius=radius / hp.batch_size, step=k), clipped
+
+    def clipped_means(self, params: Tensor, batches: list[Batch], radius: float,
+                      ctx: ClientContext, *, offset: Tensor | None = None
+                      ) -> tuple[Tensor, Tensor]:
+        """``[C, d]`` (1/b) Σ_j clip_C(∇ℓ_j + offset) over each client's batch (b = batch-size,
+        the expected size under Poisson sampling), and the fraction of each batch clipped;
+        batches of one size run as one batched call."""
+        dev, b = ctx.device, self.hp.batch_size
+        sizes = {len(yb) for _, yb in batches}
+        if len(sizes) == 1 and (n := sizes.pop()) > 0:
+            xb = torch.stack([x for x, _ in batches]).to(dev)
+            yb = torch.stack([y for _, y in batches]).to(dev)
+            mean, norms = self.model.clipped_mean(params, xb, yb, radius, offset=offset)
+            return (mean if n == b else mean * (n / b)), (norms > radius).float().mean(dim=1)
+        means = torch.zeros_like(params)
+        clipped = torch.zeros(len(params), device=dev)
+        for c, (xb, yb) in enumerate(batches):
+            if len(yb):
+                mean, norms = self.model.clipped_mean(
+                    params[c:c + 1], xb[None].to(dev), yb[None].to(dev), radius,
+                    offset=None if offset is None else offset[c:c + 1])
+                means[c] = mean[0] * (len(yb) / b)
+                clipped[c] = (norms > radius).float().mean()
+        return means, clipped
 
 
 @ALGORITHMS.register_class

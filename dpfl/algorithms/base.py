@@ -30,6 +30,7 @@ with a leading client axis that persists across rounds (in ``Context.state`` und
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -123,6 +124,15 @@ class Cohort:
         return self.x[rows], self.y[rows]
 
 
+    def poisson(self, rng: Randomness, round: int, purpose: str,
+                expected: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Poisson sampling: each of a client's n records independently with probability
+        ``expected``/n; one ``(x [b_c, ...], y [b_c])`` per client, in stored order."""
+        picks = rng.bernoulli_rows(self.ids, self.sizes, round, purpose, expected)
+        return [(self.x[idx[p]], self.y[idx[p]])
+                for idx, p in zip(self.indices, picks, strict=True)]
+
+
 @dataclass
 class ClientContext:
     """What a client step needs besides state and data: the round, keyed randomness, the
@@ -199,13 +209,18 @@ class Algorithm(ABC):
     protection: ClassVar[str]
     relation: ClassVar[str] = "replace-one"
     noise_free: ClassVar[bool] = False  # an ablation without noise (ε = ∞): no calibration keys
-    # the accountant of the algorithm's paper, whose ε the ledger reports beside the run's own
-    paper_accountant: ClassVar[str | None] = None
-
-    def __init__(self, hp: Any, model: FlatModel, num_clients: int) -> None:
+    # accountants whose ε the ledger reports beside the run's own (the paper's among them)
+    reported_accountants: ClassVar[tuple[str, ...]] = ()
+    def __init__(self, hp: Any, model: FlatModel, num_clients: int, *,
+                 public: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.hp = hp
         self.model = model
         self.num_clients = num_clients
+        self.public = public  # the dataset's public records (x, y), if it has any
+
+    def check_run(self, num_rounds: int) -> None:
+        """Raise :class:`~dpfl.errors.ConfigError` where a run of ``num_rounds`` rounds cannot
+        be served (e.g. public records it needs are missing); nothing by default."""
 
     def exchange(self, name: str) -> Exchange:
         return next(e for e in self.exchanges if e.name == name)
@@ -246,6 +261,12 @@ class Algorithm(ABC):
         """The clients taking part in ``round`` (all of them by default)."""
         return list(clients)
 
+    def begin_round(self, state: State, ctx: ServerContext) -> State:
+        """Server state at the start of round ``ctx.round``, before its first broadcast (work
+        the server does from public data alone, e.g. a public subspace); unchanged by
+        default."""
+        return state
+
     def broadcast(self, exchange: str, state: State, round: int) -> State:
         return {"x": state["x"]}
 
@@ -270,6 +291,17 @@ class Algorithm(ABC):
     def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
                     ctx: ClientContext) -> tuple[State, State]:
         """Un-noised uploads ``[C, ...]`` and new client states ``[C, ...]``."""
+
+
+def sample_clients(fraction: float, round: int, clients: list[int],
+                   rng: Randomness) -> list[int]:
+    """s = round(fraction·n) of ``clients`` (at least 1), uniformly without replacement from the
+    server's stream of ``round``, sorted; all of them when s = n."""
+    s = max(1, math.floor(fraction * len(clients) + 0.5))
+    if s >= len(clients):
+        return list(clients)
+    order = torch.randperm(len(clients), generator=rng.generator(SERVER, round, "participants"))
+    return sorted(clients[i] for i in order[:s].tolist())
 
 
 def check_schema(algorithm: Algorithm, queries: list[Query]) -> None:

@@ -82,11 +82,13 @@ from dpfl.algorithms.base import (
     ServerContext,
     State,
     Upload,
+    sample_clients,
 )
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import (
     BATCH_SIZE,
     CLIP,
+    FRACTION_TRAIN,
     LEARNING_RATE,
     Param,
     hyperparameter,
@@ -94,7 +96,7 @@ from dpfl.config import (
     unit_interval,
 )
 from dpfl.errors import ConfigError
-from dpfl.privacy import CALIBRATIONS, SERVER, Query, Randomness, Target, clip_factors
+from dpfl.privacy import CALIBRATIONS, Query, Randomness, Target, clip_factors
 
 # ---- hyperparameters ---------------------------------------------------------------------------
 
@@ -107,9 +109,6 @@ NORMEC_ALPHA = Param("normec-alpha", 1.0, "α of α-NormEC's compressor Norm_α(
 NORMEC_NORMALIZE = Param("normec-normalize", False, "α-NormEC: rescale the server's g to unit "
                          "norm after each update, before the step, and keep it so (the related "
                          "public code's `normalize` switch; off in the paper's description).")
-FRACTION_TRAIN = Param("fraction-train", 1.0, "Fraction of clients sampled each round, "
-                       "s = round(fraction·n) uniformly without replacement (Alg. 4).",
-                       check=unit_interval, symbol="s/n")
 PP_SCALING = Param("pp-scaling", "printed", "Server scaling under partial participation: "
                    "'printed' β̂/s (Alg. 4 line 15) or 'n' β̂/n (keeps g = mean_i g_i without "
                    "noise).", choices=("printed", "n"))
@@ -255,11 +254,7 @@ class Clip21Family(Algorithm):
     def participants(self, round: int, clients: list[int], rng: Randomness) -> list[int]:
         """s = round(fraction-train·n) clients (at least 1), uniformly without replacement from
         the server's stream, sorted; all clients when fraction-train = 1."""
-        s = max(1, math.floor(self.hp.fraction_train * len(clients) + 0.5))
-        if s >= len(clients):
-            return list(clients)
-        order = torch.randperm(len(clients), generator=rng.generator(SERVER, round, "participants"))
-        return sorted(clients[i] for i in order[:s].tolist())
+        return sample_clients(self.hp.fraction_train, round, clients, rng)
 
     def average(self, total: Tensor, ctx: ServerContext) -> Tensor:
         """(1/s)·Σ_{i∈S} c_i as printed (Alg. 4 line 15), or (1/n)·Σ with pp-scaling = 'n'."""

@@ -6,15 +6,16 @@ import torch
 from sklearn.datasets import load_digits as sklearn_digits
 from sklearn.model_selection import train_test_split
 
-from dpfl.datasets.base import Dataset
+from dpfl.datasets.base import Dataset, with_public
 from dpfl.datasets.loading import DATASETS
 
 
 @DATASETS.register("digits")
-def load_digits(*, seed: int) -> Dataset:
+def load_digits(*, seed: int, num_public: int = 0) -> Dataset:
     """1,797 8×8 digit images, flattened to 64 features scaled to [0, 1] (pixel / 16).
 
-    Train/test is a stratified 80/20 split drawn with ``seed`` (1,437 / 360 rows).
+    Train/test is a stratified 80/20 split drawn with ``seed`` (1,437 / 360 rows);
+    ``num_public`` of the training rows are held out as public records.
     """
     bunch = sklearn_digits()
     x = torch.tensor(bunch.data / 16.0, dtype=torch.float32)
@@ -23,6 +24,7 @@ def load_digits(*, seed: int) -> Dataset:
         range(len(y)), test_size=0.2, stratify=bunch.target, random_state=seed
     )
     train, test = torch.tensor(sorted(train)), torch.tensor(sorted(test))
-    return Dataset(
+    dataset = Dataset(
         "digits", x[train], y[train], x[test], y[test], task="classification", num_classes=10
     )
+    return with_public(dataset, num_public, seed) if num_public else dataset

@@ -27,7 +27,7 @@ import torch
 from filelock import FileLock
 from torchvision.datasets import CIFAR10, MNIST, FashionMNIST
 
-from dpfl.datasets.base import Dataset
+from dpfl.datasets.base import Dataset, with_public
 from dpfl.datasets.loading import DATA_DIR_ENV, DATASETS, Loader
 from dpfl.errors import ConfigError
 
@@ -55,9 +55,9 @@ def _standardised(
 IDX_SCALINGS = ("standardised", "unit")
 
 
-def _subset(x: torch.Tensor, y: torch.Tensor, size: int, seed: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``size`` training records drawn with ``seed``, stratified by label (in stored order)."""
+def _subset(y: torch.Tensor, size: int, seed: int) -> torch.Tensor:
+    """The rows of ``size`` training records drawn with ``seed``, stratified by label, in stored
+    order."""
     if not 0 < size < len(y):
         raise ConfigError("dataset-options", f"num_train must be between 1 and {len(y) - 1}, "
                           f"got {size}", allowed=f"1..{len(y) - 1}, or 0 for all")
@@ -65,8 +65,7 @@ def _subset(x: torch.Tensor, y: torch.Tensor, size: int, seed: int
 
     rows, _ = train_test_split(np.arange(len(y)), train_size=size, random_state=seed,
                                stratify=y.numpy())
-    rows = torch.from_numpy(np.sort(rows))
-    return x[rows], y[rows]
+    return torch.from_numpy(np.sort(rows))
 
 
 def _idx_loader(name: str, source: type[MNIST], subdir: str, mean: float, std: float) -> Loader:
@@ -98,22 +97,28 @@ def _idx_loader(name: str, source: type[MNIST], subdir: str, mean: float, std: f
         )
 
     def load(*, seed: int, data_dir: Path | None, cache_dir: Path, download: bool,
-             num_train: int = 0, scaling: str = "standardised") -> Dataset:
+             num_train: int = 0, num_public: int = 0, scaling: str = "standardised") -> Dataset:
         if scaling not in IDX_SCALINGS:
             raise ConfigError("dataset-options", f"{name}'s scaling {scaling!r} is not offered",
                               allowed=", ".join(IDX_SCALINGS))
         whole = read(data_dir, cache_dir, download, scaling)
-        if not num_train:
-            return whole
-        train_x, train_y = _subset(whole.train_x, whole.train_y, num_train, seed)
-        return Dataset(name, train_x, train_y, whole.test_x, whole.test_y,
-                       task="classification", num_classes=10)
+        dataset, rest = whole, None
+        if num_train:
+            rows = _subset(whole.train_y, num_train, seed)
+            dataset = Dataset(name, whole.train_x[rows], whole.train_y[rows], whole.test_x,
+                              whole.test_y, task="classification", num_classes=10)
+            left = torch.from_numpy(np.setdiff1d(np.arange(whole.num_train), rows.numpy()))
+            rest = (whole.train_x[left], whole.train_y[left])
+        return with_public(dataset, num_public, seed, rest) if num_public else dataset
 
     load.__doc__ = (
         f"{source.__name__}: 60,000 train / 10,000 test images, [n, 1, 28, 28]; ``scaling``: "
         f"``standardised`` (mean {mean}, std {std}) or ``unit`` (pixels in [0, 1]); "
         f"``num_train``: a stratified random subset of the training images, drawn with the "
-        f"run seed (0 = all; the adaptive-clipping paper trains on 3,000)."
+        f"run seed (0 = all; the adaptive-clipping paper trains on 3,000); ``num_public``: "
+        f"public records drawn with the run seed from the training images outside the "
+        f"subset (or held out of them without one), for a public projection (PCDP-SGD's "
+        f"m = 100)."
     )
     return load
 

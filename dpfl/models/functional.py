@@ -282,7 +282,7 @@ class FlatModel:
 
     def clipped_mean(
         self, flat: Tensor, x: Tensor, y: Tensor, clip: float | Tensor, *,
-        losses: Tensor | None = None,
+        losses: Tensor | None = None, offset: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Per-sample clipping: ``(1/b) Σ_j clip_C(g_ij)`` for each client, with
         ``clip_C(g) = min(1, C/‖g‖)·g``; ``g`` is unchanged when ``‖g‖ ≤ C``, ``g = 0`` included.
@@ -290,7 +290,8 @@ class FlatModel:
         ``clip`` is one radius or one per client (``[C]``). Returns the ``[C, d]`` clipped means
         and the ``[C, b]`` norms of the unclipped per-sample gradients; if ``losses`` (``[C, b]``)
         is given, the per-sample losses of the forward pass are written into it (without the
-        regulariser). Memory stays about
+        regulariser); ``offset`` (``[C, d]``) is added to each of client c's per-sample
+        gradients before clipping (FedProx's proximal gradient μ(x − x_global)). Memory stays about
         ``chunk_size`` × (largest conv/norm layer) floats beyond an ordinary training step.
         """
         n_clients, b = x.shape[:2]
@@ -302,6 +303,8 @@ class FlatModel:
         for c in range(n_clients):
             point = self._point(flat, c)
             reg = self._reg_grad(point) if self.nonconvex_reg else None
+            if offset is not None:
+                reg = _aligned(offset[c]) if reg is None else reg + offset[c]
             row = scratch.row(c)
             if closed_form:  # the rows themselves: n·d memory, no autograd
                 (_, xs, ys), = self._chunks(x, y, c, b)

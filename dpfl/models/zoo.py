@@ -125,6 +125,36 @@ def dpftrl_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return model
 
 
+@MODELS.register("pcdp-cnn")
+def pcdp_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """PCDP-SGD's MNIST/Fashion-MNIST "CNN" (the tanh CNN of Papernot et al. that PDP-SGD also
+    trains; the layers as in the first author's public code): Conv(1→16, k8, s2, p2) → tanh →
+    MaxPool(2, s1) → Conv(16→32, k4, s2) → tanh → MaxPool(2, s1) → Linear(512→32) → tanh →
+    Linear(32→classes); d = 26,010 for 1×28×28 and 10 classes."""
+    channels, height, _ = input_shape
+    side = ((height + 4 - 8) // 2 + 1 - 1 - 4) // 2 + 1 - 1
+    return nn.Sequential(
+        nn.Conv2d(channels, 16, 8, stride=2, padding=2), nn.Tanh(), nn.MaxPool2d(2, stride=1),
+        nn.Conv2d(16, 32, 4, stride=2), nn.Tanh(), nn.MaxPool2d(2, stride=1),
+        nn.Flatten(), nn.Linear(32 * side * side, 32), nn.Tanh(), nn.Linear(32, num_classes),
+    )
+
+
+@MODELS.register("pcdp-lenet")
+def pcdp_lenet(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """PCDP-SGD's CIFAR-10 "LeNet" (first author's public code): Conv(3→64, k5) → tanh →
+    MaxPool(2) → Conv(64→64, k5) → tanh → MaxPool(2) → Linear(1600→384) → tanh →
+    Linear(384→192) → tanh → Linear(192→classes); d = 797,962 for 3×32×32 and 10 classes."""
+    channels, height, _ = input_shape
+    side = ((height - 4) // 2 - 4) // 2
+    return nn.Sequential(
+        nn.Conv2d(channels, 64, 5), nn.Tanh(), nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 5), nn.Tanh(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * side * side, 384), nn.Tanh(),
+        nn.Linear(384, 192), nn.Tanh(), nn.Linear(192, num_classes),
+    )
+
+
 @MODELS.register("random-feature-mlp")
 def random_feature_mlp(
     input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 512, zero_head: bool = False

@@ -63,3 +63,14 @@ class Randomness:
             gen = self.generator(client, round, purpose)
             out.append(torch.randperm(size, generator=gen)[:k])
         return out
+
+    def bernoulli_rows(self, clients: Sequence[int], sizes: Sequence[int], round: int,
+                       purpose: str, expected: int) -> list[torch.Tensor]:
+        """For each client, the positions in ``range(size)`` kept by independent coin flips of
+        probability ``expected / size`` (Poisson sampling), increasing."""
+        out = []
+        for client, size in zip(clients, sizes, strict=True):
+            coins = torch.rand(size, generator=self.generator(client, round, purpose),
+                               dtype=torch.float64)
+            out.append(torch.nonzero(coins < expected / size).flatten())
+        return out

@@ -43,6 +43,12 @@ NOISE_FREE = ("noise multiplier 0: clients send their messages without noise (ε
               "has no privacy guarantee against the server")
 
 
+def payload(arrays: dict[str, torch.Tensor]) -> int:
+    """Bytes of the arrays of one message (what one client sends or receives; the wire adds
+    Flower's framing)."""
+    return sum(a.numel() * a.element_size() for a in arrays.values())
+
+
 class RoundDriver:
     """Runs one problem over ``transport`` to the end (or to ``max-epsilon``).
 
@@ -65,7 +71,7 @@ class RoundDriver:
             num_clients=problem.num_clients, releases=problem.releases,
             accountant=str(cfg["accountant"]), relation=self.algorithm.relation,
             delta=float(cfg["delta"]), limit=float(cfg["max-epsilon"]),
-            also=tuple(a for a in (self.algorithm.paper_accountant,) if a),
+            also=self.algorithm.reported_accountants,
             central=tuple(r for r in problem.server_releases()
                           if r.name in self.algorithm.central_releases()))
         self.path = results_path(cfg, runtime)
@@ -75,6 +81,7 @@ class RoundDriver:
         self.stop_reason = ""
         self.checked: set[tuple[str, ...]] = set()  # exchange sets whose streams are checked
         self.rounds_done = 0
+        self.traffic: dict[str, int] = {}
         self.started = time.perf_counter()
 
     # ---- the loop ----------------------------------------------------------------------
@@ -100,25 +107,33 @@ class RoundDriver:
     def play(self, round: int, participants: list[int]) -> dict[int, dict[str, float]]:
         """Round ``round``'s exchanges; returns the participants' diagnostics."""
         diagnostics: dict[int, dict[str, float]] = {}
+        traffic = self.traffic = {"uplink_bytes": 0, "downlink_bytes": 0}
         server_releases = {r.name: r for r in self.problem.server_releases()}
         exchanges = self.algorithm.round_exchanges(round)
         self.check_streams(tuple(e.name for e in exchanges), round)
+        ctx = self.server_context(round, participants, server_releases)
+        self.state = self.algorithm.begin_round(self.state, ctx)
         for exchange in exchanges:
             broadcast = self.algorithm.broadcast(exchange.name, self.state, round)
             if tuple(broadcast) != exchange.broadcast:
                 raise TypeError(f"{self.algorithm.name}: exchange {exchange.name!r} broadcast "
                                 f"{tuple(broadcast)}, declared {exchange.broadcast}")
             replies = self.transport.exchange(exchange.name, round, broadcast, participants)
+            traffic["downlink_bytes"] += len(participants) * payload(broadcast)
+            traffic["uplink_bytes"] += len(participants) * payload(replies.sums)
             self.accounting.charge(participants, exchange.name)
-            ctx = ServerContext(round=round, rng=self.rng, participants=participants,
-                                num_clients=self.problem.num_clients, releases=server_releases,
-                                charge=self.accounting.charge_server,
-                                num_rounds=int(self.config["num-server-rounds"]),
-                                client_releases=self.problem.releases)
             self.state = self.algorithm.server_step(exchange.name, self.state, replies.sums, ctx)
             for c, values in replies.diagnostics.items():
                 diagnostics.setdefault(c, {}).update(values)
         return diagnostics
+
+    def server_context(self, round: int, participants: list[int],
+                       server_releases: dict[str, Any]) -> ServerContext:
+        return ServerContext(round=round, rng=self.rng, participants=participants,
+                             num_clients=self.problem.num_clients, releases=server_releases,
+                             charge=self.accounting.charge_server,
+                             num_rounds=int(self.config["num-server-rounds"]),
+                             client_releases=self.problem.releases)
 
     def check_streams(self, exchanges: tuple[str, ...], round: int) -> None:
         """Refuse a round whose exchanges' releases share a noise stream (checked once per
@@ -230,10 +245,11 @@ class RoundDriver:
             "epsilon_max": max(epsilon.values()), "epsilon_min": min(epsilon.values()),
             "clip": self.algorithm.clip_radius(self.state),
             "participants": len(participants),
+            **self.traffic,
         })
         if (server := self.accounting.server_epsilon()) is not None:
             record["server_epsilon"] = server
-        if len(self.accounting.accountants) > 1:
+        if len(self.accounting.accountants) > 1 and "test_loss" in record:
             record["epsilon_by_accountant"] = self.accounting.report_by_accountant()
         record["seconds"] = time.perf_counter() - started
         self.rounds_done = round

@@ -1,0 +1,369 @@
+"""The projection family (Sha, Liu, Liu, Chen, arXiv:2312.03792 v1): the public subspace, the
+projected, clipped and noised step of PCDP-SGD (eq. (2)) and its baselines, FedPCDP's lossless
+k-coordinate upload, the DP-FedAvg baselines (Poisson batches, FedProx, client sampling, γ_g),
+the three accountants in the ledger, and Flower = engine."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.analysis import rdp as rdp_analysis
+
+from dpfl.algorithms.projected import Basis, top_eigenspace
+from dpfl.datasets import load_dataset
+from dpfl.engine import run
+from dpfl.errors import ConfigError
+from dpfl.privacy import Randomness, clip_factors
+from dpfl.problem import build_problem
+from dpfl.rounds import ClientRuntime
+from dpfl.runconfig import RunConfig
+
+DIGITS = {"algorithm": "pcdp-sgd", "dataset": "digits", "model": "logistic",
+          "dataset-options": "num_public=40", "num-partitions": 2, "num-server-rounds": 3,
+          "batch-size": 60, "local-steps": 3, "learning-rate": 0.5, "clip": 0.5,
+          "projection-dim": 12, "noise-multiplier": 2.0, "seed": 3}
+
+
+def _config(tmp_path, name="run", **changes):
+    values = {**DIGITS, "results-dir": str(tmp_path), "run-name": name}
+    values.update({k.replace("_", "-"): v for k, v in changes.items()})
+    return RunConfig({k: v for k, v in values.items() if v is not None})  # None: the default
+
+
+def _rounds(summary):
+    with open(f"{summary['results']}/rounds.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def _model(tmp_path, name):
+    return torch.cat([p.reshape(-1) for p in torch.load(tmp_path / name / "model.pt").values()])
+
+
+# ---- the public subspace ---------------------------------------------------------------------
+
+def test_the_subspace_is_orthonormal_and_the_top_k_singular_space_of_the_gradients():
+    """Gradients with singular values 9, 4, 2, 1, 0.5 along known directions: V spans the top
+    three left singular vectors of Gᵀ (VVᵀ = U₃U₃ᵀ), VᵀV = I, and no d×d matrix is formed."""
+    gen = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(300, 5, generator=gen, dtype=torch.float64))
+    w, _ = torch.linalg.qr(torch.randn(8, 5, generator=gen, dtype=torch.float64))
+    grads = (w @ torch.diag(torch.tensor([9.0, 4, 2, 1, 0.5], dtype=torch.float64)) @ u.t())
+    v, rank = top_eigenspace(grads.float(), 3)
+    assert rank == 3 and v.shape == (300, 3)
+    assert torch.allclose(v.t() @ v, torch.eye(3), atol=1e-6)
+    assert torch.allclose((v @ v.t()).double(), u[:, :3] @ u[:, :3].t(), atol=1e-6)
+
+
+def test_a_k_above_the_rank_leaves_zero_columns_that_project_nothing():
+    grads = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    v, rank = top_eigenspace(torch.cat([grads, grads.sum(0, keepdim=True)]), 6)
+    assert rank == 2
+    assert torch.equal(v[:, 2:], torch.zeros(50, 4))
+    g = torch.randn(50)
+    basis = Basis(v)
+    assert torch.allclose(basis.lift(basis.coords(basis.lift(basis.coords(g)))),
+                          basis.lift(basis.coords(g)), atol=1e-6)  # idempotent
+    assert torch.linalg.vector_norm(basis.coords(g)) == pytest.approx(
+        float(torch.linalg.vector_norm(basis.lift(basis.coords(g)))), rel=1e-5)
+
+
+# ---- one step --------------------------------------------------------------------------------
+
+def _step(problem, rng_seed=0, round=1):
+    runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(rng_seed))
+    broadcast = {"x": problem.x0, "radius": torch.tensor([problem.algorithm.hp.clip])}
+    return runtime.step("train", round, broadcast, {}, problem.full_cohort())[0]["x"]
+
+
+def _by_hand(problem, after_clipping=False):
+    """One PCDP-SGD (or PDP-SGD) step of each client without noise, from the paper's formulas:
+    V from the public gradients at x0, the client's Poisson batch of stream batch-0, and
+    (1/B)·V Σ clip_c(Vᵀg_i) (PDP: (1/B)·VVᵀ Σ clip_c(g_i))."""
+    hp, model, x0 = problem.algorithm.hp, problem.model, problem.x0
+    px, py = problem.algorithm.public
+    public = model.per_sample_gradients(x0, px.unsqueeze(0), py.unsqueeze(0))[0]
+    v, _ = top_eigenspace(public, hp.projection_dim)
+    cohort = problem.full_cohort()
+    steps, coords = [], []
+    for (xb, yb) in cohort.poisson(Randomness(0), 1, "batch-0", hp.batch_size):
+        g = model.per_sample_gradients(x0, xb.unsqueeze(0), yb.unsqueeze(0))[0]
+        if after_clipping:
+            clipped = g * clip_factors(torch.linalg.vector_norm(g, dim=1), hp.clip)[:, None]
+            a = clipped.sum(0) @ v
+        else:
+            a = g @ v
+            a = (a * clip_factors(torch.linalg.vector_norm(a, dim=1), hp.clip)[:, None]).sum(0)
+        coords.append(a / hp.batch_size)
+        steps.append(v @ coords[-1])
+    return v, torch.stack(steps), torch.stack(coords)
+
+
+@pytest.mark.parametrize("algorithm", ["pcdp-sgd", "pdp-sgd"])
+def test_a_step_is_the_projected_clipped_sum_plus_noise_drawn_in_k_coordinates(tmp_path,
+                                                                                algorithm):
+    """The noise-free step is the formula's (eq. (2); PDP-SGD: clip, then project); the noisy
+    model differs from it by exactly −γ·V z, z the client's draw from stream noise-0 with std
+    σc/B in the k coordinates, so the difference lies in span V."""
+    values = dict(algorithm=algorithm, local_steps=1)
+    noisy = build_problem(_config(tmp_path, "n", **values))
+    clean = build_problem(_config(tmp_path, "c", noise_multiplier=0.0, **values))
+    v, steps, _ = _by_hand(clean, after_clipping=algorithm == "pdp-sgd")
+    lr = 0.5
+    assert torch.allclose(_step(clean), clean.x0 - lr * steps, atol=1e-6)
+    diff = _step(noisy) - _step(clean)
+    z = Randomness(0).normal([0, 1], 1, "noise-0", (12,), torch.full((2,), 2.0 * 0.5 / 60))
+    assert torch.allclose(diff, -lr * z @ v.t(), atol=1e-6)
+    assert torch.allclose(diff @ v @ v.t(), diff, atol=1e-6)
+
+
+def test_the_noise_in_the_k_coordinates_has_the_declared_std(tmp_path):
+    """80 clients × 12 coordinates: the noise of one step, read in V's coordinates, has std
+    σc/B (σ = 2, c = 0.5, B = 60) and mean 0."""
+    values = dict(local_steps=1, num_partitions=20, batch_size=20)
+    noisy = build_problem(_config(tmp_path, "n", **values))
+    clean = build_problem(_config(tmp_path, "c", noise_multiplier=0.0, **values))
+    draws = []
+    for seed in range(4):
+        v, _, _ = _by_hand(clean)
+        diff = _step(noisy, seed) - _step(clean, seed)
+        draws.append(diff @ v / -0.5)
+    draws = torch.cat(draws).flatten()
+    assert draws.std().item() == pytest.approx(2.0 * 0.5 / 20, rel=0.06)
+    assert abs(draws.mean().item()) < 3 * 2.0 * 0.5 / 20 / math.sqrt(len(draws))
+
+
+def test_the_projected_clipped_sum_moves_by_at_most_c_when_a_record_is_removed(tmp_path):
+    """Each Vᵀg_i is clipped to norm c, so removing any one record of a batch moves the
+    released sum by at most c (the add/remove sensitivity the release declares)."""
+    problem = build_problem(_config(tmp_path, clip=0.05))
+    algorithm, x0 = problem.algorithm, problem.x0
+    px, py = algorithm.public
+    v, _ = top_eigenspace(problem.model.per_sample_gradients(
+        x0, px.unsqueeze(0), py.unsqueeze(0))[0], 12)
+    xb, yb = problem.dataset.train_x[:30], problem.dataset.train_y[:30]
+    ctx = type("Ctx", (), {"device": torch.device("cpu")})()
+    whole, fraction = algorithm.projected_clipped_sum(x0, xb, yb, Basis(v), 0.05, ctx)
+    assert fraction.item() > 0.5  # clipping is active
+    for i in range(30):
+        keep = torch.arange(30) != i
+        part, _ = algorithm.projected_clipped_sum(x0, xb[keep], yb[keep], Basis(v), 0.05, ctx)
+        assert torch.linalg.vector_norm(whole - part).item() <= 0.05 * (1 + 1e-5)
+    assert algorithm.queries(100)[0].sensitivity(0.05 / 60) == pytest.approx(0.05 / 60)
+
+
+def test_random_sparsification_drops_its_fraction_and_adds_no_noise_there(tmp_path):
+    """RSDP-SGD: a step changes only the round(0.7·d) kept coordinates of its mask."""
+    problem = build_problem(_config(tmp_path, algorithm="rsdp-sgd", local_steps=1,
+                                    projection_dim=None, dataset_options=""))
+    moved = (_step(problem) != problem.x0).sum(dim=1)
+    d = problem.model.d
+    assert moved.tolist() == [round(0.7 * d)] * 2
+
+
+def test_a_random_subspace_is_orthonormal_and_the_step_lies_in_it(tmp_path):
+    problem = build_problem(_config(tmp_path, algorithm="rpdp-sgd", local_steps=1,
+                                    dataset_options=""))
+    space = problem.algorithm.random_subspace(Randomness(0), 0, 1, 0, torch.device("cpu"))
+    assert torch.allclose(space.v.t() @ space.v, torch.eye(12), atol=1e-5)
+    step = _step(problem)[0] - problem.x0
+    assert torch.allclose(space.lift(space.coords(step)), step, atol=1e-6)
+
+
+def test_a_client_recomputes_its_subspace_every_beta_steps_and_at_each_round_start(tmp_path):
+    problem = build_problem(_config(tmp_path, local_steps=5, projection_interval=2))
+    algorithm, calls = problem.algorithm, []
+    original = algorithm.public_subspace
+
+    def spy(point, rng, owner, round, index):
+        calls.append((owner, round, index))
+        return original(point, rng, owner, round, index)
+
+    algorithm.public_subspace = spy
+    for round in (1, 2):
+        ClientRuntime(algorithm, problem.releases, Randomness(0)).step(
+            "train", round, {"x": problem.x0, "radius": torch.tensor([0.5])}, {},
+            problem.full_cohort())
+    assert calls == [(c, r, i) for r in (1, 2) for i in (0, 1, 2) for c in (0, 1)]
+
+
+# ---- FedPCDP --------------------------------------------------------------------------------
+
+def test_fedpcdp_uploads_k_numbers_and_the_server_restores_the_update_losslessly(tmp_path):
+    """One client, every round, γ_g = 1: the k coordinates the client uploads restore its local
+    model exactly (the update lies in span V); the uplink carries k floats instead of d."""
+    values = dict(algorithm="fedpcdp", num_partitions=1, num_server_rounds=2)
+    fed = run(_config(tmp_path, "fed", **values), echo=False)
+    plain = run(_config(tmp_path, "plain", algorithm="dp-sgd", num_partitions=1,
+                        num_server_rounds=2, projection_dim=None), echo=False)
+    problem = build_problem(_config(tmp_path, "check", **values))
+    state = problem.algorithm.begin_round(problem.algorithm.init_server_state(problem.x0),
+                                          _server_ctx(problem))
+    runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(3))
+    cohort = problem.full_cohort()
+    u = runtime.step("train", 1, {"x": state["x"], "basis": state["basis"]}, {}, cohort)[0]["u"]
+    local = problem.algorithm.local_steps(state["x"], cohort, _client_ctx(problem),
+                                          lambda p, k, cur: [Basis(state["basis"])])
+    assert torch.allclose(state["x"] - u @ state["basis"].t(), local[0], atol=1e-6)
+    d = problem.model.d
+    assert [r["uplink_bytes"] for r in _rounds(fed)] == [12 * 4] * 2
+    assert [r["uplink_bytes"] for r in _rounds(plain)] == [d * 4] * 2
+    assert _rounds(fed)[0]["downlink_bytes"] == (d + d * 12) * 4
+
+
+def _server_ctx(problem, round=1):
+    from dpfl.algorithms import ServerContext
+
+    return ServerContext(round, Randomness(3), list(range(problem.num_clients)),
+                         problem.num_clients, num_rounds=3, client_releases=problem.releases)
+
+
+def _client_ctx(problem):
+    from collections import Counter
+
+    from dpfl.algorithms import ClientContext
+
+    releases = [{r.name: r for r in problem.releases(c)} for c in range(problem.num_clients)]
+    return ClientContext(1, Randomness(3), list(range(problem.num_clients)), releases,
+                         torch.device("cpu"), drawn=Counter())
+
+
+def test_fedpcdp_samples_clients_and_recomputes_v_every_beta_rounds(tmp_path):
+    summary = run(_config(tmp_path, algorithm="fedpcdp", num_partitions=5, fraction_train=0.8,
+                          num_server_rounds=4, projection_interval=2), echo=False)
+    assert [r["participants"] for r in _rounds(summary)] == [4] * 4
+    problem = build_problem(_config(tmp_path, "p", algorithm="fedpcdp", num_partitions=5,
+                                    projection_interval=2))
+    algorithm = problem.algorithm
+    state = algorithm.begin_round(algorithm.init_server_state(problem.x0), _server_ctx(problem))
+    moved = {**state, "x": state["x"] + 0.1}
+    assert algorithm.begin_round(moved, _server_ctx(problem, 2))["basis"] is state["basis"]
+    assert not torch.equal(algorithm.begin_round(moved, _server_ctx(problem, 3))["basis"],
+                           state["basis"])
+
+
+# ---- the DP-FedAvg baselines --------------------------------------------------------------------
+
+def test_poisson_batches_take_each_record_with_probability_b_over_n(tmp_path):
+    problem = build_problem(_config(tmp_path, num_partitions=1))
+    cohort = problem.full_cohort()
+    n = cohort.sizes[0]
+    counts = torch.zeros(n)
+    for round in range(300):
+        picks = Randomness(0).bernoulli_rows([0], [n], round, "batch-0", 60)[0]
+        counts[picks] += 1
+    assert counts.sum().item() / 300 == pytest.approx(60, rel=0.03)
+    assert counts.mean().item() / 300 == pytest.approx(60 / n, rel=0.03)
+
+
+def test_dp_fedprox_clips_the_gradient_plus_the_proximal_term(tmp_path):
+    """Two local steps of DP FedProx (μ = 3) without noise: the second step clips each
+    ∇ℓ_i(x₁) + μ(x₁ − x₀), by hand."""
+    problem = build_problem(_config(tmp_path, algorithm="dp-fedavg", sampling="poisson",
+                                    proximal_mu=3.0, noise_multiplier=0.0, local_steps=2,
+                                    num_partitions=1, projection_dim=None))
+    model, x0, lr = problem.model, problem.x0, 0.5
+    cohort = problem.full_cohort()
+    point = x0
+    for k in range(2):
+        (xb, yb), = cohort.poisson(Randomness(0), 1, f"batch-{k}", 60)
+        g = model.per_sample_gradients(point, xb.unsqueeze(0), yb.unsqueeze(0))[0]
+        g = g + 3.0 * (point - x0)
+        g = g * clip_factors(torch.linalg.vector_norm(g, dim=1), 0.5)[:, None]
+        point = point - lr * g.sum(0) / 60
+    assert torch.allclose(_step(problem)[0], point, atol=1e-6)
+
+
+def test_the_server_learning_rate_moves_part_of_the_way_to_the_mean(tmp_path):
+    values = dict(algorithm="dp-fedavg", num_server_rounds=1, projection_dim=None)
+    run(_config(tmp_path, "full", **values), echo=False)
+    run(_config(tmp_path, "half", server_learning_rate=0.5, **values), echo=False)
+    x0 = build_problem(_config(tmp_path, **values)).x0
+    assert torch.allclose(_model(tmp_path, "half"), x0 + 0.5 * (_model(tmp_path, "full") - x0),
+                          atol=1e-6)
+
+
+# ---- accounting ---------------------------------------------------------------------------------
+
+def test_the_ledger_reports_opacus_rdp_the_papers_conversion_and_prv(tmp_path):
+    """Recomputed independently from the releases and the rounds each client took part in:
+    Opacus' RDP accountant stepped by hand, the classical conversion over orders 2–256 from
+    Opacus' RDP curve, and Opacus' PRV accountant; the classical value is never below RDP's."""
+    summary = run(_config(tmp_path, algorithm="fedpcdp", num_partitions=5, fraction_train=0.6,
+                          num_server_rounds=4), echo=False)
+    rounds = _rounds(summary)
+    release = summary["releases"]["0"][0]
+    z, q, k = release["noise_multiplier"], release["sample_rate"], release["steps"]
+    taken = {c: 0 for c in range(5)}
+    problem = build_problem(_config(tmp_path, "p", algorithm="fedpcdp", num_partitions=5,
+                                    fraction_train=0.6))
+    for r in range(1, 5):
+        for c in problem.algorithm.participants(r, list(range(5)), Randomness(3)):
+            taken[c] += k
+    busiest = max(taken.values())
+    rdp = RDPAccountant()
+    for _ in range(busiest):
+        rdp.step(noise_multiplier=z, sample_rate=q)
+    orders = np.arange(2, 257)
+    curve = np.asarray(rdp_analysis.compute_rdp(q=q, noise_multiplier=z, steps=busiest,
+                                                orders=list(orders)))
+    classical = float(np.min(curve + math.log(1e5) / (orders - 1)))
+    prv = PRVAccountant()
+    prv.history = [(z, q, busiest)]
+    by = rounds[-1]["epsilon_by_accountant"]
+    assert by["rdp"] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-6)
+    assert by["rdp-classical"] == pytest.approx(classical, rel=1e-9)
+    assert by["prv"] == pytest.approx(prv.get_epsilon(1e-5), rel=1e-3)
+    assert by["rdp-classical"] >= by["rdp"]
+    assert summary["epsilon_max"] == pytest.approx(by["rdp"])
+
+
+@pytest.mark.parametrize("sigma, paper, classical", [
+    (4, 1.30, 1.287), (6, 0.83, 0.835), (8, 0.62, 0.619), (10, 0.50, 0.492)])
+def test_the_federated_epsilons_of_the_paper_under_its_conversion(sigma, paper, classical):
+    """Table 2's ε: q = 250/5,000, 5 local steps × 80 rounds charged to every client, the
+    classical conversion: within the paper's rounding (our reading of the omitted B, T)."""
+    from dpfl.privacy.ledger import _epsilon
+
+    value = _epsilon("rdp-classical", ((float(sigma), 0.05, 400),), 1e-5)
+    assert value == pytest.approx(classical, abs=1e-3)
+    assert value == pytest.approx(paper, abs=0.015)
+
+
+# ---- runtimes and bad input ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("algorithm", ["fedpcdp", "pcdp-sgd"])
+def test_flower_code_path_equals_engine_with_client_sampling(tmp_path, algorithm):
+    from tests.inprocess_grid import run_flower_code_path
+
+    values = {**DIGITS, "algorithm": algorithm, "num-partitions": 3, "fraction-train": 0.67,
+              "results-dir": str(tmp_path)}
+    run(RunConfig({**values, "run-name": "engine"}), echo=False)
+    run_flower_code_path({**values, "run-name": "flower"},
+                         [{"partition-id": i} for i in range(3)])
+    assert torch.equal(_model(tmp_path, "engine"), _model(tmp_path, "flower"))
+
+
+def test_public_records_are_disjoint_from_the_private_ones():
+    mnist = load_dataset("mnist", seed=1, num_train=500, num_public=50)
+    rows = {tuple(r.flatten().tolist()) for r in mnist.train_x[:, :, 10:18, 10:18]}
+    assert mnist.num_public == 50 and mnist.num_train == 500
+    assert not any(tuple(r.flatten().tolist()) in rows
+                   for r in mnist.public_x[:, :, 10:18, 10:18] if r.abs().sum() > 0)
+    digits = load_dataset("digits", seed=1, num_public=40)
+    assert digits.num_train == 1437 - 40
+
+
+@pytest.mark.parametrize("changes, key", [
+    (dict(dataset_options=""), "dataset-options"),
+    (dict(public_batch_size=41), "public-batch-size"),
+    (dict(public_batching="ibs", public_batch_size=10), "public-batching"),
+])
+def test_a_run_the_public_records_cannot_serve_is_refused(tmp_path, changes, key):
+    with pytest.raises(ConfigError) as err:
+        build_problem(_config(tmp_path, **changes))
+    assert err.value.key == key
