@@ -77,7 +77,8 @@ def test_a_k_above_the_rank_leaves_zero_columns_that_project_nothing():
 def _step(problem, rng_seed=0, round=1):
     runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(rng_seed))
     broadcast = {"x": problem.x0, "radius": torch.tensor([problem.algorithm.hp.clip])}
-    return runtime.step("train", round, broadcast, {}, problem.full_cohort())[0]["x"]
+    states = problem.algorithm.init_client_state(problem.num_clients)
+    return runtime.step("train", round, broadcast, states, problem.full_cohort())[0]["x"]
 
 
 def _by_hand(problem, after_clipping=False):
@@ -191,6 +192,25 @@ def test_a_client_recomputes_its_subspace_every_beta_steps_and_at_each_round_sta
     assert calls == [(c, r, i) for r in (1, 2) for i in (0, 1, 2) for c in (0, 1)]
 
 
+def test_momentum_adds_beta_times_the_previous_step(tmp_path):
+    """Two noise-free steps of one client with heavy-ball β = 0.6: the second step is
+    γ(βg₁ + g₂), so the result differs from plain SGD's by β times the first step."""
+    values = dict(num_partitions=1, noise_multiplier=0.0, batch_size=1397)
+    plain1, plain2, heavy = (
+        _step(build_problem(_config(tmp_path, local_steps=k, momentum=m, **values)))[0]
+        for k, m in ((1, 0.0), (2, 0.0), (2, 0.6)))
+    x0 = build_problem(_config(tmp_path, **values)).x0
+    assert torch.allclose(heavy - plain2, 0.6 * (plain1 - x0), atol=1e-6)
+
+
+def test_the_learning_rate_is_divided_by_ten_after_each_milestone(tmp_path):
+    hp = build_problem(_config(tmp_path, lr_milestones="2,3")).algorithm.hp
+    assert [hp.learning_rate_at(r) for r in (1, 2, 3, 4)] == pytest.approx(
+        [0.5, 0.5, 0.05, 0.005])
+    with pytest.raises(ConfigError, match="lr-milestones"):
+        _config(tmp_path, lr_milestones="3,2")
+
+
 # ---- FedPCDP --------------------------------------------------------------------------------
 
 def test_fedpcdp_uploads_k_numbers_and_the_server_restores_the_update_losslessly(tmp_path):
@@ -206,8 +226,8 @@ def test_fedpcdp_uploads_k_numbers_and_the_server_restores_the_update_losslessly
     runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(3))
     cohort = problem.full_cohort()
     u = runtime.step("train", 1, {"x": state["x"], "basis": state["basis"]}, {}, cohort)[0]["u"]
-    local = problem.algorithm.local_steps(state["x"], cohort, _client_ctx(problem),
-                                          lambda p, k, cur: [Basis(state["basis"])])
+    local, _ = problem.algorithm.local_steps(state["x"], cohort, {}, _client_ctx(problem),
+                                             lambda p, k, cur: [Basis(state["basis"])])
     assert torch.allclose(state["x"] - u @ state["basis"].t(), local[0], atol=1e-6)
     d = problem.model.d
     assert [r["uplink_bytes"] for r in _rounds(fed)] == [12 * 4] * 2

@@ -99,6 +99,33 @@ SPARSITY = Param("sparsity", 0.3, "RSDP-SGD: fraction of the d coordinates each 
                  check=lambda v: None if 0 <= v < 1 else f"must be in [0, 1), got {v}",
                  symbol="p")
 
+MOMENTUM = Param("momentum", 0.0, "Heavy-ball momentum of the local SGD on the noisy gradient, "
+                 "PyTorch's form m ← βm + g̃, w ← w − γm, the buffer kept in client state "
+                 "across rounds; 0 = the paper's plain SGD (Alg. 1; the first author's public "
+                 "code defaults to 0.9).", check=lambda v: None if 0 <= v < 1
+                 else f"must be in [0, 1), got {v}", symbol="β_m")
+
+
+def milestones_problem(text: str) -> str | None:
+    try:
+        parse_milestones(text)
+    except ValueError:
+        return f"expected increasing positive round numbers separated by commas, got {text!r}"
+    return None
+
+
+def parse_milestones(text: str) -> tuple[int, ...]:
+    rounds = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+    if any(r < 1 for r in rounds) or list(rounds) != sorted(set(rounds)):
+        raise ValueError(text)
+    return rounds
+
+
+LR_MILESTONES = Param("lr-milestones", "", "Rounds after which the learning rate is divided by "
+                      "10 again, e.g. '40,60' (the first author's public code: half and three "
+                      "quarters of the epochs); empty = a constant learning rate.",
+                      check=milestones_problem)
+
 RELATIVE_TOLERANCE = 1e-6  # singular values below this fraction of the largest are dropped
 
 
@@ -174,9 +201,16 @@ class ProjectedHyperparameters(LocalDPSGDHyperparameters):
 
     fraction_train: float = hyperparameter(FRACTION_TRAIN)  # S/N
     server_learning_rate: float = hyperparameter(SERVER_LEARNING_RATE)  # γ_g
+    momentum: float = hyperparameter(MOMENTUM)
+    lr_milestones: str = hyperparameter(LR_MILESTONES)
     sampling: ClassVar[str] = "poisson"
     projection: ClassVar[str] = "none"
     after_clipping: ClassVar[bool] = False  # PDP-SGD projects the noisy clipped mean
+
+    def learning_rate_at(self, round: int) -> float:
+        """γ divided by 10 for each milestone before ``round``."""
+        passed = sum(m < round for m in parse_milestones(self.lr_milestones))
+        return self.learning_rate / 10 ** passed
 
 
 @dataclass(frozen=True)
@@ -315,31 +349,42 @@ class DPSGD(DPFedAvg):
                 for c in cohort.ids]
 
     # ---- client ----------------------------------------------------------------------------
+    def init_client_state(self, num_clients: int) -> State:
+        """The momentum buffers, when there is momentum."""
+        return {"momentum": torch.zeros(num_clients, self.model.d)} if self.hp.momentum else {}
+
     def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
                     ctx: ClientContext) -> tuple[State, State]:
-        if self.hp.projection == "none":
-            return super().client_step(exchange, states, broadcast, cohort, ctx)
         x = broadcast["x"].to(ctx.device)
-        params = self.local_steps(x, cohort, ctx, lambda p, k, cur: self.subspaces(
-            p, cohort, k, ctx, cur))
+        params, states = self.local_steps(x, cohort, states, ctx, lambda p, k, cur: (
+            [] if self.hp.projection == "none" else self.subspaces(p, cohort, k, ctx, cur)))
         return {"x": params.cpu()}, states
 
-    def local_steps(self, x: Tensor, cohort: Cohort, ctx: ClientContext, subspaces) -> Tensor:
-        """K projected local steps from ``x`` for every client; ``subspaces(params, k,
-        current)`` gives each client's subspace of step k."""
+    def local_steps(self, x: Tensor, cohort: Cohort, states: State, ctx: ClientContext,
+                    subspaces) -> tuple[Tensor, State]:
+        """K local steps from ``x`` for every client (heavy-ball with ``momentum``, at the
+        round's learning rate); ``subspaces(params, k, current)`` gives each client's subspace
+        of step k (none: DP-SGD's own step)."""
         hp = self.hp
+        lr = hp.learning_rate_at(ctx.round)
         params = x.unsqueeze(0).repeat(len(cohort), 1)
-        radius = hp.clip
+        velocity = states["momentum"].to(ctx.device) if hp.momentum else None
         current: list[Subspace] = []
         clipped = torch.zeros(len(cohort), device=ctx.device)
         for k in range(hp.local_steps):
             current = subspaces(params, k, current)
-            g, fraction = self.projected_gradient(params, self.batches(cohort, k, ctx),
-                                                  current, radius, k, ctx)
+            batches = self.batches(cohort, k, ctx)
+            if current:
+                g, fraction = self.projected_gradient(params, batches, current, hp.clip, k, ctx)
+            else:
+                g, fraction = self.noisy_gradient(params, x, batches, hp.clip, k, ctx)
             clipped += fraction
-            params = params - hp.learning_rate * g
+            if velocity is not None:
+                velocity = hp.momentum * velocity + g
+                g = velocity
+            params = params - lr * g
         ctx.diagnose("clipped-fraction", clipped / hp.local_steps)
-        return params
+        return params, ({"momentum": velocity.cpu()} if velocity is not None else states)
 
     def projected_gradient(self, params: Tensor, batches: list[Batch], spaces: list[Subspace],
                            radius: float, k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
@@ -443,7 +488,8 @@ class FedPCDP(DPSGD):
                     ctx: ClientContext) -> tuple[State, State]:
         x = broadcast["x"].to(ctx.device)
         space = Basis(broadcast["basis"].to(ctx.device))
-        params = self.local_steps(x, cohort, ctx, lambda p, k, cur: [space] * len(cohort))
+        params, states = self.local_steps(x, cohort, states, ctx,
+                                          lambda p, k, cur: [space] * len(cohort))
         return {"u": space.coords(x - params).cpu()}, states
 
     def server_step(self, exchange: str, state: State, sums: State,
