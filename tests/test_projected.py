@@ -225,14 +225,15 @@ def test_fedpcdp_uploads_k_numbers_and_the_server_restores_the_update_losslessly
                                           _server_ctx(problem))
     runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(3))
     cohort = problem.full_cohort()
-    u = runtime.step("train", 1, {"x": state["x"], "basis": state["basis"]}, {}, cohort)[0]["u"]
-    local, _ = problem.algorithm.local_steps(state["x"], cohort, {}, _client_ctx(problem),
-                                             lambda p, k, cur: [Basis(state["basis"])])
+    u = runtime.step("train", 1, problem.algorithm.broadcast("train", state, 1), {},
+                     cohort)[0]["u"]
+    local, _ = problem.algorithm.local_steps(state["x"], cohort, {}, problem.algorithm.broadcast(
+        "train", state, 1), _client_ctx(problem))
     assert torch.allclose(state["x"] - u @ state["basis"].t(), local[0], atol=1e-6)
     d = problem.model.d
     assert [r["uplink_bytes"] for r in _rounds(fed)] == [12 * 4] * 2
     assert [r["uplink_bytes"] for r in _rounds(plain)] == [d * 4] * 2
-    assert _rounds(fed)[0]["downlink_bytes"] == (d + d * 12) * 4
+    assert _rounds(fed)[0]["downlink_bytes"] == (d + 1 + d * 12) * 4  # x, the clip, V
 
 
 def _server_ctx(problem, round=1):
@@ -387,3 +388,37 @@ def test_a_run_the_public_records_cannot_serve_is_refused(tmp_path, changes, key
     with pytest.raises(ConfigError) as err:
         build_problem(_config(tmp_path, **changes))
     assert err.value.key == key
+
+
+# ---- the reproduction -----------------------------------------------------------------------
+
+def test_the_centralized_protocol_gives_the_papers_epsilon():
+    """centralized-mnist at σ = 10: 10,000 private and 100 public images, B = 250 (q = 0.025),
+    40 steps a round for 80 rounds; the classical conversion of that history is the paper's
+    0.69 for σ = 10."""
+    from dpfl.experiments.pcdp import SETTINGS, config_of
+    from dpfl.privacy.ledger import _epsilon
+
+    problem = build_problem(RunConfig(config_of(SETTINGS["centralized-mnist"], "pcdp-sgd", 10,
+                                                0, "code")))
+    assert problem.dataset.num_train == 10_000 and problem.dataset.num_public == 100
+    (release,) = problem.releases(0)
+    assert (release.sample_rate, release.steps, release.noise_multiplier) == (0.025, 40, 10.0)
+    history = ((release.noise_multiplier, release.sample_rate, release.steps * 80),)
+    assert _epsilon("rdp-classical", history, 1e-5) == pytest.approx(0.69, abs=0.005)
+    assert problem.model.d == 26_010 and problem.algorithm.hp.lr_milestones == "40,60"
+
+
+@pytest.mark.parametrize("name", ["centralized-mnist", "federated-mnist", "noniid"])
+def test_the_smoke_reproduction_reports_accuracy_epsilon_and_orderings(tmp_path, name):
+    from dpfl.cli import main
+
+    assert main(["reproduce", "pcdp", name, "--smoke", "--results-dir", str(tmp_path)]) == 0
+    folder = tmp_path / f"reproduce-pcdp-{name}-smoke"
+    report = (folder / "report.md").read_text()
+    for text in ("classical RDP (the paper's)", "Opacus PRV", "§6.4", "dpfl run --run-config",
+                 "uplink bytes", "wall time"):
+        assert text in report, text
+    assert (folder / "accuracy-vs-epsilon.png").exists()
+    if name == "centralized-mnist":
+        assert "[89.30 ± 0.41]" in report  # the paper's PCDP-SGD cell at σ = 6

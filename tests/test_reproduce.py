@@ -207,7 +207,9 @@ def test_unknown_experiment_names_the_allowed_ones(capsys):
     assert main(["reproduce", "clip21", "cifar"]) == 2
     assert "allowed: adaptive/t1, adaptive/t2, adaptive/t3, adaptive/t4, clip21/logreg, " \
         "clip21/mnist-dp, clip21/mnist-dp-epochs, clip21/noise-mapping, clip21/partial, " \
-        "clip21/partial-epochs, prisma/cifar10" in capsys.readouterr().err
+        "clip21/partial-epochs, pcdp/centralized-fmnist, pcdp/centralized-mnist, " \
+        "pcdp/federated-fmnist, pcdp/federated-mnist, pcdp/noniid, prisma/cifar10" \
+        in capsys.readouterr().err
 
 
 def test_only_restricts_the_experiment_and_refuses_what_it_does_not_have(tmp_path, capsys):

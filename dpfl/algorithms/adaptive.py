@@ -112,6 +112,33 @@ SERVER_LEARNING_RATE = Param("server-learning-rate", 1.0, "Global step size: the
 PROXIMAL_MU = Param("proximal-mu", 0.0, "FedProx's proximal weight: each per-sample gradient "
                     "gets μ(x_k − x) added before clipping (the local loss plus (μ/2)‖x_k − x‖², "
                     "Li et al. 2020); 0 = FedAvg.", check=at_least(0.0), symbol="μ")
+MOMENTUM = Param("momentum", 0.0, "Heavy-ball momentum of the local SGD on the noisy gradient, "
+                 "PyTorch's form m ← βm + g̃, w ← w − γm, the buffer kept in client state "
+                 "across rounds; 0 = the paper's plain SGD (Alg. 1; the first author's public "
+                 "code defaults to 0.9).", check=lambda v: None if 0 <= v < 1
+                 else f"must be in [0, 1), got {v}", symbol="β_m")
+
+
+def milestones_problem(text: str) -> str | None:
+    try:
+        parse_milestones(text)
+    except ValueError:
+        return f"expected increasing positive round numbers separated by commas, got {text!r}"
+    return None
+
+
+def parse_milestones(text: str) -> tuple[int, ...]:
+    rounds = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+    if any(r < 1 for r in rounds) or list(rounds) != sorted(set(rounds)):
+        raise ValueError(text)
+    return rounds
+
+
+LR_MILESTONES = Param("lr-milestones", "", "Rounds after which the learning rate is divided by "
+                      "10 again, e.g. '40,60' (the first author's public code: half and three "
+                      "quarters of the epochs); empty = a constant learning rate.",
+                      check=milestones_problem)
+
 STATISTIC_NOISE_SIZE = Param("statistic-noise-size", 0.005, "calibration='noise-size': σ_p^C, "
                              "the statistic's noise std relative to Ĝ² (AdaptDP-FedAvg).",
                              check=positive, symbol="σ_p^C")
@@ -130,7 +157,14 @@ class LocalDPSGDHyperparameters:
     fraction_train: ClassVar[float] = 1.0
     server_learning_rate: ClassVar[float] = 1.0
     proximal_mu: ClassVar[float] = 0.0
+    momentum: ClassVar[float] = 0.0
+    lr_milestones: ClassVar[str] = ""
     adaptive: ClassVar[bool] = False
+
+    def learning_rate_at(self, round: int) -> float:
+        """η divided by 10 for each of ``lr-milestones`` before ``round``."""
+        passed = sum(m < round for m in parse_milestones(self.lr_milestones))
+        return self.learning_rate / 10 ** passed
 
 
 @dataclass(frozen=True)
@@ -146,6 +180,8 @@ class FederatedHyperparameters(LocalDPSGDHyperparameters):
 @dataclass(frozen=True)
 class DPFedAvgHyperparameters(FederatedHyperparameters):
     proximal_mu: float = hyperparameter(PROXIMAL_MU)  # μ (FedProx)
+    momentum: float = hyperparameter(MOMENTUM)  # β_m
+    lr_milestones: str = hyperparameter(LR_MILESTONES)
 
 
 @dataclass(frozen=True)
@@ -180,7 +216,12 @@ class AdaptDPFedAvg(Algorithm):
     protection = ("record-level local DP per client (replace-one neighbours): the radius "
                   "statistic and K local DP-SGD steps per round, each noised on the client, "
                   "fixed-size sampling without replacement")
-    reported_accountants = ("rdp-wor",)
+
+    @property
+    def reported_accountants(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The adaptive-clipping paper's ``rdp-wor`` for its fixed-size sampling; under Poisson
+        sampling the classical RDP conversion (the PCDP paper's) and PRV."""
+        return ("rdp-classical", "prv") if self.hp.sampling == "poisson" else ("rdp-wor",)
     exchanges = (Exchange("statistic", ("x",), {"s": Upload("statistic")}),
                  Exchange("train", ("x", "radius"), {"x": Upload("train", post_processing=True)}))
     #: the share of ε each release gets in the paper's calibration (eqs. (1), (3))
@@ -260,16 +301,42 @@ class AdaptDPFedAvg(Algorithm):
             _, norms = self.model.clipped_mean(x, xb.to(ctx.device), yb.to(ctx.device), hp.clip)
             squares = norms.double().square().clamp(max=hp.clip ** 2)
             return {"s": squares.mean(dim=1, keepdim=True).float().cpu()}, states
-        radius = float(broadcast["radius"][0])
-        params = x.unsqueeze(0).repeat(len(cohort), 1)
-        clipped = torch.zeros(len(cohort), device=ctx.device)
-        for k in range(hp.local_steps):
-            g, fraction = self.noisy_gradient(params, x, self.batches(cohort, k, ctx),
-                                              radius, k, ctx)
-            clipped += fraction
-            params = params - hp.learning_rate * g
-        ctx.diagnose("clipped-fraction", clipped / hp.local_steps)
+        params, states = self.local_steps(x, cohort, states, broadcast, ctx)
         return {"x": params.cpu()}, states
+
+    def init_client_state(self, num_clients: int) -> State:
+        """The momentum buffers, when there is momentum."""
+        return {"momentum": torch.zeros(num_clients, self.model.d)} if self.hp.momentum else {}
+
+    def local_steps(self, x: Tensor, cohort: Cohort, states: State, broadcast: State,
+                    ctx: ClientContext) -> tuple[Tensor, State]:
+        """K local steps from ``x`` for every client at the broadcast radius, on
+        :meth:`step_gradient`: plain SGD at the round's learning rate, or heavy-ball
+        (PyTorch's m ← βm + g̃, w ← w − γm) with ``momentum``, whose buffers persist in client
+        state."""
+        hp = self.hp
+        radius = float(broadcast["radius"][0])
+        lr = hp.learning_rate_at(ctx.round)
+        params = x.unsqueeze(0).repeat(len(cohort), 1)
+        velocity = states["momentum"].to(ctx.device) if hp.momentum else None
+        clipped = torch.zeros(len(cohort), device=ctx.device)
+        memo: dict[str, object] = {}  # what the steps of one round share (a subspace)
+        for k in range(hp.local_steps):
+            g, fraction = self.step_gradient(params, x, cohort, k, radius, broadcast, ctx, memo)
+            clipped += fraction
+            if velocity is not None:
+                velocity = hp.momentum * velocity + g
+                g = velocity
+            params = params - lr * g
+        ctx.diagnose("clipped-fraction", clipped / hp.local_steps)
+        return params, ({"momentum": velocity.cpu()} if velocity is not None else states)
+
+    def step_gradient(self, params: Tensor, x: Tensor, cohort: Cohort, k: int, radius: float,
+                      broadcast: State, ctx: ClientContext, memo: dict[str, object]
+                      ) -> tuple[Tensor, Tensor]:
+        """The noisy gradient of local step ``k`` and the fraction clipped (DP-SGD's; a
+        projected step overrides it)."""
+        return self.noisy_gradient(params, x, self.batches(cohort, k, ctx), radius, k, ctx)
 
     def batches(self, cohort: Cohort, k: int, ctx: ClientContext) -> list[Batch]:
         """Each client's batch of local step ``k``: b records without replacement, or each

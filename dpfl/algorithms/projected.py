@@ -67,6 +67,8 @@ import torch
 from torch import Tensor
 
 from dpfl.algorithms.adaptive import (
+    LR_MILESTONES,
+    MOMENTUM,
     SERVER_LEARNING_RATE,
     Batch,
     DPFedAvg,
@@ -98,33 +100,6 @@ SPARSITY = Param("sparsity", 0.3, "RSDP-SGD: fraction of the d coordinates each 
                  "(Zhu & Blaschko's sparsification rate; the paper's 0.3).",
                  check=lambda v: None if 0 <= v < 1 else f"must be in [0, 1), got {v}",
                  symbol="p")
-
-MOMENTUM = Param("momentum", 0.0, "Heavy-ball momentum of the local SGD on the noisy gradient, "
-                 "PyTorch's form m ← βm + g̃, w ← w − γm, the buffer kept in client state "
-                 "across rounds; 0 = the paper's plain SGD (Alg. 1; the first author's public "
-                 "code defaults to 0.9).", check=lambda v: None if 0 <= v < 1
-                 else f"must be in [0, 1), got {v}", symbol="β_m")
-
-
-def milestones_problem(text: str) -> str | None:
-    try:
-        parse_milestones(text)
-    except ValueError:
-        return f"expected increasing positive round numbers separated by commas, got {text!r}"
-    return None
-
-
-def parse_milestones(text: str) -> tuple[int, ...]:
-    rounds = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
-    if any(r < 1 for r in rounds) or list(rounds) != sorted(set(rounds)):
-        raise ValueError(text)
-    return rounds
-
-
-LR_MILESTONES = Param("lr-milestones", "", "Rounds after which the learning rate is divided by "
-                      "10 again, e.g. '40,60' (the first author's public code: half and three "
-                      "quarters of the epochs); empty = a constant learning rate.",
-                      check=milestones_problem)
 
 RELATIVE_TOLERANCE = 1e-6  # singular values below this fraction of the largest are dropped
 
@@ -201,16 +176,11 @@ class ProjectedHyperparameters(LocalDPSGDHyperparameters):
 
     fraction_train: float = hyperparameter(FRACTION_TRAIN)  # S/N
     server_learning_rate: float = hyperparameter(SERVER_LEARNING_RATE)  # γ_g
-    momentum: float = hyperparameter(MOMENTUM)
+    momentum: float = hyperparameter(MOMENTUM)  # β_m
     lr_milestones: str = hyperparameter(LR_MILESTONES)
     sampling: ClassVar[str] = "poisson"
     projection: ClassVar[str] = "none"
     after_clipping: ClassVar[bool] = False  # PDP-SGD projects the noisy clipped mean
-
-    def learning_rate_at(self, round: int) -> float:
-        """γ divided by 10 for each milestone before ``round``."""
-        passed = sum(m < round for m in parse_milestones(self.lr_milestones))
-        return self.learning_rate / 10 ** passed
 
 
 @dataclass(frozen=True)
@@ -251,11 +221,7 @@ class DPSGD(DPFedAvg):
     Hyperparameters: ClassVar[type] = ProjectedHyperparameters
     protection = ("record-level local DP per client (add/remove neighbours): K local DP-SGD "
                   "steps per round on Poisson batches, noised on the client")
-    reported_accountants = ("rdp-classical", "prv")
     warned_rank = False  # a k above the public gradients' rank is logged once per run
-
-    def clip_radius(self, state: State) -> float:
-        return self.hp.clip
 
     def check_run(self, num_rounds: int) -> None:
         """Refuse a run the public records cannot serve (no public set; IBS without enough
@@ -349,42 +315,21 @@ class DPSGD(DPFedAvg):
                 for c in cohort.ids]
 
     # ---- client ----------------------------------------------------------------------------
-    def init_client_state(self, num_clients: int) -> State:
-        """The momentum buffers, when there is momentum."""
-        return {"momentum": torch.zeros(num_clients, self.model.d)} if self.hp.momentum else {}
+    def step_gradient(self, params: Tensor, x: Tensor, cohort: Cohort, k: int, radius: float,
+                      broadcast: State, ctx: ClientContext, memo: dict[str, object]
+                      ) -> tuple[Tensor, Tensor]:
+        """DP-SGD's noisy gradient, or the projected one in the step's subspaces."""
+        if self.hp.projection == "none":
+            return super().step_gradient(params, x, cohort, k, radius, broadcast, ctx, memo)
+        spaces = self.step_subspaces(params, cohort, k, broadcast, ctx, memo)
+        return self.projected_gradient(params, self.batches(cohort, k, ctx), spaces, radius, k,
+                                       ctx)
 
-    def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
-                    ctx: ClientContext) -> tuple[State, State]:
-        x = broadcast["x"].to(ctx.device)
-        params, states = self.local_steps(x, cohort, states, ctx, lambda p, k, cur: (
-            [] if self.hp.projection == "none" else self.subspaces(p, cohort, k, ctx, cur)))
-        return {"x": params.cpu()}, states
-
-    def local_steps(self, x: Tensor, cohort: Cohort, states: State, ctx: ClientContext,
-                    subspaces) -> tuple[Tensor, State]:
-        """K local steps from ``x`` for every client (heavy-ball with ``momentum``, at the
-        round's learning rate); ``subspaces(params, k, current)`` gives each client's subspace
-        of step k (none: DP-SGD's own step)."""
-        hp = self.hp
-        lr = hp.learning_rate_at(ctx.round)
-        params = x.unsqueeze(0).repeat(len(cohort), 1)
-        velocity = states["momentum"].to(ctx.device) if hp.momentum else None
-        current: list[Subspace] = []
-        clipped = torch.zeros(len(cohort), device=ctx.device)
-        for k in range(hp.local_steps):
-            current = subspaces(params, k, current)
-            batches = self.batches(cohort, k, ctx)
-            if current:
-                g, fraction = self.projected_gradient(params, batches, current, hp.clip, k, ctx)
-            else:
-                g, fraction = self.noisy_gradient(params, x, batches, hp.clip, k, ctx)
-            clipped += fraction
-            if velocity is not None:
-                velocity = hp.momentum * velocity + g
-                g = velocity
-            params = params - lr * g
-        ctx.diagnose("clipped-fraction", clipped / hp.local_steps)
-        return params, ({"momentum": velocity.cpu()} if velocity is not None else states)
+    def step_subspaces(self, params: Tensor, cohort: Cohort, k: int, broadcast: State,
+                       ctx: ClientContext, memo: dict[str, object]) -> list[Subspace]:
+        """Each client's subspace of local step ``k`` (kept in ``memo`` between steps)."""
+        memo["spaces"] = self.subspaces(params, cohort, k, ctx, memo.get("spaces", []))
+        return memo["spaces"]
 
     def projected_gradient(self, params: Tensor, batches: list[Batch], spaces: list[Subspace],
                            radius: float, k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
@@ -463,13 +408,11 @@ class FedPCDP(DPSGD):
 
     name = "fedpcdp"
     Hyperparameters = PublicProjectionHyperparameters
-    exchanges = (Exchange("train", ("x", "basis"), {"u": Upload("train", post_processing=True)}),)
+    exchanges = (Exchange("train", ("x", "radius", "basis"),
+                          {"u": Upload("train", post_processing=True)}),)
 
     def subspaces_per_run(self, num_rounds: int) -> int:
         return math.ceil(num_rounds / self.hp.projection_interval)
-
-    def init_server_state(self, x0: Tensor) -> State:
-        return {"x": x0.clone()}
 
     def begin_round(self, state: State, ctx: ServerContext) -> State:
         """Algorithm 3 (the virtual client): V_k^r at the global model, from the public records,
@@ -479,25 +422,29 @@ class FedPCDP(DPSGD):
             return state
         index = (ctx.round - 1) // beta
         space = self.public_subspace(state["x"], ctx.rng, SERVER, ctx.round, index)
-        return {"x": state["x"], "basis": space.v}
+        return {**state, "basis": space.v}
 
     def broadcast(self, exchange: str, state: State, round: int) -> State:
-        return {"x": state["x"], "basis": state["basis"]}
+        return {"x": state["x"], "radius": state["radius"], "basis": state["basis"]}
+
+    def step_subspaces(self, params: Tensor, cohort: Cohort, k: int, broadcast: State,
+                       ctx: ClientContext, memo: dict[str, object]) -> list[Subspace]:
+        """The round's broadcast subspace V_k^r, for every client and step."""
+        return [Basis(broadcast["basis"].to(ctx.device))] * len(cohort)
 
     def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
                     ctx: ClientContext) -> tuple[State, State]:
+        """K local steps in span V, then the k coordinates of the update (Alg. 2 line 13)."""
         x = broadcast["x"].to(ctx.device)
-        space = Basis(broadcast["basis"].to(ctx.device))
-        params, states = self.local_steps(x, cohort, states, ctx,
-                                          lambda p, k, cur: [space] * len(cohort))
-        return {"u": space.coords(x - params).cpu()}, states
+        params, states = self.local_steps(x, cohort, states, broadcast, ctx)
+        return {"u": Basis(broadcast["basis"].to(ctx.device)).coords(x - params).cpu()}, states
 
     def server_step(self, exchange: str, state: State, sums: State,
                     ctx: ServerContext) -> State:
         """w_g ← w_g − γ_g·V·mean_i u_i (Algorithm 2 line 16)."""
         v = state["basis"]
         update = Basis(v).lift(sums["u"].to(v.device) / len(ctx.participants))
-        return {"x": state["x"] - self.hp.server_learning_rate * update, "basis": v}
+        return {**state, "x": state["x"] - self.hp.server_learning_rate * update}
 
 
 @ALGORITHMS.register_class
