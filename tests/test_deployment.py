@@ -102,6 +102,12 @@ CASES = {
                        "model": "least-squares", "num-partitions": 4, "num-server-rounds": 4,
                        "batch-size": 50, "local-steps": 5, "learning-rate": 0.4, "clip": 3.0,
                        "calibration": "paper", "epsilon": 1000.0, "delta": 1e-4, "seed": 3},
+    # the server's public subspace broadcast each round, client sampling, k-number uploads
+    "fedpcdp": {"algorithm": "fedpcdp", "dataset-options": "num_public=40",
+                "model": "logistic", "num-partitions": 4, "num-server-rounds": 3,
+                "fraction-train": 0.75, "batch-size": 40, "local-steps": 3, "clip": 0.5,
+                "learning-rate": 0.5, "projection-dim": 12, "noise-multiplier": 2.0,
+                "momentum": 0.5, "seed": 4},
 }
 
 
