@@ -1,0 +1,78 @@
+"""The PCDP-SGD reproduction's workload: seconds per local step of each method of the projection
+family on the paper's centralized setting (MNIST, 10,000 private and 100 public images, the
+26,010-parameter CNN, Poisson batches of expected size 250, k = 100, RPDP-SGD k' = 800), one
+torch thread, and the parts of a PCDP-SGD step (public per-sample gradients, the eigenspace,
+private per-sample gradients, their projection).
+
+    .venv/bin/python benchmarks/bench_projected.py [--rounds 1]
+
+One round is an epoch (40 local steps); the full run is 80 of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dpfl.algorithms.projected import top_eigenspace  # noqa: E402
+from dpfl.engine import run  # noqa: E402
+from dpfl.experiments.pcdp import SETTINGS, config_of  # noqa: E402
+from dpfl.problem import build_problem  # noqa: E402
+from dpfl.runconfig import RunConfig  # noqa: E402
+
+METHODS = ("dp-sgd", "rsdp-sgd", "pdp-sgd", "pcdp-sgd", "rpdp-sgd")
+
+
+def timed(fn, repeat: int = 5) -> float:
+    fn()
+    started = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - started) / repeat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="dpfl-bench-pcdp-"))
+    setting = SETTINGS["centralized-mnist"]
+    print("| method | s per local step | s per 80-epoch run (extrapolated) |\n|---|---:|---:|")
+    for method in METHODS:
+        values = {**config_of(setting, method, 10, 0, "code", rounds=args.rounds),
+                  "results-dir": str(tmp), "run-name": method, "eval-every": 1000}
+        summary = run(RunConfig(values), echo=False)
+        per_step = summary["seconds_per_round"] / 40
+        print(f"| {method} | {per_step:.3f} | {per_step * 3200:.0f} |", flush=True)
+    problem = build_problem(RunConfig(config_of(setting, "pcdp-sgd", 10, 0, "code")))
+    model, x = problem.model, problem.x0
+    px, py = problem.algorithm.public
+    xb, yb = problem.dataset.train_x[:250], problem.dataset.train_y[:250]
+    public = model.per_sample_gradients(x[None], px[None], py[None])[0]
+    v, _ = top_eigenspace(public, 100)
+    rows = model.per_sample_gradients(x[None], xb[None], yb[None])[0]
+    parts = {
+        "public per-sample gradients (100)": lambda: model.per_sample_gradients(
+            x[None], px[None], py[None]),
+        "eigenspace (Gram route, float64)": lambda: top_eigenspace(public, 100),
+        "private per-sample gradients (250)": lambda: model.per_sample_gradients(
+            x[None], xb[None], yb[None]),
+        "projection Vᵀg (250 × 26,010 × 100)": lambda: rows @ v,
+        "DP-SGD's clipped mean (250, ghost norms)": lambda: model.clipped_mean(
+            x[None], xb[None], yb[None], 0.01),
+    }
+    print("\n| part of a step | seconds |\n|---|---:|")
+    for name, fn in parts.items():
+        print(f"| {name} | {timed(fn):.4f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
