@@ -2,7 +2,8 @@
 
 ``dpfl run --run-config "key=value ..."`` runs the in-process engine;
 ``dpfl flower --run-config ...`` runs the same configuration through ``flwr run``
-(Ray simulation) and stops the SuperLink it started. Bad input prints one line
+(Ray simulation) and stops the SuperLink it started; ``dpfl certs FOLDER`` writes the
+certificates and node keys of a federation over TLS. Bad input prints one line
 naming the key and the allowed values, and exits with status 2.
 """
 
@@ -44,7 +45,23 @@ def _parser() -> argparse.ArgumentParser:
                    help="a runs.jsonl.gz written beside an earlier report (e.g. in reports/): "
                    "its runs count as finished and are not run again")
     p.add_argument("--list", action="store_true", help="list the experiments")
+    p = sub.add_parser("certs", help="generate a CA, a SuperLink certificate and SuperNode "
+                       "keys for a federation over TLS with node authentication")
+    p.add_argument("folder", type=Path)
+    p.add_argument("--nodes", type=int, default=2, help="SuperNode key pairs (default: 2)")
+    p.add_argument("--host", action="append", default=[],
+                   help="a name or IP address the SuperLink is reached at (repeatable; "
+                   "localhost and 127.0.0.1 are always included)")
     return parser
+
+
+def certs(args: argparse.Namespace) -> int:
+    from dpfl.certs import generate
+
+    written = generate(args.folder, args.nodes, args.host)
+    print(f"wrote {len(written)} files to {args.folder}: "
+          + " ".join(p.name for p in written))
+    return 0
 
 
 def reproduce(args: argparse.Namespace) -> int:
@@ -77,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "reproduce":
             return reproduce(args)
+        if args.command == "certs":
+            return certs(args)
         overrides = parse_overrides(args.run_config) if args.run_config else {}
         if args.command == "run":
             from dpfl.engine import run

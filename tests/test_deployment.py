@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dpfl.cli import main
 from dpfl.config import format_overrides
 from dpfl.engine import run
 from dpfl.runconfig import RunConfig
@@ -49,42 +50,74 @@ def _stop(process: subprocess.Popen) -> None:
         return
 
 
+def _wait(done, message: str, started: list[subprocess.Popen], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, message
+        assert all(p.poll() is None for p in started), "a Flower process exited"
+        time.sleep(0.5)
+
+
 @pytest.fixture
 def deployment(tmp_path):
     """Start a SuperLink and the given SuperNodes (their ``partition-ids``) on free loopback
-    ports; yields the environment for ``flwr run . local-deployment``; stops every process."""
+    ports, in plain HTTP or over TLS with SuperNode authentication (certificates and node keys
+    from ``dpfl certs``, every node's public key registered with ``flwr supernode register``);
+    yields the environment for ``flwr run . local-deployment``; stops every process."""
     started: list[subprocess.Popen] = []
     home = tmp_path / "flwr-home"
     home.mkdir()
+    certs = tmp_path / "certs"
     port = _free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "local-deployment"\n\n[superlink.local-deployment]\n'
-        f'address = "127.0.0.1:{port}"\ninsecure = true\n')
     env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
                FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
     env.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").resolve()))
 
-    def spawn(log: str, program: str, *args: str) -> None:
+    def spawn(log: str, program: str, *args: str) -> subprocess.Popen:
         with open(tmp_path / log, "w") as out:
             started.append(subprocess.Popen([str(BIN / program), *args], stdout=out,
                                             stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
                                             start_new_session=True))
+        return started[-1]
 
-    def start(nodes: list[str]) -> dict[str, str]:
-        spawn("superlink.log", "flower-superlink", "--insecure", "--host", "127.0.0.1",
+    def supernode(name: str, ids: str, *security: str) -> subprocess.Popen:
+        return spawn(f"{name}.log", "flower-supernode", *security, "--superlink",
+                     f"127.0.0.1:{port}", "--port", str(_free_port()),
+                     "--node-config", f'partition-ids="{ids}"')
+
+    def node_security(i: int) -> list[str]:
+        return (["--root-certificates", str(certs / "ca.crt"),
+                 "--auth-supernode-private-key", str(certs / f"node-{i}.key")]
+                if certs.exists() else ["--insecure"])
+
+    def start(nodes: list[str], *, tls: bool = False) -> dict[str, str]:
+        connection = (f'root-certificates = "{certs / "ca.crt"}"' if tls else "insecure = true")
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "local-deployment"\n\n[superlink.local-deployment]\n'
+            f'address = "127.0.0.1:{port}"\n{connection}\n')
+        security = ["--insecure"]
+        if tls:
+            # one key more than nodes: the last one is never registered
+            assert main(["certs", str(certs), "--nodes", str(len(nodes) + 1)]) == 0
+            security = ["--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile",
+                        str(certs / "server.pem"), "--ssl-keyfile", str(certs / "server.key"),
+                        "--enable-supernode-auth"]
+        spawn("superlink.log", "flower-superlink", *security, "--host", "127.0.0.1",
               "--port", str(port), "--disable-runtime-dependency-installation")
+        if tls:
+            for i in range(len(nodes)):
+                _wait(lambda i=i: subprocess.run(
+                    [str(BIN / "flwr"), "supernode", "register", str(certs / f"node-{i}.pub"),
+                     "local-deployment"], env=env, capture_output=True).returncode == 0,
+                    "the SuperLink did not register the node keys", started)
         for i, ids in enumerate(nodes):
-            spawn(f"supernode-{i}.log", "flower-supernode", "--insecure", "--superlink",
-                  f"127.0.0.1:{port}", "--port", str(_free_port()),
-                  "--node-config", f'partition-ids="{ids}"')
-        deadline = time.monotonic() + 120
-        while (tmp_path / "superlink.log").read_text().count("Activated node_id") \
-                < len(nodes):
-            assert time.monotonic() < deadline, "the SuperNodes did not connect"
-            assert all(p.poll() is None for p in started), "a Flower process exited"
-            time.sleep(0.5)
+            supernode(f"supernode-{i}", ids, *node_security(i))
+        _wait(lambda: (tmp_path / "superlink.log").read_text().count("Activated node_id")
+              >= len(nodes), "the SuperNodes did not connect", started)
         return env
 
+    start.supernode = supernode  # type: ignore[attr-defined]
+    start.node_security = node_security  # type: ignore[attr-defined]
     try:
         yield start
     finally:
@@ -94,6 +127,11 @@ def deployment(tmp_path):
 
 
 CASES = {
+    "dpsgd-gc": {"algorithm": "dpsgd-gc", "num-partitions": 3, "num-server-rounds": 3,
+                 "seed": 2},
+    # client state (the momentum buffers) kept in each SuperNode's Context.state
+    "clip21-sgd2m": {"algorithm": "clip21-sgd2m", "num-partitions": 3, "num-server-rounds": 3,
+                     "seed": 2},
     "prisma": {"algorithm": "prisma", "num-partitions": 4, "num-server-rounds": 3,
                "batch-size": 16, "seed": 5, "gamma": 0.3, "clip-diff": 0.2,
                "learning-rate": 0.5},
@@ -111,10 +149,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_real_supernodes_equal_the_engine_bitwise(tmp_path, deployment, case):
-    overrides = {**CASES[case], "results-dir": str(tmp_path / "results")}
-    env = deployment(["0,1", "2,3"])
+# one node per client: three SuperNodes
+NODES = {"dpsgd-gc": ["0", "1", "2"], "clip21-sgd2m": ["0", "1", "2"]}
+
+
+def _deployed_equals_engine(tmp_path: Path, env: dict[str, str], case: dict) -> None:
+    """``flwr run`` against the SuperLink, then the engine with the same config: the models
+    equal bit for bit, the rounds too (but their wall times)."""
+    overrides = {**case, "results-dir": str(tmp_path / "results")}
     done = subprocess.run(
         [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--stream", "--run-config",
          format_overrides({**overrides, "run-name": "deployed"})],
@@ -130,3 +172,23 @@ def test_real_supernodes_equal_the_engine_bitwise(tmp_path, deployment, case):
     for d, e in zip(*rounds, strict=True):
         d.pop("seconds"), e.pop("seconds")
         assert d == e
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_real_supernodes_equal_the_engine_bitwise(tmp_path, deployment, case):
+    env = deployment(NODES.get(case, ["0,1", "2,3"]))
+    _deployed_equals_engine(tmp_path, env, CASES[case])
+
+
+def test_tls_with_supernode_authentication(tmp_path, deployment):
+    """Over TLS with registered node keys the run equals the engine's; a SuperNode with an
+    unregistered key and a plaintext SuperNode are refused by the SuperLink."""
+    env = deployment(NODES["dpsgd-gc"], tls=True)
+    _deployed_equals_engine(tmp_path, env, CASES["dpsgd-gc"])
+    unregistered = deployment.supernode("unregistered", "0", *deployment.node_security(3))
+    plaintext = deployment.supernode("plaintext", "0", "--insecure", "--max-retries", "2")
+    assert unregistered.wait(timeout=120) != 0
+    assert plaintext.wait(timeout=120) != 0
+    link = (tmp_path / "superlink.log").read_text()
+    assert link.count("Activated node_id") == 3
+    assert "No SuperNode found with the given public key" in link
