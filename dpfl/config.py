@@ -138,6 +138,11 @@ COMMON: tuple[Param, ...] = (
     Param("max-epsilon", 0.0,
           "Stop the run before a round would take any client's ε above this; 0 = no stop.",
           check=at_least(0.0)),
+    Param("min-clients", 0,
+          "Real federations: the fewest participants an exchange needs replies from to go on "
+          "without the others (clients of a failed or offline SuperNode); 0 = every "
+          "participant, so a lost reply stops the run. The engine loses no client.",
+          check=at_least(0)),
     Param("secure-noise", False, "Seed noise and sampling from the OS CSPRNG (not reproducible)."),
     Param("seed", 0, "Run seed: data split, model init, sampling and noise.", check=at_least(0)),
     Param("device", "cpu", "Torch device for the algorithm math.", choices=("cpu", "cuda", "auto")),

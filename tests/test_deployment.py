@@ -110,8 +110,8 @@ def deployment(tmp_path):
                     [str(BIN / "flwr"), "supernode", "register", str(certs / f"node-{i}.pub"),
                      "local-deployment"], env=env, capture_output=True).returncode == 0,
                     "the SuperLink did not register the node keys", started)
-        for i, ids in enumerate(nodes):
-            supernode(f"supernode-{i}", ids, *node_security(i))
+        start.nodes = [supernode(f"supernode-{i}", ids, *node_security(i))  # type: ignore
+                       for i, ids in enumerate(nodes)]
         _wait(lambda: (tmp_path / "superlink.log").read_text().count("Activated node_id")
               >= len(nodes), "the SuperNodes did not connect", started)
         return env
@@ -192,3 +192,48 @@ def test_tls_with_supernode_authentication(tmp_path, deployment):
     link = (tmp_path / "superlink.log").read_text()
     assert link.count("Activated node_id") == 3
     assert "No SuperNode found with the given public key" in link
+
+
+def test_killed_supernodes_min_clients(tmp_path, deployment):
+    """Four SuperNodes of one client each, ``min-clients=3``: the first node killed mid-run, the
+    run goes on with three; the second killed, it stops with one line naming the lost clients
+    and keeps its last complete round. Every client sent an exchange is charged."""
+    env = deployment(["0", "1", "2", "3"])
+    results = tmp_path / "results"
+    overrides = {"algorithm": "dpsgd-gc", "num-partitions": 4, "num-server-rounds": 40,
+                 "noise-multiplier": 1.0, "min-clients": 3, "seed": 1,
+                 "results-dir": str(results), "run-name": "faults"}
+    with open(tmp_path / "flwr-run.log", "w") as out:
+        flwr = subprocess.Popen(
+            [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--stream",
+             "--run-config", format_overrides(overrides)],
+            env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    rounds_file = results / "faults" / "rounds.jsonl"
+
+    def rounds() -> list[dict]:
+        text = rounds_file.read_text() if rounds_file.exists() else ""
+        return [json.loads(line) for line in text.splitlines()]
+
+    try:
+        _wait(lambda: len(rounds()) >= 2, "no second round", [flwr], timeout=300)
+        os.killpg(deployment.nodes[3].pid, signal.SIGKILL)
+        _wait(lambda: any(r.get("lost_clients") for r in rounds()),
+              "the run did not go on without the killed node", [flwr], timeout=300)
+        os.killpg(deployment.nodes[2].pid, signal.SIGKILL)
+        flwr.wait(timeout=400)
+    finally:
+        _stop(flwr)
+    log = (tmp_path / "flwr-run.log").read_text()
+    summary = json.loads((results / "faults" / "summary.json").read_text())
+    done = rounds()
+    lost = [r["round"] for r in done if r.get("lost_clients")]
+    assert lost and all(r["lost_clients"] == [3] and r["participants"] == 3
+                        for r in done if r.get("lost_clients")), done
+    assert "going on with 3 of 4 participants" in log
+    stop = [line for line in log.splitlines() if line.startswith("dpfl: error: stopped after")]
+    assert len(stop) == 1 and "min-clients=3 needs 3" in stop[0] and "clients [2]" in stop[0]
+    assert summary["rounds_completed"] == len(done) < 40
+    epsilon, last = summary["epsilon"], done[-1]["epsilon"]
+    # the stopping round was sent to clients 0–2 (charged, client 2's reply lost or not), not
+    # to client 3, whose node was known to be offline by then
+    assert all(epsilon[c] > last[c] for c in "012") and epsilon["3"] == last["3"]

@@ -2,7 +2,14 @@
 
 from dpfl.rounds.client import ClientRuntime
 from dpfl.rounds.driver import RoundDriver
-from dpfl.rounds.transport import ClientRefused, Replies, Transport, per_client, sum_rows
+from dpfl.rounds.transport import (
+    ClientRefused,
+    ClientsLost,
+    Replies,
+    Transport,
+    per_client,
+    sum_rows,
+)
 
-__all__ = ["ClientRefused", "ClientRuntime", "Replies", "RoundDriver", "Transport",
+__all__ = ["ClientRefused", "ClientRuntime", "ClientsLost", "Replies", "RoundDriver", "Transport",
            "per_client", "sum_rows"]

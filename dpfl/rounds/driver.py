@@ -22,7 +22,7 @@ from dpfl.algorithms import ServerContext, distinct_streams
 from dpfl.privacy import CALIBRATIONS, Accounting, Randomness
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter, results_path
-from dpfl.rounds.transport import ClientRefused, Transport
+from dpfl.rounds.transport import ClientRefused, ClientsLost, Transport
 from dpfl.runconfig import check_runtime
 
 log = logging.getLogger("dpfl")
@@ -82,6 +82,7 @@ class RoundDriver:
         self.checked: set[tuple[str, ...]] = set()  # exchange sets whose streams are checked
         self.rounds_done = 0
         self.traffic: dict[str, int] = {}
+        self.lost: dict[int, str] = {}  # this round's missing participants, and why
         self.started = time.perf_counter()
 
     # ---- the loop ----------------------------------------------------------------------
@@ -95,19 +96,25 @@ class RoundDriver:
             if reason := self.accounting.refusal(round, participants, exchanges):
                 self.stop_reason = reason
                 break
-            started = time.perf_counter()
+            started, before = time.perf_counter(), self.state
             try:
-                diagnostics = self.play(round, participants)
+                diagnostics, completed = self.play(round, participants)
             except ClientRefused as refused:
                 self.stop_reason = f"max-epsilon: clients {refused.clients} refused round {round}"
                 break
-            self.end_round(round, participants, diagnostics, started)
+            except ClientsLost as lost:
+                self.state, self.stop_reason = before, f"min-clients: {lost}"
+                break
+            self.end_round(round, completed, diagnostics, started)
         return self.finish()
 
-    def play(self, round: int, participants: list[int]) -> dict[int, dict[str, float]]:
-        """Round ``round``'s exchanges; returns the participants' diagnostics."""
+    def play(self, round: int, participants: list[int]
+             ) -> tuple[dict[int, dict[str, float]], list[int]]:
+        """Round ``round``'s exchanges; returns the participants' diagnostics and the
+        participants that took part to the end (all of them unless replies were lost)."""
         diagnostics: dict[int, dict[str, float]] = {}
         traffic = self.traffic = {"uplink_bytes": 0, "downlink_bytes": 0}
+        self.lost: dict[int, str] = {}
         server_releases = {r.name: r for r in self.problem.server_releases()}
         exchanges = self.algorithm.round_exchanges(round)
         self.check_streams(tuple(e.name for e in exchanges), round)
@@ -118,14 +125,43 @@ class RoundDriver:
             if tuple(broadcast) != exchange.broadcast:
                 raise TypeError(f"{self.algorithm.name}: exchange {exchange.name!r} broadcast "
                                 f"{tuple(broadcast)}, declared {exchange.broadcast}")
-            replies = self.transport.exchange(exchange.name, round, broadcast, participants)
-            traffic["downlink_bytes"] += len(participants) * payload(broadcast)
-            traffic["uplink_bytes"] += len(participants) * payload(replies.sums)
-            self.accounting.charge(participants, exchange.name)
+            replies = self.transport.exchange(exchange.name, round, broadcast,
+                                              ctx.participants)
+            # everyone sent the exchange is charged, replied or not: a lost reply may have been
+            # computed, noised and sent
+            sent = [c for c in ctx.participants if c not in replies.unreached]
+            self.accounting.charge(sent, exchange.name)
+            traffic["downlink_bytes"] += len(sent) * payload(broadcast)
+            if gone := {**replies.unreached, **replies.lost}:
+                ctx = self.without(ctx, gone, round, exchange.name)
+            assert replies.sums is not None
+            traffic["uplink_bytes"] += len(ctx.participants) * payload(replies.sums)
             self.state = self.algorithm.server_step(exchange.name, self.state, replies.sums, ctx)
             for c, values in replies.diagnostics.items():
                 diagnostics.setdefault(c, {}).update(values)
-        return diagnostics
+        return diagnostics, list(ctx.participants)
+
+    def without(self, ctx: ServerContext, gone: dict[int, str], round: int,
+                exchange: str) -> ServerContext:
+        """``ctx`` for the participants that replied, when ``min-clients`` allows going on
+        without ``gone`` (client → why it is missing); raises :class:`ClientsLost` otherwise.
+        The rest of the round runs with the remaining participants only."""
+        remaining = [c for c in ctx.participants if c not in gone]
+        needed = int(self.config["min-clients"]) or len(ctx.participants)
+        reasons = "; ".join(f"clients {[c for c in sorted(gone) if gone[c] == why]}: {why}"
+                            for why in dict.fromkeys(gone[c] for c in sorted(gone)))
+        if len(remaining) < needed or not remaining:
+            raise ClientsLost(
+                f"round {round}, exchange {exchange!r}: {len(remaining)} of "
+                f"{len(ctx.participants)} participants replied and min-clients="
+                f"{self.config['min-clients']} needs {max(needed, 1)} ({reasons})")
+        self.lost.update(gone)
+        message = (f"round {round}, exchange {exchange!r}: going on with {len(remaining)} of "
+                   f"{len(ctx.participants)} participants ({reasons})")
+        if self.echo:
+            print(f"WARNING: {message}", flush=True)
+        log.warning(message)
+        return dataclasses.replace(ctx, participants=remaining)
 
     def server_context(self, round: int, participants: list[int],
                        server_releases: dict[str, Any]) -> ServerContext:
@@ -247,6 +283,8 @@ class RoundDriver:
             "participants": len(participants),
             **self.traffic,
         })
+        if self.lost:
+            record["lost_clients"] = sorted(self.lost)
         if (server := self.accounting.server_epsilon()) is not None:
             record["server_epsilon"] = server
         if len(self.accounting.accountants) > 1 and "test_loss" in record:

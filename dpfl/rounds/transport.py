@@ -12,11 +12,18 @@ from dpfl.algorithms import State
 
 @dataclass
 class Replies:
-    """One exchange's result: each upload summed over the participants, and (non-private
-    diagnostics only) each participant's diagnostics."""
+    """One exchange's result: each upload summed over the participants that replied, and
+    (non-private diagnostics only) each one's diagnostics.
 
-    sums: State
+    Over a real federation some participants can be missing, each with the reason:
+    ``unreached`` were not sent the exchange (their node is offline), ``lost`` were sent it but
+    their reply never came (the node failed or went away after receiving it). The engine loses
+    nobody."""
+
+    sums: State | None
     diagnostics: dict[int, dict[str, float]] = field(default_factory=dict)
+    lost: dict[int, str] = field(default_factory=dict)
+    unreached: dict[int, str] = field(default_factory=dict)
 
 
 class Transport(Protocol):
@@ -28,6 +35,10 @@ class Transport(Protocol):
         """Send ``broadcast`` to ``participants`` (increasing id) and return their replies;
         raises :class:`ClientRefused` when a client refuses the round."""
         ...
+
+
+class ClientsLost(RuntimeError):
+    """Fewer participants replied to an exchange than ``min-clients`` requires."""
 
 
 class ClientRefused(RuntimeError):

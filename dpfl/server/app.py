@@ -1,4 +1,9 @@
-"""The dpfl ``ServerApp``: validates the run config, then runs ``AlgorithmStrategy``."""
+"""The dpfl ``ServerApp``: validates the run config, then runs ``AlgorithmStrategy``.
+
+Bad input, a federation that does not match the run, and a run stopped by lost clients end
+with one line ``dpfl: error: …`` and no traceback. The app then returns normally: Flower flushes
+a ServerApp's log stream (what ``flwr run --stream`` shows) only on a normal return or an
+exception, and an exception would print a traceback."""
 
 from __future__ import annotations
 
@@ -29,4 +34,3 @@ def main(grid: Grid, context: Context) -> None:
                        num_rounds=int(config["num-server-rounds"]))
     except (ConfigError, FederationError) as exc:
         print(f"dpfl: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None

@@ -82,7 +82,10 @@ class AlgorithmStrategy(Strategy):
         self.connect_timeout = connect_timeout
         self.echo = echo
         self.node_of: dict[int, int] = {}
-        self.pending: list[int] = []  # the participants of the exchange under way
+        self.asked: set[int] = set()  # nodes that said which clients they host
+        self.pending: list[int] = []  # the participants sent the exchange under way
+        self.lost: dict[int, str] = {}  # participants of that exchange without a reply, and why
+        self.unreached: dict[int, str] = {}  # participants not sent it: their node is offline
         self.diagnostics: dict[int, dict[str, float]] = {}
 
     def summary(self) -> None:
@@ -96,12 +99,7 @@ class AlgorithmStrategy(Strategy):
         wanted = set(range(self.problem.num_clients))
         deadline = time.monotonic() + self.connect_timeout
         while True:
-            asked = [Message(RecordDict(), n, f"{MessageType.QUERY}.clients")
-                     for n in grid.get_node_ids() if n not in self.node_of.values()]
-            for reply in grid.send_and_receive(asked, timeout=self.connect_timeout):
-                self._raise_on_error(reply)
-                for c in reply.content["hosted"]["clients"]:
-                    self.node_of[int(c)] = reply.metadata.src_node_id
+            self.ask_new_nodes(grid, strict=True)
             if wanted <= set(self.node_of) or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
@@ -113,12 +111,33 @@ class AlgorithmStrategy(Strategy):
                 f"{sorted(self.node_of)}; start one SuperNode per partition "
                 f"(simulation: --federation-config \"num-supernodes={len(wanted)}\")")
 
+    def ask_new_nodes(self, grid: Grid, *, strict: bool = False) -> set[int]:
+        """Ask the online nodes not asked yet which clients they host (a node that restarted
+        rejoins under a new id, or its old one with node authentication); returns the online
+        nodes. A failing node stops discovery (``strict``) or is left for later."""
+        online = set(grid.get_node_ids())
+        asked = [Message(RecordDict(), n, f"{MessageType.QUERY}.clients")
+                 for n in sorted(online - self.asked)]
+        for reply in grid.send_and_receive(asked, timeout=self.connect_timeout) if asked else []:
+            if reply.has_error():
+                if strict:
+                    self._raise_on_error(reply)
+                continue
+            self.asked.add(reply.metadata.src_node_id)
+            for c in reply.content["hosted"]["clients"]:
+                self.node_of[int(c)] = reply.metadata.src_node_id
+        return online
+
     # ---- one exchange ----------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """One message per node hosting some of ``config["clients"]``: the exchange's
-        broadcast ``arrays`` and the node's share of the participants."""
-        self.pending = list(config["clients"])
+        broadcast ``arrays`` and the node's share of the participants. Participants whose node
+        is offline are left out (``self.unreached``)."""
+        online = self.ask_new_nodes(grid)
+        self.unreached = {int(c): f"node {self.node_of[int(c)]} offline"
+                          for c in config["clients"] if self.node_of[int(c)] not in online}
+        self.pending = [int(c) for c in config["clients"] if int(c) not in self.unreached]
         by_node: dict[int, list[int]] = {}
         for c in self.pending:
             by_node.setdefault(self.node_of[c], []).append(c)
@@ -129,14 +148,26 @@ class AlgorithmStrategy(Strategy):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Each upload summed over the participants, in increasing client id; diagnostics by
-        client in ``self.diagnostics``. Raises :class:`~dpfl.rounds.ClientRefused` when a
-        client refused the round."""
+        """Each upload summed over the participants that replied, in increasing client id
+        (``None`` when none did); diagnostics by client in ``self.diagnostics``, the
+        participants without a reply in ``self.lost``. Raises
+        :class:`~dpfl.rounds.ClientRefused` when a client refused the round."""
         uploads: dict[int, State] = {}
-        self.diagnostics = {}
+        self.diagnostics, self.lost = {}, {}
         refused: list[int] = []
+        clients_of: dict[int, list[int]] = {}
+        for c in self.pending:
+            clients_of.setdefault(self.node_of[c], []).append(c)
+        failed: dict[int, str] = {}  # node -> its error
+        unattributed: list[str] = []  # errors the SuperLink sent in a node's stead
         for reply in replies:
-            self._raise_on_error(reply)
+            if reply.has_error():
+                node = reply.metadata.src_node_id
+                if node in clients_of:
+                    failed[node] = reply.error.reason
+                else:
+                    unattributed.append(reply.error.reason)
+                continue
             content = reply.content
             if REFUSED in content:
                 refused += [int(c) for c in content[REFUSED]["clients"]]
@@ -148,8 +179,14 @@ class AlgorithmStrategy(Strategy):
                     self.diagnostics[int(name[len(DIAGNOSTICS):])] = dict(record)
         if refused:
             raise ClientRefused(sorted(refused))
-        if missing := sorted(set(self.pending) - set(uploads)):
-            raise FederationError(f"round {server_round}: no reply from clients {missing}")
+        for c in self.pending:
+            if c not in uploads:
+                node = self.node_of[c]
+                why = failed.get(node) or (unattributed[0] if unattributed else
+                                           "no reply in time")
+                self.lost[c] = f"node {node}: {why}"
+        if not uploads:
+            return None, None
         ids = sorted(uploads)
         rows = {k: torch.stack([uploads[c][k] for c in ids]) for k in uploads[ids[0]]}
         sums = sum_rows(rows, self.problem.device)
@@ -186,6 +223,9 @@ class AlgorithmStrategy(Strategy):
         driver = RoundDriver(self.problem, FlowerTransport(self, grid, timeout), "flower",
                              echo=self.echo, x0=from_record(initial_arrays)["x"])
         driver.run()
+        if driver.stop_reason.startswith("min-clients"):
+            raise FederationError(f"stopped after round {driver.rounds_done} ({driver.path}): "
+                                  f"{driver.stop_reason}")
         result = Result()
         result.arrays = to_record({"x": self.problem.algorithm.global_params(driver.state)})
         for record in driver.records:
@@ -211,7 +251,8 @@ class FlowerTransport:
         messages = self.strategy.configure_train(round, to_record(broadcast), config, self.grid)
         replies = self.grid.send_and_receive(messages, timeout=self.timeout)
         sums, _ = self.strategy.aggregate_train(round, replies)
-        assert sums is not None
         device = self.strategy.problem.device
-        return Replies({k: v.to(device) for k, v in from_record(sums).items()},
-                       self.strategy.diagnostics)
+        return Replies(None if sums is None else
+                       {k: v.to(device) for k, v in from_record(sums).items()},
+                       self.strategy.diagnostics, lost=dict(self.strategy.lost),
+                       unreached=dict(self.strategy.unreached))

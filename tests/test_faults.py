@@ -1,0 +1,152 @@
+"""Lost clients on a real federation, over the real strategy and ClientApp (in-process grid):
+``min-clients`` lets the run go on without a failed node's clients or stops it with one line;
+a client sent an exchange is charged whether or not its reply arrives; an offline node is not
+sent anything (nor charged) and rejoins with fresh state when it comes back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Context, Error, Message, RecordDict
+
+from dpfl.engine import run
+from dpfl.runconfig import RunConfig
+from dpfl.strategies import FederationError
+from tests.inprocess_grid import InProcessGrid, run_flower_code_path
+
+BASE = {"algorithm": "dpsgd-gc", "num-partitions": 3, "num-server-rounds": 3, "seed": 7,
+        "noise-multiplier": 1.0, "batch-size": 16}
+NODES = [{"partition-id": i} for i in range(3)]
+
+
+def faulty_grid(*, fail: dict[int, set[int]] | None = None,
+                drop: dict[int, set[int]] | None = None,
+                offline: dict[int, set[int]] | None = None) -> type[InProcessGrid]:
+    """A grid whose node ``n`` fails (an error reply), computes but loses its reply (the
+    ClientApp runs, the reply never arrives), or is offline, in the rounds given; an offline
+    node comes back as a new node with a fresh Context (a restarted SuperNode)."""
+    fail, drop, offline = fail or {}, drop or {}, offline or {}
+
+    class Faulty(InProcessGrid):
+        round = 0
+
+        def get_node_ids(self):
+            upcoming = self.round + 1  # asked before the round's messages go out
+            ids = []
+            for node, context in list(self.contexts.items()):
+                home = context.node_config["partition-id"] + 1
+                rounds = offline.get(home, set())
+                if upcoming in rounds:
+                    continue
+                if rounds and upcoming > max(rounds) and node == home:
+                    # back after being offline: a new SuperNode, with an empty Context.state
+                    node = 100 + home
+                    self.contexts[node] = Context(run_id=1, node_id=node,
+                                                  node_config=context.node_config,
+                                                  state=RecordDict(),
+                                                  run_config=context.run_config)
+                    del self.contexts[home]
+                ids.append(node)
+            return ids
+
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = []
+            for message in messages:
+                node = message.metadata.dst_node_id
+                if message.metadata.message_type == "train":
+                    self.round = int(message.content["config"]["round"])
+                home = self.contexts[node].node_config["partition-id"] + 1
+                if message.metadata.message_type == "train" \
+                        and self.round in fail.get(home, set()):
+                    replies.append(Message(error=Error(code=0, reason="ClientApp crashed"),
+                                           reply_to=message))
+                    continue
+                reply = self.app(message, self.contexts[node])
+                if message.metadata.message_type == "train" \
+                        and self.round in drop.get(home, set()):
+                    continue
+                replies.append(reply)
+            return replies
+
+    return Faulty
+
+
+def _rounds(tmp_path: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in
+            (tmp_path / name / "rounds.jsonl").read_text().splitlines()]
+
+
+def _summary(tmp_path: Path, name: str) -> dict:
+    return json.loads((tmp_path / name / "summary.json").read_text())
+
+
+def test_a_lost_reply_stops_the_run_by_default_and_keeps_the_last_complete_round(tmp_path):
+    values = {**BASE, "results-dir": str(tmp_path)}
+    with pytest.raises(FederationError) as stopped:
+        run_flower_code_path({**values, "run-name": "flower"}, NODES,
+                             grid_class=faulty_grid(fail={3: {2}}))
+    message = str(stopped.value)
+    assert "\n" not in message
+    assert "round 2, exchange 'train': 2 of 3 participants replied and min-clients=0 needs 3" \
+        in message and "clients [2]: node 3: ClientApp crashed" in message
+    summary = _summary(tmp_path, "flower")
+    assert summary["rounds_completed"] == 1 and summary["stopped_early"].startswith("min-clients")
+    # the model is round 1's, as the engine gives it
+    run(RunConfig({**values, "num-server-rounds": 1, "run-name": "engine"}), echo=False)
+    flower = torch.load(tmp_path / "flower" / "model.pt")
+    engine = torch.load(tmp_path / "engine" / "model.pt")
+    assert all(torch.equal(flower[k], engine[k]) for k in engine)
+    # every client was sent round 2: every ledger holds two rounds
+    assert len(set(summary["epsilon"].values())) == 1
+    assert summary["epsilon"]["0"] > _summary(tmp_path, "engine")["epsilon"]["0"]
+
+
+def test_min_clients_goes_on_without_a_lost_reply_and_charges_it(tmp_path):
+    values = {**BASE, "results-dir": str(tmp_path), "min-clients": 2}
+    run_flower_code_path({**values, "run-name": "flower"}, NODES,
+                         grid_class=faulty_grid(drop={3: {2, 3}}))
+    rounds = _rounds(tmp_path, "flower")
+    assert [r["participants"] for r in rounds] == [3, 2, 2]
+    assert [r.get("lost_clients") for r in rounds] == [None, [2], [2]]
+    assert rounds[1]["uplink_bytes"] * 3 == rounds[0]["uplink_bytes"] * 2
+    assert rounds[1]["downlink_bytes"] == rounds[0]["downlink_bytes"]
+    # client 2 computed, noised and sent rounds 2 and 3: charged like the others
+    assert len(set(_summary(tmp_path, "flower")["epsilon"].values())) == 1
+    run(RunConfig({**values, "run-name": "engine"}), echo=False)
+    flower = torch.load(tmp_path / "flower" / "model.pt")
+    engine = torch.load(tmp_path / "engine" / "model.pt")
+    assert not all(torch.equal(flower[k], engine[k]) for k in engine)
+    assert _rounds(tmp_path, "engine")[0]["test_loss"] == rounds[0]["test_loss"]
+
+
+def test_an_offline_node_is_not_charged_and_rejoins_with_fresh_state(tmp_path):
+    values = {**BASE, "results-dir": str(tmp_path), "min-clients": 2, "num-server-rounds": 4,
+              "algorithm": "clip21-sgd2m"}
+    grid_class = faulty_grid(offline={2: {2, 3}})
+    grid, _ = run_flower_code_path({**values, "run-name": "flower"}, NODES,
+                                   grid_class=grid_class)
+    rounds = _rounds(tmp_path, "flower")
+    assert [r["participants"] for r in rounds] == [3, 2, 2, 3]
+    assert [r.get("lost_clients") for r in rounds] == [None, [1], [1], None]
+    assert rounds[1]["downlink_bytes"] * 3 == rounds[0]["downlink_bytes"] * 2
+    epsilon = _summary(tmp_path, "flower")["epsilon"]
+    assert epsilon["1"] < epsilon["0"] == epsilon["2"]  # two rounds fewer
+    # the node that came back is a new SuperNode: its client's ledger starts again there,
+    # while the server's (the reported ε) kept all of its rounds
+    assert 102 in grid.contexts and 2 not in grid.contexts
+    ledger = json.loads(str(grid.contexts[102].state["dpfl.ledger.1"]["json"]))
+    assert ledger != json.loads(str(grid.contexts[1].state["dpfl.ledger.0"]["json"]))
+
+
+def test_too_few_clients_online_stops_with_the_reason(tmp_path):
+    values = {**BASE, "results-dir": str(tmp_path), "min-clients": 3}
+    with pytest.raises(FederationError, match=r"round 2, exchange 'train': 2 of 3 participants "
+                       r"replied and min-clients=3 needs 3 \(clients \[1\]: node 2 offline\)"):
+        run_flower_code_path({**values, "run-name": "flower"}, NODES,
+                             grid_class=faulty_grid(offline={2: {2}}))
+    summary = _summary(tmp_path, "flower")
+    # client 1 was never sent round 2: one round fewer in its ledger
+    assert summary["epsilon"]["1"] < summary["epsilon"]["0"]
