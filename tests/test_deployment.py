@@ -90,7 +90,7 @@ def deployment(tmp_path):
                  "--auth-supernode-private-key", str(certs / f"node-{i}.key")]
                 if certs.exists() else ["--insecure"])
 
-    def start(nodes: list[str], *, tls: bool = False) -> dict[str, str]:
+    def start(nodes: list[str], *, tls: bool = False, database: bool = False) -> dict[str, str]:
         connection = (f'root-certificates = "{certs / "ca.crt"}"' if tls else "insecure = true")
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "local-deployment"\n\n[superlink.local-deployment]\n'
@@ -102,8 +102,12 @@ def deployment(tmp_path):
             security = ["--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile",
                         str(certs / "server.pem"), "--ssl-keyfile", str(certs / "server.key"),
                         "--enable-supernode-auth"]
-        spawn("superlink.log", "flower-superlink", *security, "--host", "127.0.0.1",
-              "--port", str(port), "--disable-runtime-dependency-installation")
+        if database:
+            security += ["--database", str(tmp_path / "superlink.db")]
+        start.superlink_args = [*security, "--host", "127.0.0.1", "--port", str(port),  # type: ignore
+                                "--disable-runtime-dependency-installation"]
+        start.superlink = spawn("superlink.log", "flower-superlink",  # type: ignore
+                                *start.superlink_args)
         if tls:
             for i in range(len(nodes)):
                 _wait(lambda i=i: subprocess.run(
@@ -116,7 +120,16 @@ def deployment(tmp_path):
               >= len(nodes), "the SuperNodes did not connect", started)
         return env
 
+    def restart_superlink() -> None:
+        """Kill the SuperLink process (not the ServerApp it started) and start it again with
+        the same arguments, its database included."""
+        os.kill(start.superlink.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        start.superlink.wait(timeout=30)  # type: ignore[attr-defined]
+        start.superlink = spawn("superlink-restarted.log", "flower-superlink",  # type: ignore
+                                *start.superlink_args)  # type: ignore[attr-defined]
+
     start.supernode = supernode  # type: ignore[attr-defined]
+    start.restart_superlink = restart_superlink  # type: ignore[attr-defined]
     start.node_security = node_security  # type: ignore[attr-defined]
     try:
         yield start
@@ -237,3 +250,40 @@ def test_killed_supernodes_min_clients(tmp_path, deployment):
     # the stopping round was sent to clients 0–2 (charged, client 2's reply lost or not), not
     # to client 3, whose node was known to be offline by then
     assert all(epsilon[c] > last[c] for c in "012") and epsilon["3"] == last["3"]
+
+
+def test_superlink_restart_does_not_reset_the_ledger(tmp_path, deployment):
+    """A SuperLink killed mid-run and restarted on its ``--database``: Flower marks the run
+    failed and nothing restarts it from round 1 with a fresh ledger; the ServerApp, cut off,
+    closes the results folder with the rounds it completed and says why it stopped; running the
+    same run name again is refused."""
+    env = deployment(["0", "1"], database=True)
+    results = tmp_path / "results"
+    overrides = {"algorithm": "dpsgd-gc", "num-partitions": 2, "num-server-rounds": 40,
+                 "noise-multiplier": 1.0, "results-dir": str(results), "run-name": "restart"}
+    command = [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--run-config",
+               format_overrides(overrides)]
+    flwr = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert flwr.returncode == 0, flwr.stdout + flwr.stderr
+    rounds_file = results / "restart" / "rounds.jsonl"
+
+    def rounds() -> int:
+        return len(rounds_file.read_text().splitlines()) if rounds_file.exists() else 0
+
+    _wait(lambda: rounds() >= 2, "no second round", [], timeout=300)
+    deployment.restart_superlink()
+    _wait(lambda: (results / "restart" / "summary.json").exists(),
+          "the ServerApp did not close its results", [], timeout=300)
+    summary = json.loads((results / "restart" / "summary.json").read_text())
+    assert summary["stopped_early"].startswith(f"failed in round {rounds() + 1}: Flower ended")
+    assert summary["rounds_completed"] == rounds() < 40
+    listed = subprocess.run([str(BIN / "flwr"), "ls", "local-deployment", "--format", "json"],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    runs = json.loads(listed.stdout)["runs"]
+    assert [r["status"] for r in runs] == ["finished:failed"], runs
+    time.sleep(20)  # nothing picks the run up again
+    assert rounds() == summary["rounds_completed"]
+    again = subprocess.run([*command[:4], "--stream", *command[4:]], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert "dpfl: error: run config key 'run-name'" in again.stdout + again.stderr

@@ -49,6 +49,16 @@ def payload(arrays: dict[str, torch.Tensor]) -> int:
     return sum(a.numel() * a.element_size() for a in arrays.values())
 
 
+def failure(round: int, exc: BaseException) -> str:
+    """Why a run stopped on ``exc`` in round ``round``, for its summary."""
+    if isinstance(exc, SystemExit):
+        return (f"failed in round {round}: Flower ended the ServerApp (exit status {exc.code}): "
+                f"the SuperLink was lost or restarted, or the run was stopped")
+    if isinstance(exc, KeyboardInterrupt):
+        return f"interrupted in round {round}"
+    return f"failed in round {round}: {type(exc).__name__}: {exc}"
+
+
 class RoundDriver:
     """Runs one problem over ``transport`` to the end (or to ``max-epsilon``).
 
@@ -105,6 +115,11 @@ class RoundDriver:
             except ClientsLost as lost:
                 self.state, self.stop_reason = before, f"min-clients: {lost}"
                 break
+            except BaseException as exc:  # the transport failed, or Flower exits the process:
+                # close the results folder with the rounds completed, then go on failing
+                self.state, self.stop_reason = before, failure(round, exc)
+                self.finish()
+                raise
             self.end_round(round, completed, diagnostics, started)
         return self.finish()
 
