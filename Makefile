@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export DPFL_DATA_DIR ?= $(abspath ../shared/data)
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench clean demo-compose
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,5 +24,19 @@ test: install
 bench: install
 	$(PY) benchmarks/run_all.py
 
+# The same app as a docker-compose federation (docker-compose.yml): build the image, start the
+# SuperLink, three SuperNodes and their SuperExecs, run 3 rounds with `flwr run`, stop it all.
+# Without Docker Hub: BASE_IMAGE=$$(bash deploy/base-image.sh) make demo-compose
+DEMO_NAME := compose-demo-$(shell date +%Y%m%d-%H%M%S)
+demo-compose: install
+	mkdir -p results .flwr-compose
+	printf '[superlink]\ndefault = "compose"\n\n[superlink.compose]\naddress = "127.0.0.1:9092"\ninsecure = true\n' > .flwr-compose/config.toml
+	export DPFL_USER=$$(id -u):$$(id -g); docker-compose build && docker-compose up -d && \
+	  until docker-compose logs superlink | grep -q "Uvicorn running"; do sleep 1; done && \
+	  FLWR_HOME=$(abspath .flwr-compose) $(VENV)/bin/flwr run . compose --stream \
+	    --run-config 'num-partitions=3 num-server-rounds=3 run-name="$(DEMO_NAME)"'; \
+	  status=$$?; docker-compose down --remove-orphans; \
+	  test $$status = 0 && echo "results in results/$(DEMO_NAME)"
+
 clean:
-	rm -rf $(VENV) results .flwr-home
+	rm -rf $(VENV) results .flwr-home .flwr-compose
