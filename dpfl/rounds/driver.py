@@ -129,7 +129,7 @@ class RoundDriver:
         participants that took part to the end (all of them unless replies were lost)."""
         diagnostics: dict[int, dict[str, float]] = {}
         traffic = self.traffic = {"uplink_bytes": 0, "downlink_bytes": 0}
-        self.lost: dict[int, str] = {}
+        self.lost = {}
         server_releases = {r.name: r for r in self.problem.server_releases()}
         exchanges = self.algorithm.round_exchanges(round)
         self.check_streams(tuple(e.name for e in exchanges), round)

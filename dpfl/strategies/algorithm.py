@@ -86,6 +86,7 @@ class AlgorithmStrategy(Strategy):
         self.pending: list[int] = []  # the participants sent the exchange under way
         self.lost: dict[int, str] = {}  # participants of that exchange without a reply, and why
         self.unreached: dict[int, str] = {}  # participants not sent it: their node is offline
+        self.clients_of: dict[int, list[int]] = {}  # node -> the participants it was sent
         self.diagnostics: dict[int, dict[str, float]] = {}
 
     def summary(self) -> None:
@@ -138,7 +139,7 @@ class AlgorithmStrategy(Strategy):
         self.unreached = {int(c): f"node {self.node_of[int(c)]} offline"
                           for c in config["clients"] if self.node_of[int(c)] not in online}
         self.pending = [int(c) for c in config["clients"] if int(c) not in self.unreached]
-        by_node: dict[int, list[int]] = {}
+        by_node = self.clients_of = {}
         for c in self.pending:
             by_node.setdefault(self.node_of[c], []).append(c)
         return [Message(RecordDict({"broadcast": arrays, "config": ConfigRecord({
@@ -155,15 +156,12 @@ class AlgorithmStrategy(Strategy):
         uploads: dict[int, State] = {}
         self.diagnostics, self.lost = {}, {}
         refused: list[int] = []
-        clients_of: dict[int, list[int]] = {}
-        for c in self.pending:
-            clients_of.setdefault(self.node_of[c], []).append(c)
         failed: dict[int, str] = {}  # node -> its error
         unattributed: list[str] = []  # errors the SuperLink sent in a node's stead
         for reply in replies:
             if reply.has_error():
                 node = reply.metadata.src_node_id
-                if node in clients_of:
+                if node in self.clients_of:
                     failed[node] = reply.error.reason
                 else:
                     unattributed.append(reply.error.reason)
