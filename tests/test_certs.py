@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ipaddress
 
-import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -45,13 +44,10 @@ def test_node_keys_load_as_flower_loads_them(tmp_path):
     assert len(keys) == 3
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--nodes", "-1"], "--nodes: -1 (allowed: an integer ≥ 0)"),
-])
-def test_bad_input_writes_nothing(tmp_path, capsys, argv, message):
-    assert main(["certs", str(tmp_path / "out"), *argv]) == 2
+def test_bad_input_writes_nothing(tmp_path, capsys):
+    assert main(["certs", str(tmp_path / "out"), "--nodes", "-1"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == f"dpfl: error: {message}"
+    assert err.strip() == "dpfl: error: --nodes: -1 (allowed: an integer ≥ 0)"
     assert not (tmp_path / "out").exists()
 
 

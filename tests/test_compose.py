@@ -51,9 +51,12 @@ def _base_image() -> str:
         if subprocess.run(["docker", "image", "inspect", image],
                           capture_output=True).returncode == 0:
             return image
-    if subprocess.run(["docker", "pull", "python:3.11-slim"], capture_output=True,
-                      timeout=120).returncode == 0:
-        return "python:3.11-slim"
+    try:
+        if subprocess.run(["docker", "pull", "python:3.11-slim"], capture_output=True,
+                          timeout=120).returncode == 0:
+            return "python:3.11-slim"
+    except subprocess.TimeoutExpired:
+        pass  # no registry: build a local base
     built = subprocess.run(["bash", str(ROOT / "deploy" / "base-image.sh")],
                            capture_output=True, text=True, timeout=1200)
     if built.returncode != 0:

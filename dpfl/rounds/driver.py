@@ -165,11 +165,11 @@ class RoundDriver:
         needed = int(self.config["min-clients"]) or len(ctx.participants)
         reasons = "; ".join(f"clients {[c for c in sorted(gone) if gone[c] == why]}: {why}"
                             for why in dict.fromkeys(gone[c] for c in sorted(gone)))
-        if len(remaining) < needed or not remaining:
+        if len(remaining) < needed:  # needed ≥ 1: a round always has participants
             raise ClientsLost(
                 f"round {round}, exchange {exchange!r}: {len(remaining)} of "
                 f"{len(ctx.participants)} participants replied and min-clients="
-                f"{self.config['min-clients']} needs {max(needed, 1)} ({reasons})")
+                f"{self.config['min-clients']} needs {needed} ({reasons})")
         self.lost.update(gone)
         message = (f"round {round}, exchange {exchange!r}: going on with {len(remaining)} of "
                    f"{len(ctx.participants)} participants ({reasons})")
