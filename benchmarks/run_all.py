@@ -9,7 +9,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 for script in ("bench_per_sample.py", "bench_engine_vs_flower.py", "bench_engine_modes.py",
-               "bench_least_squares.py", "bench_fixed_features.py", "bench_projected.py"):
+               "bench_least_squares.py", "bench_fixed_features.py", "bench_projected.py",
+               "bench_deployment.py"):
     print(f"## {script}\n", flush=True)
     subprocess.run([sys.executable, str(HERE / script)], check=True)
     print(flush=True)

@@ -3,7 +3,8 @@
 ``dpfl run --run-config "key=value ..."`` runs the in-process engine;
 ``dpfl flower --run-config ...`` runs the same configuration through ``flwr run``
 (Ray simulation) and stops the SuperLink it started; ``dpfl certs FOLDER`` writes the
-certificates and node keys of a federation over TLS. Bad input prints one line
+certificates and node keys of a federation over TLS; ``dpfl export-partition FILE`` writes one
+client's records of a run's split as a site's own data file. Bad input prints one line
 naming the key and the allowed values, and exits with status 2.
 """
 
@@ -52,7 +53,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", action="append", default=[],
                    help="a name or IP address the SuperLink is reached at (repeatable; "
                    "localhost and 127.0.0.1 are always included)")
+    p = sub.add_parser("export-partition", help="write one client's records of a run's split "
+                       "as a site's own data file (a SuperNode's node config data-path)")
+    p.add_argument("file", type=Path, help="the .npz to write (never overwritten)")
+    p.add_argument("--run-config", "-c", action="append", default=[],
+                   help="the run whose split to take (dataset, partitioner, num-partitions, "
+                   "seed, ...)")
+    p.add_argument("--partition-id", type=int, required=True, help="the client whose rows")
     return parser
+
+
+def export_partition(args: argparse.Namespace) -> int:
+    from dpfl.datasets.site import write_site_data
+    from dpfl.problem import build_problem
+    from dpfl.runconfig import RunConfig
+
+    problem = build_problem(RunConfig(parse_overrides(args.run_config)))
+    if not 0 <= args.partition_id < problem.num_clients:
+        raise UsageError(f"--partition-id: {args.partition_id} (allowed: 0.."
+                         f"{problem.num_clients - 1})")
+    data = problem.node_data([args.partition_id])
+    write_site_data(args.file, dataset=data["name"], task=data["task"],
+                    num_classes=data["num_classes"], x=data["train_x"], y=data["train_y"])
+    print(f"wrote {args.file}: {data['sizes'][0]} {data['name']} records of client "
+          f"{args.partition_id} of {problem.num_clients}")
+    return 0
 
 
 def certs(args: argparse.Namespace) -> int:
@@ -96,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             return reproduce(args)
         if args.command == "certs":
             return certs(args)
+        if args.command == "export-partition":
+            return export_partition(args)
         overrides = parse_overrides(args.run_config) if args.run_config else {}
         if args.command == "run":
             from dpfl.engine import run

@@ -143,6 +143,13 @@ COMMON: tuple[Param, ...] = (
           "without the others (clients of a failed or offline SuperNode); 0 = every "
           "participant, so a lost reply stops the run. The engine loses no client.",
           check=at_least(0)),
+    Param("min-client-records", 0,
+          "A public lower bound on every client's record count: each client's noise is "
+          "calibrated and charged as if it held this many records (its sample rate b/n is at "
+          "most b/n_min, so its ε is at most the ledger's); a client holding fewer refuses. "
+          "Needed by nodes that train on their own data (node config data-path), whose sizes "
+          "the server never learns; 0 = each client's own partition size.",
+          check=at_least(0), symbol="n_min"),
     Param("secure-noise", False, "Seed noise and sampling from the OS CSPRNG (not reproducible)."),
     Param("seed", 0, "Run seed: data split, model init, sampling and noise.", check=at_least(0)),
     Param("device", "cpu", "Torch device for the algorithm math.", choices=("cpu", "cuda", "auto")),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -46,7 +47,11 @@ def resolve_device(config: RunConfig) -> torch.device:
 
 @dataclass
 class Problem:
-    """Data, partition, model, algorithm and initial point of a run."""
+    """Data, partition, model, algorithm and initial point of a run.
+
+    ``hosted``: None for the whole run (the server's and the engine's view), or the clients of
+    one node, whose view (:meth:`node_data`, :func:`node_problem`) holds only their rows.
+    """
 
     config: RunConfig
     dataset: Dataset
@@ -55,6 +60,7 @@ class Problem:
     algorithm: Algorithm
     x0: torch.Tensor
     device: torch.device
+    hosted: tuple[int, ...] | None = None
     _releases: dict[int, list[Release]] = field(default_factory=dict)
     _server: dict[str, list[Release]] = field(default_factory=dict)
     _cohorts: dict[tuple[int, ...], Cohort] = field(default_factory=dict)
@@ -63,8 +69,14 @@ class Problem:
     def num_clients(self) -> int:
         return len(self.partitions)
 
+    def _check_hosted(self, client_ids: list[int]) -> None:
+        if self.hosted is not None and not set(client_ids) <= set(self.hosted):
+            raise ValueError(f"clients {sorted(set(client_ids) - set(self.hosted))} are not "
+                             f"hosted by this node (it hosts {list(self.hosted)})")
+
     def cohort(self, client_ids: list[int]) -> Cohort:
         """The given clients' data, holding only their own rows (cached per client set)."""
+        self._check_hosted(client_ids)
         key = tuple(client_ids)
         if key not in self._cohorts:
             self._cohorts[key] = self._gather(client_ids)
@@ -85,8 +97,10 @@ class Problem:
 
     def releases(self, client: int) -> list[Release]:
         """The calibrated mechanisms of one round of ``client`` (calibrated once per distinct
-        data size: a client calibrates from its own record count)."""
-        size = len(self.partitions[client])
+        data size: a client calibrates from its own record count, or from the public lower
+        bound ``min-client-records`` where one is set)."""
+        self._check_hosted([client])
+        size = int(self.config["min-client-records"]) or len(self.partitions[client])
         if size not in self._releases:
             queries = self.algorithm.queries(size)
             check_schema(self.algorithm, queries)
@@ -100,6 +114,56 @@ class Problem:
             self._server["server"] = self._calibrate(self.algorithm.server_queries(),
                                                      self.num_clients)
         return self._server["server"]
+
+    def node_data(self, clients: list[int]) -> dict[str, Any]:
+        """What a node hosting ``clients`` keeps of the run's data, as plain tensors and lists
+        (what :meth:`from_node_data` rebuilds from): its clients' training rows, client by
+        client, their sizes, the public records and the dataset's description."""
+        ds = self.dataset
+        rows = torch.from_numpy(np.concatenate([self.partitions[c] for c in clients]))
+        return {"name": ds.name, "task": ds.task, "num_classes": ds.num_classes,
+                "num_clients": self.num_clients, "clients": list(clients),
+                "sizes": [len(self.partitions[c]) for c in clients],
+                "train_x": ds.train_x[rows].contiguous(), "train_y": ds.train_y[rows].contiguous(),
+                "public_x": ds.public_x, "public_y": ds.public_y}
+
+    @classmethod
+    def from_node_data(cls, config: RunConfig, data: dict[str, Any]) -> Problem:
+        """The run as the node of :meth:`node_data` sees it: its clients' rows (the other
+        clients hold none, and asking for them is an error), no test rows, the same model,
+        algorithm and initial point as the whole run's."""
+        x, sizes, clients = data["train_x"], data["sizes"], data["clients"]
+        bound = int(config["min-client-records"])
+        if bound > min(sizes):  # said without the count: a site's count never leaves it
+            raise ConfigError("min-client-records", "a client of this node holds fewer records "
+                              "than the bound every client is charged from",
+                              allowed="at most the smallest client's record count")
+        if config.hyperparameters.batch_size > (bound or min(sizes)):
+            raise ConfigError("batch-size", "exceeds the records of a client of this node",
+                              allowed=f"1..{bound}" if bound else "at most its record count")
+        ends = np.cumsum(sizes)
+        own = {c: np.arange(end - size, end, dtype=np.int64)
+               for c, size, end in zip(clients, sizes, ends, strict=True)}
+        parts = [own.get(c, np.empty(0, dtype=np.int64)) for c in range(data["num_clients"])]
+        dataset = Dataset(data["name"], x, data["train_y"], x[:0], data["train_y"][:0],
+                          task=data["task"], num_classes=data["num_classes"],
+                          public_x=data["public_x"], public_y=data["public_y"])
+        return assemble(config, dataset, parts, hosted=tuple(clients))
+
+    def calibrations(self) -> dict[str, list[dict[str, Any]]]:
+        """The releases calibrated so far, as JSON-ready records (:meth:`restore_calibrations`
+        takes them back): per client data size, and the server's."""
+        saved = {str(size): releases for size, releases in self._releases.items()}
+        return {key: [dataclasses.asdict(r) for r in releases]
+                for key, releases in {**saved, **self._server}.items()}
+
+    def restore_calibrations(self, saved: dict[str, list[dict[str, Any]]]) -> None:
+        for key, records in saved.items():
+            releases = [Release(**r) for r in records]
+            if key == "server":
+                self._server[key] = releases
+            else:
+                self._releases[int(key)] = releases
 
     @functools.cached_property
     def exchange_rounds(self) -> Counter[str]:
@@ -149,19 +213,42 @@ def dataset_of(config: RunConfig) -> Dataset:
                                   DATASETS.get(str(config["dataset"]))))
 
 
+#: the run-config keys that decide what data each client holds (its rows, the public records);
+#: a node's cached data is keyed by them (with the data folder they resolve to)
+DATA_KEYS = ("dataset", "dataset-options", "download", "partitioner", "num-partitions", "seed",
+             "alpha", "shards-per-partition")
+
+
 def build_problem(config: RunConfig) -> Problem:
     """Load, partition and initialise; raises ConfigError on bad input."""
-    device = resolve_device(config)
+    resolve_device(config)
     dataset = dataset_of(config)
     parts = partition(dataset, partitioner=str(config["partitioner"]),
                       num_partitions=int(config["num-partitions"]), seed=int(config["seed"]),
                       alpha=float(config["alpha"]),
                       shards_per_partition=int(config["shards-per-partition"]))
-    smallest = min(len(p) for p in parts)
-    batch_size = config.hyperparameters.batch_size
-    if batch_size > smallest:
-        raise ConfigError("batch-size", f"{batch_size} exceeds the smallest client's "
-                          f"{smallest} records", allowed=f"1..{smallest}")
+    check_sizes(config, [len(p) for p in parts])
+    return assemble(config, dataset, parts)
+
+
+def check_sizes(config: RunConfig, sizes: list[int]) -> None:
+    """ConfigError unless every client holds at least ``batch-size`` records and at least
+    ``min-client-records`` (the bound every client is calibrated and charged from)."""
+    smallest, bound = min(sizes), int(config["min-client-records"])
+    if bound > smallest:
+        raise ConfigError("min-client-records", f"{bound} exceeds a client's {smallest} "
+                          f"records: its ε would be undercounted", allowed=f"0..{smallest}")
+    batch_size, least = config.hyperparameters.batch_size, bound or smallest
+    if batch_size > least:
+        what = "min-client-records" if bound else "the smallest client's records"
+        raise ConfigError("batch-size", f"{batch_size} exceeds {what} ({least})",
+                          allowed=f"1..{least}")
+
+
+def assemble(config: RunConfig, dataset: Dataset, parts: list[np.ndarray],
+             hosted: tuple[int, ...] | None = None) -> Problem:
+    """The model, algorithm and initial point of ``config`` over data already partitioned."""
+    device = resolve_device(config)
     module = build_model(str(config["model"]), input_shape=dataset.input_shape,
                          num_classes=dataset.num_classes, seed=int(config["seed"]),
                          **options(config, "model-options", "model",
@@ -173,7 +260,8 @@ def build_problem(config: RunConfig) -> Problem:
     algorithm = ALGORITHMS.get(str(config["algorithm"]))(config.hyperparameters, model,
                                                          num_clients=len(parts), public=public)
     algorithm.check_run(int(config["num-server-rounds"]))
-    return Problem(config, dataset, parts, model, algorithm, model.initial_params().cpu(), device)
+    return Problem(config, dataset, parts, model, algorithm, model.initial_params().cpu(), device,
+                   hosted)
 
 
 @functools.lru_cache(maxsize=4)

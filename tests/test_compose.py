@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,18 +17,12 @@ import pytest
 import torch
 
 from dpfl.config import format_overrides
+from dpfl.federation import BIN, free_port
 
 pytestmark = pytest.mark.flower
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 IMAGE = "dpfl:latest"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _docker_unavailable() -> str | None:
@@ -69,7 +61,7 @@ def _base_image() -> str:
 def test_compose_federation_equals_the_engine_bitwise(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    ports = {name: str(_free_port()) for name in
+    ports = {name: str(free_port()) for name in
              ("SUPERLINK_PORT", "NODE_0_PORT", "NODE_1_PORT", "NODE_2_PORT")}
     env = dict(os.environ, **ports, DPFL_RESULTS=str(results), BASE_IMAGE=_base_image(),
                DPFL_USER=f"{os.getuid()}:{os.getgid()}", FLWR_HOME=str(tmp_path / "flwr-home"),

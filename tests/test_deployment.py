@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,123 +18,25 @@ import torch
 from dpfl.cli import main
 from dpfl.config import format_overrides
 from dpfl.engine import run
+from dpfl.federation import BIN, LocalFederation, wait_for
+from dpfl.federation import stop as stop_process
 from dpfl.runconfig import RunConfig
 
 pytestmark = pytest.mark.flower
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """Stop a process started in its own session, with everything it started."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=10)
-            # its children (SuperExec, app processes) share the group: make sure they are gone
-            os.killpg(process.pid, signal.SIGKILL)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            continue
-        return
-
-
-def _wait(done, message: str, started: list[subprocess.Popen], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, message
-        assert all(p.poll() is None for p in started), "a Flower process exited"
-        time.sleep(0.5)
 
 
 @pytest.fixture
 def deployment(tmp_path):
-    """Start a SuperLink and the given SuperNodes (their ``partition-ids``) on free loopback
-    ports, in plain HTTP or over TLS with SuperNode authentication (certificates and node keys
-    from ``dpfl certs``, every node's public key registered with ``flwr supernode register``);
-    yields the environment for ``flwr run . local-deployment``; stops every process."""
-    started: list[subprocess.Popen] = []
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    certs = tmp_path / "certs"
-    port = _free_port()
-    env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
-               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
-    env.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").resolve()))
-
-    def spawn(log: str, program: str, *args: str) -> subprocess.Popen:
-        with open(tmp_path / log, "w") as out:
-            started.append(subprocess.Popen([str(BIN / program), *args], stdout=out,
-                                            stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                                            start_new_session=True))
-        return started[-1]
-
-    def supernode(name: str, ids: str, *security: str) -> subprocess.Popen:
-        return spawn(f"{name}.log", "flower-supernode", *security, "--superlink",
-                     f"127.0.0.1:{port}", "--port", str(_free_port()),
-                     "--node-config", f'partition-ids="{ids}"')
-
-    def node_security(i: int) -> list[str]:
-        return (["--root-certificates", str(certs / "ca.crt"),
-                 "--auth-supernode-private-key", str(certs / f"node-{i}.key")]
-                if certs.exists() else ["--insecure"])
-
-    def start(nodes: list[str], *, tls: bool = False, database: bool = False) -> dict[str, str]:
-        connection = (f'root-certificates = "{certs / "ca.crt"}"' if tls else "insecure = true")
-        (home / "config.toml").write_text(
-            f'[superlink]\ndefault = "local-deployment"\n\n[superlink.local-deployment]\n'
-            f'address = "127.0.0.1:{port}"\n{connection}\n')
-        security = ["--insecure"]
-        if tls:
-            # one key more than nodes: the last one is never registered
-            assert main(["certs", str(certs), "--nodes", str(len(nodes) + 1)]) == 0
-            security = ["--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile",
-                        str(certs / "server.pem"), "--ssl-keyfile", str(certs / "server.key"),
-                        "--enable-supernode-auth"]
-        if database:
-            security += ["--database", str(tmp_path / "superlink.db")]
-        start.superlink_args = [*security, "--host", "127.0.0.1", "--port", str(port),  # type: ignore
-                                "--disable-runtime-dependency-installation"]
-        start.superlink = spawn("superlink.log", "flower-superlink",  # type: ignore
-                                *start.superlink_args)
-        if tls:
-            for i in range(len(nodes)):
-                _wait(lambda i=i: subprocess.run(
-                    [str(BIN / "flwr"), "supernode", "register", str(certs / f"node-{i}.pub"),
-                     "local-deployment"], env=env, capture_output=True).returncode == 0,
-                    "the SuperLink did not register the node keys", started)
-        start.nodes = [supernode(f"supernode-{i}", ids, *node_security(i))  # type: ignore
-                       for i, ids in enumerate(nodes)]
-        _wait(lambda: (tmp_path / "superlink.log").read_text().count("Activated node_id")
-              >= len(nodes), "the SuperNodes did not connect", started)
-        return env
-
-    def restart_superlink() -> None:
-        """Kill the SuperLink process (not the ServerApp it started) and start it again with
-        the same arguments, its database included."""
-        os.kill(start.superlink.pid, signal.SIGKILL)  # type: ignore[attr-defined]
-        start.superlink.wait(timeout=30)  # type: ignore[attr-defined]
-        start.superlink = spawn("superlink-restarted.log", "flower-superlink",  # type: ignore
-                                *start.superlink_args)  # type: ignore[attr-defined]
-
-    start.supernode = supernode  # type: ignore[attr-defined]
-    start.restart_superlink = restart_superlink  # type: ignore[attr-defined]
-    start.node_security = node_security  # type: ignore[attr-defined]
-    try:
-        yield start
-    finally:
-        for process in reversed(started):
-            _stop(process)
-        assert all(p.poll() is not None for p in started)
+    """A :class:`LocalFederation` in ``tmp_path``: ``deployment(nodes, tls=…, database=…)``
+    starts it and yields the environment for ``flwr run . local-deployment``; every process is
+    stopped at the end, the test passed or not."""
+    federation = LocalFederation(tmp_path)
+    federation.env.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").resolve()))
+    federation.env["DPFL_CACHE_DIR"] = str(tmp_path / "cache")  # the nodes' cache (one folder)
+    with federation:
+        yield federation
 
 
 CASES = {
@@ -189,14 +89,29 @@ def _deployed_equals_engine(tmp_path: Path, env: dict[str, str], case: dict) -> 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_real_supernodes_equal_the_engine_bitwise(tmp_path, deployment, case):
-    env = deployment(NODES.get(case, ["0,1", "2,3"]))
+    nodes = NODES.get(case, ["0,1", "2,3"])
+    env = deployment.start(nodes)
     _deployed_equals_engine(tmp_path, env, CASES[case])
+    # each node built its data once, on its first message, and read it from its cache after
+    assert len(list((tmp_path / "cache" / "nodes").glob("data-*.pt"))) == len(nodes)
+
+
+def test_a_site_with_its_own_data(tmp_path, deployment):
+    """A node that trains on its own data file (node config ``data-path``: client 2's records,
+    exported from the split) beside two nodes of the split: calibrated from the public
+    ``min-client-records`` on both sides, the run equals the engine's on the split."""
+    case = {**CASES["dpsgd-gc"], "min-client-records": 200}
+    site = tmp_path / "site-2.npz"
+    assert main(["export-partition", str(site), "-c", format_overrides(case),
+                 "--partition-id", "2"]) == 0
+    env = deployment.start(NODES["dpsgd-gc"], node_config={2: f'data-path="{site}"'})
+    _deployed_equals_engine(tmp_path, env, case)
 
 
 def test_tls_with_supernode_authentication(tmp_path, deployment):
     """Over TLS with registered node keys the run equals the engine's; a SuperNode with an
     unregistered key and a plaintext SuperNode are refused by the SuperLink."""
-    env = deployment(NODES["dpsgd-gc"], tls=True)
+    env = deployment.start(NODES["dpsgd-gc"], tls=True)
     _deployed_equals_engine(tmp_path, env, CASES["dpsgd-gc"])
     unregistered = deployment.supernode("unregistered", "0", *deployment.node_security(3))
     plaintext = deployment.supernode("plaintext", "0", "--insecure", "--max-retries", "2")
@@ -213,7 +128,7 @@ def test_killed_supernodes_min_clients(tmp_path, deployment):
     the second stopped (SIGTERM: it leaves the federation at once), the run stops with one line
     naming the lost clients and keeps its last complete round. Every client sent an exchange
     is charged, replied or not; a client whose node is known to be gone is not sent one."""
-    env = deployment(["0", "1", "2", "3"])
+    env = deployment.start(["0", "1", "2", "3"])
     results = tmp_path / "results"
     overrides = {"algorithm": "dpsgd-gc", "num-partitions": 4, "num-server-rounds": 40,
                  "noise-multiplier": 1.0, "min-clients": 3, "seed": 1,
@@ -230,14 +145,14 @@ def test_killed_supernodes_min_clients(tmp_path, deployment):
         return [json.loads(line) for line in text.splitlines()]
 
     try:
-        _wait(lambda: len(rounds()) >= 2, "no second round", [flwr], timeout=300)
+        wait_for(lambda: len(rounds()) >= 2, "no second round", [flwr], timeout=300)
         os.killpg(deployment.nodes[3].pid, signal.SIGKILL)
-        _wait(lambda: any(r.get("lost_clients") for r in rounds()),
+        wait_for(lambda: any(r.get("lost_clients") for r in rounds()),
               "the run did not go on without the killed node", [flwr], timeout=300)
         os.killpg(deployment.nodes[2].pid, signal.SIGTERM)
         flwr.wait(timeout=400)
     finally:
-        _stop(flwr)
+        stop_process(flwr)
     log = (tmp_path / "flwr-run.log").read_text()
     summary = json.loads((results / "faults" / "summary.json").read_text())
     done = rounds()
@@ -261,7 +176,7 @@ def test_superlink_restart_does_not_reset_the_ledger(tmp_path, deployment):
     failed and nothing restarts it from round 1 with a fresh ledger; the ServerApp, cut off,
     closes the results folder with the rounds it completed and says why it stopped; running the
     same run name again is refused."""
-    env = deployment(["0", "1"], database=True)
+    env = deployment.start(["0", "1"], database=True)
     results = tmp_path / "results"
     overrides = {"algorithm": "dpsgd-gc", "num-partitions": 2, "num-server-rounds": 40,
                  "noise-multiplier": 1.0, "results-dir": str(results), "run-name": "restart"}
@@ -275,9 +190,9 @@ def test_superlink_restart_does_not_reset_the_ledger(tmp_path, deployment):
     def rounds() -> int:
         return len(rounds_file.read_text().splitlines()) if rounds_file.exists() else 0
 
-    _wait(lambda: rounds() >= 2, "no second round", [], timeout=300)
+    wait_for(lambda: rounds() >= 2, "no second round", [], timeout=300)
     deployment.restart_superlink()
-    _wait(lambda: (results / "restart" / "summary.json").exists(),
+    wait_for(lambda: (results / "restart" / "summary.json").exists(),
           "the ServerApp did not close its results", [], timeout=300)
     summary = json.loads((results / "restart" / "summary.json").read_text())
     assert summary["stopped_early"].startswith(f"failed in round {rounds() + 1}: Flower ended")

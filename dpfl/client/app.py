@@ -5,14 +5,17 @@ from __future__ import annotations
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from dpfl.client.cache import node_problem
 from dpfl.client.numpy_client import AlgorithmClient, BudgetSpent, node_clients
-from dpfl.problem import Problem, cached_problem
+from dpfl.problem import Problem
 
 app = ClientApp()
 
 
 def _problem(context: Context) -> Problem:
-    return cached_problem(tuple(sorted(context.run_config.items())))
+    """The node's view of the run, from its node-local cache (see :mod:`dpfl.client.cache`)."""
+    return node_problem(tuple(sorted(context.run_config.items())), tuple(node_clients(context)),
+                        str(context.node_config.get("data-path", "")))
 
 
 @app.query("clients")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 
 from dpfl.datasets.base import Dataset
@@ -29,6 +28,8 @@ def load_bank_marketing(*, seed: int, data_dir: Path | None, download: bool) -> 
     path = local_file(
         data_dir, "bank_marketing/bank-full.csv", dataset="bank-marketing", download=download
     )
+    import pandas as pd  # imported on use: a ClientApp starts for every message
+
     table = pd.read_csv(path, sep=";")
     labels = (table.pop("y") == "yes").to_numpy()
     numeric = table.select_dtypes("number")

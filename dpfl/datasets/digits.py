@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import torch
-from sklearn.datasets import load_digits as sklearn_digits
-from sklearn.model_selection import train_test_split
 
 from dpfl.datasets.base import Dataset, with_public
 from dpfl.datasets.loading import DATASETS
@@ -17,6 +15,9 @@ def load_digits(*, seed: int, num_public: int = 0) -> Dataset:
     Train/test is a stratified 80/20 split drawn with ``seed`` (1,437 / 360 rows);
     ``num_public`` of the training rows are held out as public records.
     """
+    from sklearn.datasets import load_digits as sklearn_digits  # imported on use
+    from sklearn.model_selection import train_test_split
+
     bunch = sklearn_digits()
     x = torch.tensor(bunch.data / 16.0, dtype=torch.float32)
     y = torch.tensor(bunch.target, dtype=torch.int64)

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.datasets import load_svmlight_file
 
 from dpfl.datasets.base import Dataset
 from dpfl.datasets.loading import DATASETS, Loader, local_file
 
 
 def _read(path: Path, n_features: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_svmlight_file  # imported on use
+
     sparse, labels = load_svmlight_file(str(path), n_features=n_features, dtype=np.float32)
     x = torch.from_numpy(sparse.toarray())
     if normalize:

@@ -34,19 +34,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import datasets as hf
 import numpy as np
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    Partitioner,
-    ShardPartitioner,
-)
 
 from dpfl.datasets.base import Dataset, natural_partition
 from dpfl.errors import ConfigError
 from dpfl.registry import Registry
+
+if TYPE_CHECKING:  # flwr-datasets and datasets are imported on use (they take a second)
+    import datasets as hf
+    from flwr_datasets.partitioner import Partitioner
 
 Split = Callable[..., list[np.ndarray]]
 
@@ -126,6 +124,8 @@ def _split(
 
 
 def _table(dataset: Dataset, *, labels: bool = False) -> hf.Dataset:
+    import datasets as hf
+
     columns = {"index": np.arange(dataset.num_train, dtype=np.int64)}
     if labels:
         y = dataset.train_y.numpy()
@@ -143,11 +143,15 @@ def _indices(table: hf.Dataset, partitioner: Partitioner) -> list[np.ndarray]:
 
 @PARTITIONERS.register("iid")
 def _iid(dataset: Dataset, *, num_partitions: int, seed: int, **_: object) -> list[np.ndarray]:
+    from flwr_datasets.partitioner import IidPartitioner
+
     return _indices(_table(dataset).shuffle(seed=seed), IidPartitioner(num_partitions))
 
 
 @PARTITIONERS.register("contiguous")
 def _contiguous(dataset: Dataset, *, num_partitions: int, **_: object) -> list[np.ndarray]:
+    from flwr_datasets.partitioner import IidPartitioner
+
     return _indices(_table(dataset), IidPartitioner(num_partitions))
 
 
@@ -155,6 +159,8 @@ def _contiguous(dataset: Dataset, *, num_partitions: int, **_: object) -> list[n
 def _dirichlet(
     dataset: Dataset, *, num_partitions: int, seed: int, alpha: float, **_: object
 ) -> list[np.ndarray]:
+    from flwr_datasets.partitioner import DirichletPartitioner
+
     min_size = min(10, dataset.num_train // num_partitions)
     partitioner = DirichletPartitioner(
         num_partitions,
@@ -191,6 +197,8 @@ def _shards(
             f"partitions of {dataset.num_train} rows",
             allowed=f"1..{dataset.num_train // num_partitions}",
         )
+    from flwr_datasets.partitioner import ShardPartitioner
+
     partitioner = ShardPartitioner(
         num_partitions,
         partition_by="label",

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from filelock import FileLock
-from torchvision.datasets import CIFAR10, MNIST, FashionMNIST
 
 from dpfl.datasets.base import Dataset, with_public
 from dpfl.datasets.loading import DATA_DIR_ENV, DATASETS, Loader
@@ -68,10 +67,16 @@ def _subset(y: torch.Tensor, size: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.sort(rows))
 
 
-def _idx_loader(name: str, source: type[MNIST], subdir: str, mean: float, std: float) -> Loader:
+def _idx_loader(name: str, source_name: str, subdir: str, mean: float, std: float) -> Loader:
+    """The loader of an idx dataset read by ``torchvision.datasets.<source_name>`` (imported
+    on use: a ClientApp, started for every message, reads its node's cached data instead)."""
+
     @functools.lru_cache(maxsize=2)
     def read(data_dir: Path | None, cache_dir: Path, download: bool, scaling: str) -> Dataset:
         """The whole dataset (one copy per scaling, whatever the run seed)."""
+        import torchvision.datasets
+
+        source = getattr(torchvision.datasets, source_name)
         folder = data_dir / subdir if data_dir else None
         files = [filename for filename, _ in source.resources]
         local = folder is not None and all((folder / f).is_file() for f in files)
@@ -112,7 +117,7 @@ def _idx_loader(name: str, source: type[MNIST], subdir: str, mean: float, std: f
         return with_public(dataset, num_public, seed, rest) if num_public else dataset
 
     load.__doc__ = (
-        f"{source.__name__}: 60,000 train / 10,000 test images, [n, 1, 28, 28]; ``scaling``: "
+        f"{source_name}: 60,000 train / 10,000 test images, [n, 1, 28, 28]; ``scaling``: "
         f"``standardised`` (mean {mean}, std {std}) or ``unit`` (pixels in [0, 1]); "
         f"``num_train``: a stratified random subset of the training images, drawn with the "
         f"run seed (0 = all; the adaptive-clipping paper trains on 3,000); ``num_public``: "
@@ -123,9 +128,9 @@ def _idx_loader(name: str, source: type[MNIST], subdir: str, mean: float, std: f
     return load
 
 
-DATASETS.add("mnist", _idx_loader("mnist", MNIST, "mnist", 0.1307, 0.3081))
+DATASETS.add("mnist", _idx_loader("mnist", "MNIST", "mnist", 0.1307, 0.3081))
 DATASETS.add(
-    "fashion-mnist", _idx_loader("fashion-mnist", FashionMNIST, "fashion_mnist", 0.2860, 0.3530)
+    "fashion-mnist", _idx_loader("fashion-mnist", "FashionMNIST", "fashion_mnist", 0.2860, 0.3530)
 )
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -144,6 +149,8 @@ def load_cifar10(*, data_dir: Path | None, cache_dir: Path, download: bool,
     ``symmetric`` (pixels/127.5 − 1, in [−1, 1]: the DP-FTRL code's, which PriSMA's Table 1
     follows).
     """
+    from torchvision.datasets import CIFAR10  # imported on use
+
     if scaling not in SCALINGS:
         raise ConfigError("dataset-options", f"cifar10's scaling {scaling!r} is not offered",
                           allowed=", ".join(SCALINGS))

@@ -18,8 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from opacus.accountants.utils import get_noise_multiplier
-
 from dpfl.errors import ConfigError
 from dpfl.privacy.release import Query, Release
 
@@ -96,6 +94,8 @@ CALIBRATIONS = CalibrationRegistry()
 def accountant_noise_multiplier(*, epsilon: float, delta: float, sample_rate: float,
                                 steps: int, accountant: str) -> float:
     """Smallest multiplier with ε(accountant; multiplier, sample_rate, steps) ≤ epsilon."""
+    from opacus.accountants.utils import get_noise_multiplier  # imported on use
+
     try:
         with warnings.catch_warnings():  # "optimal order is the largest alpha" at tiny ε
             warnings.simplefilter("ignore", UserWarning)

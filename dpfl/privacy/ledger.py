@@ -32,8 +32,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
-from opacus.accountants import RDPAccountant, create_accountant
-from opacus.accountants.analysis import rdp as rdp_analysis
 
 from dpfl.privacy.release import Release
 from dpfl.privacy.subsampled_rdp import epsilon_of_history
@@ -48,9 +46,13 @@ CLASSICAL_ORDERS = tuple(range(2, 257))
 
 @functools.lru_cache(maxsize=4096)
 def _rdp_per_step(noise_multiplier: float, sample_rate: float,
-                  orders: tuple[float, ...] = tuple(RDPAccountant.DEFAULT_ALPHAS)) -> np.ndarray:
+                  orders: tuple[float, ...] | None = None) -> np.ndarray:
     """Opacus' RDP curve of one Poisson-subsampled Gaussian step at ``orders`` (its default
     orders unless given)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp as rdp_analysis
+
+    orders = tuple(RDPAccountant.DEFAULT_ALPHAS) if orders is None else orders
     return np.asarray(rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier,
                                                steps=1, orders=list(orders)))
 
@@ -61,6 +63,10 @@ def _epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float
         return 0.0
     if any(z <= 0 for z, _, _ in history):
         return math.inf
+    # Opacus is imported on use: a ClientApp that only records releases never loads it
+    from opacus.accountants import RDPAccountant, create_accountant
+    from opacus.accountants.analysis import rdp as rdp_analysis
+
     if accountant == "rdp-wor":
         return epsilon_of_history(history, delta)
     if accountant == "rdp-classical":

@@ -20,7 +20,6 @@ import functools
 import math
 
 import numpy as np
-from scipy.special import gammaln, logsumexp
 
 #: bisection range of the noise size (log space) and of ε
 SIGMA_RANGE = (1e-8, 1e8)
@@ -48,6 +47,8 @@ def subsampled_rdp(kappa: float, sample_rate: float, alpha: int) -> float:
         (1/(α−1)) log(1 + γ²C(α,2)·min{4(e^{2κ} − 1), 2e^{2κ}}
                       + 2 Σ_{j=3..α} γ^j C(α,j) e^{(j−1)jκ})
     """
+    from scipy.special import gammaln, logsumexp  # imported on use, as Opacus is
+
     if alpha < 2 or int(alpha) != alpha:
         raise ValueError(f"the order must be an integer >= 2, got {alpha}")
     if not 0 < sample_rate <= 1:

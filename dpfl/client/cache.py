@@ -1,0 +1,154 @@
+"""The node-local cache: what a SuperNode's ClientApp prepares once and reads every message.
+
+Flower's SuperNode starts a fresh ClientApp process for every message it pulls, so whatever
+the ClientApp builds in memory is gone after each reply. A node therefore keeps, under
+``$DPFL_CACHE_DIR/nodes`` (default ``~/.cache/dpfl/nodes``):
+
+* ``data-<key>.pt``: its clients' training rows and the public records
+  (:meth:`Problem.node_data`), keyed by the run-config keys that decide them
+  (:data:`dpfl.problem.DATA_KEYS`), the clients it hosts, the data folder and the size and time
+  of every file in it (two levels deep), and dpfl's version; for a node with its own data
+  (node config ``data-path``), keyed by that file, its size and time. Built on the first
+  message (load the dataset, partition it, keep the node's rows), memory-mapped by the later
+  ones: a dataset is never loaded or re-partitioned per message.
+* ``releases-<key>.json``: the calibrated noise of its clients and the server's, keyed by the
+  whole run config (but ``results-dir`` and ``run-name``), so that a message does not load an
+  accountant to recalibrate.
+
+The model, algorithm and initial point are rebuilt from the run config each message (cheap,
+seeded, the same as the server's). Files are written atomically (a temporary file, then a
+rename), so nodes sharing the folder never read half a file; an unreadable entry is rebuilt;
+the newest :data:`KEEP` data entries are kept. Deleting the folder is always safe. Where the
+folder cannot be written, the node works without it and warns once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import dpfl
+from dpfl.datasets.loading import CACHE_DIR_ENV
+from dpfl.datasets.site import site_node_data
+from dpfl.errors import ConfigError
+from dpfl.problem import DATA_KEYS, Problem, cached_problem, data_dir
+from dpfl.runconfig import RunConfig
+
+log = logging.getLogger("dpfl")
+
+KEEP = 8  # data entries kept (the most recently used)
+OUTPUT_KEYS = ("results-dir", "run-name")  # run-config keys that change no node's work
+
+
+def cache_folder() -> Path:
+    """``$DPFL_CACHE_DIR/nodes``, by default ``~/.cache/dpfl/nodes``."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or "~/.cache/dpfl").expanduser() / "nodes"
+
+
+def _fingerprint(folder: str) -> list[tuple[str, int, int]]:
+    """(path, size, mtime) of the files in ``folder`` and its subfolders, two levels deep."""
+    found = []
+    for depth in range(3):
+        for path in sorted(Path(folder).glob("/".join(["*"] * (depth + 1)))):
+            if path.is_file():
+                stat = path.stat()
+                found.append((str(path), stat.st_size, stat.st_mtime_ns))
+    return found
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[
+        :32]
+
+
+def _write(path: Path, save: Callable[[Path], None]) -> None:
+    """Write ``path`` through ``save`` into a temporary file, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(handle)
+    try:
+        save(Path(temporary))
+        os.replace(temporary, path)
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def _prune(folder: Path) -> None:
+    entries = sorted(folder.glob("data-*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in entries[KEEP:]:
+        stale.unlink(missing_ok=True)
+
+
+@functools.cache
+def _warn_unwritable(folder: Path, error: str) -> None:
+    log.warning("dpfl: the node cache %s cannot be written (%s): every message rebuilds the "
+                "node's data; set %s to a writable folder", folder, error, CACHE_DIR_ENV)
+
+
+def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
+               site: str) -> dict[str, Any]:
+    if site:
+        source = str(Path(site).resolve())
+        stat = Path(source).stat() if Path(source).is_file() else None
+        key = _digest("site", source, stat and (stat.st_size, stat.st_mtime_ns),
+                      config["dataset"], config["num-partitions"], clients, dpfl.__version__)
+    else:
+        source = data_dir(config)
+        key = _digest({k: config[k] for k in DATA_KEYS}, clients, source, _fingerprint(source),
+                      dpfl.__version__)
+    path = folder / f"data-{key}.pt"
+    try:
+        data = torch.load(path, mmap=True, weights_only=True)
+        os.utime(path)
+        return data
+    except (OSError, RuntimeError, EOFError):  # not there yet, or unreadable: rebuild it
+        pass
+    data = (site_node_data(site, dataset=str(config["dataset"]), clients=list(clients),
+                           num_clients=int(config["num-partitions"])) if site else
+            cached_problem(tuple(sorted(config.as_dict().items()))).node_data(list(clients)))
+    try:
+        _write(path, lambda p: torch.save(data, p))
+        _prune(folder)
+    except OSError as error:
+        _warn_unwritable(folder, str(error))
+    return data
+
+
+@functools.lru_cache(maxsize=64)
+def node_problem(items: tuple[tuple[str, object], ...], clients: tuple[int, ...],
+                 site: str = "") -> Problem:
+    """The run of config ``items`` as the node hosting ``clients`` sees it: their rows of the
+    run's split or, given ``site`` (node config ``data-path``), the one client's own data
+    (:mod:`dpfl.datasets.site`). Cached in-process too: a simulation's worker serves many
+    messages of many virtual nodes."""
+    config = RunConfig(dict(items))
+    if site and not int(config["min-client-records"]):
+        raise ConfigError("min-client-records", "a node with its own data (data-path) needs "
+                          "the run's public lower bound on every client's records",
+                          allowed=f"an integer >= batch-size "
+                          f"({config.hyperparameters.batch_size})")
+    folder = cache_folder()
+    problem = Problem.from_node_data(config, _node_data(config, clients, folder, site))
+    key = _digest({k: v for k, v in items if k not in OUTPUT_KEYS}, clients, site,
+                  dpfl.__version__)
+    path = folder / f"releases-{key}.json"
+    try:
+        problem.restore_calibrations(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):  # not there yet, or unreadable
+        for c in clients:
+            problem.releases(c)
+        problem.server_releases()
+        try:
+            _write(path, lambda p: p.write_text(json.dumps(problem.calibrations())))
+        except OSError as error:
+            _warn_unwritable(folder, str(error))
+    return problem

@@ -1,0 +1,153 @@
+"""A local federation of real Flower processes: a ``flower-superlink`` and ``flower-supernode``
+processes on free loopback ports, plain or over TLS with SuperNode authentication, and a
+connection ``local-deployment`` for ``flwr run``; every process is started in its own session
+and stopped, with whatever it started, by PID. The deployment tests and the deployment benchmark
+run on it; docs/deployment.md shows the same commands for machines of your own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dpfl.certs import generate
+
+BIN = Path(sys.executable).parent
+CONNECTION = "local-deployment"
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Stop a process started in its own session, with everything it started."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=10)
+            # its children (SuperExec, app processes) share the group: make sure they are gone
+            os.killpg(process.pid, signal.SIGKILL)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            continue
+        return
+
+
+def wait_for(done: Callable[[], bool], message: str, watched: list[subprocess.Popen],
+             timeout: float = 120) -> None:
+    """Poll ``done`` until it holds; AssertionError with ``message`` after ``timeout`` seconds
+    or as soon as one of ``watched`` exits."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, message
+        assert all(p.poll() is None for p in watched), "a Flower process exited"
+        time.sleep(0.5)
+
+
+class LocalFederation:
+    """SuperLink and SuperNodes as local processes, logs and ``FLWR_HOME`` under ``folder``.
+
+    ``start(nodes)`` starts one SuperNode per entry, its ``partition-ids`` node config, and
+    returns the environment for ``flwr run . local-deployment``; ``close()`` stops everything.
+    """
+
+    def __init__(self, folder: Path, env: dict[str, str] | None = None) -> None:
+        self.folder = folder
+        self.home = folder / "flwr-home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.certs = folder / "certs"
+        self.port = free_port()
+        self.started: list[subprocess.Popen] = []
+        self.nodes: list[subprocess.Popen] = []
+        self.env = dict(env if env is not None else os.environ, FLWR_HOME=str(self.home),
+                        PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
+                        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
+        self._superlink_args: list[str] = []
+
+    def spawn(self, log: str, program: str, *args: str) -> subprocess.Popen:
+        with open(self.folder / log, "w") as out:
+            self.started.append(subprocess.Popen(
+                [str(BIN / program), *args], stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                cwd=self.folder, start_new_session=True))
+        return self.started[-1]
+
+    def supernode(self, name: str, ids: str, *security: str,
+                  node_config: str = "") -> subprocess.Popen:
+        """A SuperNode hosting the clients ``ids`` ("0,3"), logging to ``<name>.log``, with
+        more ``node_config`` entries (e.g. ``data-path="site.npz"``)."""
+        return self.spawn(f"{name}.log", "flower-supernode", *security, "--superlink",
+                          f"127.0.0.1:{self.port}", "--port", str(free_port()),
+                          "--node-config", f'partition-ids="{ids}" {node_config}'.strip())
+
+    def node_security(self, i: int) -> list[str]:
+        """Node ``i``'s flags: its key and the CA under TLS, ``--insecure`` otherwise."""
+        return (["--root-certificates", str(self.certs / "ca.crt"),
+                 "--auth-supernode-private-key", str(self.certs / f"node-{i}.key")]
+                if self.certs.exists() else ["--insecure"])
+
+    def start(self, nodes: list[str], *, tls: bool = False, database: bool = False,
+              node_config: dict[int, str] | None = None) -> dict[str, str]:
+        """Start the SuperLink (over TLS with SuperNode authentication: certificates and one
+        node key more than ``nodes``, every node's but the last registered; ``database``: its
+        state in ``superlink.db``) and the SuperNodes (node ``i`` with ``node_config[i]``
+        besides its ``partition-ids``); wait until they are connected."""
+        connection = (f'root-certificates = "{self.certs / "ca.crt"}"' if tls
+                      else "insecure = true")
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+            f'address = "127.0.0.1:{self.port}"\n{connection}\n')
+        security = ["--insecure"]
+        if tls:
+            generate(self.certs, nodes=len(nodes) + 1)
+            security = ["--ssl-ca-certfile", str(self.certs / "ca.crt"), "--ssl-certfile",
+                        str(self.certs / "server.pem"), "--ssl-keyfile",
+                        str(self.certs / "server.key"), "--enable-supernode-auth"]
+        if database:
+            security += ["--database", str(self.folder / "superlink.db")]
+        self._superlink_args = [*security, "--host", "127.0.0.1", "--port", str(self.port),
+                                "--disable-runtime-dependency-installation"]
+        self.superlink = self.spawn("superlink.log", "flower-superlink", *self._superlink_args)
+        if tls:
+            for i in range(len(nodes)):
+                wait_for(lambda i=i: subprocess.run(
+                    [str(BIN / "flwr"), "supernode", "register", str(self.certs / f"node-{i}.pub"),
+                     CONNECTION], env=self.env, capture_output=True).returncode == 0,
+                    "the SuperLink did not register the node keys", self.started)
+        extra = node_config or {}
+        self.nodes = [self.supernode(f"supernode-{i}", ids, *self.node_security(i),
+                                     node_config=extra.get(i, ""))
+                      for i, ids in enumerate(nodes)]
+        wait_for(lambda: (self.folder / "superlink.log").read_text().count("Activated node_id")
+                 >= len(nodes), "the SuperNodes did not connect", self.started)
+        return self.env
+
+    def restart_superlink(self) -> None:
+        """Kill the SuperLink process (not the ServerApp it started) and start it again with
+        the same arguments, its database included."""
+        os.kill(self.superlink.pid, signal.SIGKILL)
+        self.superlink.wait(timeout=30)
+        self.superlink = self.spawn("superlink-restarted.log", "flower-superlink",
+                                    *self._superlink_args)
+
+    def close(self) -> None:
+        for process in reversed(self.started):
+            stop(process)
+        assert all(p.poll() is not None for p in self.started)
+
+    def __enter__(self) -> LocalFederation:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

@@ -1,0 +1,126 @@
+"""The node-local cache (``dpfl.client.cache``): a node's view of a run equals the whole run's
+for its clients; a message with a warm cache loads no dataset library and no accountant; a
+changed data file, an unreadable entry or an unwritable folder never serve wrong data."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dpfl.client import cache
+from dpfl.client.cache import node_problem
+from dpfl.datasets import loading
+from dpfl.problem import build_problem, cached_problem
+from dpfl.runconfig import RunConfig
+
+DIGITS = {"algorithm": "dpsgd-gc", "num-partitions": 5, "seed": 3, "batch-size": 8}
+
+
+def _items(values: dict) -> tuple:
+    return tuple(sorted(RunConfig(values).as_dict().items()))
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path / "cache"))
+    for cached in (node_problem, cached_problem, loading._load):
+        cached.cache_clear()
+    yield tmp_path / "cache" / "nodes"
+    for cached in (node_problem, cached_problem, loading._load):
+        cached.cache_clear()
+
+
+def test_node_view_equals_the_run(folder):
+    run = build_problem(RunConfig(DIGITS))
+    node = node_problem(_items(DIGITS), (1, 3))
+    for clients in ([1, 3], [3], [1]):
+        mine, whole = node.cohort(clients), run.cohort(clients)
+        assert torch.equal(mine.x, whole.x) and torch.equal(mine.y, whole.y)
+        assert [len(i) for i in mine.indices] == [len(i) for i in whole.indices]
+    assert node.releases(3) == run.releases(3) and node.server_releases() == run.server_releases()
+    assert torch.equal(node.x0, run.x0)
+    assert len(node.dataset.train_y) == len(run.partitions[1]) + len(run.partitions[3])
+    with pytest.raises(ValueError, match=r"clients \[0\] are not hosted"):
+        node.cohort([0, 1])
+    with pytest.raises(ValueError, match="not hosted"):
+        node.releases(2)
+    assert len(list(folder.glob("data-*.pt"))) == len(list(folder.glob("releases-*.json"))) == 1
+    # another run name or results folder: the same entries; another noise: new releases only
+    node_problem(_items({**DIGITS, "run-name": "other", "results-dir": "elsewhere"}), (1, 3))
+    node_problem(_items({**DIGITS, "noise-multiplier": 2.0}), (1, 3))
+    assert len(list(folder.glob("data-*.pt"))) == 1
+    assert len(list(folder.glob("releases-*.json"))) == 2
+
+
+def test_a_warm_message_loads_no_dataset_library_and_no_accountant(folder):
+    script = (
+        "import sys, dpfl.client.app\n"
+        "from dpfl.client.cache import node_problem\n"
+        "from dpfl.runconfig import RunConfig\n"
+        f"node_problem(tuple(sorted(RunConfig({DIGITS!r}).as_dict().items())), (0,))\n"
+        "heavy = ('opacus', 'torchvision', 'flwr_datasets', 'datasets', 'sklearn', 'pandas',"
+        " 'scipy', 'matplotlib')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n")
+    cold, warm = (subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                 check=True).stdout.strip() for _ in range(2))
+    assert "opacus" in cold and "sklearn" in cold  # the first message calibrates and loads
+    assert warm == "[]"
+
+
+def _svmlight(folder, rows: int) -> None:
+    (folder / "libsvm").mkdir(parents=True, exist_ok=True)
+    lines = [f"{1 if i % 2 else -1} 1:{i + 1} 3:0.5" for i in range(rows)]
+    for name in ("a9a", "a9a.t"):
+        (folder / "libsvm" / name).write_text("\n".join(lines) + "\n")
+
+
+def test_a_changed_data_file_is_not_served_from_the_cache(folder, tmp_path):
+    data = tmp_path / "data"
+    _svmlight(data, 20)
+    values = {**DIGITS, "dataset": "a9a", "model": "logistic", "num-partitions": 2,
+              "data-dir": str(data)}
+    before = node_problem(_items(values), (0,))
+    _svmlight(data, 30)
+    for cached in (node_problem, cached_problem, loading._load):  # a fresh message's process
+        cached.cache_clear()
+    after = node_problem(_items(values), (0,))
+    assert (len(before.dataset.train_y), len(after.dataset.train_y)) == (10, 15)
+    assert len(list(folder.glob("data-*.pt"))) == 2
+
+
+def test_an_unreadable_entry_is_rebuilt(folder):
+    node_problem(_items(DIGITS), (2,))
+    expected = cached_problem(_items(DIGITS)).cohort([2])
+    for entry in [*folder.glob("data-*.pt"), *folder.glob("releases-*.json")]:
+        entry.write_bytes(b"half a file")
+    node_problem.cache_clear()
+    again = node_problem(_items(DIGITS), (2,))
+    assert torch.equal(again.cohort([2]).x, expected.x)
+    assert json.loads(next(folder.glob("releases-*.json")).read_text())
+    assert torch.load(next(folder.glob("data-*.pt")), weights_only=True)["clients"] == [2]
+
+
+def test_an_unwritable_folder_warns_and_works(tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(blocked))
+    node_problem.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dpfl"):
+            node = node_problem(_items(DIGITS), (4,))
+    finally:
+        node_problem.cache_clear()
+    assert torch.equal(node.cohort([4]).x, build_problem(RunConfig(DIGITS)).cohort([4]).x)
+    assert "cannot be written" in caplog.text and "DPFL_CACHE_DIR" in caplog.text
+
+
+def test_only_the_newest_data_entries_are_kept(folder, monkeypatch):
+    monkeypatch.setattr(cache, "KEEP", 2)
+    for seed in range(3):
+        node_problem(_items({**DIGITS, "seed": seed}), (0,))
+    assert len(list(folder.glob("data-*.pt"))) == 2
