@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").resolve()))
+# downloads and the nodes' caches of every run the tests start (Flower's included) go to a
+# folder of this session, removed at its end: the tests leave nothing in the user's cache
+if "DPFL_CACHE_DIR" not in os.environ:
+    os.environ["DPFL_CACHE_DIR"] = tempfile.mkdtemp(prefix="dpfl-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["DPFL_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture

@@ -119,8 +119,14 @@ def test_an_unwritable_folder_warns_and_works(tmp_path, monkeypatch, caplog):
     assert "cannot be written" in caplog.text and "DPFL_CACHE_DIR" in caplog.text
 
 
-def test_only_the_newest_data_entries_are_kept(folder, monkeypatch):
-    monkeypatch.setattr(cache, "KEEP", 2)
-    for seed in range(3):
+def test_only_the_most_recently_used_entries_are_kept(folder, monkeypatch):
+    node_problem(_items(DIGITS), (0,))
+    size = next(folder.glob("data-*.pt")).stat().st_size
+    monkeypatch.setattr(cache, "KEEP_BYTES", int(2.5 * size))  # two entries of this size
+    monkeypatch.setattr(cache, "KEEP_RELEASES", 3)
+    used = dict.fromkeys(folder.glob("data-*.pt"))
+    for seed in (1, 2, 3):
         node_problem(_items({**DIGITS, "seed": seed}), (0,))
-    assert len(list(folder.glob("data-*.pt"))) == 2
+    kept = set(folder.glob("data-*.pt"))
+    assert len(kept) == 2 and not kept & set(used)
+    assert len(list(folder.glob("releases-*.json"))) == 3

@@ -18,7 +18,8 @@ the ClientApp builds in memory is gone after each reply. A node therefore keeps,
 The model, algorithm and initial point are rebuilt from the run config each message (cheap,
 seeded, the same as the server's). Files are written atomically (a temporary file, then a
 rename), so nodes sharing the folder never read half a file; an unreadable entry is rebuilt;
-the newest :data:`KEEP` data entries are kept. Deleting the folder is always safe. Where the
+the most recently used data entries are kept up to :data:`KEEP_BYTES` (2 GiB) in all, the
+newest :data:`KEEP_RELEASES` releases entries. Deleting the folder is always safe. Where the
 folder cannot be written, the node works without it and warns once.
 """
 
@@ -45,7 +46,8 @@ from dpfl.runconfig import RunConfig
 
 log = logging.getLogger("dpfl")
 
-KEEP = 8  # data entries kept (the most recently used)
+KEEP_BYTES = 2 << 30  # data entries kept, the most recently used first (the newest always)
+KEEP_RELEASES = 256  # releases entries kept, the most recently written first
 OUTPUT_KEYS = ("results-dir", "run-name")  # run-config keys that change no node's work
 
 
@@ -82,10 +84,26 @@ def _write(path: Path, save: Callable[[Path], None]) -> None:
         Path(temporary).unlink(missing_ok=True)
 
 
+def _newest_first(folder: Path, pattern: str) -> list[tuple[Path, os.stat_result]]:
+    entries = []
+    for path in folder.glob(pattern):
+        try:
+            entries.append((path, path.stat()))
+        except FileNotFoundError:  # pruned by another node meanwhile
+            continue
+    return sorted(entries, key=lambda e: e[1].st_mtime_ns, reverse=True)
+
+
 def _prune(folder: Path) -> None:
-    entries = sorted(folder.glob("data-*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in entries[KEEP:]:
-        stale.unlink(missing_ok=True)
+    """Drop the least recently used data entries beyond :data:`KEEP_BYTES` in all, and the
+    oldest releases entries beyond :data:`KEEP_RELEASES`."""
+    total = 0
+    for i, (path, stat) in enumerate(_newest_first(folder, "data-*.pt")):
+        total += stat.st_size
+        if i and total > KEEP_BYTES:
+            path.unlink(missing_ok=True)
+    for path, _ in _newest_first(folder, "releases-*.json")[KEEP_RELEASES:]:
+        path.unlink(missing_ok=True)
 
 
 @functools.cache
@@ -149,6 +167,7 @@ def node_problem(items: tuple[tuple[str, object], ...], clients: tuple[int, ...]
         problem.server_releases()
         try:
             _write(path, lambda p: p.write_text(json.dumps(problem.calibrations())))
+            _prune(folder)
         except OSError as error:
             _warn_unwritable(folder, str(error))
     return problem
