@@ -10,7 +10,7 @@ import torch
 from dpfl.cli import main
 from dpfl.client.cache import node_problem
 from dpfl.errors import ConfigError
-from dpfl.privacy import PrivacyLedger, Release
+from dpfl.privacy import PrivacyLedger
 from dpfl.problem import build_problem, cached_problem
 from dpfl.runconfig import RunConfig
 
@@ -56,7 +56,7 @@ def test_the_bound_charges_at_least_the_real_sample_rate(site):
         for releases in (real, bound):
             ledger = PrivacyLedger(accountant, "add-remove")
             for _ in range(50):
-                ledger.record(Release(**{**releases[0].__dict__}))
+                ledger.record(releases[0])
             epsilons.append(ledger.epsilon(1e-5))
         assert epsilons[0] < epsilons[1], accountant
 
