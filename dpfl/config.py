@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import shlex
+import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -197,12 +200,53 @@ def parse_overrides(text: Iterable[str] | str) -> dict[str, Value]:
 
 
 def format_overrides(values: Mapping[str, Value]) -> str:
-    """``key=value`` pairs in the syntax ``flwr run --run-config`` parses."""
+    """``key=value`` pairs in the syntax ``flwr run --run-config`` parses: a string in double
+    quotes, or in single quotes (a TOML literal string) when it holds a double quote."""
     def fmt(v: Value) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            if '"' not in v:
+                return f'"{v}"'
+            if "'" in v:
+                raise ValueError(f"{v!r}: a run-config string holds one kind of quote at most")
+            return f"'{v}'"
+        return repr(v)
+
+    return " ".join(f"{k}={fmt(v)}" for k, v in values.items())
+
+
+def parse_options(text: str) -> dict[str, Value]:
+    """The ``key=value`` pairs of ``model-options`` or ``dataset-options``: shell-like words,
+    each value a number, ``true``/``false``, or a string (bare, ``"quoted"`` or ``'quoted'``,
+    which a string with spaces needs). A bare word is its own string, so the options nest in a
+    run-config string without escapes: ``dataset-options="num_train=3000 scaling=unit"``."""
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"{text!r}: {exc}") from None
+    parsed: dict[str, Value] = {}
+    for word in words:
+        key, sep, raw = word.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{word!r} is not key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        parsed[key] = value if isinstance(value, (bool, int, float)) else raw
+    return parsed
+
+
+def format_options(values: Mapping[str, Value]) -> str:
+    """``values`` as :func:`parse_options` reads them: strings bare where a bare word reads back
+    as the same string, else in double quotes."""
+    def fmt(v: Value) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return v if re.fullmatch(r"[A-Za-z_][\w.:/-]*", v) and parse_options(f"k={v}")[
+                "k"] == v else '"' + v + '"'
         return repr(v)
 
     return " ".join(f"{k}={fmt(v)}" for k, v in values.items())

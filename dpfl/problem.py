@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dpfl.algorithms import ALGORITHMS, Algorithm, Cohort, check_schema
-from dpfl.config import parse_overrides
+from dpfl.config import parse_options
 from dpfl.datasets import DATASETS, Dataset, load_dataset, partition
 from dpfl.datasets.loading import PROVIDED
 from dpfl.errors import ConfigError
@@ -190,11 +190,10 @@ def options(config: RunConfig, key: str, kind: str, builder: Any) -> dict[str, o
     if not text:
         return {}
     try:
-        parsed = parse_overrides(text)
-    except ConfigError as exc:
-        raise ConfigError(key, f"cannot parse {text!r} (strings in double quotes)",
-                          allowed="space-separated key=value pairs, e.g. "
-                                  "'scaling=\"symmetric\" duplicate=3'") from exc
+        parsed = parse_options(text)
+    except ValueError as exc:
+        raise ConfigError(key, f"cannot parse {exc}", allowed="space-separated key=value pairs, "
+                          "e.g. 'scaling=symmetric duplicate=3'") from None
     given = {k.replace("-", "_"): v for k, v in parsed.items()}
     accepted = [p.name for p in inspect.signature(builder).parameters.values()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in PROVIDED]

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import shlex
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dpfl.config import Value, format_overrides
+from dpfl.config import Value, format_options, format_overrides, parse_options
 
 Config = dict[str, Value]
 Cell = tuple[Any, ...]  # what a table's cell is keyed by, e.g. (model, method, ε)
@@ -56,9 +57,11 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def command(values: Config) -> str:
-    """The ``dpfl run`` line that re-runs ``values`` alone."""
-    keep = {k: v for k, v in values.items() if k not in ("results-dir", "run-name")}
-    return f"dpfl run --run-config '{format_overrides(keep)}'"
+    """The ``dpfl run`` line that re-runs ``values`` alone (a shell line: option strings
+    written with bare words, so that they nest without escapes)."""
+    keep = {k: format_options(parse_options(v)) if k.endswith("-options") and isinstance(v, str)
+            else v for k, v in values.items() if k not in ("results-dir", "run-name")}
+    return f"dpfl run --run-config {shlex.quote(format_overrides(keep))}"
 
 
 def final_accuracy(summary: dict[str, Any]) -> float:
