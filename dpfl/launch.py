@@ -1,27 +1,34 @@
-"""Launch ``flwr run`` on the local simulation connection, and clean up after it.
+"""Launch ``flwr run`` on a local simulation connection of its own, and clean up after it.
 
-``flwr run .`` on the local connection starts a managed SuperLink (and its
-SuperExec) that keeps running after the run. This launcher validates the run
-config first (bad input never reaches Flower), runs ``flwr run`` with a private
-``FLWR_HOME`` unless one is given, and stops the processes that run started, by
-PID.
+``flwr run .`` on the local connection starts a managed SuperLink (and its SuperExec) that
+keeps running after the run, on ports that are the same for every run on the machine unless
+``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` and ``FLWR_LOCAL_CONTROL_API_PORT`` say otherwise. This
+launcher validates the run config first (bad input never reaches Flower), gives every
+invocation a private ``FLWR_HOME`` and free loopback ports (so concurrent runs on one machine
+never share a SuperLink), reads the run's final status from ``flwr ls`` (``flwr run --stream``
+exits 0 whatever the run's fate), and stops the processes the run started, by PID.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from dpfl.config import Value, format_overrides
+from dpfl.problem import data_dir
 from dpfl.runconfig import RunConfig, check_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
-
 
 
 def _cmdlines() -> dict[int, str]:
@@ -62,17 +69,73 @@ def stop(pids: list[int], grace: float = 10.0) -> None:
             pass
 
 
+def free_port() -> int:
+    """A loopback TCP port that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def stream(cmd: list[str], env: Mapping[str, str], cwd: Path,
+           timeout: float | None) -> tuple[int, bool]:
+    """Run ``cmd`` and echo its output, less the tracebacks Flower logs for an app that
+    raised (dpfl's own ``dpfl: error:`` line says what went wrong); returns the exit status
+    and whether such a line went by. Past ``timeout`` seconds the command is killed."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace")
+    timer = threading.Timer(timeout, proc.kill) if timeout else None
+    if timer:
+        timer.start()
+    explained = in_traceback = False
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("Traceback (most recent call last):"):
+                in_traceback = True
+            elif in_traceback:
+                in_traceback = line.startswith((" ", "\t"))  # its last line, the exception
+            else:
+                explained = explained or line.startswith("dpfl: error:")
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        code = proc.wait()
+    finally:
+        if timer:
+            timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return code, explained
+
+
+def final_status(flwr: Path, env: Mapping[str, str], cwd: Path) -> tuple[str, str]:
+    """``(status, details)`` of the latest run on the connection ``env`` points to, from
+    ``flwr ls --format json`` (``finished:completed`` when it succeeded)."""
+    listed = subprocess.run([str(flwr), "ls", "--format", "json"], env=env, cwd=cwd, text=True,
+                            capture_output=True, timeout=120)
+    try:
+        runs = json.loads(listed.stdout)["runs"]
+        latest = max(runs, key=lambda r: int(r["run-id"]))
+        return str(latest["status"]), str(latest["status-details"])
+    except (ValueError, KeyError, TypeError):
+        return "unknown", (listed.stdout + listed.stderr).strip()[-300:]
+
+
 def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = None,
              flwr_home: Path | None = None, app_dir: Path = ROOT,
              timeout: float | None = None) -> int:
-    """Run the dpfl app with ``flwr run`` (Ray simulation); returns its exit status."""
+    """Run the dpfl app with ``flwr run`` (Ray simulation) on a SuperLink of its own; returns
+    0 when the run finished completed, else non-zero (one ``dpfl: error:`` line saying how
+    it ended)."""
     config = RunConfig(overrides)  # raises ConfigError before anything starts
     check_runtime(config, "flower")
     values = dict(overrides)
     values["results-dir"] = str(Path(str(config["results-dir"])).expanduser().resolve())
-    home = (flwr_home or Path(os.environ.get("FLWR_HOME", ROOT / ".flwr-home"))).resolve()
-    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1")
-    env.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").resolve()))
+    home = (flwr_home or Path(tempfile.mkdtemp(prefix="dpfl-flwr-home-"))).resolve()
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+               FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
+               FLWR_LOCAL_CONTROL_API_PORT=str(free_port()))
+    env.setdefault("DPFL_DATA_DIR", data_dir(config))  # the app runs from a copy of the FAB
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     bindir = Path(sys.executable).parent  # flwr starts flower-superlink from PATH
     env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
@@ -82,6 +145,15 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
            f"num-supernodes={num_supernodes or int(config['num-partitions'])}"]
     before = set(started_processes(home))
     try:
-        return subprocess.run(cmd, env=env, cwd=app_dir, timeout=timeout).returncode
+        code, explained = stream(cmd, env, app_dir, timeout)
+        if code == 0:
+            status, details = final_status(flwr, env, app_dir)
+            if status != "finished:completed":
+                print(f"dpfl: error: the Flower run ended {status}"
+                      + ("" if explained else f": {details}"), file=sys.stderr)
+                code = 1
+        return code
     finally:
         stop([p for p in started_processes(home) if p not in before])
+        if flwr_home is None:
+            shutil.rmtree(home, ignore_errors=True)

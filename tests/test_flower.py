@@ -49,3 +49,41 @@ def test_flower_simulation_equals_engine_bitwise(tmp_path, case):
         f, e = json.loads(f), json.loads(e)
         f.pop("seconds"), e.pop("seconds")
         assert f == e  # losses, accuracy, ε per client, clipped fraction: all identical
+
+
+def test_two_runs_at_once_each_get_a_superlink_of_their_own(tmp_path):
+    """Two ``dpfl flower`` runs started together on one machine: each on a private
+    ``FLWR_HOME`` and free ports, both complete, each equals its engine run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [{**CASES["dpsgd-gc"], "seed": seed, "num-server-rounds": 2,
+              "results-dir": str(tmp_path / f"results-{seed}")} for seed in (1, 2)]
+    with ThreadPoolExecutor(2) as pool:
+        codes = list(pool.map(lambda c: flwr_run({**c, "run-name": "flower"}, timeout=600),
+                              cases))
+    assert codes == [0, 0]
+    for case in cases:
+        run(RunConfig({**case, "run-name": "engine"}), echo=False)
+        results = tmp_path / case["results-dir"]
+        flower = torch.load(results / "flower" / "model.pt")
+        engine = torch.load(results / "engine" / "model.pt")
+        assert all(torch.equal(flower[k], engine[k]) for k in engine)
+
+
+def test_a_federation_of_the_wrong_size_fails_the_run_at_once(tmp_path, capfd):
+    """One virtual SuperNode for two partitions: the ServerApp refuses within seconds (not
+    the 120 s a deployment waits for nodes), Flower lists the run as failed, and
+    ``dpfl flower`` exits non-zero naming the ``--federation-config`` to use."""
+    import time
+
+    overrides = {**CASES["dpsgd-gc"], "num-partitions": 2, "results-dir": str(tmp_path)}
+    start = time.monotonic()
+    code = flwr_run(overrides, num_supernodes=1, flwr_home=tmp_path / "home", timeout=600)
+    elapsed = time.monotonic() - start
+    out, err = capfd.readouterr()
+    assert code == 1
+    assert err.splitlines()[-1] == "dpfl: error: the Flower run ended finished:failed"
+    assert '(simulation: --federation-config "num-supernodes=2")' in out
+    assert "Traceback" not in out + err
+    assert elapsed < 90, elapsed
+    assert started_processes(tmp_path / "home") == []

@@ -1,9 +1,10 @@
 """The dpfl ``ServerApp``: validates the run config, then runs ``AlgorithmStrategy``.
 
-Bad input, a federation that does not match the run, and a run stopped by lost clients end
-with one line ``dpfl: error: …`` and no traceback. The app then returns normally: Flower flushes
-a ServerApp's log stream (what ``flwr run --stream`` shows) only on a normal return or an
-exception, and an exception would print a traceback."""
+Bad input, a federation that does not match the run, and a run stopped by lost clients print
+one line ``dpfl: error: …`` and then raise :class:`RunFailed` with that line, so that Flower
+marks the run ``finished:failed`` (``flwr ls``) rather than completed; Flower logs the exception
+with its traceback after the line. ``dpfl flower`` validates the run config and sizes the
+federation before it submits a run, and exits non-zero on any status but completed."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ app = ServerApp()
 log = logging.getLogger("dpfl")
 
 
+class RunFailed(RuntimeError):
+    """The run stopped on an error already explained by a ``dpfl: error:`` line."""
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     try:
@@ -34,3 +39,4 @@ def main(grid: Grid, context: Context) -> None:
                        num_rounds=int(config["num-server-rounds"]))
     except (ConfigError, FederationError) as exc:
         print(f"dpfl: error: {exc}", file=sys.stderr, flush=True)
+        raise RunFailed(str(exc)) from None

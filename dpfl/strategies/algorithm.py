@@ -96,13 +96,21 @@ class AlgorithmStrategy(Strategy):
 
     # ---- node discovery ------------------------------------------------------------------
     def discover(self, grid: Grid) -> None:
-        """Map client ids to nodes by asking every node which clients it hosts."""
+        """Map client ids to nodes by asking every node which clients it hosts: until every
+        client is found, or ``connect_timeout`` passes, or, in a simulation (whose virtual
+        SuperNodes all register at once), the nodes online have answered and no other node
+        has come for a second."""
         wanted = set(range(self.problem.num_clients))
         deadline = time.monotonic() + self.connect_timeout
+        simulation = type(grid).__name__ == "InMemoryGrid"
+        seen: set[int] = set()
         while True:
-            self.ask_new_nodes(grid, strict=True)
+            online = self.ask_new_nodes(grid, strict=True)
             if wanted <= set(self.node_of) or time.monotonic() > deadline:
                 break
+            if simulation and online and online == seen:
+                break
+            seen = online
             time.sleep(1.0)
         missing = sorted(wanted - set(self.node_of))
         extra = sorted(set(self.node_of) - wanted)
