@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from dpfl.config import parse_overrides
-from dpfl.errors import ConfigError, UsageError
+from dpfl.errors import ConfigError, UsageError, did_you_mean
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,7 +60,55 @@ def _parser() -> argparse.ArgumentParser:
                    help="the run whose split to take (dataset, partitioner, num-partitions, "
                    "seed, ...)")
     p.add_argument("--partition-id", type=int, required=True, help="the client whose rows")
+    p = sub.add_parser("keys", help="list the run-config keys: default, paper symbol, meaning")
+    p.add_argument("algorithm", nargs="?", help="also list this algorithm's own keys and its "
+                   "calibrations' (default: every algorithm's key names)")
     return parser
+
+
+def keys(args: argparse.Namespace) -> int:
+    """``dpfl keys [ALGORITHM]``: the keys every run reads, then the algorithm's own (or, with
+    no algorithm, the names of each algorithm's own keys)."""
+    import shutil
+    import textwrap
+
+    from dpfl.config import COMMON, Param, format_overrides, params_of
+    from dpfl.privacy.calibration import CALIBRATIONS
+    from dpfl.runconfig import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
+
+    algorithm = None if args.algorithm is None else ALGORITHMS.get(args.algorithm)
+    registries = {"algorithm": ALGORITHMS, "dataset": DATASETS, "model": MODELS,
+                  "partitioner": PARTITIONERS}
+    width = min(shutil.get_terminal_size().columns, 100)
+
+    def show(title: str, params: tuple[Param, ...]) -> None:
+        print(f"{title}:")
+        for p in params:
+            head = f"  {format_overrides({p.key: p.default})}"
+            if p.symbol:
+                head += f"  ({p.symbol})"
+            choices = p.choices or (registries[p.key].names() if p.key in registries else None)
+            text = p.help + (f" Allowed: {', '.join(choices)}." if choices else "")
+            print(head)
+            print(textwrap.fill(text, width, initial_indent="      ",
+                                subsequent_indent="      "))
+
+    show("Keys every run reads", COMMON)
+    if algorithm is None:
+        print("\nEach algorithm's own keys (dpfl keys ALGORITHM explains them):")
+        for name in ALGORITHMS.names():
+            own = ", ".join(p.key for p in params_of(ALGORITHMS.get(name).Hyperparameters))
+            print(textwrap.fill(f"{name}: {own or 'none'}", width, initial_indent="  ",
+                                subsequent_indent="      "))
+        return 0
+    print()
+    show(f"Keys of algorithm {algorithm.name}", params_of(algorithm.Hyperparameters))
+    for name in CALIBRATIONS.offered(algorithm.name):
+        options = CALIBRATIONS.get(name, algorithm.name).options
+        if options is not None:
+            print()
+            show(f'Keys of calibration="{name}"', params_of(options))
+    return 0
 
 
 def export_partition(args: argparse.Namespace) -> int:
@@ -96,7 +144,12 @@ def reproduce(args: argparse.Namespace) -> int:
         for key in EXPERIMENTS.names():
             print(f"{key:28s} {EXPERIMENTS.get(key).summary}")
         return 0
-    exp = EXPERIMENTS.get(f"{args.paper}/{args.experiment}")
+    name = args.paper if args.experiment is None else f"{args.paper}/{args.experiment}"
+    if name not in EXPERIMENTS:
+        raise UsageError(f"unknown experiment {name!r}{did_you_mean(name, EXPERIMENTS)} "
+                         f"(allowed: {', '.join(EXPERIMENTS.names())}, as PAPER/EXPERIMENT "
+                         f"or PAPER EXPERIMENT)")
+    exp = EXPERIMENTS.get(name)
     only: dict[str, list[str]] = {}
     for option in args.only:
         axis, sep, values = option.partition("=")
@@ -123,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             return certs(args)
         if args.command == "export-partition":
             return export_partition(args)
+        if args.command == "keys":
+            return keys(args)
         overrides = parse_overrides(args.run_config) if args.run_config else {}
         if args.command == "run":
             from dpfl.engine import run

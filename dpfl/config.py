@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dpfl.errors import ConfigError
+from dpfl.errors import ConfigError, did_you_mean
 
 Value = bool | int | float | str
 T = TypeVar("T")
@@ -55,7 +55,8 @@ class Param:
         if kind is float and math.isnan(value):
             raise ConfigError(self.key, "NaN is not allowed")
         if self.choices is not None and value not in self.choices:
-            raise ConfigError(self.key, f"unknown value {value!r}", allowed=self.choices)
+            raise ConfigError(self.key, f"unknown value {value!r}"
+                              f"{did_you_mean(value, self.choices)}", allowed=self.choices)
         if self.check is not None and (problem := self.check(value)) is not None:
             raise ConfigError(self.key, problem)
         return value

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
+
+
+def did_you_mean(name: str, options: Iterable[object]) -> str:
+    """`` (did you mean 'x', 'y'?)`` for the options closest to ``name``; '' when none is."""
+    close = difflib.get_close_matches(name, [str(o) for o in options], n=3)
+    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
 
 
 class ConfigError(ValueError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from dpfl.errors import ConfigError
+from dpfl.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
 
@@ -44,7 +44,8 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            raise ConfigError(self.key, f"unknown value {name!r}", allowed=self.names()) from None
+            raise ConfigError(self.key, f"unknown value {name!r}{did_you_mean(name, self)}",
+                              allowed=self.names()) from None
 
     def names(self) -> list[str]:
         return sorted(self._entries)

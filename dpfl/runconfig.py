@@ -11,14 +11,13 @@ typed hyperparameters are built here, and nowhere else.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dpfl.algorithms import ALGORITHMS
 from dpfl.config import COMMON, Param, Value, build, params_of
 from dpfl.datasets import DATASETS, PARTITIONERS
-from dpfl.errors import ConfigError
+from dpfl.errors import ConfigError, did_you_mean
 from dpfl.models import MODELS
 from dpfl.privacy import CALIBRATIONS
 
@@ -55,11 +54,8 @@ class RunConfig(Mapping[str, Value]):
         merged: dict[str, Value] = {key: p.default for key, p in params.items()}
         for key, value in given.items():
             if key not in params:
-                close = difflib.get_close_matches(key, params, n=3)
-                raise ConfigError(key, "unknown key" + (
-                    f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""),
-                    allowed="the keys of `[tool.flwr.app.config]` in pyproject.toml "
-                    "(docs/configuration.md)")
+                raise ConfigError(key, "unknown key" + did_you_mean(key, params),
+                                  allowed="the keys `dpfl keys` lists")
             merged[key] = params[key].parse(value)
         for key, registry in (("algorithm", ALGORITHMS), ("dataset", DATASETS),
                               ("model", MODELS), ("partitioner", PARTITIONERS)):

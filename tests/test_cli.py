@@ -1,0 +1,48 @@
+"""The command line a newcomer meets: ``dpfl keys``, suggestions for unknown names, and the
+experiment names ``dpfl reproduce --list`` prints accepted as they are printed."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpfl.cli import main
+from dpfl.experiments import EXPERIMENTS
+
+
+def test_keys_lists_the_common_keys_and_each_algorithms_own(capsys):
+    assert main(["keys"]) == 0
+    out = capsys.readouterr().out
+    assert 'epsilon=8.0  (ε)' in out and "Allowed: rdp, prv." in out
+    assert "pcdp-sgd: batch-size, learning-rate, clip," in out
+    assert "projection-dim" in out and "Local DP-SGD steps" not in out  # names only
+
+
+def test_keys_of_an_algorithm_explain_its_own_keys_and_its_calibrations(capsys):
+    assert main(["keys", "pcdp-sgd"]) == 0
+    out = capsys.readouterr().out
+    assert "Keys of algorithm pcdp-sgd:" in out
+    assert "projection-dim=100  (k)" in out and "Allowed: rbs," in out
+    assert main(["keys", "clip21-sgd2m"]) == 0
+    assert 'Keys of calibration="practice":' in capsys.readouterr().out
+
+
+def test_an_unknown_algorithm_or_value_suggests_the_nearest(capsys):
+    assert main(["keys", "dpsgdgc"]) == 2
+    err = capsys.readouterr()
+    assert err.out == "" and "did you mean 'dpsgd-gc'" in err.err
+    assert main(["run", "--run-config", 'accountant="rdpp"']) == 2
+    assert "unknown value 'rdpp' (did you mean 'rdp'?) (allowed: rdp, prv)" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS.names())
+def test_every_listed_experiment_name_is_accepted_as_printed(name, capsys):
+    """``dpfl reproduce PAPER/EXPERIMENT`` resolves (the bad ``--only`` then stops it before
+    anything runs, naming that experiment's axes)."""
+    assert main(["reproduce", name, "--only", "nonsense=1"]) == 2
+    assert "--only 'nonsense=1': expected AXIS=V1,V2" in capsys.readouterr().err
+
+
+def test_a_paper_alone_names_its_experiments(capsys):
+    assert main(["reproduce", "clip21"]) == 2
+    assert "did you mean 'clip21/logreg'" in capsys.readouterr().err
