@@ -96,3 +96,14 @@ def test_summary_says_whether_the_calibration_is_optimistic_or_conservative(smal
     assert "matched" in accountant["calibration_check"]
     manual = run(small_config(noise_multiplier=1.0, run_name="manual"), echo=False)
     assert manual["calibration_check"] is None
+
+
+def test_a_diverging_run_warns_once_and_the_summary_keeps_it(small_config, capsys):
+    from dpfl.engine import run
+
+    summary = run(small_config(learning_rate=500.0, run_name="diverges"))
+    out = capsys.readouterr().out
+    assert out.count("WARNING: the test loss diverged") == 1
+    assert len(summary["warnings"]) == 1 and "lower learning-rate (now 500)" in \
+        summary["warnings"][0]
+    assert run(small_config(run_name="learns"), echo=False)["warnings"] == []

@@ -93,6 +93,8 @@ class RoundDriver:
         self.rounds_done = 0
         self.traffic: dict[str, int] = {}
         self.lost: dict[int, str] = {}  # this round's missing participants, and why
+        self.warnings: list[str] = []  # said once each, kept in the summary
+        self.first_loss: float | None = None
         self.started = time.perf_counter()
 
     # ---- the loop ----------------------------------------------------------------------
@@ -215,6 +217,9 @@ class RoundDriver:
                 print(f"WARNING: {meta['privacy']['note']}", flush=True)
             else:
                 log.warning(meta["privacy"]["note"])
+        with torch.no_grad():  # the start of the divergence check
+            self.first_loss = float(self.problem.model.evaluate(
+                self.algorithm.global_params(self.state), *self._test_set)["loss"])
         self.started = time.perf_counter()
 
     def privacy_statement(self) -> dict[str, Any]:
@@ -311,7 +316,32 @@ class RoundDriver:
         self.results.add_round(record)
         if self.echo:
             print(self.describe(record, rounds), flush=True)
+        if "test_loss" in record:
+            self.check_divergence(round, record["test_loss"])
         return record
+
+    def warn(self, text: str) -> None:
+        """Say ``text`` once (console, or the log when not echoing) and keep it for the
+        summary."""
+        if text in self.warnings:
+            return
+        self.warnings.append(text)
+        if self.echo:
+            print(f"WARNING: {text}", flush=True)
+        else:
+            log.warning(text)
+
+    def check_divergence(self, round: int, loss: float) -> None:
+        """Warn, once, when the test loss is not finite or has grown past 10× that of the
+        initial model: the step size (or the noise) is too large for the model to learn."""
+        first = self.first_loss
+        if not math.isfinite(loss) or (first is not None and first > 0 and loss > 10 * first):
+            if any(w.startswith("the test loss diverged") for w in self.warnings):
+                return
+            start = ("" if first is None or not math.isfinite(loss)
+                     else f", {loss / first:.3g}× the initial model's {first:.4g}")
+            self.warn(f"the test loss diverged: {loss:.4g} at round {round}{start}; lower "
+                      f"learning-rate (now {self.config['learning-rate']:g}) or the noise")
 
     def describe(self, r: dict[str, Any], rounds: int) -> str:
         parts = [f"round {r['round']:>{len(str(rounds))}}/{rounds}"]
@@ -383,6 +413,7 @@ class RoundDriver:
             "results": str(self.path),
         }
         summary["calibration_check"] = self.calibration_check()
+        summary["warnings"] = list(self.warnings)
         params = self.algorithm.global_params(self.state).cpu()
         assert self.results is not None
         self.results.finish(summary, p.model.load_into(params).state_dict())
