@@ -67,12 +67,14 @@ class ResultsWriter:
         self.rounds.append(record)
         self._rounds_file.write(json.dumps(jsonable(record)) + "\n")
 
-    def finish(self, summary: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> None:
-        """Plots and model first, ``summary.json`` last: its presence marks a finished run
-        (``dpfl reproduce`` reuses such runs)."""
-        from dpfl.plots import plot_rounds
+    def finish(self, summary: dict[str, Any], state_dict: dict[str, torch.Tensor], *,
+               title: str, chance: float | None) -> None:
+        """Plot (``summary.png``, named ``title``, ``chance`` the chance accuracy) and model
+        first, ``summary.json`` last: its presence marks a finished run (``dpfl reproduce``
+        reuses such runs)."""
+        from dpfl.plots import plot_summary
 
         self._rounds_file.close()
-        plot_rounds(self.rounds, self.path)
+        plot_summary(self.rounds, self.path, title=title, chance=chance)
         torch.save(state_dict, self.path / "model.pt")
         (self.path / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))

@@ -29,7 +29,7 @@ def test_results_folder_has_every_artifact(small_config):
     assert saved["rounds_completed"] == 3 and saved["epsilon_max"] <= 8.0
     state = torch.load(folder / "model.pt")
     assert all(isinstance(v, torch.Tensor) for v in state.values())
-    assert (folder / "metrics.png").stat().st_size > 0 and (folder / "epsilon.png").exists()
+    assert (folder / "summary.png").stat().st_size > 0
 
 
 def test_same_seed_same_model_different_seed_different_model(small_config, tmp_path):

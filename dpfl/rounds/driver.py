@@ -351,7 +351,7 @@ class RoundDriver:
             acc = r.get("test_accuracy")
             parts.append(f"test loss {r['test_loss']:.4f}"
                          + (f" acc {100 * acc:5.2f}%" if acc is not None else ""))
-        parts.append(f"ε max {r['epsilon_max']:.3g} (δ={self.config['delta']:g})")
+        parts.append(f"ε max {r['epsilon_max']:.4g} (δ={self.config['delta']:g})")
         parts.append(f"{r['seconds']:.2f} s")
         return " | ".join(parts)
 
@@ -416,7 +416,14 @@ class RoundDriver:
         summary["warnings"] = list(self.warnings)
         params = self.algorithm.global_params(self.state).cpu()
         assert self.results is not None
-        self.results.finish(summary, p.model.load_into(params).state_dict())
+        cfg, data = self.config, p.dataset
+        title = (f"{p.algorithm.name} on {cfg['dataset']}, {p.num_clients} clients · "
+                 f"ε = {summary['epsilon_max']:.4g} (δ = {cfg['delta']:g}, {cfg['accountant']})"
+                 f" · seed {cfg['seed']} · {self.runtime}")
+        chance = 1 / data.num_classes if data.task == "classification" else (
+            0.5 if data.task == "binary" else None)
+        self.results.finish(summary, p.model.load_into(params).state_dict(), title=title,
+                            chance=chance)
         if self.echo:
             stop = f" (stopped: {self.stop_reason})" if self.stop_reason else ""
             print(f"done: {self.rounds_done} rounds in {wall:.1f} s{stop}; results in {self.path}",
