@@ -239,9 +239,15 @@ def check_sizes(config: RunConfig, sizes: list[int]) -> None:
                           f"records: its ε would be undercounted", allowed=f"0..{smallest}")
     batch_size, least = config.hyperparameters.batch_size, bound or smallest
     if batch_size > least:
-        what = "min-client-records" if bound else "the smallest client's records"
-        raise ConfigError("batch-size", f"{batch_size} exceeds {what} ({least})",
-                          allowed=f"1..{least}")
+        if bound:
+            what = f"min-client-records ({least})"
+        else:
+            split = str(config["partitioner"])
+            other = ("a larger alpha or fewer num-partitions" if split == "dirichlet"
+                     else "fewer num-partitions")
+            what = (f"client {sizes.index(least)}'s {least} records, the fewest of the "
+                    f"{split} split: lower batch-size or choose {other}")
+        raise ConfigError("batch-size", f"{batch_size} exceeds {what}", allowed=f"1..{least}")
 
 
 def assemble(config: RunConfig, dataset: Dataset, parts: list[np.ndarray],
