@@ -23,6 +23,7 @@ import gzip
 import hashlib
 import io
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -107,6 +108,31 @@ def _simulate(simulate: Callable[[list[dict[str, Value]]], list[dict[str, Any]]]
 
 def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds:.0f} s"
+
+
+def clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
+class Progress:
+    """One line per finished run of a sweep: how many are done, the elapsed time, the time
+    left at the pace so far, the run's final test accuracy and the best so far."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.count, self.best = total, 0, None
+        self.started = time.monotonic()
+
+    def done(self, summary: dict[str, Any]) -> None:
+        self.count += 1
+        elapsed = time.monotonic() - self.started
+        left = elapsed / self.count * (self.total - self.count)
+        accuracy = summary.get("test_accuracy")
+        line = f"[{self.count}/{self.total}] elapsed {clock(elapsed)}, ETA {clock(left)}"
+        if accuracy is not None and math.isfinite(accuracy):
+            self.best = max(self.best or accuracy, accuracy)
+            line += f" | this run {100 * accuracy:.2f}%, best so far {100 * self.best:.2f}%"
+        print(line, flush=True)
 
 
 class Lab:
@@ -232,10 +258,11 @@ class Lab:
         for c in configs:
             if finished(c):
                 record(c)
+        progress = Progress(len(todo))
         if self.workers == 1 or len(prepared) <= 1:
             for c, v in zip(todo, prepared, strict=True):
                 _run_one(v)
-                record(c)
+                progress.done(record(c))
                 self.write_archive()
         else:
             with ProcessPoolExecutor(max_workers=self.workers) as pool:
@@ -243,7 +270,7 @@ class Lab:
                                                                        strict=True)}
                 for future in as_completed(futures):
                     future.result()
-                    record(futures[future])
+                    progress.done(record(futures[future]))
                     self.write_archive()
         return [record(c) for c in configs]
 
