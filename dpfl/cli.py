@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
         if name == "flower":
             p.add_argument("--num-supernodes", type=int, default=None,
                            help="virtual SuperNodes (default: num-partitions)")
+        else:
+            p.add_argument("--quiet", "-q", action="store_true",
+                           help="no line per round: the results folder and warnings only")
     p = sub.add_parser("reproduce", help="run a paper reproduction on the engine and write "
                        "its report (dpfl reproduce --list shows them)")
     p.add_argument("paper", nargs="?")
@@ -183,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             from dpfl.engine import run
             from dpfl.runconfig import RunConfig
 
-            run(RunConfig(overrides))
+            summary = run(RunConfig(overrides), echo=not args.quiet)
+            if args.quiet:
+                print(f"results in {summary['results']}")
             return 0
         from dpfl.launch import flwr_run
 

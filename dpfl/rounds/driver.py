@@ -352,7 +352,9 @@ class RoundDriver:
             parts.append(f"test loss {r['test_loss']:.4f}"
                          + (f" acc {100 * acc:5.2f}%" if acc is not None else ""))
         parts.append(f"ε max {r['epsilon_max']:.4g} (δ={self.config['delta']:g})")
-        parts.append(f"{r['seconds']:.2f} s")
+        elapsed = time.perf_counter() - self.started
+        left = elapsed / r["round"] * (rounds - r["round"])
+        parts.append(f"{r['seconds']:.2f} s" + (f", ETA {left:.0f} s" if left else ""))
         return " | ".join(parts)
 
     def calibration_check(self) -> str | None:
