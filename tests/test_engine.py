@@ -107,3 +107,22 @@ def test_a_diverging_run_warns_once_and_the_summary_keeps_it(small_config, capsy
     assert len(summary["warnings"]) == 1 and "lower learning-rate (now 500)" in \
         summary["warnings"][0]
     assert run(small_config(run_name="learns"), echo=False)["warnings"] == []
+
+
+def test_noise_that_dwarfs_the_clipped_signal_is_named_with_its_ratio(small_config, capsys):
+    """noise-multiplier 10⁴ on DPSGD-GC's mean of 16 clipped gradients: the noise's norm per
+    step, σC/b·√d (the Opacus multiplier: std over the radius C/b), over C and
+    √(participants), is far above 100×; the default calibration is not."""
+    import math
+
+    from dpfl.engine import run
+
+    summary = run(small_config(noise_multiplier=1e4, num_server_rounds=1, run_name="noisy"))
+    warning = next(w for w in summary["warnings"] if w.startswith("the noise dwarfs"))
+    d = 19210  # the default MLP on digits
+    norm = 1e4 * 1.0 / 16 * math.sqrt(d)
+    assert f"noise of norm {norm:.3g} a step" in warning
+    assert f"still {norm / math.sqrt(4):.3g}×" in warning  # 4 participants, 1 step
+    assert capsys.readouterr().out.count("WARNING: the noise dwarfs") == 1
+    assert not any(w.startswith("the noise dwarfs")
+                   for w in run(small_config(run_name="calm"), echo=False)["warnings"])

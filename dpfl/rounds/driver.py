@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dpfl.algorithms import ServerContext, distinct_streams
+from dpfl.algorithms import Exchange, ServerContext, distinct_streams
 from dpfl.privacy import CALIBRATIONS, Accounting, Randomness
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter, results_path
@@ -38,6 +38,7 @@ CENTRAL = ("central DP: clients send clipped, un-noised updates and the server a
 
 QUANTILES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # of τ_q (eval-norm-quantiles)
 EVAL_BATCH = 4096  # records per per-sample-gradient pass of an evaluation
+NOISE_WARNING = 100.0  # noise norm of the participants' average over the clip, to warn above
 
 NOISE_FREE = ("noise multiplier 0: clients send their messages without noise (ε = ∞); this run "
               "has no privacy guarantee against the server")
@@ -94,6 +95,7 @@ class RoundDriver:
         self.traffic: dict[str, int] = {}
         self.lost: dict[int, str] = {}  # this round's missing participants, and why
         self.warnings: list[str] = []  # said once each, kept in the summary
+        self.noise_checked: set[tuple[str, str]] = set()  # (exchange, upload) compared
         self.first_loss: float | None = None
         self.started = time.perf_counter()
 
@@ -153,6 +155,7 @@ class RoundDriver:
                 ctx = self.without(ctx, gone, round, exchange.name)
             assert replies.sums is not None
             traffic["uplink_bytes"] += len(ctx.participants) * payload(replies.sums)
+            self.check_noise(exchange, replies.sums, len(ctx.participants))
             self.state = self.algorithm.server_step(exchange.name, self.state, replies.sums, ctx)
             for c, values in replies.diagnostics.items():
                 diagnostics.setdefault(c, {}).update(values)
@@ -342,6 +345,36 @@ class RoundDriver:
                      else f", {loss / first:.3g}× the initial model's {first:.4g}")
             self.warn(f"the test loss diverged: {loss:.4g} at round {round}{start}; lower "
                       f"learning-rate (now {self.config['learning-rate']:g}) or the noise")
+
+    def check_noise(self, exchange: Exchange, sums: dict[str, torch.Tensor],
+                    participants: int) -> None:
+        """Warn, once per upload, when the noise a client adds to it dwarfs what its clip
+        lets through: the noise's norm, std·√(entries), over the clip radius that bounds the
+        upload's signal, is above :data:`NOISE_WARNING` even after averaging over the
+        participants (a ratio that public quantities give: no reply is read)."""
+        clip = self.algorithm.clip_radius(self.state)
+        if not clip or not math.isfinite(clip):
+            return
+        releases = {r.name: r for r in self.problem.releases(0)}
+        for name, upload in exchange.uploads.items():
+            release = releases.get(upload.release)
+            if (upload.sent_as_returned or release is None or not release.noise_multiplier
+                    or name not in sums or (exchange.name, name) in self.noise_checked):
+                continue
+            self.noise_checked.add((exchange.name, name))
+            radius = release.radius if release.radius is not None else clip
+            std = release.noise_multiplier * release.sensitivity(radius)
+            norm = std * math.sqrt(sums[name].numel())
+            # K noisy steps add K clipped signals but only √K noises
+            ratio = norm / clip / math.sqrt(release.steps * participants)
+            if ratio > NOISE_WARNING:
+                self.warn(f"the noise dwarfs the signal: each client's upload {name!r} gets "
+                          f"noise of norm {norm:.3g} a step (std {std:.3g} on each of "
+                          f"{sums[name].numel()} entries), {norm / clip:.3g}× the clip "
+                          f"{clip:.3g} that bounds a step's signal; over {release.steps} "
+                          f"step(s) and {participants} participants still {ratio:.3g}×: "
+                          f"expect little learning (raise epsilon, batch-size or the clients "
+                          f"per round)")
 
     def describe(self, r: dict[str, Any], rounds: int) -> str:
         parts = [f"round {r['round']:>{len(str(rounds))}}/{rounds}"]
