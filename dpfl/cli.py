@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
         if name == "flower":
             p.add_argument("--num-supernodes", type=int, default=None,
                            help="virtual SuperNodes (default: num-partitions)")
+            p.add_argument("--verbose", "-v", action="store_true",
+                           help="show all of Flower's and Ray's output (always kept in "
+                           "flower.log in the results folder)")
         else:
             p.add_argument("--quiet", "-q", action="store_true",
                            help="no line per round: the results folder and warnings only")
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from dpfl.launch import flwr_run
 
-        return flwr_run(overrides, num_supernodes=args.num_supernodes)
+        return flwr_run(overrides, num_supernodes=args.num_supernodes, verbose=args.verbose)
     except (ConfigError, UsageError) as exc:
         print(f"dpfl: error: {exc}", file=sys.stderr)
         return 2

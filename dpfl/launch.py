@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -76,28 +77,66 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def stream(cmd: list[str], env: Mapping[str, str], cwd: Path,
-           timeout: float | None) -> tuple[int, bool]:
-    """Run ``cmd`` and echo its output, less the tracebacks Flower logs for an app that
-    raised (dpfl's own ``dpfl: error:`` line says what went wrong); returns the exit status
-    and whether such a line went by. Past ``timeout`` seconds the command is killed."""
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Flower's and Ray's lines that say nothing about this run: its debug log (printed twice),
+# hints about federations that dpfl sizes itself, the private FLWR_HOME it sets up
+NOISE = re.compile(r"^\d\d/\d\d/\d{4} [\d:]+:(DEBUG|INFO):|^INFO :\s*$|Flower configuration "
+                   r"not found|^Starting local SuperLink|^Using SuperLink|Starting logstream|"
+                   r"Since flwr 1\.32|simulated SuperNodes\)|To change federation size|flwr "
+                   r"federation simulation-config|Successfully installed dpfl to|Manually "
+                   r"terminating ClientAppActor|^\s*$")
+
+
+class Stream:
+    """What ``flwr run --stream`` printed: all of it (``log``), whether a ``dpfl: error:`` line
+    said what went wrong (``explained``), and the results folder the ServerApp named."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.explained = False
+        self.results: Path | None = None
+
+    def write_log(self, fallback: Path) -> Path:
+        """Flower's whole output as ``flower.log`` in the run's results folder (or, for a run
+        that never opened one, ``flower-<time>.log`` in ``fallback``)."""
+        path = (self.results / "flower.log" if self.results and self.results.is_dir() else
+                fallback / f"flower-{time.strftime('%Y%m%d-%H%M%S')}.log")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(self.log))
+        return path
+
+
+def stream(cmd: list[str], env: Mapping[str, str], cwd: Path, timeout: float | None, *,
+           verbose: bool = False) -> tuple[int, Stream]:
+    """Run ``cmd`` and echo its output, less (unless ``verbose``) colour codes, the lines in
+    :data:`NOISE` and the tracebacks Flower logs for an app that raised (dpfl's own
+    ``dpfl: error:`` line says what went wrong); returns the exit status and what went by.
+    Past ``timeout`` seconds the command is killed."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace")
     timer = threading.Timer(timeout, proc.kill) if timeout else None
     if timer:
         timer.start()
-    explained = in_traceback = False
+    seen, in_traceback = Stream(), False
     try:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("Traceback (most recent call last):"):
-                in_traceback = True
-            elif in_traceback:
-                in_traceback = line.startswith((" ", "\t"))  # its last line, the exception
-            else:
-                explained = explained or line.startswith("dpfl: error:")
-                sys.stdout.write(line)
-                sys.stdout.flush()
+        for raw in proc.stdout:
+            seen.log.append(raw)
+            line = ANSI.sub("", raw)
+            if line.startswith("done: ") and "; results in " in line:
+                seen.results = Path(line.rsplit("; results in ", 1)[1].strip())
+            if not verbose:
+                if line.startswith("Traceback (most recent call last):"):
+                    in_traceback = True
+                    continue
+                if in_traceback:
+                    in_traceback = line.startswith((" ", "\t"))  # its last line: the exception
+                    continue
+                if NOISE.search(line):
+                    continue
+            seen.explained = seen.explained or line.startswith("dpfl: error:")
+            sys.stdout.write(raw if verbose else line)
+            sys.stdout.flush()
         code = proc.wait()
     finally:
         if timer:
@@ -105,7 +144,7 @@ def stream(cmd: list[str], env: Mapping[str, str], cwd: Path,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return code, explained
+    return code, seen
 
 
 def final_status(flwr: Path, env: Mapping[str, str], cwd: Path) -> tuple[str, str]:
@@ -123,10 +162,11 @@ def final_status(flwr: Path, env: Mapping[str, str], cwd: Path) -> tuple[str, st
 
 def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = None,
              flwr_home: Path | None = None, app_dir: Path = ROOT,
-             timeout: float | None = None) -> int:
+             timeout: float | None = None, verbose: bool = False) -> int:
     """Run the dpfl app with ``flwr run`` (Ray simulation) on a SuperLink of its own; returns
     0 when the run finished completed, else non-zero (one ``dpfl: error:`` line saying how
-    it ended)."""
+    it ended). Flower's whole output goes to ``flower.log`` in the run's results folder; the
+    console shows it less Flower's and Ray's noise (all of it with ``verbose``)."""
     config = RunConfig(overrides)  # raises ConfigError before anything starts
     check_runtime(config, "flower")
     values = dict(overrides)
@@ -145,12 +185,14 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
            f"num-supernodes={num_supernodes or int(config['num-partitions'])}"]
     before = set(started_processes(home))
     try:
-        code, explained = stream(cmd, env, app_dir, timeout)
+        code, seen = stream(cmd, env, app_dir, timeout, verbose=verbose)
+        log = seen.write_log(Path(values["results-dir"]))
         if code == 0:
             status, details = final_status(flwr, env, app_dir)
             if status != "finished:completed":
                 print(f"dpfl: error: the Flower run ended {status}"
-                      + ("" if explained else f": {details}"), file=sys.stderr)
+                      + ("" if seen.explained else f": {details}") + f" (Flower's log: {log})",
+                      file=sys.stderr)
                 code = 1
         return code
     finally:

@@ -82,7 +82,9 @@ def test_a_federation_of_the_wrong_size_fails_the_run_at_once(tmp_path, capfd):
     elapsed = time.monotonic() - start
     out, err = capfd.readouterr()
     assert code == 1
-    assert err.splitlines()[-1] == "dpfl: error: the Flower run ended finished:failed"
+    assert err.splitlines()[-1].startswith("dpfl: error: the Flower run ended finished:failed "
+                                           f"(Flower's log: {tmp_path}/flower-")
+    assert "\x1b[" not in out and "DEBUG" not in out
     assert '(simulation: --federation-config "num-supernodes=2")' in out
     assert "Traceback" not in out + err
     assert elapsed < 90, elapsed
