@@ -337,7 +337,11 @@ def report_orderings(lab: Lab, sweep: Sweep,
 
 def report_figure(lab: Lab, sweep: Sweep,
                   results: dict[tuple[str, float], list[dict[str, Any]]]) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
+    paper = PAPER.get(sweep.setting.name, {})
+    printed = PAPER_EPSILON["federated" if sweep.setting.federated else "centralized"]
+    grid = list(sweep.setting.sigmas)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
+    drawn: set[str] = set()
     for m in sweep.methods:
         points = []
         for s in sweep.sigmas:
@@ -346,11 +350,23 @@ def report_figure(lab: Lab, sweep: Sweep,
             if by.get("rdp-classical") is not None and values and s:
                 points.append((by["rdp-classical"], statistics.fmean(values)))
         if points:
-            ax.plot(*zip(*sorted(points), strict=True), marker="o", label=label(m))
+            line, = ax.plot(*zip(*sorted(points), strict=True), marker="o", label=label(m))
+            method = split(m)[0]
+            cells = paper.get(method, [])
+            revealed = [(printed[i], cells[i][0]) for i, s in enumerate(grid)
+                        if i < len(cells) and s in sweep.sigmas]
+            if revealed and method not in drawn:  # once per method, whatever its γ_g's
+                drawn.add(method)
+                ax.plot(*zip(*revealed, strict=True), marker="s", linestyle=":",
+                        markerfacecolor="none", color=line.get_color(),
+                        label=f"{LABEL[method]}, paper")
     ax.set_xlabel("ε (δ = 1e-5, the paper's classical RDP conversion)")
     ax.set_ylabel("test accuracy (%)")
-    ax.legend()
-    lab.figure("accuracy-vs-epsilon", fig, "Final test accuracy against ε, mean over the runs")
+    ax.set_ylim(0, 100)
+    ax.axhline(10, color="grey", linestyle=":", linewidth=0.8)  # ten classes: chance
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    lab.figure("accuracy-vs-epsilon", fig, "Final test accuracy against ε, mean over the runs "
+               "(filled; the paper's revealed cells hollow, at its printed ε; dotted: chance)")
 
 
 for _name, _setting in SETTINGS.items():
