@@ -343,8 +343,11 @@ class RoundDriver:
                 return
             start = ("" if first is None or not math.isfinite(loss)
                      else f", {loss / first:.3g}× the initial model's {first:.4g}")
+            steps = [f"{key} (now {self.config[key]:g})"
+                     for key in ("learning-rate", "server-learning-rate")
+                     if key == "learning-rate" or self.config[key] != 1]
             self.warn(f"the test loss diverged: {loss:.4g} at round {round}{start}; lower "
-                      f"learning-rate (now {self.config['learning-rate']:g}) or the noise")
+                      f"{' or '.join(steps)}, or the noise")
 
     def check_noise(self, exchange: Exchange, sums: dict[str, torch.Tensor],
                     participants: int) -> None:
