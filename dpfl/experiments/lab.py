@@ -328,7 +328,8 @@ class Lab:
 
     def figure(self, name: str, fig: plt.Figure, caption: str) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        fig.tight_layout()
+        if fig.get_layout_engine() is None:  # a figure laid out by its maker keeps its layout
+            fig.tight_layout()
         fig.savefig(self.folder / f"{name}.png", dpi=110)
         plt.close(fig)
         self.sections.append(f"![{caption}]({name}.png)\n\n*{caption}*\n")
