@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dpfl.config import Value, format_overrides
+from dpfl.federation import free_port
 from dpfl.problem import data_dir
 from dpfl.runconfig import RunConfig, check_runtime
 
@@ -68,13 +68,6 @@ def stop(pids: list[int], grace: float = 10.0) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def free_port() -> int:
-    """A loopback TCP port that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -355,16 +355,18 @@ class RoundDriver:
         lets through: the noise's norm, std·√(entries), over the clip radius that bounds the
         upload's signal, is above :data:`NOISE_WARNING` even after averaging over the
         participants (a ratio that public quantities give: no reply is read)."""
+        pending = {n: u for n, u in exchange.uploads.items()
+                   if (exchange.name, n) not in self.noise_checked}
         clip = self.algorithm.clip_radius(self.state)
-        if not clip or not math.isfinite(clip):
+        if not pending or not clip or not math.isfinite(clip):
             return
         releases = {r.name: r for r in self.problem.releases(0)}
-        for name, upload in exchange.uploads.items():
+        for name, upload in pending.items():
+            self.noise_checked.add((exchange.name, name))
             release = releases.get(upload.release)
             if (upload.sent_as_returned or release is None or not release.noise_multiplier
-                    or name not in sums or (exchange.name, name) in self.noise_checked):
+                    or name not in sums):
                 continue
-            self.noise_checked.add((exchange.name, name))
             radius = release.radius if release.radius is not None else clip
             std = release.noise_multiplier * release.sensitivity(radius)
             norm = std * math.sqrt(sums[name].numel())
