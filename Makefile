@@ -6,10 +6,11 @@ export DPFL_DATA_DIR ?= $(abspath ../shared/data)
 
 .PHONY: run test install bench clean demo-compose
 
-$(VENV)/.installed: pyproject.toml
+# the dependencies at the versions constraints.txt pins (docs/install.md)
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -4,8 +4,10 @@
 ``dpfl flower --run-config ...`` runs the same configuration through ``flwr run``
 (Ray simulation) and stops the SuperLink it started; ``dpfl certs FOLDER`` writes the
 certificates and node keys of a federation over TLS; ``dpfl export-partition FILE`` writes one
-client's records of a run's split as a site's own data file. Bad input prints one line
-naming the key and the allowed values, and exits with status 2.
+client's records of a run's split as a site's own data file; ``dpfl export-app FOLDER`` writes
+the Flower app that ``flwr run`` and ``flwr build`` read (from a checkout or an installed
+wheel). Bad input prints one line naming the key and the allowed values, and exits with
+status 2.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the run whose split to take (dataset, partitioner, num-partitions, "
                    "seed, ...)")
     p.add_argument("--partition-id", type=int, required=True, help="the client whose rows")
+    p = sub.add_parser("export-app", help="write the Flower app (pyproject.toml, README.md, "
+                       "LICENSE, the dpfl sources) to FOLDER, for `flwr run FOLDER` and "
+                       "`flwr build --app FOLDER`")
+    p.add_argument("folder", type=Path, help="a folder that does not exist yet, or is empty")
     p = sub.add_parser("keys", help="list the run-config keys: default, paper symbol, meaning")
     p.add_argument("algorithm", nargs="?", help="also list this algorithm's own keys and its "
                    "calibrations' (default: every algorithm's key names)")
@@ -134,6 +140,17 @@ def export_partition(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_app(args: argparse.Namespace) -> int:
+    from dpfl.flower_app import write_app
+
+    try:
+        folder = write_app(args.folder)
+    except (FileExistsError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from None
+    print(f"wrote the Flower app to {folder}: flwr run {folder} --stream")
+    return 0
+
+
 def certs(args: argparse.Namespace) -> int:
     from dpfl.certs import generate
 
@@ -184,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             return export_partition(args)
         if args.command == "keys":
             return keys(args)
+        if args.command == "export-app":
+            return export_app(args)
         overrides = parse_overrides(args.run_config) if args.run_config else {}
         if args.command == "run":
             from dpfl.engine import run

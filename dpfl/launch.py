@@ -26,10 +26,9 @@ from pathlib import Path
 
 from dpfl.config import Value, format_overrides
 from dpfl.federation import free_port
+from dpfl.flower_app import app_folder
 from dpfl.problem import data_dir
 from dpfl.runconfig import RunConfig, check_runtime
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cmdlines() -> dict[int, str]:
@@ -154,12 +153,14 @@ def final_status(flwr: Path, env: Mapping[str, str], cwd: Path) -> tuple[str, st
 
 
 def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = None,
-             flwr_home: Path | None = None, app_dir: Path = ROOT,
-             timeout: float | None = None, verbose: bool = False) -> int:
+             flwr_home: Path | None = None, timeout: float | None = None,
+             verbose: bool = False) -> int:
     """Run the dpfl app with ``flwr run`` (Ray simulation) on a SuperLink of its own; returns
     0 when the run finished completed, else non-zero (one ``dpfl: error:`` line saying how
-    it ended). Flower's whole output goes to ``flower.log`` in the run's results folder; the
-    console shows it less Flower's and Ray's noise (all of it with ``verbose``)."""
+    it ended). The app is the source checkout, or for an installed wheel a temporary copy of
+    the app it carries (:mod:`dpfl.flower_app`). Flower's whole output goes to ``flower.log``
+    in the run's results folder; the console shows it less Flower's and Ray's noise (all of it
+    with ``verbose``)."""
     config = RunConfig(overrides)  # raises ConfigError before anything starts
     check_runtime(config, "flower")
     values = dict(overrides)
@@ -173,20 +174,21 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
     bindir = Path(sys.executable).parent  # flwr starts flower-superlink from PATH
     env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
     flwr = bindir / "flwr"
-    cmd = [str(flwr), "run", str(app_dir), "--stream", "--run-config", format_overrides(values),
-           "--federation-config",
-           f"num-supernodes={num_supernodes or int(config['num-partitions'])}"]
     before = set(started_processes(home))
     try:
-        code, seen = stream(cmd, env, app_dir, timeout, verbose=verbose)
-        log = seen.write_log(Path(values["results-dir"]))
-        if code == 0:
-            status, details = final_status(flwr, env, app_dir)
-            if status != "finished:completed":
-                print(f"dpfl: error: the Flower run ended {status}"
-                      + ("" if seen.explained else f": {details}") + f" (Flower's log: {log})",
-                      file=sys.stderr)
-                code = 1
+        with app_folder() as app_dir:
+            cmd = [str(flwr), "run", str(app_dir), "--stream", "--run-config",
+                   format_overrides(values), "--federation-config",
+                   f"num-supernodes={num_supernodes or int(config['num-partitions'])}"]
+            code, seen = stream(cmd, env, app_dir, timeout, verbose=verbose)
+            log = seen.write_log(Path(values["results-dir"]))
+            if code == 0:
+                status, details = final_status(flwr, env, app_dir)
+                if status != "finished:completed":
+                    print(f"dpfl: error: the Flower run ended {status}"
+                          + ("" if seen.explained else f": {details}")
+                          + f" (Flower's log: {log})", file=sys.stderr)
+                    code = 1
         return code
     finally:
         stop([p for p in started_processes(home) if p not in before])
