@@ -84,9 +84,9 @@ def keys(args: argparse.Namespace) -> int:
     import shutil
     import textwrap
 
-    from dpfl.config import COMMON, Param, format_overrides, params_of
+    from dpfl.config import AUTO, COMMON, Param, format_overrides, params_of
     from dpfl.privacy.calibration import CALIBRATIONS
-    from dpfl.runconfig import ALGORITHMS, DATASETS, MODELS, PARTITIONERS
+    from dpfl.runconfig import ALGORITHMS, DATASETS, MODELS, PARTITIONERS, algorithm_default
 
     algorithm = None if args.algorithm is None else ALGORITHMS.get(args.algorithm)
     registries = {"algorithm": ALGORITHMS, "dataset": DATASETS, "model": MODELS,
@@ -96,7 +96,12 @@ def keys(args: argparse.Namespace) -> int:
     def show(title: str, params: tuple[Param, ...]) -> None:
         print(f"{title}:")
         for p in params:
-            head = f"  {format_overrides({p.key: p.default})}"
+            if algorithm is not None and p.per_algorithm:  # what "auto" gives this algorithm
+                value = algorithm_default(algorithm, p)
+                mine = f": {algorithm.name}'s own" if p.key in algorithm.defaults else ""
+                head = f"  {format_overrides({p.key: value})}  [{AUTO}{mine}]"
+            else:
+                head = f"  {format_overrides({p.key: p.config_default})}"
             if p.symbol:
                 head += f"  ({p.symbol})"
             choices = p.choices or (registries[p.key].names() if p.key in registries else None)

@@ -23,6 +23,7 @@ from dpfl.errors import ConfigError, did_you_mean
 
 Value = bool | int | float | str
 T = TypeVar("T")
+AUTO = "auto"  # the run-config value of a per-algorithm key left to the algorithm
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,9 @@ class Param:
     """One run-config key.
 
     ``check`` returns a problem description, or ``None`` when the value is fine;
-    ``choices`` lists the allowed values of a string key; ``symbol`` is the paper's.
+    ``choices`` lists the allowed values of a string key; ``symbol`` is the paper's. A
+    ``per_algorithm`` key (a learning rate, a clip) defaults to :data:`AUTO`: the selected
+    algorithm's own value (its ``defaults``), else ``default``.
     """
 
     key: str
@@ -39,12 +42,20 @@ class Param:
     choices: tuple[str, ...] | None = None
     check: Callable[[Any], str | None] | None = None
     symbol: str = ""
+    per_algorithm: bool = False
 
     @property
     def kind(self) -> type:
         return type(self.default)
 
+    @property
+    def config_default(self) -> Value:
+        """The value a run configuration holds when the key is not given."""
+        return AUTO if self.per_algorithm else self.default
+
     def parse(self, value: object) -> Value:
+        if self.per_algorithm and value == AUTO:
+            return AUTO
         kind = self.kind
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
@@ -106,9 +117,11 @@ def build(cls: type[T], values: Mapping[str, Value]) -> T:
 
 BATCH_SIZE = Param("batch-size", 32, "Per-client mini-batch size, sampled without replacement.",
                    check=at_least(1), symbol="b")
-LEARNING_RATE = Param("learning-rate", 2.0, "Server/client step size.", check=positive,
-                      symbol="η, γ")
-CLIP = Param("clip", 1.0, "Clipping threshold (max grad norm).", check=positive, symbol="C, τ")
+LEARNING_RATE = Param("learning-rate", 2.0, "Server/client step size; \"auto\" = the "
+                      "algorithm's default (`dpfl keys ALGORITHM` shows it).", check=positive,
+                      symbol="η, γ", per_algorithm=True)
+CLIP = Param("clip", 1.0, "Clipping threshold (max grad norm); \"auto\" = the algorithm's "
+             "default.", check=positive, symbol="C, τ", per_algorithm=True)
 FRACTION_TRAIN = Param("fraction-train", 1.0, "Fraction of clients sampled each round, "
                        "s = round(fraction·n) (at least 1), uniformly without replacement from "
                        "the server's stream.", check=unit_interval, symbol="s/n")
@@ -178,7 +191,9 @@ COMMON: tuple[Param, ...] = (
     Param("model-options", "", "Options of the model builder as key=value pairs, e.g. "
           "'bias=false zero_init=true' or 'hidden=512'."),
     Param("dataset-options", "", "Options of the dataset loader as key=value pairs, e.g. "
-          "'duplicate=3' (prisma-least-squares: each client's records repeated 3 times)."),
+          "'duplicate=3' (prisma-least-squares: each client's records repeated 3 times); "
+          "\"auto\" = the algorithm's (e.g. 'num_public=100' for the algorithms that project "
+          "onto public records), else none.", per_algorithm=True),
     Param("data-dir", "", "Folder of the offline datasets; empty = $DPFL_DATA_DIR."),
     Param("download", False, "Allow torchvision to download a dataset that is not on disk."),
     Param("nonconvex-reg", 0.0, "λ of the nonconvex regulariser (λ/2)Σx²/(1+x²) per sample.",

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from dpfl.algorithms import ALGORITHMS
-from dpfl.config import COMMON, Param, Value, build, params_of
+from dpfl.algorithms import ALGORITHMS, Algorithm
+from dpfl.config import AUTO, COMMON, Param, Value, build, params_of
 from dpfl.datasets import DATASETS, PARTITIONERS
 from dpfl.errors import ConfigError, did_you_mean
 from dpfl.models import MODELS
@@ -39,19 +39,29 @@ def all_params() -> dict[str, Param]:
 
 
 def defaults() -> dict[str, Value]:
-    return {key: p.default for key, p in all_params().items()}
+    """What a run configuration holds for the keys not given (``"auto"`` for the per-algorithm
+    keys): the ``[tool.flwr.app.config]`` table."""
+    return {key: p.config_default for key, p in all_params().items()}
+
+
+def algorithm_default(algorithm: type[Algorithm], param: Param) -> Value:
+    """``algorithm``'s value of ``param`` when the run leaves it at its default."""
+    if not param.per_algorithm:
+        return param.default
+    return algorithm.defaults.get(param.key, param.default)
 
 
 class RunConfig(Mapping[str, Value]):
     """A validated run configuration (read-only mapping of every key to its value).
 
     ``hyperparameters`` is the selected algorithm's frozen dataclass; ``calibration_options``
-    the selected calibration's (None when it has no keys of its own)."""
+    the selected calibration's (None when it has no keys of its own); ``automatic`` the keys
+    left at ``"auto"``, which hold the selected algorithm's values."""
 
     def __init__(self, values: Mapping[str, object] | None = None) -> None:
         params = all_params()
         given = dict(values or {})
-        merged: dict[str, Value] = {key: p.default for key, p in params.items()}
+        merged: dict[str, Value] = {key: p.config_default for key, p in params.items()}
         for key, value in given.items():
             if key not in params:
                 raise ConfigError(key, "unknown key" + did_you_mean(key, params),
@@ -71,11 +81,16 @@ class RunConfig(Mapping[str, Value]):
                                        for p in params_of(c.options)}
         which = (f"algorithm {algorithm.name!r}, which adds no noise" if algorithm.noise_free
                  else f"algorithm {algorithm.name!r} with calibration {calibration.name!r}")
-        for key in given:
-            if key not in used and merged[key] != params[key].default:
+        for key in given:  # an unused key may be given at its default (or its fallback)
+            if key not in used and merged[key] not in (params[key].config_default,
+                                                       params[key].default):
                 raise ConfigError(key, f"not used by {which}; leave it at its default "
-                                  f"{params[key].default!r}",
+                                  f"{params[key].config_default!r}",
                                   allowed="its own keys " + ", ".join(p.key for p in own))
+        self.automatic = tuple(key for key, value in merged.items() if value == AUTO
+                               and params[key].per_algorithm)
+        for key in self.automatic:
+            merged[key] = algorithm_default(algorithm, params[key])
         for key in ("eval-train", "eval-norm-quantiles"):
             if merged[key] and not merged["non-private-diagnostics"]:
                 raise ConfigError(key, "the server would evaluate on the clients' training "
@@ -97,8 +112,10 @@ class RunConfig(Mapping[str, Value]):
         return len(self._values)
 
     def replace(self, **changes: object) -> RunConfig:
-        """A copy with some keys changed (keys given with ``_`` or ``-``)."""
+        """A copy with some keys changed (keys given with ``_`` or ``-``); a key left at
+        ``"auto"`` stays so (it follows a changed algorithm)."""
         values: dict[str, object] = dict(self._values)
+        values.update({key: AUTO for key in self.automatic})
         values.update({key.replace("_", "-"): value for key, value in changes.items()})
         return RunConfig(values)
 

@@ -160,6 +160,24 @@ def test_an_unreachable_target_names_the_key(tmp_path):
                               noise_multiplier=1.5)).server_releases()
 
 
+def test_the_default_count_noise_is_raised_where_flowers_cannot_reach_the_target(tmp_path):
+    """10 clients: Flower's σ_b = 10/20 leaves ε = 6 out of reach; the default raises σ_b to
+    twice the multiplier of one release a round for the target (recomputed with Opacus), and
+    the pair of releases then meets the target."""
+    config = _config(tmp_path, clipped_count_stddev=-1.0)
+    model, count = build_problem(config).server_releases()
+    single = RDPAccountant()
+    for _ in range(6):
+        single.step(noise_multiplier=count.noise_multiplier / 2, sample_rate=1.0)
+    assert count.noise_multiplier > 10 / 20
+    assert single.get_epsilon(1e-4) == pytest.approx(6.0, abs=0.01)  # Opacus' tolerance
+    pair = RDPAccountant()
+    for _ in range(6):
+        for r in (model, count):
+            pair.step(noise_multiplier=r.noise_multiplier, sample_rate=1.0)
+    assert 6.0 * 0.99 < pair.get_epsilon(1e-4) <= 6.0 * (1 + 1e-4)
+
+
 def test_flower_code_path_equals_engine(tmp_path):
     from tests.inprocess_grid import run_flower_code_path
 

@@ -17,6 +17,9 @@ from dpfl.experiments.lab import read_archive
 from dpfl.experiments.selection import command
 from dpfl.runconfig import RunConfig
 
+# an experiment's run gives every key the algorithm tunes (the lab refuses "auto" for them)
+POINT = {"algorithm": "clip-sgd", "learning-rate": 0.1, "clip": 0.1}
+
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
@@ -101,14 +104,14 @@ def test_archived_runs_count_as_finished_unless_their_rounds_are_read(tmp_path, 
         (folder / "rounds.jsonl").write_text(json.dumps({"round": 1, "x": values["seed"]}))
 
     monkeypatch.setattr(lab_module, "_run_one", fake_run)
-    configs = [{"algorithm": "clip-sgd", "seed": s} for s in range(3)]
+    configs = [{**POINT, "seed": s} for s in range(3)]
     first = Lab(tmp_path / "a", smoke=True)
     first.run_many(configs)
     first.write("first")
     assert ran == [0, 1, 2]
     archive = tmp_path / "a" / "runs.jsonl.gz"
     second = Lab(tmp_path / "b", smoke=True, reuse=[archive])
-    summaries = second.run_many([*configs, {"algorithm": "clip-sgd", "seed": 3}])
+    summaries = second.run_many([*configs, {**POINT, "seed": 3}])
     assert ran == [0, 1, 2, 3]  # only the run the archive does not hold
     assert [s["test_accuracy"] for s in summaries] == [0.0, 0.1, 0.2, 0.3]
     assert "epsilon" not in summaries[0] and summaries[0]["wall_seconds"] == 2.0  # ARCHIVED only
@@ -146,7 +149,7 @@ def test_an_interrupted_sweep_leaves_an_archive_of_the_runs_it_finished(tmp_path
         (folder / "summary.json").write_text(json.dumps({"test_accuracy": values["seed"]}))
 
     monkeypatch.setattr(lab_module, "_run_one", fake_run)
-    configs = [{"algorithm": "clip-sgd", "seed": s} for s in range(4)]
+    configs = [{**POINT, "seed": s} for s in range(4)]
     with pytest.raises(KeyboardInterrupt):
         Lab(tmp_path / "a", smoke=True).run_many(configs)
     archive = tmp_path / "a" / "runs.jsonl.gz"
@@ -469,3 +472,11 @@ def test_mnist_dp_epochs_calibrates_every_run_with_t_counted_in_epochs(smoke):
         kinds.add(config["noise-multiplier"] < 0)
         assert 2 * release["noise_multiplier"] == pytest.approx(expected, rel=1e-12)
     assert kinds == {True, False}  # both the proxies and the seed runs were checked
+
+
+def test_an_experiment_that_leaves_a_tuned_key_to_auto_is_refused(tmp_path):
+    """An archived run must keep its meaning when the per-algorithm defaults are retuned."""
+    from dpfl.experiments.lab import Lab
+
+    with pytest.raises(ValueError, match="leaves clip, learning-rate to clip-sgd's defaults"):
+        Lab(tmp_path, smoke=True).run_many([{"algorithm": "clip-sgd"}])

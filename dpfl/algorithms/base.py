@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from dpfl.config import Value
 from dpfl.privacy import RELATIONS, SERVER, Query, Randomness, Release, add_noise, stds
 
 if TYPE_CHECKING:
@@ -211,6 +212,10 @@ class Algorithm(ABC):
     noise_free: ClassVar[bool] = False  # an ablation without noise (ε = ∞): no calibration keys
     # accountants whose ε the ledger reports beside the run's own (the paper's among them)
     reported_accountants: ClassVar[tuple[str, ...]] = ()
+    # its values of the per-algorithm keys left at "auto" (learning rate, clip, …): chosen by
+    # the search in docs/defaults.md; a key it does not name takes the key's own default
+    defaults: ClassVar[Mapping[str, Value]] = {}
+
     def __init__(self, hp: Any, model: FlatModel, num_clients: int, *,
                  public: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.hp = hp

@@ -103,7 +103,8 @@ from dpfl.privacy import CALIBRATIONS, Query, Randomness, Target, clip_factors
 BETA = Param("beta", 0.1, "Client heavy-ball momentum of Clip21-SGD2M(+) (Alg. 3/5 line 5).",
              check=unit_interval, symbol="β")
 BETA_HAT = Param("beta-hat", 1.0, "Error-feedback and server step of Clip21-SGD2M(+) and "
-                 "α-NormEC (Alg. 3 lines 8 and 10).", check=unit_interval, symbol="β̂")
+                 "α-NormEC (Alg. 3 lines 8 and 10); \"auto\" = the algorithm's default.",
+                 check=unit_interval, symbol="β̂", per_algorithm=True)
 NORMEC_ALPHA = Param("normec-alpha", 1.0, "α of α-NormEC's compressor Norm_α(u) = u/(α + ||u||) "
                      "(Shulgin et al. 2025).", check=positive, symbol="α")
 NORMEC_NORMALIZE = Param("normec-normalize", False, "α-NormEC: rescale the server's g to unit "
@@ -113,7 +114,8 @@ PP_SCALING = Param("pp-scaling", "printed", "Server scaling under partial partic
                    "'printed' β̂/s (Alg. 4 line 15) or 'n' β̂/n (keeps g = mean_i g_i without "
                    "noise).", choices=("printed", "n"))
 CLIP_INNER = Param("clip-inner", 0.1, "Per-sample clipping threshold of Clip21-SGD2M+ (Alg. 5 "
-                   "line 7); clip is its outer threshold.", check=positive, symbol="τ_in")
+                   "line 7); clip is its outer threshold; \"auto\" = the algorithm's default.",
+                   check=positive, symbol="τ_in", per_algorithm=True)
 CLIPPING = Param("clipping", "client", "Clip-SGD: clip each client's mini-batch gradient "
                  "(Alg. 1) or each per-sample gradient (DP-SGD, App. J.2).",
                  choices=("client", "per-sample"))
@@ -329,6 +331,7 @@ class Clip21SGD2M(Clip21Family):
     """
 
     name = "clip21-sgd2m"
+    defaults = {"learning-rate": 0.01, "clip": 0.01}  # docs/defaults.md
     Hyperparameters = Clip21SGD2MHyperparameters
     protection = ("record-level local DP per client (replace-one neighbours; any change of the "
                   "client's data): one clipped message of sensitivity 2τ per round, client-side "
@@ -407,6 +410,7 @@ class AlphaNormEC(Clip21SGD2M):
     Post-processing of the noisy messages: the privacy is unchanged."""
 
     name = "alpha-normec"
+    defaults = {"learning-rate": 0.01, "beta-hat": 0.01}  # docs/defaults.md
     Hyperparameters = AlphaNormECHyperparameters
     protection = ("record-level local DP per client (replace-one neighbours): one message of "
                   "norm < 1 (sensitivity 2) per round, client-side Gaussian noise, "
@@ -430,6 +434,7 @@ class Clip21SGD2MPlus(Clip21SGD2M):
     post-processing."""
 
     name = "clip21-sgd2m-plus"
+    defaults = {"clip-inner": 1.0}  # docs/defaults.md
     Hyperparameters = Clip21SGD2MPlusHyperparameters
     exchanges = (Exchange("train", ("x",), {"c": Upload("gradient", post_processing=True)}),)
     protection = ("record-level local DP per client (replace-one neighbours): per-sample "
@@ -450,6 +455,7 @@ class ClipSGD(Clip21Family):
     ``clip-input-norm`` (of the mini-batch gradient); per-sample ``clipped-fraction``."""
 
     name = "clip-sgd"
+    defaults = {"learning-rate": 0.1, "clip": 0.03}  # docs/defaults.md
     Hyperparameters = ClipSGDHyperparameters
     protection = ("record-level local DP per client (replace-one neighbours): clipping='client' "
                   "clips the client's mini-batch gradient (sensitivity 2τ, no amplification); "

@@ -105,6 +105,7 @@ class DPSGDGC(ClipSGD):
     step per round (per-sample Clip-SGD with the paper's calibration)."""
 
     name = "dpsgd-gc"
+    defaults = {}  # not Clip-SGD's: docs/defaults.md
     Hyperparameters = DPSGDGCHyperparameters
     protection = ("record-level local DP per client (the relation's neighbours), per-sample "
                   "clipping, client-side noise, sampling amplification at rate b/N")

@@ -367,11 +367,17 @@ class DPSGD(DPFedAvg):
         return total, point.new_tensor(clipped / max(len(yb), 1))
 
 
+# the algorithms that project onto public records hold out 100 of the training set's (the
+# papers' m = 100) unless dataset-options says otherwise: docs/defaults.md
+PUBLIC_RECORDS = {"dataset-options": "num_public=100"}
+
+
 @ALGORITHMS.register_class
 class PCDPSGD(DPSGD):
     """PCDP-SGD (Algorithm 1): project onto the public top-k eigenspace, then clip."""
 
     name = "pcdp-sgd"
+    defaults = PUBLIC_RECORDS
     Hyperparameters = PublicProjectionHyperparameters
 
 
@@ -380,6 +386,7 @@ class PDPSGD(DPSGD):
     """PDP-SGD (Zhou et al. 2021): clip, add noise, then project onto the public eigenspace."""
 
     name = "pdp-sgd"
+    defaults = PUBLIC_RECORDS
     Hyperparameters = PDPHyperparameters
 
 
@@ -388,6 +395,9 @@ class RPDPSGD(DPSGD):
     """RPDP-SGD: PCDP-SGD with a random orthonormal subspace of dimension k'."""
 
     name = "rpdp-sgd"
+    # a random k'-subspace keeps about k'/d of a gradient's squared norm: the step must be
+    # about √(d/k') times DP-SGD's (docs/defaults.md)
+    defaults = {"learning-rate": 100.0, "clip": 0.3}
     Hyperparameters = RandomProjectionHyperparameters
 
 
@@ -407,6 +417,7 @@ class FedPCDP(DPSGD):
     model; k-coordinate uploads."""
 
     name = "fedpcdp"
+    defaults = PUBLIC_RECORDS
     Hyperparameters = PublicProjectionHyperparameters
     exchanges = (Exchange("train", ("x", "radius", "basis"),
                           {"u": Upload("train", post_processing=True)}),)

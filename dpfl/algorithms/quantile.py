@@ -74,6 +74,7 @@ from dpfl.config import (
 )
 from dpfl.errors import ConfigError
 from dpfl.privacy import CALIBRATIONS, Query, Target
+from dpfl.privacy.calibration import accountant_noise_multiplier
 from dpfl.privacy.ledger import PrivacyLedger
 
 TARGET_QUANTILE = Param("target-quantile", 0.5, "dp-fedavg-quantile: the quantile of the "
@@ -84,7 +85,9 @@ TARGET_QUANTILE = Param("target-quantile", 0.5, "dp-fedavg-quantile: the quantil
 CLIP_LEARNING_RATE = Param("clip-learning-rate", 0.2, "dp-fedavg-quantile: step of the "
                            "geometric update of the clipping norm.", check=positive, symbol="η_C")
 COUNT_STDDEV = Param("clipped-count-stddev", -1.0, "dp-fedavg-quantile: std of the noise on the "
-                     "count of unclipped updates; -1 = Flower's default, clients/20.",
+                     "count of unclipped updates; -1 = Flower's default, clients/20, raised "
+                     "where a calibrated run's target ε needs it (small federations) to twice "
+                     "the multiplier that target gives one release a round.",
                      check=lambda v: None if v == -1.0 or v >= 0 else
                      f"must be -1 or >= 0, got {v}", symbol="σ_b")
 
@@ -106,6 +109,7 @@ class QuantileDPFedAvg(Algorithm):
     module docstring)."""
 
     name = "dp-fedavg-quantile"
+    defaults = {"learning-rate": 0.01, "clip": 0.03}  # docs/defaults.md
     Hyperparameters = QuantileHyperparameters
     protection = ("client-level central DP (add/remove one client): clients clip their update "
                   "at an adaptive norm, the trusted server adds Gaussian noise to the sum of "
@@ -132,18 +136,20 @@ class QuantileDPFedAvg(Algorithm):
         count, model = self.noise_split(multiplier)
         return [model if q.name == "model" else count for q in queries]
 
+    count_floor = 0.0  # σ_b's lower bound under the default, set by calibration
+
     @property
     def count_stddev(self) -> float:
-        """σ_b of a noisy run: ``clipped-count-stddev``, or Flower's default P/20."""
+        """σ_b of a noisy run: ``clipped-count-stddev``, or Flower's default P/20 (at least
+        :attr:`count_floor`)."""
         given = self.hp.clipped_count_stddev
-        return self.num_clients / 20 if given < 0 else given
+        return max(self.num_clients / 20, self.count_floor) if given < 0 else given
 
     def noise_split(self, multiplier: float) -> tuple[float, float]:
         """(σ_b, z_Δ) for the effective multiplier z, as Flower computes them."""
-        given = self.hp.clipped_count_stddev
         try:
             return compute_adaptive_noise_params(multiplier, self.num_clients,
-                                                 None if given < 0 else given)
+                                                 self.count_stddev)
         except ValueError:
             sigma_b = self.count_stddev
             raise ConfigError("clipped-count-stddev", f"the count noise σ_b = {sigma_b:g} "
@@ -220,12 +226,14 @@ def _epsilon(accountant: str, model: float, count: float, rounds: int, delta: fl
 
 def quantile_noise_multiplier(algorithm: QuantileDPFedAvg, target: Target) -> float:
     """Bisection on z in (0, 2σ_b) (in log space, to 1e-6 relative): ε of R rounds of both
-    releases is decreasing in z."""
+    releases is decreasing in z. Under the default σ_b, a target that P/20 cannot reach (the
+    count alone would spend it: a small federation) raises σ_b to 2z₁, z₁ the multiplier of
+    one release a round for the target: the count then spends about a quarter of the budget's
+    RDP, and z_Δ is at most √(4/3) z."""
     sigma_b = algorithm.count_stddev
     if sigma_b <= 0:
         raise ConfigError("clipped-count-stddev", "a noisy run needs noise on the count",
                           allowed="-1 (clients/20) or > 0")
-    low, high = math.log(1e-6), math.log(2 * sigma_b * (1 - 1e-9))
 
     def epsilon(log_z: float) -> float:
         flower = logging.getLogger("flwr")
@@ -236,6 +244,14 @@ def quantile_noise_multiplier(algorithm: QuantileDPFedAvg, target: Target) -> fl
             flower.level = level
         return _epsilon(target.accountant, model, count, target.rounds, target.delta)
 
+    high = math.log(2 * sigma_b * (1 - 1e-9))
+    if epsilon(high) > target.epsilon and algorithm.hp.clipped_count_stddev < 0:
+        algorithm.count_floor = 2 * accountant_noise_multiplier(
+            epsilon=target.epsilon, delta=target.delta, sample_rate=1.0, steps=target.rounds,
+            accountant=target.accountant)
+        sigma_b = algorithm.count_stddev
+        high = math.log(2 * sigma_b * (1 - 1e-9))
+    low = math.log(1e-6)
     if epsilon(high) > target.epsilon:
         raise ConfigError("epsilon", f"ε={target.epsilon:g} is not reachable with the count "
                           f"noise σ_b = {sigma_b:g} (the effective multiplier must stay below "

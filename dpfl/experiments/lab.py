@@ -38,7 +38,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from dpfl.config import Value  # noqa: E402
 from dpfl.errors import UsageError  # noqa: E402
-from dpfl.runconfig import RunConfig  # noqa: E402
+from dpfl.runconfig import ALGORITHMS, RunConfig  # noqa: E402
 
 ARCHIVE = "runs.jsonl.gz"
 # the run-config keys that fix a run's dataset (checked once per distinct value before a sweep)
@@ -190,6 +190,10 @@ class Lab:
         seen = set()
         for values in configs:
             config = RunConfig(values)
+            tuned = set(config.automatic) & set(ALGORITHMS.get(str(config["algorithm"])).defaults)
+            if tuned:  # an archived run must not change meaning when the defaults are retuned
+                raise ValueError(f"an experiment leaves {', '.join(sorted(tuned))} to "
+                                 f"{config['algorithm']}'s defaults: give them")
             key = tuple(str(config[k]) for k in DATA_KEYS)
             if key not in seen:
                 seen.add(key)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dpfl.algorithms import Exchange, ServerContext, distinct_streams
+from dpfl.config import format_overrides, params_of
 from dpfl.privacy import CALIBRATIONS, Accounting, Randomness
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter, results_path
@@ -215,6 +216,10 @@ class RoundDriver:
             "releases": self.releases(),
         }
         self.results = ResultsWriter(self.path, self.config, meta)
+        own = {q.key for q in params_of(p.algorithm.Hyperparameters)} | {"dataset-options"}
+        chosen = {k: self.config[k] for k in self.config.automatic if k in own and self.config[k]}
+        if self.echo and chosen:
+            print(f"{p.algorithm.name}'s defaults: {format_overrides(chosen)}", flush=True)
         if not meta["privacy"]["guarantee_against_server"]:
             if self.echo:
                 print(f"WARNING: {meta['privacy']['note']}", flush=True)
@@ -373,13 +378,16 @@ class RoundDriver:
             # K noisy steps add K clipped signals but only √K noises
             ratio = norm / clip / math.sqrt(release.steps * participants)
             if ratio > NOISE_WARNING:
+                # without sampling amplification (every record behind every release), a
+                # larger batch does not lower the noise
+                levers = ("epsilon, batch-size or the clients per round"
+                          if release.sample_rate < 1 else "epsilon or the clients per round")
                 self.warn(f"the noise dwarfs the signal: each client's upload {name!r} gets "
                           f"noise of norm {norm:.3g} a step (std {std:.3g} on each of "
                           f"{sums[name].numel()} entries), {norm / clip:.3g}× the clip "
                           f"{clip:.3g} that bounds a step's signal; over {release.steps} "
                           f"step(s) and {participants} participants still {ratio:.3g}×: "
-                          f"expect little learning (raise epsilon, batch-size or the clients "
-                          f"per round)")
+                          f"expect little learning (raise {levers})")
 
     def describe(self, r: dict[str, Any], rounds: int) -> str:
         parts = [f"round {r['round']:>{len(str(rounds))}}/{rounds}"]
@@ -435,6 +443,7 @@ class RoundDriver:
             "runtime": self.runtime,
             "rounds_completed": self.rounds_done,
             "stopped_early": self.stop_reason or None,
+            "initial_test_loss": self.first_loss,
             **self.last_eval,
             "epsilon_max": max(epsilon.values()) if epsilon else 0.0,
             "epsilon": epsilon,

@@ -1,0 +1,65 @@
+"""Per-algorithm defaults: keys left at "auto" take the selected algorithm's own value, a given
+value wins, and every algorithm learns on digits at its defaults (the test loss falls)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpfl.algorithms import ALGORITHMS
+from dpfl.config import AUTO, params_of
+from dpfl.engine import run
+from dpfl.runconfig import RunConfig, all_params
+
+
+@pytest.mark.parametrize("name", ALGORITHMS.names())
+def test_an_algorithms_defaults_are_per_algorithm_keys_it_reads(name):
+    algorithm = ALGORITHMS.get(name)
+    params = all_params()
+    own = {p.key for p in params_of(algorithm.Hyperparameters)}
+    for key, value in algorithm.defaults.items():
+        assert params[key].per_algorithm, key
+        assert key in own or key == "dataset-options", key
+        assert params[key].parse(value) == value
+
+
+def test_auto_takes_the_algorithms_value_and_a_given_value_wins():
+    algorithm = ALGORITHMS.get("clip21-sgd2m")
+    config = RunConfig({"algorithm": "clip21-sgd2m"})
+    assert config["learning-rate"] == algorithm.defaults["learning-rate"]
+    assert config.hyperparameters.learning_rate == algorithm.defaults["learning-rate"]
+    assert {"learning-rate", "clip", "beta-hat", "dataset-options"} <= set(config.automatic)
+    given = RunConfig({"algorithm": "clip21-sgd2m", "learning-rate": 0.5, "clip": AUTO})
+    assert given["learning-rate"] == 0.5 and given["clip"] == algorithm.defaults["clip"]
+    assert "learning-rate" not in given.automatic
+    # a key the algorithm does not name takes the key's own default
+    assert RunConfig({"algorithm": "dpsgd-gc"})["dataset-options"] == ""
+    # replace() keeps an "auto" key following the algorithm, and a given one fixed
+    switched = given.replace(algorithm="dpsgd-gc")
+    assert switched["learning-rate"] == 0.5
+    assert switched["clip"] == RunConfig({"algorithm": "dpsgd-gc"})["clip"]
+
+
+def test_projection_algorithms_default_to_public_records():
+    config = RunConfig({"algorithm": "pcdp-sgd"})
+    assert "num_public=" in str(config["dataset-options"])
+
+
+@pytest.mark.parametrize("name", ALGORITHMS.names())
+def test_every_algorithm_learns_on_digits_at_its_defaults(name, tmp_path):
+    """A few rounds at the defaults (ε = 8 calibrated for them): the test loss falls below the
+    initial model's, and nothing diverges."""
+    summary = run(RunConfig({"algorithm": name, "num-server-rounds": 8,
+                             "results-dir": str(tmp_path), "run-name": name}), echo=False)
+    assert summary["test_loss"] < summary["initial_test_loss"]
+    assert not any(w.startswith("the test loss diverged") for w in summary["warnings"])
+
+
+def test_dpfl_keys_prints_what_auto_gives_the_algorithm(capsys):
+    from dpfl.cli import main
+
+    assert main(["keys", "clip21-sgd2m"]) == 0
+    out = capsys.readouterr().out
+    lr = ALGORITHMS.get("clip21-sgd2m").defaults["learning-rate"]
+    assert f"learning-rate={lr!r}  [auto: clip21-sgd2m's own]" in out
+    assert main(["keys"]) == 0
+    assert 'dataset-options="auto"' in capsys.readouterr().out
