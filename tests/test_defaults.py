@@ -63,3 +63,11 @@ def test_dpfl_keys_prints_what_auto_gives_the_algorithm(capsys):
     assert f"learning-rate={lr!r}  [auto: clip21-sgd2m's own]" in out
     assert main(["keys"]) == 0
     assert 'dataset-options="auto"' in capsys.readouterr().out
+
+
+def test_a_run_names_the_values_auto_gave(tmp_path, capsys):
+    run(RunConfig({"algorithm": "clip21-sgd2m", "num-server-rounds": 1,
+                   "results-dir": str(tmp_path), "run-name": "named"}))
+    defaults = ALGORITHMS.get("clip21-sgd2m").defaults
+    assert (f"clip21-sgd2m's defaults: learning-rate={defaults['learning-rate']!r} "
+            f"clip={defaults['clip']!r}") in capsys.readouterr().out

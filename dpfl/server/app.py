@@ -33,7 +33,8 @@ def main(grid: Grid, context: Context) -> None:
     try:
         config = RunConfig(context.run_config)
         check_runtime(config, "flower")
-        problem = cached_problem(tuple(sorted(config.as_dict().items())))
+        # the run config as given: keys left at "auto" stay so (the driver names their values)
+        problem = cached_problem(tuple(sorted(context.run_config.items())))
         strategy = AlgorithmStrategy(problem)
         strategy.start(grid=grid, initial_arrays=to_record({"x": problem.x0}),
                        num_rounds=int(config["num-server-rounds"]))
