@@ -55,7 +55,8 @@ class RunConfig(Mapping[str, Value]):
     """A validated run configuration (read-only mapping of every key to its value).
 
     ``hyperparameters`` is the selected algorithm's frozen dataclass; ``calibration_options``
-    the selected calibration's (None when it has no keys of its own); ``automatic`` the keys
+    the selected calibration's (None when it has no keys of its own); ``reads`` the keys the
+    run reads (the common ones, the algorithm's and the calibration's); ``automatic`` the keys
     left at ``"auto"``, which hold the selected algorithm's values."""
 
     def __init__(self, values: Mapping[str, object] | None = None) -> None:
@@ -87,6 +88,7 @@ class RunConfig(Mapping[str, Value]):
                 raise ConfigError(key, f"not used by {which}; leave it at its default "
                                   f"{params[key].config_default!r}",
                                   allowed="its own keys " + ", ".join(p.key for p in own))
+        self.reads = frozenset(used)
         self.automatic = tuple(key for key, value in merged.items() if value == AUTO
                                and params[key].per_algorithm)
         for key in self.automatic:

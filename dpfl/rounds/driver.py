@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dpfl.algorithms import Exchange, ServerContext, distinct_streams
-from dpfl.config import format_overrides, params_of
+from dpfl.config import format_overrides
 from dpfl.privacy import CALIBRATIONS, Accounting, Randomness
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter, results_path
@@ -216,8 +216,8 @@ class RoundDriver:
             "releases": self.releases(),
         }
         self.results = ResultsWriter(self.path, self.config, meta)
-        own = {q.key for q in params_of(p.algorithm.Hyperparameters)} | {"dataset-options"}
-        chosen = {k: self.config[k] for k in self.config.automatic if k in own and self.config[k]}
+        chosen = {k: self.config[k] for k in self.config.automatic
+                  if k in self.config.reads and self.config[k] != ""}
         if self.echo and chosen:
             print(f"{p.algorithm.name}'s defaults: {format_overrides(chosen)}", flush=True)
         if not meta["privacy"]["guarantee_against_server"]:
