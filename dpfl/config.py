@@ -167,7 +167,9 @@ COMMON: tuple[Param, ...] = (
           "Needed by nodes that train on their own data (node config data-path), whose sizes "
           "the server never learns; 0 = each client's own partition size.",
           check=at_least(0), symbol="n_min"),
-    Param("secure-noise", False, "Seed noise and sampling from the OS CSPRNG (not reproducible)."),
+    Param("secure-noise", False, "Draw every noise sample, batch and client sample from the "
+          "OS CSPRNG, with Opacus' floating-point mitigation (not reproducible; use it in "
+          "deployment)."),
     Param("seed", 0, "Run seed: data split, model init, sampling and noise.", check=at_least(0)),
     Param("device", "cpu", "Torch device for the algorithm math.", choices=("cpu", "cuda", "auto")),
     Param("engine-mode", "exact", "'exact': every client draws its own noise, bit for bit as "

@@ -305,7 +305,7 @@ def sample_clients(fraction: float, round: int, clients: list[int],
     s = max(1, math.floor(fraction * len(clients) + 0.5))
     if s >= len(clients):
         return list(clients)
-    order = torch.randperm(len(clients), generator=rng.generator(SERVER, round, "participants"))
+    order = rng.permutation(SERVER, round, "participants", len(clients))
     return sorted(clients[i] for i in order[:s].tolist())
 
 

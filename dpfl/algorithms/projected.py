@@ -222,6 +222,7 @@ class DPSGD(DPFedAvg):
     protection = ("record-level local DP per client (add/remove neighbours): K local DP-SGD "
                   "steps per round on Poisson batches, noised on the client")
     warned_rank = False  # a k above the public gradients' rank is logged once per run
+    public_order: Tensor | None = None  # IBS: the public set's one shuffle of the run
 
     def check_run(self, num_rounds: int) -> None:
         """Refuse a run the public records cannot serve (no public set; IBS without enough
@@ -265,11 +266,11 @@ class DPSGD(DPFedAvg):
         px, py = self.public
         b, m = self.public_batch, len(py)
         if hp.public_batching == "ibs":
-            order = torch.randperm(m, generator=rng.generator(SERVER, 0, "public-blocks"))
-            rows = order[index * b:(index + 1) * b].sort().values
+            if self.public_order is None:  # shuffled once per run (per process if secure)
+                self.public_order = rng.permutation(SERVER, 0, "public-blocks", m)
+            rows = self.public_order[index * b:(index + 1) * b].sort().values
         elif b < m:
-            rows = torch.randperm(m, generator=rng.generator(owner, round, f"public-{index}"))
-            rows = rows[:b].sort().values
+            rows = rng.permutation(owner, round, f"public-{index}", m)[:b].sort().values
         else:
             rows = None
         xs, ys = (px, py) if rows is None else (px[rows], py[rows])
@@ -289,12 +290,12 @@ class DPSGD(DPFedAvg):
         """RPDP-SGD's orthonormalised Gaussian d×k' basis, or RSDP-SGD's mask, from the
         client's stream ``subspace-<index>`` of ``round`` (public randomness)."""
         hp, d = self.hp, self.model.d
-        gen = rng.generator(client, round, f"subspace-{index}")
+        stream = f"subspace-{index}"
         if hp.projection == "sparse":
             keep = max(1, round_half_up((1 - hp.sparsity) * d))
-            return Coordinates(torch.randperm(d, generator=gen)[:keep].sort().values.to(device),
-                               d)
-        gaussian = torch.randn(d, hp.projection_dim, generator=gen)
+            return Coordinates(rng.permutation(client, round, stream, d)[:keep].sort().values
+                               .to(device), d)
+        gaussian = rng.normal([client], round, stream, (d, hp.projection_dim), torch.ones(1))[0]
         return Basis(torch.linalg.qr(gaussian).Q.to(device))
 
     def subspaces(self, params: Tensor, cohort: Cohort, k: int, ctx: ClientContext,

@@ -1,43 +1,75 @@
-"""Per-(seed, client, round, purpose) random streams.
+"""Per-(seed, client, round, purpose) random streams, or the operating system's CSPRNG.
 
-Every random draw of a run (mini-batch sampling, DP noise, client sampling)
-comes from a generator keyed by the run seed, the client id, the round and a
-purpose string. Streams are therefore independent across clients, rounds and
-purposes, and a client draws the same numbers whether it runs alone in a Flower
-ClientApp or batched with others in the engine.
+Every random draw of a run (mini-batch sampling, DP noise, client sampling, random subspaces)
+comes from :class:`Randomness`. Seeded (the default), each draw comes from a generator keyed by
+the run seed, the client id, the round and a purpose string: streams are independent across
+clients, rounds and purposes, and a client draws the same numbers whether it runs alone in a
+Flower ClientApp or batched with others in the engine. Anyone who knows the seed can regenerate
+them: seeded randomness is for simulation and research.
 
-With ``secure=True`` each generator is seeded from the operating system's
-CSPRNG instead (as Opacus' ``secure_mode`` does), so draws cannot be predicted
-from the run seed; runs are then not reproducible.
+With ``secure=True`` (run-config ``secure-noise``) no draw touches a seeded generator: every
+uniform, permutation and Gaussian comes from the operating system's CSPRNG (``os.urandom``,
+``secrets``), and Gaussian noise is made resistant to floating-point attacks the way Opacus'
+``secure_mode`` does it (each sample is the sum of four standard normals divided by two, in
+float64, before the cast to the message's dtype): Holohan & Braghin, "Secure Random Sampling in
+Differential Privacy", arXiv:2107.10138, §5.1; the attack on Gaussian DP-SGD is Jin et al.,
+"Are We There Yet? Timing and Floating-Point Attacks on Differential Privacy Systems",
+arXiv:2112.05307. Secure runs are not reproducible.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 import secrets
 from collections.abc import Sequence
 
 import torch
 
 SERVER = -1  # the client id used for the server's own draws (client sampling)
+SECURE_SUMMANDS = 4  # standard normals summed (then halved) per secure Gaussian sample
+
+_SYSTEM = secrets.SystemRandom()
+
+
+def secure_uniform(n: int) -> torch.Tensor:
+    """``n`` float64 uniforms on (0, 1] from the OS CSPRNG: 53 random bits each."""
+    words = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64) if n else \
+        torch.empty(0, dtype=torch.int64)
+    return ((words >> 11) & ((1 << 53) - 1)).double().add_(1.0).mul_(2.0 ** -53)
+
+
+def secure_standard_normal(n: int) -> torch.Tensor:
+    """``n`` float64 N(0, 1) samples from the OS CSPRNG, each the sum of
+    :data:`SECURE_SUMMANDS` Box-Muller normals divided by √SECURE_SUMMANDS (Opacus' secure
+    mode; arXiv:2107.10138 §5.1)."""
+    pairs = (SECURE_SUMMANDS * n + 1) // 2
+    u = secure_uniform(2 * pairs)
+    radius = u[:pairs].log().mul_(-2.0).sqrt_()
+    angle = u[pairs:].mul_(2.0 * math.pi)
+    normals = torch.cat([radius * angle.cos(), radius * angle.sin()])[:SECURE_SUMMANDS * n]
+    return normals.reshape(SECURE_SUMMANDS, n).sum(dim=0).div_(math.sqrt(SECURE_SUMMANDS))
 
 
 class Randomness:
-    """Factory of keyed generators for one run."""
+    """Every random draw of one run: keyed streams, or the OS CSPRNG with ``secure``."""
 
     def __init__(self, seed: int, *, secure: bool = False) -> None:
         self.seed = seed
         self.secure = secure
 
     def key(self, client: int, round: int, purpose: str) -> int:
-        """The 63-bit seed of stream (client, round, purpose)."""
+        """The 63-bit seed of stream (client, round, purpose) (seeded randomness only)."""
         if self.secure:
-            return secrets.randbits(63)
+            raise RuntimeError("secure randomness has no seeded streams: draw through "
+                               "Randomness' methods")
         text = f"dpfl/{self.seed}/{client}/{round}/{purpose}".encode()
         return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
 
     def generator(self, client: int, round: int, purpose: str,
                   device: torch.device | str = "cpu") -> torch.Generator:
+        """The seeded generator of stream (client, round, purpose)."""
         gen = torch.Generator(device=device)
         gen.manual_seed(self.key(client, round, purpose))
         return gen
@@ -48,21 +80,35 @@ class Randomness:
         """Gaussian noise ``[C, *shape]``, row ``i`` from client ``clients[i]``'s stream
         and scaled by ``std[i]``. Draws are made on the CPU so that they do not depend
         on the device."""
+        shape = tuple(shape)
+        scale = std.reshape(-1, *([1] * len(shape)))
+        if self.secure:
+            n = math.prod(shape)
+            rows = secure_standard_normal(len(clients) * n).reshape(len(clients), *shape)
+            return (rows * scale.to(dtype=torch.float64, device="cpu")).to(dtype).to(device)
         noise = torch.empty((len(clients), *shape), dtype=dtype)
         for row, client in zip(noise, clients):
-            torch.randn(tuple(shape), generator=self.generator(client, round, purpose),
+            torch.randn(shape, generator=self.generator(client, round, purpose),
                         dtype=dtype, out=row)
-        noise *= std.to(dtype=dtype, device="cpu").reshape(-1, *([1] * len(shape)))
+        noise *= scale.to(dtype=dtype, device="cpu")
         return noise.to(device)
+
+    def permutation(self, client: int, round: int, purpose: str, n: int) -> torch.Tensor:
+        """A uniformly random permutation of ``range(n)`` (int64) from the stream."""
+        if self.secure:
+            order = list(range(n))
+            _SYSTEM.shuffle(order)
+            return torch.tensor(order, dtype=torch.long)
+        return torch.randperm(n, generator=self.generator(client, round, purpose))
 
     def sample_without_replacement(self, clients: Sequence[int], sizes: Sequence[int],
                                    round: int, purpose: str, k: int) -> list[torch.Tensor]:
         """For each client, ``k`` distinct positions drawn uniformly from ``range(size)``."""
-        out = []
-        for client, size in zip(clients, sizes, strict=True):
-            gen = self.generator(client, round, purpose)
-            out.append(torch.randperm(size, generator=gen)[:k])
-        return out
+        if self.secure:
+            return [torch.tensor(_SYSTEM.sample(range(size), k), dtype=torch.long)
+                    for size in sizes]
+        return [self.permutation(client, round, purpose, size)[:k]
+                for client, size in zip(clients, sizes, strict=True)]
 
     def bernoulli_rows(self, clients: Sequence[int], sizes: Sequence[int], round: int,
                        purpose: str, expected: int) -> list[torch.Tensor]:
@@ -70,7 +116,8 @@ class Randomness:
         probability ``expected / size`` (Poisson sampling), increasing."""
         out = []
         for client, size in zip(clients, sizes, strict=True):
-            coins = torch.rand(size, generator=self.generator(client, round, purpose),
-                               dtype=torch.float64)
+            coins = (secure_uniform(size) if self.secure else
+                     torch.rand(size, generator=self.generator(client, round, purpose),
+                                dtype=torch.float64))
             out.append(torch.nonzero(coins < expected / size).flatten())
         return out
