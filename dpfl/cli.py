@@ -6,7 +6,8 @@
 certificates and node keys of a federation over TLS; ``dpfl export-partition FILE`` writes one
 client's records of a run's split as a site's own data file; ``dpfl export-app FOLDER`` writes
 the Flower app that ``flwr run`` and ``flwr build`` read (from a checkout or an installed
-wheel). Bad input prints one line naming the key and the allowed values, and exits with
+wheel); ``dpfl audit --run-config ...`` measures an empirical lower bound on a configuration's
+ε with canary runs. Bad input prints one line naming the key and the allowed values, and exits with
 status 2.
 """
 
@@ -72,6 +73,16 @@ def _parser() -> argparse.ArgumentParser:
                        "LICENSE, the dpfl sources) to FOLDER, for `flwr run FOLDER` and "
                        "`flwr build --app FOLDER`")
     p.add_argument("folder", type=Path, help="a folder that does not exist yet, or is empty")
+    p = sub.add_parser("audit", help="measure an empirical lower bound on a configuration's "
+                       "ε (canary runs, Clopper-Pearson confidence) beside the ledger's ε")
+    p.add_argument("--run-config", "-c", action="append", default=[],
+                   help=f"the configuration to audit; the audit's own defaults: "
+                   f"{' '.join(f'{k}={v!r}' for k, v in AUDIT_DEFAULTS.items())}")
+    p.add_argument("--trials", type=int, default=1000,
+                   help="runs with and runs without the canary (default: 1000 each)")
+    p.add_argument("--confidence", type=float, default=0.95,
+                   help="confidence of the lower bound (default: 0.95)")
+    p.add_argument("--client", type=int, default=0, help="the client whose data is audited")
     p = sub.add_parser("keys", help="list the run-config keys: default, paper symbol, meaning")
     p.add_argument("algorithm", nargs="?", help="also list this algorithm's own keys and its "
                    "calibrations' (default: every algorithm's key names)")
@@ -165,6 +176,34 @@ def certs(args: argparse.Namespace) -> int:
     return 0
 
 
+#: what ``dpfl audit`` changes from a run's defaults, unless given: a small model, few rounds
+AUDIT_DEFAULTS: dict[str, object] = {"model": "logistic", "num-server-rounds": 5}
+
+
+def audit(args: argparse.Namespace) -> int:
+    """``dpfl audit``: the canary audit of a configuration, written to its results folder."""
+    from dpfl.audit import audit as run_audit
+    from dpfl.audit.report import verdict, write
+    from dpfl.results import results_path
+    from dpfl.runconfig import RunConfig
+
+    if args.trials < 4:
+        raise UsageError(f"--trials: {args.trials} (allowed: an integer of at least 4)")
+    if not 0 < args.confidence < 1:
+        raise UsageError(f"--confidence: {args.confidence} (allowed: strictly between 0 and 1)")
+    given = parse_overrides(args.run_config) if args.run_config else {}
+    config = RunConfig({**AUDIT_DEFAULTS, **given})
+    if not 0 <= args.client < int(config["num-partitions"]):
+        raise UsageError(f"--client: {args.client} (allowed: 0.."
+                         f"{int(config['num-partitions']) - 1})")
+    result = run_audit(config, trials=args.trials, confidence=args.confidence,
+                       client=args.client)
+    folder = write(result, config, results_path(config, "audit"))
+    print(verdict(result))
+    print(f"audit of {2 * args.trials} runs in {result.seconds:.1f} s; results in {folder}")
+    return 0
+
+
 def reproduce(args: argparse.Namespace) -> int:
     from dpfl.experiments import EXPERIMENTS, Lab
 
@@ -206,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             return export_partition(args)
         if args.command == "keys":
             return keys(args)
+        if args.command == "audit":
+            return audit(args)
         if args.command == "export-app":
             return export_app(args)
         overrides = parse_overrides(args.run_config) if args.run_config else {}

@@ -1,0 +1,255 @@
+"""``dpfl audit``: an empirical lower bound on a run's ε, measured from outside the ledger.
+
+The canary method (Jagielski, Ullman & Oprea, arXiv:2006.07709; Nasr et al.,
+arXiv:2101.04535 and arXiv:2302.07956): run the client's mechanism many times on its data D
+and on a neighbour D' holding a canary record (:mod:`dpfl.audit.canary`), score each run by
+what the threat model lets an adversary observe, and turn the two score distributions into an
+ε that the runs refute, with Clopper-Pearson confidence (:mod:`dpfl.audit.bounds`).
+
+Threat model, from what the algorithm declares:
+
+* **record-level local DP** (every algorithm whose clients noise their own uploads): the
+  adversary is the server. It sees every upload of the audited client in every round; a run's
+  score is the sum, over rounds and uploads, of the upload along the canary's gradient at the
+  round's model (for an upload in a broadcast basis, along the gradient's coordinates in it).
+* **client-level central DP** (the server adds the noise): the adversary sees the models the
+  server releases; the canary is a whole client (one more client holding the canary record),
+  and a run's score is the sum over rounds of the model update along the canary's gradient.
+
+The runs are batched: record-level trials are clients of one engine federation; client-level
+trials are independent small runs. The bound is compared with the ε the ledger reports for
+the same releases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dpfl.algorithms import ServerContext, State
+from dpfl.audit.bounds import Bound, epsilon_lower_bound
+from dpfl.audit.canary import Canary, client_trials, craft, record_trials
+from dpfl.privacy import Accounting, Randomness
+from dpfl.problem import Problem, build_problem
+from dpfl.rounds.client import ClientRuntime
+from dpfl.rounds.transport import sum_rows
+from dpfl.runconfig import RunConfig
+
+__all__ = ["AuditResult", "audit"]
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """An audit's outcome: the bound, the ledger's ε for the same releases, the scores."""
+
+    algorithm: str
+    threat_model: str
+    bound: Bound
+    epsilon_ledger: float
+    epsilon_target: float | None
+    delta: float
+    rounds: int
+    seconds: float
+    scores_out: np.ndarray
+    scores_in: np.ndarray
+    scored_uploads: tuple[str, ...]
+
+    @property
+    def ratio(self) -> float:
+        """ε_lower / ε_ledger: near 1, the ledger is tight; above 1, the ledger is wrong."""
+        if self.epsilon_ledger == 0 or not math.isfinite(self.epsilon_ledger):
+            return 0.0 if self.bound.epsilon == 0 else math.nan
+        return self.bound.epsilon / self.epsilon_ledger
+
+    def summary(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm, "threat_model": self.threat_model,
+                "epsilon_lower": self.bound.epsilon, "confidence": self.bound.confidence,
+                "epsilon_ledger": self.epsilon_ledger, "epsilon_target": self.epsilon_target,
+                "ratio": self.ratio, "delta": self.delta, "rounds": self.rounds,
+                "trials_per_side": len(self.scores_out),
+                "evaluation_trials_per_side": self.bound.trials,
+                "threshold": self.bound.threshold, "sign": self.bound.sign,
+                "false_positive_rate": self.bound.fpr, "false_negative_rate": self.bound.fnr,
+                "epsilon_empirical": self.bound.empirical,
+                "scored_uploads": list(self.scored_uploads), "seconds": self.seconds}
+
+
+def canary_radius(problem: Problem) -> float:
+    """The largest clip radius the run uses (the canary's gradient is made far larger)."""
+    hp = problem.algorithm.hp
+    radii = [float(v) for f in dataclasses.fields(hp) if "clip" in f.name
+             for v in [getattr(hp, f.name)] if isinstance(v, int | float) and 0 < v < math.inf]
+    radii += [r.radius for r in problem.releases(0) if r.radius and math.isfinite(r.radius)]
+    return max([1.0, *radii])
+
+
+def projections(upload: torch.Tensor, unit: torch.Tensor, broadcast: State) -> torch.Tensor | None:
+    """Each row of ``upload [C, ...]`` along ``unit``: directly for a model-shaped upload, in
+    the coordinates of a broadcast basis ``[d, k]`` for a ``k``-entry one; None otherwise."""
+    rows = upload.reshape(len(upload), -1).double()
+    if rows.shape[1] == unit.numel():
+        return rows @ unit.double()
+    for array in broadcast.values():
+        if array.dim() == 2 and array.shape == (unit.numel(), rows.shape[1]):
+            coords = array.double().T @ unit.double()
+            return rows @ (coords / torch.linalg.vector_norm(coords).clamp_min(1e-30))
+    return None
+
+
+class Scorer:
+    """Accumulates the score of one or more runs: what the adversary observes along the
+    canary's gradient at the round's model (:meth:`direction`)."""
+
+    def __init__(self, problem: Problem, canary: Canary, runs: int) -> None:
+        self.problem = problem
+        self.canary = canary
+        self.scores = torch.zeros(runs, dtype=torch.float64)
+        self.scored: set[str] = set()
+
+    def direction(self, params: torch.Tensor) -> torch.Tensor:
+        """The canary's unit gradient at ``params`` (``[d]``)."""
+        x, y = self.canary.x, self.canary.y
+        grad = self.problem.model.per_sample_gradients(
+            params.unsqueeze(0), x.reshape(1, 1, *x.shape).to(params),
+            y.reshape(1, 1).to(params.device))[0, 0]
+        return grad / torch.linalg.vector_norm(grad).clamp_min(1e-30)
+
+    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State,
+                state: State) -> None:
+        raise NotImplementedError
+
+
+class UploadScorer(Scorer):
+    """Record-level local DP: every client's uploads (one score per client)."""
+
+    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State,
+                state: State) -> None:
+        for name, values in uploads.items():
+            if (along := projections(values, unit.to(values.device), broadcast)) is not None:
+                self.scores += along.cpu()
+                self.scored.add(name)
+
+
+class ModelScorer(Scorer):
+    """Client-level central DP: the model the server releases after each exchange (one
+    score, of the run)."""
+
+    def __init__(self, problem: Problem, canary: Canary, runs: int) -> None:
+        super().__init__(problem, canary, runs)
+        self.last = problem.x0.to(problem.device)
+        self.scored = {"model"}
+
+    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State,
+                state: State) -> None:
+        params = self.problem.algorithm.global_params(state)
+        self.scores += float((params - self.last).double() @ unit.double())
+        self.last = params
+
+
+def play(problem: Problem, rng: Randomness, rounds: int, server_clients: list[int],
+         scorer: Scorer) -> None:
+    """``rounds`` rounds of every client of ``problem`` (each takes part in every exchange);
+    the server steps on the sums of ``server_clients`` (the last clients), and ``scorer``
+    observes every exchange."""
+    algorithm, device = problem.algorithm, problem.device
+    runtime = ClientRuntime(algorithm, problem.releases, rng, device=device)
+    cohort = problem.full_cohort()
+    states = algorithm.init_client_state(problem.num_clients)
+    state = algorithm.init_server_state(problem.x0.to(device))
+    server_releases = {r.name: r for r in problem.server_releases()}
+    first = server_clients[0]
+    for round in range(1, rounds + 1):
+        ctx = ServerContext(round=round, rng=rng, participants=server_clients,
+                            num_clients=problem.num_clients, releases=server_releases,
+                            num_rounds=rounds, client_releases=problem.releases)
+        state = algorithm.begin_round(state, ctx)
+        unit = scorer.direction(algorithm.global_params(state).to(device))
+        for exchange in algorithm.round_exchanges(round):
+            broadcast = algorithm.broadcast(exchange.name, state, round)
+            uploads, states, _ = runtime.step(exchange.name, round, broadcast, states, cohort)
+            sums = sum_rows({k: v[first:] for k, v in uploads.items()}, device)
+            state = algorithm.server_step(exchange.name, state, sums, ctx)
+            scorer.observe(unit, broadcast, uploads, state)
+
+
+def record_level(source: Problem, client: int, trials: int, rounds: int
+                 ) -> tuple[np.ndarray, np.ndarray, Problem, set[str]]:
+    """Out and in scores of ``trials`` runs each of client ``client``'s mechanism, batched as
+    the clients of one federation (:func:`dpfl.audit.canary.record_trials`)."""
+    federation, canary = record_trials(source, client, trials, canary_radius(source))
+    scorer = UploadScorer(federation, canary, federation.num_clients)
+    rng = Randomness(int(source.config["seed"]), secure=bool(source.config["secure-noise"]))
+    play(federation, rng, rounds, [federation.num_clients - 1], scorer)
+    scores = scorer.scores.numpy()
+    return scores[:trials], scores[trials:2 * trials], federation, scorer.scored
+
+
+def client_level(source: Problem, client: int, trials: int, rounds: int
+                 ) -> tuple[np.ndarray, np.ndarray, Problem, set[str]]:
+    """Out and in scores of ``trials`` runs each of the whole federation without and with a
+    canary client (:func:`dpfl.audit.canary.client_trials`), each run with its own noise."""
+    canary = craft(source, source.partitions[client], canary_radius(source))
+    worlds = (source, client_trials(source, canary))
+    seeds = Randomness(int(source.config["seed"]))
+    scores = []
+    for side, problem in enumerate(worlds):
+        runs = []
+        for run in range(trials):
+            scorer = ModelScorer(problem, canary, 1)
+            rng = Randomness(seeds.key(run, 0, f"audit-world-{side}"),
+                             secure=bool(source.config["secure-noise"]))
+            play(problem, rng, rounds, list(range(problem.num_clients)), scorer)
+            runs.append(float(scorer.scores[0]))
+        scores.append(np.asarray(runs))
+    return scores[0], scores[1], worlds[1], {"model"}
+
+
+def ledger_epsilon(problem: Problem, clients: list[int], rounds: int) -> float:
+    """The largest ε the ledger reports for ``clients`` after ``rounds`` rounds of every
+    exchange (central releases included)."""
+    cfg, algorithm = problem.config, problem.algorithm
+    accounting = Accounting(
+        num_clients=problem.num_clients, releases=problem.releases,
+        accountant=str(cfg["accountant"]), relation=algorithm.relation,
+        delta=float(cfg["delta"]),
+        central=tuple(r for r in problem.server_releases()
+                      if r.name in algorithm.central_releases()))
+    for round in range(1, rounds + 1):
+        for exchange in algorithm.round_exchanges(round):
+            accounting.charge(clients, exchange.name)
+    return max(accounting.epsilon(c) for c in clients)
+
+
+THREATS = {
+    "record": ("record-level local DP: the server sees every upload of the client",
+               record_level),
+    "client": ("client-level central DP: the adversary sees every model the server releases",
+               client_level),
+}
+
+
+def audit(config: RunConfig, *, trials: int = 1000, confidence: float = 0.95,
+          client: int = 0) -> AuditResult:
+    """Audit ``config``'s algorithm on client ``client``'s data with ``trials`` runs with and
+    ``trials`` runs without the canary."""
+    started = time.perf_counter()
+    source = build_problem(config)
+    threat, measure = THREATS["client" if source.algorithm.central_releases() else "record"]
+    rounds = int(config["num-server-rounds"])
+    out, inn, problem, scored = measure(source, client, trials, rounds)
+    delta = float(config["delta"])
+    bound = epsilon_lower_bound(out, inn, delta=delta, confidence=confidence)
+    target = (float(config["epsilon"]) if float(config["noise-multiplier"]) < 0
+              and not source.algorithm.noise_free else None)
+    charged = [problem.num_clients - 1] if problem is not source else [client]
+    return AuditResult(algorithm=source.algorithm.name, threat_model=threat, bound=bound,
+                       epsilon_ledger=ledger_epsilon(problem, charged, rounds),
+                       epsilon_target=target, delta=delta, rounds=rounds,
+                       seconds=time.perf_counter() - started, scores_out=out, scores_in=inn,
+                       scored_uploads=tuple(sorted(scored)))

@@ -1,0 +1,168 @@
+"""``dpfl audit``: the ε lower bound is sound (never above the ledger's ε for any algorithm at
+its calibration) and has power (a deliberately broken variant, built only here, is caught)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import norm
+
+import dpfl.algorithms.adaptive
+import dpfl.algorithms.base
+import dpfl.algorithms.clip21
+import dpfl.algorithms.prisma
+import dpfl.algorithms.projected
+import dpfl.models.functional
+import dpfl.rounds.client
+from dpfl.algorithms import ALGORITHMS
+from dpfl.audit import audit
+from dpfl.audit.bounds import clopper_pearson_upper, epsilon_lower_bound, epsilon_of_rates
+from dpfl.problem import build_problem
+from dpfl.runconfig import RunConfig
+
+EPSILON = 2.0  # the calibration audited: within reach of the audit's trials
+TRIALS = 200
+ROUNDS = 3
+
+
+def config(name: str, **keys) -> RunConfig:
+    """A reduced audit of ``name``: logistic regression on digits, 10 clients, 3 rounds, every
+    batch a client's whole data (no sampling amplification: the canary is in every step, so
+    the ledger is as tight as it gets and a broken clip or noise shows in every run)."""
+    values = {"algorithm": name, "model": "logistic", "num-server-rounds": ROUNDS,
+              "num-partitions": 10, **keys}
+    if not ALGORITHMS.get(name).noise_free:
+        values["epsilon"] = EPSILON
+    if "batch-size" in RunConfig(values).reads:
+        values["batch-size"] = min(map(len, build_problem(RunConfig(values)).partitions))
+    return RunConfig(values)
+
+
+def reduced_audit(name: str, **keys):
+    """The audit of :func:`config`, on the client with the fewest records (its batch)."""
+    cfg = config(name, **keys)
+    sizes = list(map(len, build_problem(cfg).partitions))
+    return audit(cfg, trials=TRIALS, client=sizes.index(min(sizes)))
+
+
+def gaussian_dp_epsilon(mu: float, delta: float) -> float:
+    """ε(δ) of μ-GDP (Dong, Roth & Su, arXiv:1905.02383, Cor. 2.13), by bisection."""
+    def delta_of(eps: float) -> float:
+        return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
+    lo, hi = 0.0, 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if delta_of(mid) > delta else (lo, mid)
+    return hi
+
+
+def test_clopper_pearson_bounds_cover_the_rate():
+    # 0 errors in n trials: the bound is 1 − (1 − c)^(1/n)
+    assert math.isclose(float(clopper_pearson_upper(0, 100, 0.95)), 1 - 0.05 ** (1 / 100))
+    assert float(clopper_pearson_upper(100, 100, 0.95)) == 1.0
+    assert 0.5 < float(clopper_pearson_upper(50, 100, 0.95)) < 0.6
+
+
+def test_rates_refute_the_epsilons_their_hypothesis_test_excludes():
+    assert epsilon_of_rates(0.5, 0.5, 1e-5) == 0.0
+    assert math.isclose(epsilon_of_rates(0.01, 0.5, 0.0), math.log(0.5 / 0.01))
+    assert epsilon_of_rates(0.0, 0.0, 1e-5) == math.inf
+
+
+@pytest.mark.parametrize("mu", [0.5, 1.0, 2.0, 4.0])
+def test_the_bound_never_exceeds_a_gaussian_mechanisms_epsilon(mu):
+    """Scores of a μ-GDP mechanism (a Gaussian shift of μ): the bound stays below its exact ε,
+    over 20 seeds of 1,000 runs a side."""
+    rng = np.random.default_rng(0)
+    exact = gaussian_dp_epsilon(mu, 1e-5)
+    for _ in range(20):
+        bound = epsilon_lower_bound(rng.normal(0, 1, 1000), rng.normal(mu, 1, 1000), delta=1e-5)
+        assert bound.epsilon <= exact
+
+
+def test_the_bound_finds_a_mechanism_without_noise():
+    rng = np.random.default_rng(1)
+    bound = epsilon_lower_bound(rng.normal(0, 1, 1000), rng.normal(50, 1, 1000), delta=1e-5)
+    assert bound.epsilon > 4.5 and bound.fpr == 0 and bound.fnr == 0
+
+
+def test_non_finite_scores_are_refused():
+    with pytest.raises(ValueError, match="not all finite"):
+        epsilon_lower_bound(np.array([0.0, np.nan]), np.array([1.0, 2.0]), delta=1e-5)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS.names())
+def test_the_audit_never_refutes_an_algorithms_ledger(name):
+    """Soundness: at ε = 2, every algorithm's ε lower bound is at most its ledger's ε (the
+    ledger may be loose; it must never be refuted). The noise-free ablation is refuted."""
+    result = reduced_audit(name)
+    assert result.scored_uploads, "no upload was scored"
+    if ALGORITHMS.get(name).noise_free:
+        assert result.epsilon_ledger == math.inf and result.bound.epsilon > 2
+    else:
+        assert math.isclose(result.epsilon_ledger, EPSILON, rel_tol=0.02)
+        assert result.bound.epsilon <= result.epsilon_ledger
+
+
+def skip_clipping(monkeypatch) -> None:
+    """The broken variant: every clip in the algorithms is the identity."""
+    for module in (dpfl.models.functional, dpfl.algorithms.clip21, dpfl.algorithms.projected):
+        monkeypatch.setattr(module, "clip_factors", lambda norms, clip: torch.ones_like(norms))
+    for module in (dpfl.algorithms.prisma, dpfl.algorithms.adaptive):
+        monkeypatch.setattr(module, "clip_by_norm", lambda vectors, clip: vectors)
+
+
+def shrink_noise(monkeypatch, factor: float) -> None:
+    """The broken variant: every noise std (client and server side) divided by ``factor``."""
+    for module in (dpfl.rounds.client, dpfl.algorithms.base):
+        real = module.stds
+        monkeypatch.setattr(module, "stds", lambda releases, radius=None, real=real:
+                            real(releases, radius) / factor)
+
+
+@pytest.mark.parametrize("name", ["dpsgd-gc", "clip21-sgd2m", "prisma", "dp-sgd"])
+def test_the_audit_catches_skipped_clipping(name, monkeypatch):
+    """Power: with clipping skipped the canary's gradient goes through unbounded, and the
+    bound exceeds the ε the (unchanged) ledger claims."""
+    skip_clipping(monkeypatch)
+    result = reduced_audit(name)
+    assert result.bound.epsilon > result.epsilon_ledger
+
+
+@pytest.mark.parametrize("name", ["clip21-sgd", "dp-fedavg-quantile"])
+def test_the_audit_catches_noise_far_below_its_release(name, monkeypatch):
+    """Power: noise std divided by 100 (client-side noise for Clip21-SGD, the server's for
+    the client-level central DP-FedAvg) is caught."""
+    shrink_noise(monkeypatch, 100.0)
+    result = reduced_audit(name)
+    assert result.bound.epsilon > result.epsilon_ledger
+
+
+def test_dpfl_audit_writes_its_folder(tmp_path, capsys):
+    from dpfl.cli import main
+
+    assert main(["audit", "-c", f'algorithm="clip21-sgd" results-dir="{tmp_path}" '
+                 'run-name="a" num-server-rounds=2', "--trials", "40"]) == 0
+    record = json.loads((tmp_path / "a" / "audit.json").read_text())
+    assert record["trials_per_side"] == 40 and record["confidence"] == 0.95
+    assert record["run_config"]["model"] == "logistic"  # the audit's own default
+    assert record["epsilon_lower"] <= record["epsilon_ledger"]
+    assert (tmp_path / "a" / "scores.png").stat().st_size > 0
+    with np.load(tmp_path / "a" / "scores.npz") as scores:
+        assert scores["with_canary"].shape == (40,)
+    assert "consistent" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,key", [(["--trials", "2"], "--trials"),
+                                      (["--confidence", "1.5"], "--confidence"),
+                                      (["--client", "99"], "--client")])
+def test_dpfl_audit_refuses_bad_arguments_in_one_line(args, key, capsys):
+    from dpfl.cli import main
+
+    assert main(["audit", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0]
