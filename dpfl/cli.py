@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("--run-config", "-c", action="append", default=[],
                        help='space-separated key=value pairs, e.g. "clip=0.5 dataset=\\"mnist\\""')
+        p.add_argument("--resume", type=Path, metavar="FOLDER",
+                       help="continue the run in this results folder from its checkpoint, "
+                       "with its config.json (-c may change num-server-rounds, "
+                       "checkpoint-every and round-timeout)")
         if name == "flower":
             p.add_argument("--num-supernodes", type=int, default=None,
                            help="virtual SuperNodes (default: num-partitions)")
@@ -233,6 +237,17 @@ def reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def resume(folder: Path, overrides: dict, command: str) -> dict:
+    """``--resume FOLDER``: the run config that continues the run in ``folder``, checked
+    against its checkpoint before anything starts."""
+    from dpfl.checkpoint import load, resume_overrides
+    from dpfl.runconfig import RunConfig
+
+    values = resume_overrides(folder, overrides)
+    load(RunConfig(values), "engine" if command == "run" else "flower")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -250,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export-app":
             return export_app(args)
         overrides = parse_overrides(args.run_config) if args.run_config else {}
+        if args.resume is not None:
+            overrides = resume(args.resume, overrides, args.command)
         if args.command == "run":
             from dpfl.engine import run
             from dpfl.runconfig import RunConfig

@@ -200,6 +200,16 @@ COMMON: tuple[Param, ...] = (
     Param("download", False, "Allow torchvision to download a dataset that is not on disk."),
     Param("nonconvex-reg", 0.0, "λ of the nonconvex regulariser (λ/2)Σx²/(1+x²) per sample.",
           check=at_least(0.0), symbol="λ"),
+    Param("checkpoint-every", 0, "Write a checkpoint into the results folder every this many "
+          "rounds and at the last one (resume=true, `dpfl run --resume FOLDER`, continues from "
+          "it); under Flower each client also keeps its state in files on its own node. "
+          "0 = never.", check=at_least(0)),
+    Param("resume", False, "Continue the run in results-dir/run-name from its checkpoint "
+          "(`dpfl run --resume FOLDER` sets it): the configuration must be the checkpoint's but "
+          "for num-server-rounds, checkpoint-every and round-timeout."),
+    Param("round-timeout", 3600.0, "Flower: seconds an exchange waits for its replies, with a "
+          "line every 30 s saying how many are missing; a reply not in by then is lost, and "
+          "min-clients decides whether the run goes on.", check=positive),
 )
 
 

@@ -2,7 +2,8 @@
 
 ``<results-dir>/<run-name>/`` receives ``config.json`` when the run starts (after
 every input has been validated), one line of ``rounds.jsonl`` per round, and
-``summary.json``, ``model.pt`` and PNG plots when it ends.
+``summary.json``, ``model.pt`` and PNG plots when it ends (``checkpoint/`` holds a run's
+checkpoint: :mod:`dpfl.checkpoint`).
 """
 
 from __future__ import annotations
@@ -51,21 +52,34 @@ def results_path(config: RunConfig, runtime: str) -> Path:
     return path
 
 
-class ResultsWriter:
-    """Writes one run's results folder."""
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps(jsonable(record)) + "\n"
 
-    def __init__(self, path: Path, config: RunConfig, meta: dict[str, Any]) -> None:
+
+class ResultsWriter:
+    """Writes one run's results folder.
+
+    ``rounds``: a resumed run's records so far (its checkpoint's): the folder is reopened,
+    ``rounds.jsonl`` rewritten with them (dropping what an interrupted attempt wrote after its
+    checkpoint) and appended to, and an earlier attempt's ``summary.json`` removed (the run is
+    not finished)."""
+
+    def __init__(self, path: Path, config: RunConfig, meta: dict[str, Any],
+                 rounds: list[dict[str, Any]] | None = None) -> None:
         self.path = path
         self.path.mkdir(parents=True, exist_ok=True)
-        self.rounds: list[dict[str, Any]] = []
+        self.rounds = list(rounds or [])
+        if rounds is not None:
+            (path / "summary.json").unlink(missing_ok=True)
         (path / "config.json").write_text(json.dumps(
             {"run_config": config.as_dict(), **jsonable(meta)}, indent=2))
+        (path / "rounds.jsonl").write_text("".join(map(_line, self.rounds)))
         # line-buffered: every round is on disk as soon as it ends, without reopening the file
-        self._rounds_file = (path / "rounds.jsonl").open("w", buffering=1)
+        self._rounds_file = (path / "rounds.jsonl").open("a", buffering=1)
 
     def add_round(self, record: dict[str, Any]) -> None:
         self.rounds.append(record)
-        self._rounds_file.write(json.dumps(jsonable(record)) + "\n")
+        self._rounds_file.write(_line(record))
 
     def finish(self, summary: dict[str, Any], state_dict: dict[str, torch.Tensor], *,
                title: str, chance: float | None) -> None:

@@ -2,12 +2,14 @@
 
 It exercises the same strategy, message and ``Context.state`` code as a real
 run, without Ray or SuperLink processes, so that contract tests can use
-algorithms registered only inside the test process.
+algorithms registered only inside the test process. Messages pushed are delivered
+at once; their replies wait to be pulled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from uuid import uuid4
 
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
@@ -23,6 +25,7 @@ class InProcessGrid(Grid):
         self.contexts = {i + 1: Context(run_id=1, node_id=i + 1, node_config=cfg,
                                         state=RecordDict(), run_config=dict(run_config))
                          for i, cfg in enumerate(node_configs)}
+        self.outbox: dict[str, Message] = {}  # replies pushed, not pulled yet
 
     def set_run(self, run_id: int) -> None:  # pragma: no cover - not used in process
         pass
@@ -40,11 +43,20 @@ class InProcessGrid(Grid):
     def get_nodes(self):  # pragma: no cover
         raise NotImplementedError
 
-    def push_messages(self, messages):  # pragma: no cover
-        raise NotImplementedError
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Deliver ``messages`` at once, through :meth:`send_and_receive` (which subclasses
+        override to fail, drop or record replies); :meth:`pull_messages` hands the replies
+        out."""
+        messages = list(messages)
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = str(uuid4())
+        for reply in self.send_and_receive(messages):
+            self.outbox[reply.metadata.reply_to_message_id] = reply
+        return [m.metadata.message_id for m in messages]
 
-    def pull_messages(self, message_ids):  # pragma: no cover
-        raise NotImplementedError
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        wanted = set(message_ids)
+        return [self.outbox.pop(i) for i in list(self.outbox) if i in wanted]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None
                          ) -> Iterable[Message]:

@@ -1,11 +1,14 @@
 """Lost clients on a real federation, over the real strategy and ClientApp (in-process grid):
 ``min-clients`` lets the run go on without a failed node's clients or stops it with one line;
 a client sent an exchange is charged whether or not its reply arrives; an offline node is not
-sent anything (nor charged) and rejoins with fresh state when it comes back."""
+sent anything (nor charged) and rejoins with fresh state when it comes back; a node that lost
+its state is flagged; a failed exchange closes the results folder; a stalled node is given up
+at round-timeout."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -17,8 +20,9 @@ from dpfl.runconfig import RunConfig
 from dpfl.strategies import FederationError
 from tests.inprocess_grid import InProcessGrid, run_flower_code_path
 
+# a reply that never comes is given up after a second
 BASE = {"algorithm": "dpsgd-gc", "num-partitions": 3, "num-server-rounds": 3, "seed": 7,
-        "noise-multiplier": 1.0, "batch-size": 16}
+        "noise-multiplier": 1.0, "batch-size": 16, "round-timeout": 1.0}
 NODES = [{"partition-id": i} for i in range(3)]
 
 
@@ -150,3 +154,81 @@ def test_too_few_clients_online_stops_with_the_reason(tmp_path):
     summary = _summary(tmp_path, "flower")
     # client 1 was never sent round 2: one round fewer in its ledger
     assert summary["epsilon"]["1"] < summary["epsilon"]["0"]
+
+
+def test_a_client_whose_state_is_wiped_mid_run_is_flagged_once(tmp_path):
+    """Node 2's Context.state wiped before round 3 (a node that lost its state under the same
+    id): its client's own ledger restarts, the server's keeps every round and stays the
+    reported ε, and the run warns once about that client."""
+
+    class Wiping(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            if messages and messages[0].metadata.message_type == "train" \
+                    and int(messages[0].content["config"]["round"]) == 3:
+                self.contexts[2].state = RecordDict()
+            return super().send_and_receive(messages)
+
+    values = {**BASE, "results-dir": str(tmp_path), "run-name": "flower",
+              "num-server-rounds": 4}
+    run_flower_code_path(values, NODES, grid_class=Wiping)
+    summary = _summary(tmp_path, "flower")
+    assert len(set(summary["epsilon"].values())) == 1
+    run(RunConfig({**values, "run-name": "engine"}), echo=False)
+    assert summary["epsilon"] == _summary(tmp_path, "engine")["epsilon"]
+    flagged = [w for w in summary["warnings"] if w.startswith("client ")]
+    assert len(flagged) == 1, flagged
+    assert flagged[0].startswith("client 1 reports ε=") and " at round 3, below the " in flagged[0]
+
+
+def test_a_transport_failure_mid_exchange_closes_the_results_and_charges_the_round(tmp_path):
+    """The exchange of round 2 fails after two of three nodes replied (a Ray actor killed
+    mid-run): the results folder is closed with round 1's model and the reason, and every
+    client the exchange was addressed to is charged for it."""
+
+    class Dying(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            if messages and messages[0].metadata.message_type == "train" \
+                    and int(messages[0].content["config"]["round"]) == 2:
+                super().send_and_receive(messages[:2])
+                raise RuntimeError("the actor died")
+            return super().send_and_receive(messages)
+
+    values = {**BASE, "results-dir": str(tmp_path)}
+    with pytest.raises(RuntimeError, match="the actor died"):
+        run_flower_code_path({**values, "run-name": "flower"}, NODES, grid_class=Dying)
+    summary = _summary(tmp_path, "flower")
+    assert summary["rounds_completed"] == 1
+    assert summary["stopped_early"] == "failed in round 2: RuntimeError: the actor died"
+    assert len(_rounds(tmp_path, "flower")) == 1
+    run(RunConfig({**values, "num-server-rounds": 1, "run-name": "one"}), echo=False)
+    flower = torch.load(tmp_path / "flower" / "model.pt")
+    engine = torch.load(tmp_path / "one" / "model.pt")
+    assert all(torch.equal(flower[k], engine[k]) for k in engine)
+    run(RunConfig({**values, "num-server-rounds": 2, "run-name": "two"}), echo=False)
+    assert summary["epsilon"] == _summary(tmp_path, "two")["epsilon"]
+
+
+def test_a_stalled_client_is_given_up_at_round_timeout_with_progress_lines(tmp_path,
+                                                                          monkeypatch, caplog):
+    """Node 3 never answers round 2: the exchange says how many replies it waits for, gives
+    up after round-timeout and, with min-clients=2, goes on without client 2."""
+    import logging
+
+    from dpfl.strategies import algorithm
+
+    monkeypatch.setattr(algorithm, "PROGRESS_EVERY", 0.3)
+    caplog.set_level(logging.INFO, logger="dpfl")
+    values = {**BASE, "results-dir": str(tmp_path), "run-name": "flower", "min-clients": 2,
+              "round-timeout": 1.5, "num-server-rounds": 2}
+    start = time.monotonic()
+    run_flower_code_path(values, NODES, grid_class=faulty_grid(drop={3: {2}}))
+    assert time.monotonic() - start >= 1.5
+    waiting = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert waiting and waiting[0].startswith(
+        "round 2, exchange 'train': waiting for 1 of 3 replies (")
+    assert waiting[0].endswith("s of round-timeout=1.5 s)")
+    assert [r.get("lost_clients") for r in _rounds(tmp_path, "flower")] == [None, [2]]
+    assert any("clients [2]: node 3: no reply within round-timeout=1.5 s" in m
+               for m in caplog.messages)

@@ -30,14 +30,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import dpfl
+from dpfl.atomic import write_atomically
 from dpfl.datasets.loading import CACHE_DIR_ENV
 from dpfl.datasets.site import site_node_data
 from dpfl.errors import ConfigError
@@ -70,18 +69,6 @@ def _fingerprint(folder: str) -> list[tuple[str, int, int]]:
 def _digest(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[
         :32]
-
-
-def _write(path: Path, save: Callable[[Path], None]) -> None:
-    """Write ``path`` through ``save`` into a temporary file, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(handle)
-    try:
-        save(Path(temporary))
-        os.replace(temporary, path)
-    finally:
-        Path(temporary).unlink(missing_ok=True)
 
 
 def _newest_first(folder: Path, pattern: str) -> list[tuple[Path, os.stat_result]]:
@@ -134,7 +121,7 @@ def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
                            num_clients=int(config["num-partitions"])) if site else
             cached_problem(tuple(sorted(config.as_dict().items()))).node_data(list(clients)))
     try:
-        _write(path, lambda p: torch.save(data, p))
+        write_atomically(path, lambda p: torch.save(data, p))
         _prune(folder)
     except OSError as error:
         _warn_unwritable(folder, str(error))
@@ -166,7 +153,7 @@ def node_problem(items: tuple[tuple[str, object], ...], clients: tuple[int, ...]
             problem.releases(c)
         problem.server_releases()
         try:
-            _write(path, lambda p: p.write_text(json.dumps(problem.calibrations())))
+            write_atomically(path, lambda p: p.write_text(json.dumps(problem.calibrations())))
             _prune(folder)
         except OSError as error:
             _warn_unwritable(folder, str(error))

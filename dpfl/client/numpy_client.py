@@ -3,9 +3,10 @@
 Its ``fit`` runs one exchange of the configured algorithm for the node's participating clients
 (one partition in simulation, or a cohort, in one batched call), keeping each client's algorithm
 state and privacy ledger in the node's ``Context.state`` so they survive the ClientApp being
-rebuilt every round. A client refuses a round that would take its own ledger past
-``max-epsilon`` (:class:`BudgetSpent`): the server's driver stops before such a round, so an
-honest server never sees a refusal.
+rebuilt every round, and, when the run checkpoints, in files on the node's disk that a resumed
+run starts from (:mod:`dpfl.client.state_files`). A client refuses a round that would take its
+own ledger past ``max-epsilon`` (:class:`BudgetSpent`): the server's driver stops before such a
+round, so an honest server never sees a refusal.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.client import NumPyClient
 
 from dpfl.algorithms import State
+from dpfl.client.state_files import StateFiles
 from dpfl.privacy import PrivacyLedger
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRuntime
@@ -40,37 +42,53 @@ class BudgetSpent(RuntimeError):
 
 
 class AlgorithmClient(NumPyClient):
-    """Runs the algorithm's client step for ``clients``, some of the node's clients."""
+    """Runs the algorithm's client step for ``clients``, some of the node's clients; ``files``
+    are the run's state files on this node (None: a server that sends no lineage)."""
 
-    def __init__(self, problem: Problem, context: Context, clients: list[int]) -> None:
+    def __init__(self, problem: Problem, context: Context, clients: list[int],
+                 files: StateFiles | None = None) -> None:
         self.problem = problem
         self.state = context.state
         self.clients = clients
+        self.files = files
         self.runtime = ClientRuntime.of(problem)
 
     # ---- persistent per-client state ---------------------------------------------------
     def _load(self) -> tuple[State, list[PrivacyLedger]]:
+        """The clients' states and ledgers: from ``Context.state``, else from their state
+        files (a resumed run, a restarted node), else fresh."""
         fresh = self.problem.algorithm.init_client_state(len(self.clients))
         rows: dict[str, list[torch.Tensor]] = {k: [] for k in fresh}
         ledgers = []
         cfg = self.problem.config
         for i, c in enumerate(self.clients):
-            saved = self.state.get(f"dpfl.state.{c}")
-            for k in fresh:
-                rows[k].append(torch.from_numpy(saved[k].numpy()) if saved is not None
-                               else fresh[k][i])
+            saved: State | None = None
             ledger = self.state.get(f"dpfl.ledger.{c}")
-            ledgers.append(PrivacyLedger.from_json(str(ledger["json"])) if ledger is not None
+            if ledger is not None:
+                record = self.state.get(f"dpfl.state.{c}")
+                saved = None if record is None else {
+                    k: torch.from_numpy(a.numpy()) for k, a in record.items()}
+                text: str | None = str(ledger["json"])
+            elif self.files is not None and (kept := self.files.load(c)) is not None:
+                saved, text = kept
+            else:
+                text = None
+            for k in fresh:
+                rows[k].append(saved[k] if saved else fresh[k][i])
+            ledgers.append(PrivacyLedger.from_json(text) if text is not None
                            else PrivacyLedger(str(cfg["accountant"]),
                                               self.problem.algorithm.relation))
         return {k: torch.stack(v) for k, v in rows.items()}, ledgers
 
-    def _save(self, states: State, ledgers: list[PrivacyLedger]) -> None:
+    def _save(self, round: int, states: State, ledgers: list[PrivacyLedger]) -> None:
         for i, c in enumerate(self.clients):
+            own = {k: v[i].clone() for k, v in states.items()}  # this client's rows only
             if states:
                 self.state[f"dpfl.state.{c}"] = ArrayRecord(
-                    {k: Array(v[i].contiguous().numpy()) for k, v in states.items()})
+                    {k: Array(v.numpy()) for k, v in own.items()})
             self.state[f"dpfl.ledger.{c}"] = ConfigRecord({"json": ledgers[i].to_json()})
+            if self.files is not None:
+                self.files.save(c, round, own, ledgers[i].to_json())
 
     # ---- NumPyClient ---------------------------------------------------------------------
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int,
@@ -100,7 +118,7 @@ class AlgorithmClient(NumPyClient):
         for c, ledger in zip(self.clients, ledgers, strict=True):
             for release in self._releases(c, exchange):
                 ledger.record(release)
-        self._save(states, ledgers)
+        self._save(round, states, ledgers)
         metrics = {f"{k}.{c}": float(v[i]) for k, v in diagnostics.items()
                    for i, c in enumerate(self.clients)}
         return [uploads[k].numpy() for k in spec.uploads], len(self.clients), metrics

@@ -4,7 +4,8 @@
 state and runs an exchange for all participants in one batched ``client_step`` through the same
 client runtime the Flower client uses, so a seed gives the same model here and under
 ``flwr run``. ``engine-mode="fast"`` (sweeps) draws the noise of the participants' sum once
-instead of once per client: the same distribution of models, not the same numbers.
+instead of once per client: the same distribution of models, not the same numbers. Every
+client's state goes into the run's checkpoints, and comes back from them on resume.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from dpfl.algorithms import State
+from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem, build_problem
 from dpfl.rounds.client import ClientRuntime
 from dpfl.rounds.driver import RoundDriver
@@ -29,6 +31,15 @@ class EngineTransport:
         self.clients = ClientRuntime.of(problem, pooled_noise=pooled_noise)
         self.cohort = problem.full_cohort()
         self.states = problem.algorithm.init_client_state(problem.num_clients)
+
+    def begin(self, lineage: Lineage, states: State | None) -> None:
+        """Take over a checkpoint's client states (a resumed run); the lineage names no file
+        here: the engine's clients live in the server's checkpoint."""
+        if states:
+            self.states = {k: states[k].to(v.device) for k, v in self.states.items()}
+
+    def client_states(self) -> State:
+        return self.states
 
     def exchange(self, exchange: str, round: int, broadcast: State,
                  participants: list[int]) -> Replies:

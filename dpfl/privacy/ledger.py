@@ -136,6 +136,13 @@ class PrivacyLedger:
         return cls(accountant=data["accountant"], relation=data["relation"],
                    history=[tuple(e) for e in data["history"]])
 
+    def state_dict(self) -> list[list[float | int]]:
+        """The history as plain lists (a checkpoint's part; :meth:`load_state_dict`)."""
+        return [list(e) for e in self.history]
+
+    def load_state_dict(self, history: list[list[float | int]]) -> None:
+        self.history = [(float(z), float(q), int(steps)) for z, q, steps in history]
+
 
 class Accounting:
     """Every client's ledger, and the server's, kept by the server from public information.
@@ -203,3 +210,15 @@ class Accounting:
 
     def server_epsilon(self) -> float | None:
         return self.server.epsilon(self.delta) if self.server.history else None
+
+    def state_dict(self) -> dict[str, object]:
+        """Every ledger and who has released something, as plain lists (a checkpoint's part)."""
+        return {"clients": [ledger.state_dict() for ledger in self.clients],
+                "server": self.server.state_dict(), "charged": sorted(self.charged)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Restore what :meth:`state_dict` gave."""
+        for ledger, history in zip(self.clients, saved["clients"], strict=True):
+            ledger.load_state_dict(history)
+        self.server.load_state_dict(saved["server"])
+        self.charged = set(saved["charged"])

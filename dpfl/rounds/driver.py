@@ -5,12 +5,18 @@ past ``max-epsilon``, runs the algorithm's exchanges over a transport (the engin
 this process, or Flower messages), applies ``server_step`` to the participants' sums, charges
 every participant's ledger, evaluates the global model on the server's own data, and writes the
 results folder. The Flower strategy and the engine differ only in the transport they hand it.
+
+With ``checkpoint-every`` it checkpoints the run (:mod:`dpfl.checkpoint`), and with
+``resume=true`` it continues one from its checkpoint. A failure inside a round closes the
+results folder before it propagates: the rounds completed, their model, and the ledgers with
+the aborted exchange charged to everyone it was addressed to.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
 import time
@@ -18,9 +24,12 @@ from typing import Any
 
 import torch
 
-from dpfl.algorithms import Exchange, ServerContext, distinct_streams
+from dpfl import checkpoint
+from dpfl.algorithms import Exchange, ServerContext, State, distinct_streams
+from dpfl.checkpoint import Lineage
 from dpfl.config import format_overrides
-from dpfl.privacy import CALIBRATIONS, Accounting, Randomness
+from dpfl.errors import ConfigError
+from dpfl.privacy import CALIBRATIONS, Accounting, PrivacyLedger, Randomness
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter, results_path
 from dpfl.rounds.transport import ClientRefused, ClientsLost, Transport
@@ -65,7 +74,8 @@ class RoundDriver:
     """Runs one problem over ``transport`` to the end (or to ``max-epsilon``).
 
     ``runtime`` ('engine' or 'flower') names the results folder and refuses settings the
-    runtime cannot honour; ``x0`` is the initial model (the problem's by default)."""
+    runtime cannot honour; ``x0`` is the initial model (the problem's by default). A run with
+    ``resume=true`` is checked against its checkpoint here, before anything starts."""
 
     def __init__(self, problem: Problem, transport: Transport, runtime: str, *,
                  echo: bool = True, x0: torch.Tensor | None = None) -> None:
@@ -86,7 +96,12 @@ class RoundDriver:
             also=self.algorithm.reported_accountants,
             central=tuple(r for r in problem.server_releases()
                           if r.name in self.algorithm.central_releases()))
-        self.path = results_path(cfg, runtime)
+        self.every = int(cfg["checkpoint-every"])
+        self.resumed = checkpoint.load(cfg, runtime) if cfg["resume"] else None
+        self.path = checkpoint.folder_of(cfg) if self.resumed else results_path(cfg, runtime)
+        if self.resumed is not None:
+            self.check_releases(self.resumed)
+        self.lineage = Lineage.fresh()
         self.results: ResultsWriter | None = None
         self.records: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] = {}
@@ -98,35 +113,81 @@ class RoundDriver:
         self.warnings: list[str] = []  # said once each, kept in the summary
         self.noise_checked: set[tuple[str, str]] = set()  # (exchange, upload) compared
         self.first_loss: float | None = None
+        self.pending: tuple[str, list[int]] | None = None  # the exchange under way, addressees
+        self.reported: dict[int, float] = {}  # each client's own ε, as its node last said
+        self.flagged: set[int] = set()  # clients whose report disagreed with the server's
+        self.first_round = 1
+        self.earlier_seconds = 0.0  # wall time of the rounds a resumed run took over
         self.started = time.perf_counter()
+
+    def check_releases(self, saved: dict[str, Any]) -> None:
+        """Refuse to resume checkpoint ``saved`` with other releases than it ran with: a
+        changed ``num-server-rounds`` whose calibrated noise depends on it."""
+        if saved["releases"] == self.releases():
+            return
+        rounds = saved["run_config"]["num-server-rounds"]
+        if rounds == self.config["num-server-rounds"]:
+            raise ConfigError("resume", "the run's calibrated releases differ from the "
+                              "checkpointed run's (another version of dpfl?)")
+        raise ConfigError("num-server-rounds", "changes the noise calibrated for the run's "
+                          "rounds; a run whose rounds may be extended sets noise-multiplier",
+                          allowed=format_overrides({"num-server-rounds": rounds}))
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """Every round, then the summary (also written to ``summary.json``)."""
+        """Every round (after the checkpoint's, when resuming), then the summary (also written
+        to ``summary.json``)."""
         self.open()
-        for round in range(1, int(self.config["num-server-rounds"]) + 1):
-            participants = sorted(self.algorithm.participants(
-                round, list(range(self.problem.num_clients)), self.rng))
-            exchanges = [e.name for e in self.algorithm.round_exchanges(round)]
-            if reason := self.accounting.refusal(round, participants, exchanges):
-                self.stop_reason = reason
-                break
-            started, before = time.perf_counter(), self.state
+        for round in range(self.first_round, int(self.config["num-server-rounds"]) + 1):
+            before = self.state
             try:
-                diagnostics, completed = self.play(round, participants)
-            except ClientRefused as refused:
-                self.stop_reason = f"max-epsilon: clients {refused.clients} refused round {round}"
-                break
-            except ClientsLost as lost:
-                self.state, self.stop_reason = before, f"min-clients: {lost}"
-                break
+                if not self.play_round(round):
+                    break
             except BaseException as exc:  # the transport failed, or Flower exits the process:
                 # close the results folder with the rounds completed, then go on failing
-                self.state, self.stop_reason = before, failure(round, exc)
-                self.finish()
+                if self.rounds_done < round:
+                    self.state = before
+                self.stop_reason = failure(round, exc)
+                self.charge_pending()
+                try:
+                    self.finish()
+                except Exception as error:  # the caller must see the failure, not this
+                    log.error("dpfl: the results folder %s could not be closed: %s",
+                              self.path, error)
                 raise
-            self.end_round(round, completed, diagnostics, started)
         return self.finish()
+
+    def play_round(self, round: int) -> bool:
+        """Round ``round`` to its record (and checkpoint); False when the run stops before it
+        (``max-epsilon``) or in it (a client refused, too few replies: ``min-clients``)."""
+        participants = sorted(self.algorithm.participants(
+            round, list(range(self.problem.num_clients)), self.rng))
+        exchanges = [e.name for e in self.algorithm.round_exchanges(round)]
+        if reason := self.accounting.refusal(round, participants, exchanges):
+            self.stop_reason = reason
+            return False
+        started, before = time.perf_counter(), self.state
+        try:
+            diagnostics, completed = self.play(round, participants)
+        except ClientRefused as refused:
+            self.stop_reason = f"max-epsilon: clients {refused.clients} refused round {round}"
+            return False
+        except ClientsLost as lost:
+            self.state, self.stop_reason = before, f"min-clients: {lost}"
+            return False
+        self.end_round(round, completed, diagnostics, started)
+        if self.every and (round % self.every == 0
+                           or round == int(self.config["num-server-rounds"])):
+            self.save_checkpoint(round)
+        return True
+
+    def charge_pending(self) -> None:
+        """Charge everyone an aborted exchange was addressed to: some replied, and any may
+        have computed, noised and sent its reply (the ledger never undercounts)."""
+        if self.pending is not None:
+            exchange, clients = self.pending
+            self.pending = None
+            self.accounting.charge(clients, exchange)
 
     def play(self, round: int, participants: list[int]
              ) -> tuple[dict[int, dict[str, float]], list[int]]:
@@ -145,12 +206,15 @@ class RoundDriver:
             if tuple(broadcast) != exchange.broadcast:
                 raise TypeError(f"{self.algorithm.name}: exchange {exchange.name!r} broadcast "
                                 f"{tuple(broadcast)}, declared {exchange.broadcast}")
+            self.pending = (exchange.name, list(ctx.participants))
             replies = self.transport.exchange(exchange.name, round, broadcast,
                                               ctx.participants)
             # everyone sent the exchange is charged, replied or not: a lost reply may have been
             # computed, noised and sent
             sent = [c for c in ctx.participants if c not in replies.unreached]
+            self.pending = None
             self.accounting.charge(sent, exchange.name)
+            self.check_reports(round, replies.reported)
             traffic["downlink_bytes"] += len(sent) * payload(broadcast)
             if gone := {**replies.unreached, **replies.lost}:
                 ctx = self.without(ctx, gone, round, exchange.name)
@@ -184,6 +248,31 @@ class RoundDriver:
         log.warning(message)
         return dataclasses.replace(ctx, participants=remaining)
 
+    def check_reports(self, round: int, reported: dict[int, str]) -> None:
+        """Compare each client's own ledger, as its node reports it (``reported``: client →
+        ledger JSON), with the server's, which is the authority: the ε the run reports is
+        always the server's. Warn, once per client, when a client's ε is below the server's
+        figure or below its own earlier report: its node lost its state (a restart, a wiped
+        disk), and the node's budget guard restarted with it."""
+        delta = float(self.config["delta"])
+        for c, text in sorted(reported.items()):
+            theirs = PrivacyLedger.from_json(text).epsilon(delta)
+            ours, before = self.accounting.epsilon(c), self.reported.get(c, 0.0)
+            self.reported[c] = theirs
+            if c in self.flagged:
+                continue
+            if theirs < ours * (1 - 1e-9):
+                why = f"below the {ours:.4g} of the server's ledger"
+            elif theirs < before:
+                why = f"down from the {before:.4g} it reported before"
+            else:
+                continue
+            self.flagged.add(c)
+            self.warn(f"client {c} reports ε={theirs:.4g} at round {round}, {why}: its node "
+                      f"lost its state (restarted, or its files wiped) and its own budget guard "
+                      f"restarted with it; the ε reported here is the server's ledger, which "
+                      f"keeps every round")
+
     def server_context(self, round: int, participants: list[int],
                        server_releases: dict[str, Any]) -> ServerContext:
         return ServerContext(round=round, rng=self.rng, participants=participants,
@@ -215,20 +304,87 @@ class RoundDriver:
             "client_sizes": [len(part) for part in p.partitions],
             "releases": self.releases(),
         }
-        self.results = ResultsWriter(self.path, self.config, meta)
+        client_states = None if self.resumed is None else self.restore(self.resumed)
+        self.results = ResultsWriter(self.path, self.config, meta,
+                                     None if self.resumed is None else self.records)
         chosen = {k: self.config[k] for k in self.config.automatic
                   if k in self.config.reads and self.config[k] != ""}
         if self.echo and chosen:
             print(f"{p.algorithm.name}'s defaults: {format_overrides(chosen)}", flush=True)
+        if self.echo and self.resumed is not None:
+            print(f"resuming {self.path} after round {self.rounds_done}", flush=True)
         if not meta["privacy"]["guarantee_against_server"]:
             if self.echo:
                 print(f"WARNING: {meta['privacy']['note']}", flush=True)
             else:
                 log.warning(meta["privacy"]["note"])
-        with torch.no_grad():  # the start of the divergence check
-            self.first_loss = float(self.problem.model.evaluate(
-                self.algorithm.global_params(self.state), *self._test_set)["loss"])
+        if self.resumed is None:
+            with torch.no_grad():  # the start of the divergence check
+                self.first_loss = float(self.problem.model.evaluate(
+                    self.algorithm.global_params(self.state), *self._test_set)["loss"])
+        self.transport.begin(self.lineage, client_states)
         self.started = time.perf_counter()
+
+    def save_checkpoint(self, round: int) -> None:
+        """Everything :meth:`restore` needs to go on after ``round`` (:mod:`dpfl.checkpoint`)."""
+        cpu = {k: v.detach().cpu() for k, v in self.state.items()}
+        checkpoint.save(self.path, {
+            "round": round, "runtime": self.runtime, "run_config": self.config.as_dict(),
+            "releases": self.releases(), "segments": [list(s) for s in self.lineage.segments],
+            "server_state": cpu,
+            "client_states": {k: v.detach().cpu()
+                              for k, v in self.transport.client_states().items()},
+            "accounting": self.accounting.state_dict(), "records": self.records,
+            "warnings": self.warnings, "first_loss": self.first_loss,
+            "last_eval": self.last_eval,
+            "noise_checked": [list(k) for k in sorted(self.noise_checked)],
+            "reported": self.reported, "flagged": sorted(self.flagged),
+            "wall_seconds": self.wall_seconds()})
+
+    def restore(self, saved: dict[str, Any]) -> State:
+        """Take over the run of checkpoint ``saved``; returns the client states it holds for
+        the transport."""
+        device = self.problem.device
+        self.state = {k: v.to(device) for k, v in saved["server_state"].items()}
+        self.accounting.load_state_dict(saved["accounting"])
+        self.rounds_done = int(saved["round"])
+        self.first_round = self.rounds_done + 1
+        self.records = list(saved["records"])
+        self.warnings = list(saved["warnings"])
+        self.first_loss = saved["first_loss"]
+        self.last_eval = dict(saved["last_eval"])
+        self.noise_checked = {(e, u) for e, u in saved["noise_checked"]}
+        self.reported = dict(saved["reported"])
+        self.flagged = set(saved["flagged"])
+        self.earlier_seconds = float(saved["wall_seconds"])
+        self.lineage = Lineage(tuple((str(s), int(r)) for s, r in saved["segments"])).resumed(
+            self.rounds_done)
+        if self.config["secure-noise"]:
+            self.warn_unaccounted()
+        return saved["client_states"]
+
+    def warn_unaccounted(self) -> None:
+        """Say which rounds an interrupted secure-noise attempt may have released after the
+        checkpoint: the rounds it recorded and the one it was in. Their noise came from the
+        OS and is not drawn again (a seeded run re-releases exactly what it released), so this
+        ledger, restored from the checkpoint, does not hold them."""
+        done = self.rounds_done
+        try:
+            lines = (self.path / "rounds.jsonl").read_text().splitlines()
+            last = max([done, *(int(json.loads(line)["round"]) for line in lines)])
+        except (OSError, ValueError, KeyError):
+            last = done
+        last = min(last + 1, int(self.config["num-server-rounds"]))
+        if last > done:
+            rounds = f"round {last}" if last == done + 1 else f"rounds {done + 1}-{last}"
+            self.warn(f"secure-noise: the interrupted attempt may have released {rounds} with "
+                      f"noise this resumed run does not draw again: their ε is not in the "
+                      f"ledger, which resumes from round {done}'s checkpoint")
+
+    def wall_seconds(self) -> float:
+        """The run's wall time so far, a resumed run's earlier attempts up to their
+        checkpoint included."""
+        return self.earlier_seconds + time.perf_counter() - self.started
 
     def privacy_statement(self) -> dict[str, Any]:
         if self.config["non-private-diagnostics"]:
@@ -298,7 +454,8 @@ class RoundDriver:
         rounds = int(self.config["num-server-rounds"])
         record: dict[str, Any] = {"round": round}
         for key in sorted({k for m in diagnostics.values() for k in m}):
-            values = [m[key] for m in diagnostics.values() if key in m]
+            # in client order: the mean is the same whatever order the replies came in
+            values = [diagnostics[c][key] for c in sorted(diagnostics) if key in diagnostics[c]]
             record[key.replace("-", "_")] = sum(values) / len(values)
         if round % int(self.config["eval-every"]) == 0 or round == rounds:
             self.last_eval = self.evaluate()
@@ -399,7 +556,7 @@ class RoundDriver:
                          + (f" acc {100 * acc:5.2f}%" if acc is not None else ""))
         parts.append(f"ε max {r['epsilon_max']:.4g} (δ={self.config['delta']:g})")
         elapsed = time.perf_counter() - self.started
-        left = elapsed / r["round"] * (rounds - r["round"])
+        left = elapsed / (r["round"] - self.first_round + 1) * (rounds - r["round"])
         parts.append(f"{r['seconds']:.2f} s" + (f", ETA {left:.0f} s" if left else ""))
         return " | ".join(parts)
 
@@ -435,7 +592,7 @@ class RoundDriver:
     def finish(self) -> dict[str, Any]:
         """Write summary, model and plots; returns the summary."""
         p = self.problem
-        wall = time.perf_counter() - self.started
+        wall = self.wall_seconds()
         if self.rounds_done and not self.last_eval:
             self.last_eval = self.evaluate()
         epsilon = self.accounting.report()

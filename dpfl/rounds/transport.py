@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from dpfl.algorithms import State
+from dpfl.checkpoint import Lineage
 
 
 @dataclass
@@ -18,22 +19,36 @@ class Replies:
     Over a real federation some participants can be missing, each with the reason:
     ``unreached`` were not sent the exchange (their node is offline), ``lost`` were sent it but
     their reply never came (the node failed or went away after receiving it). The engine loses
-    nobody."""
+    nobody.
+
+    ``reported``: each replying client's own ledger (JSON), as its node keeps it (Flower only:
+    the server compares it with its own, the authority)."""
 
     sums: State | None
     diagnostics: dict[int, dict[str, float]] = field(default_factory=dict)
     lost: dict[int, str] = field(default_factory=dict)
     unreached: dict[int, str] = field(default_factory=dict)
+    reported: dict[int, str] = field(default_factory=dict)
 
 
 class Transport(Protocol):
     """Carries one exchange to the participants and back: the in-process engine, or Flower
     messages (strategy + ClientApp)."""
 
+    def begin(self, lineage: Lineage, states: State | None) -> None:
+        """Called once before the first round: the run's lineage and, for a resumed run, the
+        client states of its checkpoint (as :meth:`client_states` gave them)."""
+        ...
+
     def exchange(self, exchange: str, round: int, broadcast: State,
                  participants: list[int]) -> Replies:
         """Send ``broadcast`` to ``participants`` (increasing id) and return their replies;
         raises :class:`ClientRefused` when a client refuses the round."""
+        ...
+
+    def client_states(self) -> State:
+        """The client states a server checkpoint keeps: every client's in the engine, none
+        under Flower (each client keeps its own on its node)."""
         ...
 
 

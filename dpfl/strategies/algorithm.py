@@ -12,10 +12,15 @@ Messages (records keyed natively; nothing is sent that is not read):
 
 * server → node (``train``): ``broadcast`` (ArrayRecord: the exchange's declared arrays) and
   ``config`` (ConfigRecord: ``exchange``, ``round``, ``clients``: the participants the node
-  hosts);
-* node → server: one ArrayRecord ``client.<id>`` per participant holding its noised uploads,
+  hosts; ``segments``, ``starts``: the run's lineage, which names its clients' state files);
+* node → server: one ArrayRecord ``client.<id>`` per participant holding its noised uploads and
+  one ConfigRecord ``ledger.<id>`` with its own ledger (public: the releases it was charged),
   ``diagnostics.<id>`` MetricRecords under non-private-diagnostics only, or a ConfigRecord
   ``refused`` (``clients``) when a client's budget is spent.
+
+An exchange waits for its replies up to ``round-timeout`` seconds, saying every
+:data:`PROGRESS_EVERY` seconds how many are missing; the replies that have not come by then are
+lost (``min-clients`` decides whether the run goes on without them).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from dpfl.algorithms import State
+from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused, Replies, RoundDriver, sum_rows
 
@@ -46,7 +52,9 @@ log = logging.getLogger("dpfl")
 
 CLIENT = "client."
 DIAGNOSTICS = "diagnostics."
+LEDGER = "ledger."
 REFUSED = "refused"
+PROGRESS_EVERY = 30.0  # seconds between the lines of an exchange that waits for replies
 
 
 class FederationError(RuntimeError):
@@ -80,6 +88,7 @@ class AlgorithmStrategy(Strategy):
                  echo: bool = True) -> None:
         self.problem = problem
         self.connect_timeout = connect_timeout
+        self.round_timeout = float(problem.config["round-timeout"])
         self.echo = echo
         self.node_of: dict[int, int] = {}
         self.asked: set[int] = set()  # nodes that said which clients they host
@@ -88,6 +97,7 @@ class AlgorithmStrategy(Strategy):
         self.unreached: dict[int, str] = {}  # participants not sent it: their node is offline
         self.clients_of: dict[int, list[int]] = {}  # node -> the participants it was sent
         self.diagnostics: dict[int, dict[str, float]] = {}
+        self.reported: dict[int, str] = {}  # each replying client's own ledger (JSON)
 
     def summary(self) -> None:
         p = self.problem
@@ -150,19 +160,20 @@ class AlgorithmStrategy(Strategy):
         by_node = self.clients_of = {}
         for c in self.pending:
             by_node.setdefault(self.node_of[c], []).append(c)
+        lineage = {k: config[k] for k in ("segments", "starts") if k in config}
         return [Message(RecordDict({"broadcast": arrays, "config": ConfigRecord({
-                    "exchange": config["exchange"], "round": server_round, "clients": ids})}),
-                        node, MessageType.TRAIN)
+                    "exchange": config["exchange"], "round": server_round, "clients": ids,
+                    **lineage})}), node, MessageType.TRAIN)
                 for node, ids in sorted(by_node.items())]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Each upload summed over the participants that replied, in increasing client id
-        (``None`` when none did); diagnostics by client in ``self.diagnostics``, the
-        participants without a reply in ``self.lost``. Raises
-        :class:`~dpfl.rounds.ClientRefused` when a client refused the round."""
+        (``None`` when none did); diagnostics by client in ``self.diagnostics``, their own
+        ledgers in ``self.reported``, the participants without a reply in ``self.lost``.
+        Raises :class:`~dpfl.rounds.ClientRefused` when a client refused the round."""
         uploads: dict[int, State] = {}
-        self.diagnostics, self.lost = {}, {}
+        self.diagnostics, self.lost, self.reported = {}, {}, {}
         refused: list[int] = []
         failed: dict[int, str] = {}  # node -> its error
         unattributed: list[str] = []  # errors the SuperLink sent in a node's stead
@@ -183,13 +194,16 @@ class AlgorithmStrategy(Strategy):
                     uploads[int(name[len(CLIENT):])] = from_record(record)
                 elif name.startswith(DIAGNOSTICS):
                     self.diagnostics[int(name[len(DIAGNOSTICS):])] = dict(record)
+                elif name.startswith(LEDGER):
+                    self.reported[int(name[len(LEDGER):])] = str(record["json"])
         if refused:
             raise ClientRefused(sorted(refused))
         for c in self.pending:
             if c not in uploads:
                 node = self.node_of[c]
                 why = failed.get(node) or (unattributed[0] if unattributed else
-                                           "no reply in time")
+                                           f"no reply within round-timeout="
+                                           f"{self.round_timeout:g} s")
                 self.lost[c] = f"node {node}: {why}"
         if not uploads:
             return None, None
@@ -214,20 +228,24 @@ class AlgorithmStrategy(Strategy):
 
     # ---- the run -----------------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
-              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None
               ) -> Result:
         """Discover the nodes, then run the round driver over them from ``initial_arrays``
-        (``x``). ``num_rounds`` must be the run config's ``num-server-rounds``; evaluation is
-        the driver's (central), so ``evaluate_fn`` and the configs are not used."""
+        (``x``). ``num_rounds`` must be the run config's ``num-server-rounds``; ``timeout``
+        (seconds an exchange waits for replies) is its ``round-timeout`` unless given;
+        evaluation is the driver's (central), so ``evaluate_fn`` and the configs are not
+        used."""
         if num_rounds != int(self.problem.config["num-server-rounds"]):
             raise FederationError(f"num_rounds={num_rounds} but num-server-rounds="
                                   f"{self.problem.config['num-server-rounds']}")
+        if timeout is not None:
+            self.round_timeout = timeout
         self.summary()
-        self.discover(grid)
-        driver = RoundDriver(self.problem, FlowerTransport(self, grid, timeout), "flower",
+        driver = RoundDriver(self.problem, FlowerTransport(self, grid), "flower",
                              echo=self.echo, x0=from_record(initial_arrays)["x"])
+        self.discover(grid)
         driver.run()
         if driver.stop_reason.startswith("min-clients"):
             raise FederationError(f"stopped after round {driver.rounds_done} ({driver.path}): "
@@ -246,19 +264,60 @@ class FlowerTransport:
     """The round driver's transport over a Flower ``Grid``, through the strategy's
     ``configure_train`` and ``aggregate_train``."""
 
-    def __init__(self, strategy: AlgorithmStrategy, grid: Grid, timeout: float) -> None:
+    def __init__(self, strategy: AlgorithmStrategy, grid: Grid) -> None:
         self.strategy = strategy
         self.grid = grid
-        self.timeout = timeout
+        self.lineage: Lineage | None = None
+
+    def begin(self, lineage: Lineage, states: State | None) -> None:
+        """The lineage every message carries; the clients keep their own states."""
+        if states:
+            raise ValueError("a Flower run's checkpoint holds no client state")
+        self.lineage = lineage
+
+    def client_states(self) -> State:
+        return {}
 
     def exchange(self, exchange: str, round: int, broadcast: State,
                  participants: list[int]) -> Replies:
-        config = ConfigRecord({"exchange": exchange, "clients": participants})
+        assert self.lineage is not None
+        config = ConfigRecord({"exchange": exchange, "clients": participants,
+                               "segments": [s for s, _ in self.lineage.segments],
+                               "starts": [r for _, r in self.lineage.segments]})
         messages = self.strategy.configure_train(round, to_record(broadcast), config, self.grid)
-        replies = self.grid.send_and_receive(messages, timeout=self.timeout)
+        replies = self.wait(list(messages), f"round {round}, exchange {exchange!r}")
         sums, _ = self.strategy.aggregate_train(round, replies)
         device = self.strategy.problem.device
         return Replies(None if sums is None else
                        {k: v.to(device) for k, v in from_record(sums).items()},
                        self.strategy.diagnostics, lost=dict(self.strategy.lost),
-                       unreached=dict(self.strategy.unreached))
+                       unreached=dict(self.strategy.unreached),
+                       reported=dict(self.strategy.reported))
+
+    def wait(self, messages: list[Message], what: str) -> list[Message]:
+        """Send ``messages`` and collect their replies for up to ``round-timeout`` seconds,
+        saying every :data:`PROGRESS_EVERY` seconds how many are missing (as
+        ``Grid.send_and_receive`` does, but not silently)."""
+        waiting = set(self.grid.push_messages(messages))
+        total, timeout = len(waiting), self.strategy.round_timeout
+        replies: list[Message] = []
+        start = time.monotonic()
+        pause, say = 0.05, start + PROGRESS_EVERY
+        while waiting:
+            pulled = list(self.grid.pull_messages(waiting))
+            replies += pulled
+            waiting -= {m.metadata.reply_to_message_id for m in pulled}
+            now = time.monotonic()
+            if not waiting or now - start >= timeout:
+                break
+            if now >= say:
+                say += PROGRESS_EVERY
+                line = (f"{what}: waiting for {len(waiting)} of {total} replies "
+                        f"({now - start:.0f} s of round-timeout={timeout:g} s)")
+                if self.strategy.echo:
+                    print(line, flush=True)
+                else:
+                    log.info(line)
+            pause = 0.05 if pulled else min(2 * pause, 1.0)
+            time.sleep(min(pause, max(start + timeout - now, 0.0)))
+        return replies

@@ -1,0 +1,196 @@
+"""Runs survive interruption: a run killed mid-way and resumed from its checkpoint ends with the
+model, rounds and ε of an uninterrupted run, bit for bit, on the engine and over the real
+strategy and ClientApp (whose clients keep their state in files on their own nodes); a
+checkpoint whose configuration differs is refused with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpfl.checkpoint import CHECKPOINT, Lineage
+from dpfl.cli import main
+from dpfl.engine import run
+from dpfl.runconfig import RunConfig
+from tests.conftest import ROOT
+from tests.inprocess_grid import InProcessGrid, run_flower_code_path
+
+# client state (v_i, g_i), client sampling, noise set directly (so the rounds may be extended)
+STATEFUL = {"algorithm": "clip21-sgd2m", "num-partitions": 5, "fraction-train": 0.6,
+            "batch-size": 16, "seed": 3, "noise-multiplier": 1.0, "clip": 0.1, "beta": 0.5,
+            "beta-hat": 0.5, "learning-rate": 0.5, "checkpoint-every": 2}
+TIMES = ("wall_seconds", "seconds_per_round", "results")
+
+
+def assert_same_run(folder: Path, reference: Path, *, runtimes: bool = False) -> None:
+    """``folder`` holds the run of ``reference``: model bit for bit, every round's record but
+    its time, the summary but its timings and folder (and its runtime, when ``runtimes``
+    differ)."""
+    skipped = (*TIMES, "runtime") if runtimes else TIMES
+    ours, theirs = torch.load(folder / "model.pt"), torch.load(reference / "model.pt")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    rounds = [[{k: v for k, v in json.loads(line).items() if k != "seconds"}
+               for line in (f / "rounds.jsonl").read_text().splitlines()]
+              for f in (folder, reference)]
+    assert rounds[0] == rounds[1]
+    summaries = [{k: v for k, v in json.loads((f / "summary.json").read_text()).items()
+                  if k not in skipped} for f in (folder, reference)]
+    assert summaries[0] == summaries[1]
+
+
+def test_an_engine_run_killed_mid_way_resumes_to_the_uninterrupted_result(tmp_path):
+    """SIGKILL after a checkpoint is on disk, then ``dpfl run --resume FOLDER``."""
+    values = {**STATEFUL, "num-server-rounds": 10, "results-dir": str(tmp_path)}
+    folder = tmp_path / "killed"
+    given = " ".join(f"{k}={json.dumps(v)}" for k, v in {**values, "run-name": "killed"}.items())
+    command = [sys.executable, "-m", "dpfl", "run", "-q", "-c", given]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        while not (folder / CHECKPOINT).exists() and proc.poll() is None:
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err
+    assert not (folder / "summary.json").exists()  # killed mid-way, not finished
+    done = torch.load(folder / CHECKPOINT, weights_only=True)["round"]
+    assert 2 <= done < 10
+    resumed = subprocess.run([sys.executable, "-m", "dpfl", "run", "-q", "--resume",
+                              str(folder)], cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    run(RunConfig({**values, "run-name": "uninterrupted"}), echo=False)
+    assert_same_run(folder, tmp_path / "uninterrupted")
+    assert len(json.loads((folder / "summary.json").read_text())["epsilon"]) == 5
+
+
+def test_resume_refuses_a_folder_without_checkpoint_or_another_configuration(tmp_path, capsys):
+    values = {**STATEFUL, "num-server-rounds": 2, "results-dir": str(tmp_path)}
+    run(RunConfig({**values, "run-name": "plain", "checkpoint-every": 0}), echo=False)
+    run(RunConfig({**values, "run-name": "done"}), echo=False)
+    cases = {
+        ("--resume", str(tmp_path / "plain")): "run config key 'resume': ",
+        ("--resume", str(tmp_path / "absent")): "--resume: ",
+        ("--resume", str(tmp_path / "done"), "-c", "seed=4"):
+            "run config key 'seed': seed=4 differs from the checkpointed run's",
+        ("--resume", str(tmp_path / "done"), "-c", "num-server-rounds=1"):
+            "run config key 'num-server-rounds': 1 is fewer than the 2 rounds",
+        ("--resume", str(tmp_path / "done")):
+            "run config key 'num-server-rounds': the run in",
+    }
+    for args, start in cases.items():
+        assert main(["run", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"dpfl: error: {start}") and err.count("\n") == 1, err
+    assert main(["flower", "--resume", str(tmp_path / "done"), "-c",
+                 "num-server-rounds=3"]) == 2
+    assert "ran on the engine" in capsys.readouterr().err
+
+
+def test_rounds_extend_when_the_noise_does_not_depend_on_them(tmp_path, capsys):
+    """A finished run with noise-multiplier set continues to more rounds, as if it had been
+    started with them; a calibrated run refuses (its noise was calibrated for its rounds)."""
+    values = {**STATEFUL, "results-dir": str(tmp_path)}
+    run(RunConfig({**values, "num-server-rounds": 3, "run-name": "short"}), echo=False)
+    assert main(["run", "-q", "--resume", str(tmp_path / "short"), "-c",
+                 "num-server-rounds=5"]) == 0
+    run(RunConfig({**values, "num-server-rounds": 5, "run-name": "long"}), echo=False)
+    assert_same_run(tmp_path / "short", tmp_path / "long")
+    calibrated = {**values, "noise-multiplier": -1.0, "num-server-rounds": 2}
+    run(RunConfig({**calibrated, "run-name": "calibrated"}), echo=False)
+    capsys.readouterr()
+    assert main(["run", "--resume", str(tmp_path / "calibrated"), "-c",
+                 "num-server-rounds=4"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "dpfl: error: run config key 'num-server-rounds': changes the noise calibrated")
+
+
+def killed_in(round: int, after_nodes: int) -> type[InProcessGrid]:
+    """A grid whose server process dies in ``round``: the messages of the round reach the
+    first ``after_nodes`` nodes (whose clients compute and write their state), then the
+    exchange fails."""
+
+    class Killed(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            if messages and messages[0].metadata.message_type == "train" \
+                    and int(messages[0].content["config"]["round"]) == round:
+                super().send_and_receive(messages[:after_nodes])
+                raise KeyboardInterrupt
+            return super().send_and_receive(messages)
+
+    return Killed
+
+
+def test_flower_clients_resume_from_their_node_files_to_the_engine_result(tmp_path):
+    """Over the real strategy and ClientApp, killed twice (in round 3, after the checkpoint of
+    round 2, and in round 5 of the resumed run), resumed twice with fresh nodes' Contexts (a
+    new ``flwr run``): each client takes its state from its node's files, never from the
+    server, and the result is the engine's, bit for bit."""
+    values = {**STATEFUL, "num-server-rounds": 6, "results-dir": str(tmp_path),
+              "run-name": "flower"}
+    nodes = [{"partition-id": i, "state-dir": str(tmp_path / f"node-{i}")} for i in range(5)]
+    for attempt, grid_class in enumerate((killed_in(3, 2), killed_in(5, 1), InProcessGrid)):
+        resume = {"resume": True} if attempt else {}
+        if grid_class is InProcessGrid:
+            run_flower_code_path({**values, **resume}, nodes, grid_class=grid_class)
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                run_flower_code_path({**values, **resume}, nodes, grid_class=grid_class)
+            summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
+            assert summary["stopped_early"].startswith("interrupted in round")
+        checkpoint = torch.load(tmp_path / "flower" / CHECKPOINT, weights_only=True)
+        assert checkpoint["client_states"] == {}  # the clients' states stay on their nodes
+    run(RunConfig({**values, "run-name": "engine"}), echo=False)
+    assert_same_run(tmp_path / "flower", tmp_path / "engine", runtimes=True)
+    lineage = Lineage(tuple(map(tuple, checkpoint["segments"])))
+    assert [start for _, start in lineage.segments] == [0, 2, 4]
+    for node in nodes:  # only files of the run's history are left, a few per client
+        files = list(Path(node["state-dir"]).glob("*/client-*/*.pt"))
+        assert files and len(files) <= 3
+        assert all(lineage.holds(int(f.stem.split("-")[0]), f.stem.split("-")[1])
+                   for f in files)
+
+
+def test_a_node_that_lost_its_files_starts_afresh_and_is_flagged(tmp_path):
+    """A resumed client whose node kept no file starts from fresh state: the server's ledger
+    (the reported ε) keeps its rounds, and the run warns that its own ledger is behind."""
+    values = {**STATEFUL, "fraction-train": 1.0, "num-server-rounds": 4,
+              "results-dir": str(tmp_path), "run-name": "flower"}
+    nodes = [{"partition-id": i, "state-dir": str(tmp_path / f"node-{i}")} for i in range(5)]
+    with pytest.raises(KeyboardInterrupt):
+        run_flower_code_path(values, nodes, grid_class=killed_in(3, 5))
+    nodes[4] = {**nodes[4], "state-dir": str(tmp_path / "empty")}
+    run_flower_code_path({**values, "resume": True}, nodes)
+    summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
+    assert len(set(summary["epsilon"].values())) == 1
+    flagged = [w for w in summary["warnings"] if w.startswith("client ")]
+    assert len(flagged) == 1 and flagged[0].startswith("client 4 reports ε=")
+    assert "below the" in flagged[0]
+
+
+def test_a_secure_noise_run_resumes_and_names_the_rounds_its_ledger_lacks(tmp_path):
+    """secure-noise: resumable, not reproducible; the round the interrupted attempt was in
+    was released with noise the resumed run does not draw again, and the summary says so."""
+    values = {**STATEFUL, "num-server-rounds": 4, "secure-noise": True,
+              "results-dir": str(tmp_path), "run-name": "flower"}
+    nodes = [{"partition-id": i, "state-dir": str(tmp_path / f"node-{i}")} for i in range(5)]
+    with pytest.raises(KeyboardInterrupt):
+        run_flower_code_path(values, nodes, grid_class=killed_in(3, 2))
+    run_flower_code_path({**values, "resume": True}, nodes)
+    summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
+    assert summary["rounds_completed"] == 4 and summary["stopped_early"] is None
+    assert [w for w in summary["warnings"] if w.startswith("secure-noise")] == [
+        "secure-noise: the interrupted attempt may have released round 3 with noise this "
+        "resumed run does not draw again: their ε is not in the ledger, which resumes from "
+        "round 2's checkpoint"]
+    assert not [w for w in summary["warnings"] if w.startswith("client ")]
