@@ -194,3 +194,22 @@ def test_a_secure_noise_run_resumes_and_names_the_rounds_its_ledger_lacks(tmp_pa
         "resumed run does not draw again: their ε is not in the ledger, which resumes from "
         "round 2's checkpoint"]
     assert not [w for w in summary["warnings"] if w.startswith("client ")]
+
+
+@pytest.mark.flower
+def test_a_flwr_run_continues_in_a_new_simulation_from_its_checkpoint(tmp_path, monkeypatch):
+    """Through ``flwr run`` (Ray): a run stopped after its checkpoint is continued by a new
+    simulation (a new SuperLink, run id and Contexts) with ``dpfl flower --resume``: the
+    ServerApp takes the checkpoint, each virtual SuperNode's client its files on this
+    machine, and the result is the engine's, bit for bit."""
+    from dpfl.launch import flwr_run
+
+    monkeypatch.setenv("DPFL_STATE_DIR", str(tmp_path / "state"))
+    values = {**STATEFUL, "num-partitions": 4, "num-server-rounds": 2,
+              "results-dir": str(tmp_path), "run-name": "flower"}
+    assert flwr_run(values, flwr_home=tmp_path / "home", timeout=600) == 0
+    assert main(["flower", "--resume", str(tmp_path / "flower"), "-c",
+                 "num-server-rounds=4"]) == 0
+    run(RunConfig({**values, "num-server-rounds": 4, "run-name": "engine"}), echo=False)
+    assert_same_run(tmp_path / "flower", tmp_path / "engine", runtimes=True)
+    assert list((tmp_path / "state").glob("*/client-*/*.pt"))
