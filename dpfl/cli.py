@@ -18,13 +18,21 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from dpfl.config import parse_overrides
 from dpfl.errors import ConfigError, UsageError, did_you_mean
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad option said on one line, like bad run-config input."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"dpfl: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dpfl", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="dpfl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("run", "run in the in-process engine (all clients batched)"),
                        ("flower", "run through `flwr run` (Ray simulation)")):

@@ -24,6 +24,12 @@ from dpfl.errors import ConfigError, did_you_mean
 Value = bool | int | float | str
 T = TypeVar("T")
 AUTO = "auto"  # the run-config value of a per-algorithm key left to the algorithm
+INT64 = 2**63  # an int key's values lie in [-INT64, INT64)
+FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127  # float32's normal range
+SEED_MAX = 2**32 - 1  # the largest seed every dataset loader accepts (scikit-learn's)
+MAX_ROUNDS = 10_000_000  # a run's setup walks every round: seconds at this many, hours at 1e12
+EPSILON_MAX = 100.0  # beyond it an ε protects nothing, and the accountants' search may not end
+FOLDER_NAME = r'[^<>:"/\\|?*\x00-\x1f\x7f]+'  # one path component, portable
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,10 @@ class Param:
     ``check`` returns a problem description, or ``None`` when the value is fine;
     ``choices`` lists the allowed values of a string key; ``symbol`` is the paper's. A
     ``per_algorithm`` key (a learning rate, a clip) defaults to :data:`AUTO`: the selected
-    algorithm's own value (its ``defaults``), else ``default``.
+    algorithm's own value (its ``defaults``), else ``default``. A float is finite unless the
+    key's default is ``inf``, where inf means "none" (no server clip), and 0 or within
+    float32's normal range (the runs compute in float32); an int fits 64 bits (a Flower
+    ``ConfigRecord`` holds no more).
     """
 
     key: str
@@ -65,6 +74,15 @@ class Param:
             )
         if kind is float and math.isnan(value):
             raise ConfigError(self.key, "NaN is not allowed")
+        if kind is float and math.isinf(value) and not math.isinf(float(self.default)):
+            raise ConfigError(self.key, f"must be a finite number, got {value}")
+        if kind is float and math.isfinite(value) and value and not (
+                FLOAT32_TINY <= abs(value) <= FLOAT32_MAX):
+            raise ConfigError(self.key, f"{value} is outside float32's range, in which runs "
+                              f"compute", allowed=f"0, or a magnitude in {FLOAT32_TINY:.4g}.."
+                              f"{FLOAT32_MAX:.4g}")
+        if kind is int and not -INT64 <= value < INT64:
+            raise ConfigError(self.key, f"{value} does not fit a 64-bit integer")
         if self.choices is not None and value not in self.choices:
             raise ConfigError(self.key, f"unknown value {value!r}"
                               f"{did_you_mean(value, self.choices)}", allowed=self.choices)
@@ -82,6 +100,34 @@ def at_least(low: float) -> Callable[[float], str | None]:
         return None if value >= low else f"must be >= {low}, got {value}"
 
     return check
+
+
+def at_most(high: float) -> Callable[[float], str | None]:
+    def check(value: float) -> str | None:
+        return None if value <= high else f"must be <= {high}, got {value}"
+
+    return check
+
+
+def all_of(*checks: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    """The first problem any of ``checks`` finds."""
+    def check(value: Any) -> str | None:
+        return next((p for c in checks if (p := c(value)) is not None), None)
+
+    return check
+
+
+def folder_name(value: str) -> str | None:
+    """A plain folder name (or empty): one path component, portable, not ``.`` or ``..``."""
+    if value == "" or (re.fullmatch(FOLDER_NAME, value) and value not in (".", "..")
+                       and len(value.encode()) <= 255):
+        return None
+    return (f"must be a plain folder name (no path separators, '.', '..', control "
+            f"characters or any of <>:\"|?*; at most 255 bytes), got {value!r}")
+
+
+def not_empty(value: str) -> str | None:
+    return None if value.strip() else "must name a folder (e.g. \"results\" or \".\")"
 
 
 def open_unit(value: float) -> str | None:
@@ -136,14 +182,16 @@ COMMON: tuple[Param, ...] = (
           check=at_least(1)),
     Param("num-partitions", 10, "Number of clients (data partitions).", check=at_least(1),
           symbol="M, n"),
-    Param("num-server-rounds", 30, "Communication rounds.", check=at_least(1), symbol="T"),
+    Param("num-server-rounds", 30, "Communication rounds.",
+          check=all_of(at_least(1), at_most(MAX_ROUNDS)), symbol="T"),
     Param("noise-multiplier", -1.0,
           "Noise std over the clip radius of one clipped vector, i.e. std on the sum of "
           "clipped vectors over the clip (Opacus convention); -1 = calibrate from "
           "epsilon/delta, 0 = no noise.",
           check=lambda v: None if v == -1.0 or v >= 0 else f"must be -1 or >= 0, got {v}",
           symbol="σ"),
-    Param("epsilon", 8.0, "Target ε per client for calibration.", check=positive, symbol="ε"),
+    Param("epsilon", 8.0, "Target ε per client for calibration.",
+          check=all_of(positive, at_most(EPSILON_MAX)), symbol="ε"),
     Param("delta", 1e-5, "Target δ per client.", check=open_unit, symbol="δ"),
     Param("accountant", "rdp", "Opacus accountant used for calibration and the ledger.",
           choices=("rdp", "prv")),
@@ -170,13 +218,16 @@ COMMON: tuple[Param, ...] = (
     Param("secure-noise", False, "Draw every noise sample, batch and client sample from the "
           "OS CSPRNG, with Opacus' floating-point mitigation (not reproducible; use it in "
           "deployment)."),
-    Param("seed", 0, "Run seed: data split, model init, sampling and noise.", check=at_least(0)),
+    Param("seed", 0, "Run seed: data split, model init, sampling and noise.",
+          check=all_of(at_least(0), at_most(SEED_MAX))),
     Param("device", "cpu", "Torch device for the algorithm math.", choices=("cpu", "cuda", "auto")),
     Param("engine-mode", "exact", "'exact': every client draws its own noise, bit for bit as "
           "under flwr run; 'fast' (dpfl run only, for sweeps): the noise of an average is drawn "
           "once, same distribution, different numbers.", choices=("exact", "fast")),
-    Param("results-dir", "results", "Folder that receives <run-name>/ for this run."),
-    Param("run-name", "", "Results sub-folder name; empty = <algorithm>-<dataset>-s<seed>-<time>."),
+    Param("results-dir", "results", "Folder that receives <run-name>/ for this run.",
+          check=not_empty),
+    Param("run-name", "", "Results sub-folder name, a plain folder name; empty = "
+          "<algorithm>-<dataset>-s<seed>-<time>.", check=folder_name),
     Param("eval-every", 1, "Central evaluation every this many rounds (and the last).",
           check=at_least(1)),
     Param("non-private-diagnostics", False,
@@ -215,16 +266,68 @@ COMMON: tuple[Param, ...] = (
 
 # ---- the command-line syntax -------------------------------------------------------------------
 
+SYNTAX = ('space-separated key=value pairs, no spaces around "=", a string in "quotes", '
+          'a number, true or false')
+PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")  # flwr.common.config's own pattern
+
+
 def parse_overrides(text: Iterable[str] | str) -> dict[str, Value]:
-    """Parse ``"key=value key2=value2"`` exactly as ``flwr run --run-config`` does."""
+    """Parse ``"key=value key2=value2"`` as ``flwr run --run-config`` does (one item ending in
+    ``.toml``: that file), but strictly: text that is not a ``key=value`` pair, a key without a
+    value and a key given twice (in one item or over several) are refused, where Flower drops
+    the text or lets the last value win; a value TOML cannot read names its key."""
     from flwr.common.config import parse_config_args
 
     items = [text] if isinstance(text, str) else list(text)
+    if not (len(items) == 1 and items[0].endswith(".toml")):
+        seen: set[str] = set()
+        for item in items:
+            for key in _pairs(item):
+                if key in seen:
+                    raise ConfigError(key, "given twice", allowed="each key once")
+                seen.add(key)
     try:
         return dict(parse_config_args(items))
     except Exception as exc:  # flwr raises ValueError/TOML errors on malformed input
         raise ConfigError("run-config", f"cannot parse {' '.join(items)!r}: {exc}",
-                          allowed='space-separated key=value pairs, strings in "quotes"') from None
+                          allowed=SYNTAX) from None
+
+
+def _pairs(item: str) -> list[str]:
+    """The keys of ``item``'s ``key=value`` pairs (a table's flattened, ``a.b``), each pair
+    checked: only whitespace lies between pairs, and TOML reads the pair."""
+    keys: list[str] = []
+    end = 0
+    for match in PAIR.finditer(item):
+        between = item[end:match.start()]
+        if between.strip():
+            _stray(between)
+        if end and not between:
+            _stray(match.group(0), "needs a space before it")
+        try:
+            keys += _flat_keys(tomllib.loads(f"{match.group(1)} = {match.group(2)}"))
+        except tomllib.TOMLDecodeError:
+            raise ConfigError(match.group(1).strip("\"'"), f"cannot read {match.group(0)!r}",
+                              allowed=SYNTAX) from None
+        end = match.end()
+    if item[end:].strip():
+        _stray(item[end:])
+    return keys
+
+
+def _stray(text: str, problem: str = "is not a key=value pair") -> None:
+    """Refuse ``text``, found where a ``key=value`` pair should be."""
+    word = text.split()[0]
+    if word.endswith("=") and word.strip("=\"'"):
+        raise ConfigError(word.rstrip("=").strip("\"'"), "no value after '='", allowed=SYNTAX)
+    raise ConfigError("run-config", f"{text.strip()!r} {problem}", allowed=SYNTAX)
+
+
+def _flat_keys(table: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The keys of a TOML table as Flower flattens them (``a.b`` for ``a = {b = 1}``)."""
+    return [key for name, value in table.items()
+            for key in (_flat_keys(value, f"{prefix}{name}.") if isinstance(value, dict)
+                        else [f"{prefix}{name}"])]
 
 
 def format_overrides(values: Mapping[str, Value]) -> str:
@@ -258,6 +361,8 @@ def parse_options(text: str) -> dict[str, Value]:
         key, sep, raw = word.partition("=")
         if not sep or not key:
             raise ValueError(f"{word!r} is not key=value")
+        if key in parsed:
+            raise ValueError(f"{key!r} is given twice")
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:

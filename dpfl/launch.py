@@ -27,7 +27,7 @@ from pathlib import Path
 from dpfl.config import Value, format_overrides
 from dpfl.federation import free_port
 from dpfl.flower_app import app_folder
-from dpfl.problem import data_dir
+from dpfl.problem import build_problem, data_dir
 from dpfl.runconfig import RunConfig, check_runtime
 
 
@@ -162,6 +162,7 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
     in the run's results folder; the console shows it less Flower's and Ray's noise (all of it
     with ``verbose``)."""
     config = RunConfig(overrides)  # raises ConfigError before anything starts
+    build_problem(config)  # so do the data, the split and the model
     check_runtime(config, "flower")
     values = dict(overrides)
     values["results-dir"] = str(Path(str(config["results-dir"])).expanduser().resolve())

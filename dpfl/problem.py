@@ -195,12 +195,17 @@ def options(config: RunConfig, key: str, kind: str, builder: Any) -> dict[str, o
         raise ConfigError(key, f"cannot parse {exc}", allowed="space-separated key=value pairs, "
                           "e.g. 'scaling=symmetric duplicate=3'") from None
     given = {k.replace("-", "_"): v for k, v in parsed.items()}
-    accepted = [p.name for p in inspect.signature(builder).parameters.values()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in PROVIDED]
-    for name in given:
+    accepted = {p.name: p.default for p in inspect.signature(builder).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in PROVIDED}
+    for name, value in given.items():
         if name not in accepted:
             raise ConfigError(key, f"{kind} {config[kind]!r} has no option {name!r}",
-                              allowed=accepted or "none")
+                              allowed=list(accepted) or "none")
+        wanted = type(accepted[name])  # an option's kind is its default's
+        if type(value) is not wanted and not (wanted is float and type(value) is int):
+            raise ConfigError(key, f"{kind} {config[kind]!r}: option {name} must be "
+                              f"{wanted.__name__}, got {type(value).__name__} {value!r}",
+                              allowed="true or false" if wanted is bool else None)
     return given
 
 

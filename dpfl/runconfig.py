@@ -11,7 +11,11 @@ typed hyperparameters are built here, and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from dpfl.algorithms import ALGORITHMS, Algorithm
@@ -126,8 +130,25 @@ class RunConfig(Mapping[str, Value]):
 
 
 def check_runtime(config: RunConfig, runtime: str) -> None:
-    """Refuse settings the ``runtime`` ('engine' or 'flower') cannot honour."""
+    """Refuse settings the ``runtime`` ('engine' or 'flower') cannot honour, and a
+    ``results-dir`` in which this process cannot create the run's folder (tried here, and
+    undone: nothing is left behind)."""
     if runtime != "engine" and config["engine-mode"] != "exact":
         raise ConfigError("engine-mode", f"{config['engine-mode']!r} is for the in-process "
                           "engine (dpfl run) only; under Flower every client adds its own noise",
                           ["exact"])
+    folder = Path(str(config["results-dir"])).expanduser()
+    missing = [p for p in (folder, *folder.parents) if not p.is_dir()]  # deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(dir=folder))  # what the run will do there
+    except OSError as exc:
+        raise ConfigError("results-dir", f"cannot create a folder in {str(folder)!r}: "
+                          f"{exc.strerror}", allowed="a folder this user can write") from None
+    finally:
+        for made in missing:  # the check leaves nothing behind
+            with contextlib.suppress(OSError):
+                made.rmdir()
+    run = folder / str(config["run-name"])
+    if config["run-name"] and run.exists() and not run.is_dir():
+        raise ConfigError("run-name", f"{str(run)!r} is a file", allowed="a new name")

@@ -32,6 +32,7 @@ as two classes, and regression datasets have no labels to split by.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -171,7 +172,9 @@ def _dirichlet(
         min_partition_size=min_size,
     )
     try:
-        return _indices(_table(dataset, labels=True), partitioner)
+        with warnings.catch_warnings():  # its warning before it gives up: the error says it
+            warnings.filterwarnings("ignore", "The specified min_partition_size")
+            return _indices(_table(dataset, labels=True), partitioner)
     except ValueError:  # flwr-datasets gives up after 10 draws that leave a partition too small
         raise ConfigError(
             "num-partitions",

@@ -9,16 +9,20 @@ exclude.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
+from dpfl.config import format_options
+from dpfl.errors import ConfigError
 from dpfl.models.resnet import ResNet20
 from dpfl.registry import Registry
 
 ModelBuilder = Callable[..., nn.Module]
 MODELS: Registry[ModelBuilder] = Registry("model")
+MAX_SIZE = 2**20  # the largest width (or group count) an option may ask for
 
 
 def build_model(
@@ -28,12 +32,57 @@ def build_model(
     from ``seed``.
 
     ``options`` go to the model's builder (e.g. ``hidden=`` for ``random-feature-mlp``).
-    Raises ``ConfigError`` (key ``model``) for an unknown name.
+    Raises ``ConfigError`` for an unknown name (key ``model``), a size option out of range
+    (``model-options``, :func:`check_options`), and a model that cannot be built with the
+    options or does not take the inputs (one zero record is run through it).
     """
     builder = MODELS.get(name)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return builder(tuple(input_shape), num_classes, **options)
+    check_options(options)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return _checked(builder, tuple(input_shape), num_classes, **options)
+    except (RuntimeError, ValueError) as exc:  # a size torch refuses, a shape mismatch
+        problem = f"does not take inputs of shape {tuple(input_shape)}: {exc}".splitlines()[0]
+        if options:
+            raise ConfigError("model-options", f"model {name!r} with {format_options(options)} "
+                              f"{problem}") from None
+        raise ConfigError("model", f"{name!r} {problem}",
+                          allowed=[m for m in MODELS if m != name
+                                   and _takes(m, tuple(input_shape), num_classes)]) from None
+
+
+def _checked(builder: ModelBuilder, input_shape: tuple[int, ...], num_classes: int,
+             **options: object) -> nn.Module:
+    """``builder``'s model, after one zero record went through it; ``ValueError`` for a model
+    with an empty layer (inputs too small for its convolutions)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+        model = builder(input_shape, num_classes, **options)
+    if any(p.numel() == 0 for p in model.parameters()):
+        raise ValueError("a layer of the model is empty")
+    with torch.no_grad():
+        model(torch.zeros(1, *input_shape))
+    return model
+
+
+def check_options(options: Mapping[str, object]) -> None:
+    """Refuse a size (an ``int`` option: a width, a group count) outside ``1..``:data:`MAX_SIZE`
+    (``ConfigError``, key ``model-options``); the options' names and kinds are the run
+    config's to check (:func:`dpfl.problem.options`)."""
+    for key, value in options.items():
+        if type(value) is int and not 1 <= value <= MAX_SIZE:
+            raise ConfigError("model-options", f"{key} must be a size in 1..{MAX_SIZE}, got "
+                              f"{value}", allowed=f"1..{MAX_SIZE}")
+
+
+def _takes(name: str, input_shape: tuple[int, ...], num_classes: int) -> bool:
+    """Whether model ``name``, at its default options, takes inputs of ``input_shape``."""
+    try:
+        _checked(MODELS.get(name), input_shape, num_classes)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def _features(input_shape: tuple[int, ...]) -> int:
