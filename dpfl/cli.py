@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from dpfl.config import parse_overrides
-from dpfl.errors import ConfigError, UsageError, did_you_mean
+from dpfl.errors import ConfigError, NonFiniteError, UsageError, did_you_mean
 
 
 class _Parser(argparse.ArgumentParser):
@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UsageError) as exc:
         print(f"dpfl: error: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteError as exc:  # the run stopped; its results folder says so too
+        print(f"dpfl: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -39,3 +39,9 @@ class ConfigError(ValueError):
 class UsageError(ValueError):
     """A bad command-line option outside the run config (e.g. ``dpfl reproduce --only``);
     printed on one line, exit status 2, like :class:`ConfigError`."""
+
+
+class NonFiniteError(RuntimeError):
+    """A value a run computed is not finite (inf or NaN): a client's upload before its noise, or
+    the server's model it broadcasts. The run stops before the value is noised or sent; the
+    command line prints one line and exits with status 1."""

@@ -5,7 +5,9 @@ algorithm returns its uploads un-noised; this runtime adds each one's release no
 anything leaves the cohort: every client its own draw (exact), or, in the engine's fast mode,
 one pooled draw for the sum (the uploads reach the model only through the participants' sum and
 never feed client state, since the noise is added after the client step). It also checks that
-the step drew the in-step noise its releases declare, no more and no less.
+the step drew the in-step noise its releases declare, no more and no less, and that the model
+it received and the uploads it returns are finite: inf or NaN stops the run
+(:class:`~dpfl.errors.NonFiniteError`) before anything is noised or sent.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from collections.abc import Callable
 import torch
 
 from dpfl.algorithms import Algorithm, ClientContext, Cohort, State
+from dpfl.errors import NonFiniteError
 from dpfl.privacy import Randomness, Release, add_noise, stds
 from dpfl.problem import Problem
+
+LEVERS = " (lower learning-rate or clip, or check the data for inf and NaN)"
 
 
 class ClientRuntime:
@@ -48,6 +53,11 @@ class ClientRuntime:
         """Noised uploads ``[C, ...]``, new states ``[C, ...]`` and (non-private mode only)
         diagnostics ``{name: [C]}`` of one exchange for ``cohort``."""
         algorithm = self.algorithm
+        for key, value in broadcast.items():
+            if not bool(torch.isfinite(value).all()):
+                raise NonFiniteError(f"round {round}, exchange {exchange!r}: the server's "
+                                     f"broadcast {key!r} is not finite (inf or NaN): the server "
+                                     f"step before it overflowed{LEVERS}")
         releases = [{r.name: r for r in self.releases(c)} for c in cohort.ids]
         ctx = ClientContext(round=round, rng=self.rng, clients=list(cohort.ids),
                             releases=releases, device=self.device,
@@ -57,6 +67,7 @@ class ClientRuntime:
         if set(messages) != set(spec.uploads):
             raise TypeError(f"{algorithm.name}: exchange {exchange!r} returned {sorted(messages)}"
                             f", declared {sorted(spec.uploads)}")
+        check_finite(messages, cohort.ids, round, exchange)
         noised = {u.release for u in spec.uploads.values() if not u.sent_as_returned}
         for name, release in releases[0].items():
             wanted = 0 if name in noised else release.steps
@@ -73,3 +84,16 @@ class ClientRuntime:
             uploads[key] = add_noise(messages[key], cohort.ids, stds(own), rng=self.rng,
                                      round=round, stream=own[0].stream, pooled=self.pooled_noise)
         return uploads, states, ctx.diagnostics or {}
+
+
+def check_finite(messages: State, clients: list[int], round: int, exchange: str) -> None:
+    """Raise :class:`NonFiniteError` naming the clients and the upload when an upload of
+    ``messages`` (``[C, ...]``, rows in ``clients`` order) holds inf or NaN: one ``isfinite``
+    pass per upload, the rows located only on failure."""
+    for key, rows in messages.items():
+        if not bool(torch.isfinite(rows).all()):
+            bad = (~torch.isfinite(rows.reshape(len(clients), -1))).any(dim=1).nonzero()
+            raise NonFiniteError(f"round {round}, exchange {exchange!r}: clients "
+                                 f"{[clients[i] for i in bad.flatten().tolist()]} computed an "
+                                 f"upload {key!r} that is not finite (inf or NaN); the run "
+                                 f"stopped before it was noised or sent{LEVERS}")
