@@ -35,7 +35,7 @@ demo-compose: install
 	export DPFL_USER=$$(id -u):$$(id -g); docker-compose build && docker-compose up -d && \
 	  until docker-compose logs superlink | grep -q "Uvicorn running"; do sleep 1; done && \
 	  FLWR_HOME=$(abspath .flwr-compose) $(VENV)/bin/flwr run . compose --stream \
-	    --run-config 'num-partitions=3 num-server-rounds=3 run-name="$(DEMO_NAME)"'; \
+	    --run-config 'num-partitions=3 num-server-rounds=3 secure-noise=true run-name="$(DEMO_NAME)"'; \
 	  status=$$?; docker-compose down --remove-orphans; \
 	  test $$status = 0 && echo "results in results/$(DEMO_NAME)"
 

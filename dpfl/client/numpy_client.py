@@ -18,6 +18,7 @@ from flwr.client import NumPyClient
 
 from dpfl.algorithms import State
 from dpfl.client.state_files import StateFiles
+from dpfl.errors import ConfigError
 from dpfl.privacy import PrivacyLedger
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRuntime
@@ -31,6 +32,17 @@ def node_clients(context: Context) -> list[int]:
     if "partition-ids" in cfg:
         return sorted(int(c) for c in str(cfg["partition-ids"]).split(","))
     return [int(cfg["partition-id"])]
+
+
+def node_secure_noise(context: Context) -> bool:
+    """Node config ``secure-noise``: a node that sets it draws its clients' noise and batches
+    from the OS CSPRNG whatever the run config says (a node protects its own data; the
+    deployment examples set it on every SuperNode)."""
+    value = context.node_config.get("secure-noise", False)
+    text = str(value).lower()
+    if text not in ("true", "false"):
+        raise ConfigError("secure-noise", f"node config value {value!r}", allowed="true, false")
+    return text == "true"
 
 
 class BudgetSpent(RuntimeError):
@@ -51,7 +63,7 @@ class AlgorithmClient(NumPyClient):
         self.state = context.state
         self.clients = clients
         self.files = files
-        self.runtime = ClientRuntime.of(problem)
+        self.runtime = ClientRuntime.of(problem, secure=node_secure_noise(context))
 
     # ---- persistent per-client state ---------------------------------------------------
     def _load(self) -> tuple[State, list[PrivacyLedger]]:

@@ -41,10 +41,13 @@ class ClientRuntime:
         self.diagnostics = diagnostics
 
     @classmethod
-    def of(cls, problem: Problem, *, pooled_noise: bool = False) -> ClientRuntime:
+    def of(cls, problem: Problem, *, pooled_noise: bool = False,
+           secure: bool = False) -> ClientRuntime:
+        """The runtime of ``problem``'s clients; ``secure`` draws from the OS CSPRNG even when
+        the run config's ``secure-noise`` is off (a node that insists on it)."""
         cfg = problem.config
         return cls(problem.algorithm, problem.releases,
-                   Randomness(int(cfg["seed"]), secure=bool(cfg["secure-noise"])),
+                   Randomness(int(cfg["seed"]), secure=secure or bool(cfg["secure-noise"])),
                    device=problem.device, pooled_noise=pooled_noise,
                    diagnostics=bool(cfg["non-private-diagnostics"]))
 
