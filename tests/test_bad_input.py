@@ -100,6 +100,8 @@ CASES = {
     "clip_above_float32": ("clip=1e39", "clip", "outside float32's range"),
     "rounds_beyond_any_run": ("num-server-rounds=1000000000000", "num-server-rounds",
                               "must be <= 10000000"),
+    "local_steps_beyond_any_round": ('algorithm="dp-fedavg" local-steps=1000000000000',
+                                     "local-steps", "must be <= 1000000"),
     "dataset_option_wrong_kind": ('dataset-options="num_public=1.5"', "dataset-options",
                                   "option num_public must be int, got float 1.5"),
 }

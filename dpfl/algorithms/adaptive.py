@@ -75,7 +75,9 @@ from dpfl.config import (
     FRACTION_TRAIN,
     LEARNING_RATE,
     Param,
+    all_of,
     at_least,
+    at_most,
     hyperparameter,
     open_unit,
     positive,
@@ -85,8 +87,10 @@ from dpfl.privacy.subsampled_rdp import noise_size
 
 Batch = tuple[Tensor, Tensor]  # one client's records of a step: x [b_c, ...], y [b_c]
 
+# beyond it a round never ends, and the ledgers' accountants stall on the compositions
+MAX_LOCAL_STEPS = 1_000_000
 LOCAL_STEPS = Param("local-steps", 1, "Local DP-SGD steps per round, each on a fresh batch.",
-                    check=at_least(1), symbol="K")
+                    check=all_of(at_least(1), at_most(MAX_LOCAL_STEPS)), symbol="K")
 TAU = Param("tau", 1.0, "AdaptDP-FedAvg: bias of the radius, C_r = min(√(2τ(mean + ν̃)), Ĝ) "
             "(Algorithm 1 line 9).", check=positive, symbol="τ")
 STATISTIC_BATCH = Param("statistic-batch-size", 0, "AdaptDP-FedAvg: records per client behind "
