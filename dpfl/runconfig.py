@@ -138,8 +138,9 @@ def check_runtime(config: RunConfig, runtime: str) -> None:
                           "engine (dpfl run) only; under Flower every client adds its own noise",
                           ["exact"])
     folder = Path(str(config["results-dir"])).expanduser()
-    missing = [p for p in (folder, *folder.parents) if not p.is_dir()]  # deepest first
+    missing: list[Path] = []
     try:
+        missing += [p for p in (folder, *folder.parents) if not p.is_dir()]  # deepest first
         folder.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(dir=folder))  # what the run will do there
     except OSError as exc:

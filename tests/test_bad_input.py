@@ -77,6 +77,8 @@ CASES = {
     "results_dir_unwritable": ('results-dir="{tmp}/a-file/results"', "results-dir",
                                "cannot create"),
     "results_dir_empty": ('results-dir=""', "results-dir", "must name a folder"),
+    "results_dir_name_too_long": ('results-dir="{tmp}/' + 'a' * 300 + '"', "results-dir",
+                                  "File name too long"),
     "run_name_escaping_results_dir": ('run-name="../escaped-run"', "run-name",
                                       "must be a plain folder name"),
     "run_name_absolute": ('run-name="/tmp/elsewhere"', "run-name", "must be a plain folder name"),
