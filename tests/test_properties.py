@@ -383,3 +383,34 @@ def test_pooled_noise_gives_the_sum_the_std_of_the_clients_draws(std, dim, seed)
         return
     assert torch.equal(noisy[1:], values[1:])
     assert within_chi_square(noisy.sum(dim=0), total)
+
+
+def test_a_server_step_that_overflows_stops_the_run_and_keeps_the_last_finite_model(
+        tmp_path, monkeypatch):
+    """A server step that turns the model inf (round 2's, here forced) stops the run there,
+    before anything is broadcast from it, and the folder keeps round 1's finite model."""
+    from dpfl.algorithms import ALGORITHMS
+    from dpfl.engine import run
+    from dpfl.runconfig import RunConfig
+
+    def config(name: str, rounds: int) -> RunConfig:
+        return RunConfig({"algorithm": "dp-sgd", "num-partitions": 4, "num-server-rounds": rounds,
+                          "noise-multiplier": 1.0, "results-dir": str(tmp_path),
+                          "run-name": name})
+
+    run(config("clean", 1), echo=False)
+    cls = ALGORITHMS.get("dp-sgd")
+    step = cls.server_step
+
+    def overflowing(self, exchange, state, sums, ctx):
+        state = step(self, exchange, state, sums, ctx)
+        return {**state, "x": state["x"] * math.inf} if ctx.round == 2 else state
+
+    monkeypatch.setattr(cls, "server_step", overflowing)
+    with pytest.raises(NonFiniteError, match="round 2, exchange 'train': the server's step"):
+        run(config("overflow", 3), echo=False)
+    summary = json.loads((tmp_path / "overflow" / "summary.json").read_text())
+    assert summary["rounds_completed"] == 1 and "NonFiniteError" in summary["stopped_early"]
+    model = torch.load(tmp_path / "overflow" / "model.pt")
+    reference = torch.load(tmp_path / "clean" / "model.pt")
+    assert all(torch.equal(model[k], reference[k]) for k in reference)

@@ -28,7 +28,7 @@ from dpfl import checkpoint
 from dpfl.algorithms import Exchange, ServerContext, State, distinct_streams
 from dpfl.checkpoint import Lineage
 from dpfl.config import format_overrides
-from dpfl.errors import ConfigError
+from dpfl.errors import ConfigError, NonFiniteError
 from dpfl.privacy import CALIBRATIONS, Accounting, PrivacyLedger, Randomness
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter, results_path
@@ -222,6 +222,10 @@ class RoundDriver:
             traffic["uplink_bytes"] += len(ctx.participants) * payload(replies.sums)
             self.check_noise(exchange, replies.sums, len(ctx.participants))
             self.state = self.algorithm.server_step(exchange.name, self.state, replies.sums, ctx)
+            if not bool(torch.isfinite(self.algorithm.global_params(self.state)).all()):
+                raise NonFiniteError(f"round {round}, exchange {exchange.name!r}: the server's "
+                                     f"step made the model inf or NaN; lower the learning "
+                                     f"rates (the results keep the last finite round)")
             for c, values in replies.diagnostics.items():
                 diagnostics.setdefault(c, {}).update(values)
         return diagnostics, list(ctx.participants)
