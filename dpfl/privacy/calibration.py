@@ -2,7 +2,8 @@
 
 The run-config key ``calibration`` names an entry of :data:`CALIBRATIONS`. ``accountant``
 (registered here, for every algorithm with one query per round) asks an Opacus accountant for
-the smallest noise multiplier whose ε over the run meets the target. Papers' own formulas
+the smallest noise multiplier whose ε over the run meets the target (the ledger's ε: for ``rdp``
+over its extended orders, :mod:`dpfl.privacy.rdp`). Papers' own formulas
 (``paper``: the proven bound; ``practice``: the mapping a paper's experiments used) are
 registered by each algorithm family from its own module, for its own algorithms. A
 calibration may read run-config keys of its own (``Calibration.options``, a frozen dataclass
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpfl.errors import ConfigError
+from dpfl.privacy import rdp
 from dpfl.privacy.release import Query, Release
 
 
@@ -93,11 +95,16 @@ CALIBRATIONS = CalibrationRegistry()
 @functools.lru_cache(maxsize=1024)
 def accountant_noise_multiplier(*, epsilon: float, delta: float, sample_rate: float,
                                 steps: int, accountant: str) -> float:
-    """Smallest multiplier with ε(accountant; multiplier, sample_rate, steps) ≤ epsilon."""
+    """Smallest multiplier with ε(accountant; multiplier, sample_rate, steps) ≤ epsilon, by
+    Opacus' ``get_noise_multiplier`` (for ``rdp`` its search with the ledger's ε, whose orders
+    extend Opacus' defaults: :func:`dpfl.privacy.rdp.noise_multiplier`)."""
     from opacus.accountants.utils import get_noise_multiplier  # imported on use
 
     try:
-        with warnings.catch_warnings():  # "optimal order is the largest alpha" at tiny ε
+        if accountant == "rdp":
+            return rdp.noise_multiplier(epsilon_target=epsilon, delta=delta,
+                                        sample_rate=sample_rate, steps=steps)
+        with warnings.catch_warnings():  # PRV's numerics warn at tiny ε
             warnings.simplefilter("ignore", UserWarning)
             return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta,
                                               sample_rate=sample_rate, steps=steps,

@@ -3,7 +3,8 @@
 Following ``dp_accounting``'s event view, a ledger never adds ε values by hand. It records each
 :class:`~dpfl.privacy.release.Release` as an event (noise multiplier, sample rate, steps) in
 Opacus' compact history format and asks an accountant for the ε of the whole history at the
-run's δ: Opacus' RDP or PRV accountant (``rdp``, ``prv``); ``rdp-wor``, the RDP bound for
+run's δ: Opacus' RDP or PRV accountant (``rdp``, ``prv``; ``rdp`` minimises over orders extended
+past Opacus' defaults where they help, :mod:`dpfl.privacy.rdp`); ``rdp-wor``, the RDP bound for
 fixed-size sampling without replacement under replace-one neighbours (Wang et al. 2019,
 Theorem 9; :mod:`dpfl.privacy.subsampled_rdp`) that the adaptive-clipping paper accounts with;
 or ``rdp-classical``, Opacus' Poisson-subsampled RDP converted the classical way,
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dpfl.privacy import rdp
 from dpfl.privacy.release import Release
 from dpfl.privacy.subsampled_rdp import epsilon_of_history
 
@@ -44,44 +46,25 @@ Event = tuple[float, float, int]  # (noise_multiplier, sample_rate, steps)
 CLASSICAL_ORDERS = tuple(range(2, 257))
 
 
-@functools.lru_cache(maxsize=4096)
-def _rdp_per_step(noise_multiplier: float, sample_rate: float,
-                  orders: tuple[float, ...] | None = None) -> np.ndarray:
-    """Opacus' RDP curve of one Poisson-subsampled Gaussian step at ``orders`` (its default
-    orders unless given)."""
-    from opacus.accountants import RDPAccountant
-    from opacus.accountants.analysis import rdp as rdp_analysis
-
-    orders = tuple(RDPAccountant.DEFAULT_ALPHAS) if orders is None else orders
-    return np.asarray(rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier,
-                                               steps=1, orders=list(orders)))
-
-
 @functools.lru_cache(maxsize=65536)
 def _epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float:
     if not history:
         return 0.0
     if any(z <= 0 for z, _, _ in history):
         return math.inf
-    # Opacus is imported on use: a ClientApp that only records releases never loads it
-    from opacus.accountants import RDPAccountant, create_accountant
-    from opacus.accountants.analysis import rdp as rdp_analysis
-
     if accountant == "rdp-wor":
         return epsilon_of_history(history, delta)
     if accountant == "rdp-classical":
-        rdp = sum(_rdp_per_step(z, q, CLASSICAL_ORDERS) * steps for z, q, steps in history)
+        curve = sum(rdp.curve(z, q, CLASSICAL_ORDERS) * steps for z, q, steps in history)
         orders = np.asarray(CLASSICAL_ORDERS, dtype=np.float64)
-        return float(np.min(rdp + math.log(1 / delta) / (orders - 1)))
+        return float(np.min(curve + math.log(1 / delta) / (orders - 1)))
     if accountant == "rdp":
-        # RDPAccountant.get_epsilon, with each (z, q) curve computed once: the RDP of
-        # `steps` compositions is `steps` times the one-step curve (Opacus does the same).
-        rdp = sum(_rdp_per_step(z, q) * steps for z, q, steps in history)
-        with warnings.catch_warnings():  # "optimal order is the smallest alpha" at tiny noise
-            warnings.simplefilter("ignore", UserWarning)
-            eps, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS,
-                                                    rdp=rdp, delta=delta)
-        return float(eps)
+        # RDPAccountant.get_epsilon, with each (z, q) curve computed once (the RDP of `steps`
+        # compositions is `steps` times the one-step curve, as in Opacus), over more orders
+        return rdp.epsilon(history, delta)
+    # Opacus is imported on use: a ClientApp that only records releases never loads it
+    from opacus.accountants import create_accountant
+
     acc = create_accountant(mechanism=accountant)
     acc.history = list(history)
     with warnings.catch_warnings():  # PRV's numerics warn (and give inf) at tiny noise
