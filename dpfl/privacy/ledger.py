@@ -10,12 +10,15 @@ Theorem 9; :mod:`dpfl.privacy.subsampled_rdp`) that the adaptive-clipping paper 
 or ``rdp-classical``, Opacus' Poisson-subsampled RDP converted the classical way,
 ε = min_α RDP(α) + ln(1/δ)/(α − 1) over the integer orders 2–256 (Mironov 2017; TF-Privacy's
 ``rdp_accountant``), which papers of the TF-Privacy era report (Opacus' own conversion, Balle
-et al. 2020, is tighter).
+et al. 2020, is tighter). Google's ``dp_accounting`` gives a second, independent ε of the same
+history (``dp-accounting-pld``, ``dp-accounting-rdp``, ``dp-accounting-rdp-wor``;
+:mod:`dpfl.privacy.independent`), reported beside the ledger's own.
 
 The multiplier recorded is std / sensitivity under the release's neighbouring relation. Opacus'
 accountants analyse Poisson subsampling with add/remove neighbours; for fixed-size sampling
-without replacement and replace-one neighbours the same multiplier is the usual conservative
-proxy, and the ledger says which relation it holds.
+without replacement and replace-one neighbours the same multiplier describes the worst case of
+those neighbours, which some datasets attain (:mod:`dpfl.privacy.independent`), and the ledger
+says which relation it holds.
 
 :class:`Accounting` keeps every client's ledger as the server sees it (the public releases of the
 rounds each client took part in) and, for an algorithm with server-side noise, the ledger of the
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dpfl.privacy import rdp
+from dpfl.privacy import independent, rdp
 from dpfl.privacy.release import Release
 from dpfl.privacy.subsampled_rdp import epsilon_of_history
 
@@ -52,6 +55,8 @@ def _epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float
         return 0.0
     if any(z <= 0 for z, _, _ in history):
         return math.inf
+    if accountant in independent.ACCOUNTANTS:
+        return independent.epsilon(accountant, history, delta)
     if accountant == "rdp-wor":
         return epsilon_of_history(history, delta)
     if accountant == "rdp-classical":
@@ -136,7 +141,10 @@ class Accounting:
     (central) uploads: a client is charged them too in the exchanges it takes part in, at the
     client level, since they protect its whole upload. ``limit`` is ``max-epsilon`` (0: none).
     ``also`` names further accountants whose ε of the same histories is reported beside the
-    main one's (a paper's own).
+    main one's (a paper's own); :meth:`report_by_accountant` adds the independent ones
+    (``independent``: dp_accounting's PLD and RDP, and its sampled-without-replacement RDP
+    beside ``rdp-wor``), which are not among ``accountants``, so a run whose only accountant is
+    its own reports them in its summary, not in every evaluation round.
     """
 
     def __init__(self, *, num_clients: int, releases: Callable[[int], list[Release]],
@@ -147,6 +155,7 @@ class Accounting:
         self.delta = delta
         self.limit = limit
         self.accountants = (accountant, *(a for a in also if a != accountant))
+        self.independent = independent.reported(self.accountants)
         self.clients = [PrivacyLedger(accountant, relation) for _ in range(num_clients)]
         self.server = PrivacyLedger(accountant, "client-level (server-side noise)")
         self.charged: set[int] = set()  # clients that released something
@@ -187,9 +196,13 @@ class Accounting:
         return {c: self.epsilon(c) for c in sorted(self.charged)}
 
     def report_by_accountant(self) -> dict[str, float]:
-        """The largest client ε by each of ``accountants`` (the main one first)."""
-        return {a: max((self.clients[c].epsilon(self.delta, a) for c in self.charged),
-                       default=0.0) for a in self.accountants}
+        """The largest client ε by each of ``accountants`` (the main one first), then by each
+        ``independent`` one (NaN where one client's is: not computed)."""
+        def largest(accountant: str) -> float:
+            values = [self.clients[c].epsilon(self.delta, accountant) for c in self.charged]
+            return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+
+        return {a: largest(a) for a in (*self.accountants, *self.independent)}
 
     def server_epsilon(self) -> float | None:
         return self.server.epsilon(self.delta) if self.server.history else None
