@@ -28,7 +28,7 @@ INT64 = 2**63  # an int key's values lie in [-INT64, INT64)
 FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127  # float32's normal range
 SEED_MAX = 2**32 - 1  # the largest seed every dataset loader accepts (scikit-learn's)
 MAX_ROUNDS = 10_000_000  # a run's setup walks every round: seconds at this many, hours at 1e12
-EPSILON_MAX = 100.0  # beyond it an ε protects nothing, and the accountants' search may not end
+EPSILON_MAX = 1e6  # beyond it an ε protects nothing, and the accountants' search may not end
 FOLDER_NAME = r'[^<>:"/\\|?*\x00-\x1f\x7f]+'  # one path component, portable
 
 

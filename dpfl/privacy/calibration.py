@@ -92,6 +92,10 @@ class CalibrationRegistry:
 CALIBRATIONS = CalibrationRegistry()
 
 
+#: the largest target ε whose noise Opacus' PRV search finds (above, it runs for minutes or more)
+PRV_EPSILON_MAX = 100.0
+
+
 @functools.lru_cache(maxsize=1024)
 def accountant_noise_multiplier(*, epsilon: float, delta: float, sample_rate: float,
                                 steps: int, accountant: str) -> float:
@@ -100,6 +104,10 @@ def accountant_noise_multiplier(*, epsilon: float, delta: float, sample_rate: fl
     extend Opacus' defaults: :func:`dpfl.privacy.rdp.noise_multiplier`)."""
     from opacus.accountants.utils import get_noise_multiplier  # imported on use
 
+    if accountant == "prv" and epsilon > PRV_EPSILON_MAX:
+        raise ConfigError("epsilon", f"{epsilon:g} is beyond what the prv accountant's search "
+                          f"handles (it does not end)", allowed=f"at most {PRV_EPSILON_MAX:g} "
+                          f"with accountant=\"prv\", or accountant=\"rdp\"")
     try:
         if accountant == "rdp":
             return rdp.noise_multiplier(epsilon_target=epsilon, delta=delta,
