@@ -11,7 +11,7 @@ typed hyperparameters are built here, and nowhere else.
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -26,6 +26,8 @@ from dpfl.models import MODELS
 from dpfl.privacy import CALIBRATIONS
 
 NOISE_KEYS = ("noise-multiplier", "epsilon", "calibration")  # what sets the noise
+
+NAME_MAX = 255  # bytes in one file name (POSIX file systems)
 
 
 def all_params() -> dict[str, Param]:
@@ -131,25 +133,25 @@ class RunConfig(Mapping[str, Value]):
 
 def check_runtime(config: RunConfig, runtime: str) -> None:
     """Refuse settings the ``runtime`` ('engine' or 'flower') cannot honour, and a
-    ``results-dir`` in which this process cannot create the run's folder (tried here, and
-    undone: nothing is left behind)."""
+    ``results-dir`` in which this process cannot create the run's folder (tried in its deepest
+    existing folder, and undone: nothing is left behind)."""
     if runtime != "engine" and config["engine-mode"] != "exact":
         raise ConfigError("engine-mode", f"{config['engine-mode']!r} is for the in-process "
                           "engine (dpfl run) only; under Flower every client adds its own noise",
                           ["exact"])
     folder = Path(str(config["results-dir"])).expanduser()
-    missing: list[Path] = []
     try:
-        missing += [p for p in (folder, *folder.parents) if not p.is_dir()]  # deepest first
-        folder.mkdir(parents=True, exist_ok=True)
-        os.rmdir(tempfile.mkdtemp(dir=folder))  # what the run will do there
+        if any(len(os.fsencode(part)) > NAME_MAX for part in folder.parts):
+            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not existing.is_dir():
+            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        # what the run will do below it, in a folder of its own: concurrent runs that share
+        # results-dir never see each other's check
+        os.rmdir(tempfile.mkdtemp(dir=existing))
     except OSError as exc:
         raise ConfigError("results-dir", f"cannot create a folder in {str(folder)!r}: "
                           f"{exc.strerror}", allowed="a folder this user can write") from None
-    finally:
-        for made in missing:  # the check leaves nothing behind
-            with contextlib.suppress(OSError):
-                made.rmdir()
     run = folder / str(config["run-name"])
     if config["run-name"] and run.exists() and not run.is_dir():
         raise ConfigError("run-name", f"{str(run)!r} is a file", allowed="a new name")

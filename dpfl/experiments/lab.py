@@ -19,6 +19,7 @@ and the lab reads its own folder's archive when it starts: a sweep run again res
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -26,7 +27,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -89,21 +90,32 @@ def write_archive(path: Path, runs: dict[str, tuple[dict[str, Value], dict[str, 
     return path
 
 
-def _run_one(values: dict[str, Value]) -> dict[str, Any]:
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One torch thread inside (a worker's share of the cores); the caller's count after, so
+    that runs made in the calling process later keep theirs (a thread count can change a
+    result's last bits)."""
     import torch
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_one(values: dict[str, Value]) -> dict[str, Any]:
     from dpfl.engine import run
 
-    torch.set_num_threads(1)
-    return run(RunConfig(values), echo=False)
+    with one_thread():
+        return run(RunConfig(values), echo=False)
 
 
 def _simulate(simulate: Callable[[list[dict[str, Value]]], list[dict[str, Any]]],
               group: list[dict[str, Value]]) -> list[dict[str, Any]]:
-    import torch
-
-    torch.set_num_threads(1)
-    return simulate(group)
+    with one_thread():
+        return simulate(group)
 
 
 def _duration(seconds: float) -> str:

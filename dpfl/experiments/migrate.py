@@ -31,7 +31,7 @@ from typing import Any
 
 from dpfl.config import Value, parse_overrides
 from dpfl.errors import ConfigError, UsageError
-from dpfl.experiments.lab import read_archive, run_key, write_archive
+from dpfl.experiments.lab import one_thread, read_archive, run_key, write_archive
 from dpfl.results import jsonable
 from dpfl.runconfig import RunConfig
 
@@ -51,15 +51,12 @@ def check(runs: dict[str, dict[str, Any]], sample: int, seed: int,
     """Re-run ``sample`` of the migrated ``runs`` (key -> config, summary) on the engine and
     compare :data:`CHECKED` but the ``changed`` fields; the lines describing each comparison
     (raises :class:`UsageError` on a mismatch)."""
-    import torch
-
     from dpfl.engine import run
 
-    torch.set_num_threads(1)
     picked = random.Random(seed).sample(sorted(runs), min(sample, len(runs)))
     fields = [f for f in CHECKED if f not in changed]
     lines = []
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder, one_thread():
         for key in picked:
             config, archived = runs[key]["config"], runs[key]["summary"]
             summary = jsonable(run(RunConfig({**config, "results-dir": folder,
