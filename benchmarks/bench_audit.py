@@ -51,21 +51,17 @@ def job_list() -> list[tuple[str, str, dict]]:
 def one(job: tuple[str, str, dict, int]) -> dict:
     import torch
 
-    from dpfl.audit import audit
-    from dpfl.problem import build_problem
+    from dpfl.audit import audit, full_batch
     from dpfl.runconfig import RunConfig
 
     name, setting, keys, trials = job
     torch.set_num_threads(1)
     values = {"algorithm": name, "model": "logistic", "num-server-rounds": ROUNDS, **keys}
-    client = 0
-    if setting != "defaults":
-        sizes = list(map(len, build_problem(RunConfig(values)).partitions))
-        client = sizes.index(min(sizes))
-        if "batch-size" in RunConfig(values).reads:
-            values["batch-size"] = min(sizes)
+    config, client = (RunConfig(values), 0) if setting == "defaults" else full_batch(values)
+    if setting != "defaults" and "batch-size" in config.reads:
+        values = {**values, "batch-size": config["batch-size"]}
     try:
-        result = audit(RunConfig(values), trials=trials, client=client)
+        result = audit(config, trials=trials, client=client)
     except ValueError as exc:  # a paper's formula that has no σ for this setting
         if "calibration" not in keys:
             raise

@@ -19,34 +19,25 @@ import dpfl.algorithms.projected
 import dpfl.models.functional
 import dpfl.rounds.client
 from dpfl.algorithms import ALGORITHMS
-from dpfl.audit import audit
+from dpfl.audit import audit, full_batch
 from dpfl.audit.bounds import clopper_pearson_upper, epsilon_lower_bound, epsilon_of_rates
-from dpfl.problem import build_problem
-from dpfl.runconfig import RunConfig
 
 EPSILON = 2.0  # the calibration audited: within reach of the audit's trials
 TRIALS = 200
 ROUNDS = 3
 
 
-def config(name: str, **keys) -> RunConfig:
+def reduced_audit(name: str):
     """A reduced audit of ``name``: logistic regression on digits, 10 clients, 3 rounds, every
-    batch a client's whole data (no sampling amplification: the canary is in every step, so
-    the ledger is as tight as it gets and a broken clip or noise shows in every run)."""
+    batch the audited client's whole data (:func:`dpfl.audit.full_batch`: the canary is in
+    every step, so the ledger is as tight as it gets and a broken clip or noise shows in every
+    run)."""
     values = {"algorithm": name, "model": "logistic", "num-server-rounds": ROUNDS,
-              "num-partitions": 10, **keys}
+              "num-partitions": 10}
     if not ALGORITHMS.get(name).noise_free:
         values["epsilon"] = EPSILON
-    if "batch-size" in RunConfig(values).reads:
-        values["batch-size"] = min(map(len, build_problem(RunConfig(values)).partitions))
-    return RunConfig(values)
-
-
-def reduced_audit(name: str, **keys):
-    """The audit of :func:`config`, on the client with the fewest records (its batch)."""
-    cfg = config(name, **keys)
-    sizes = list(map(len, build_problem(cfg).partitions))
-    return audit(cfg, trials=TRIALS, client=sizes.index(min(sizes)))
+    config, client = full_batch(values)
+    return audit(config, trials=TRIALS, client=client)
 
 
 def gaussian_dp_epsilon(mu: float, delta: float) -> float:

@@ -41,7 +41,7 @@ from dpfl.rounds.client import ClientRuntime
 from dpfl.rounds.transport import sum_rows
 from dpfl.runconfig import RunConfig
 
-__all__ = ["AuditResult", "audit"]
+__all__ = ["AuditResult", "audit", "full_batch"]
 
 
 @dataclass(frozen=True)
@@ -178,22 +178,26 @@ def play(problem: Problem, rng: Randomness, rounds: int, server_clients: list[in
             scorer.observe(unit, broadcast, uploads, state)
 
 
-def record_level(source: Problem, client: int, trials: int, rounds: int
-                 ) -> tuple[np.ndarray, np.ndarray, Problem, set[str]]:
+Measured = tuple[np.ndarray, np.ndarray, Problem, list[int], set[str]]
+
+
+def record_level(source: Problem, client: int, trials: int, rounds: int) -> Measured:
     """Out and in scores of ``trials`` runs each of client ``client``'s mechanism, batched as
-    the clients of one federation (:func:`dpfl.audit.canary.record_trials`)."""
+    the clients of one federation (:func:`dpfl.audit.canary.record_trials`); the federation,
+    an out and an in trial client (whose ledgers are compared), the uploads scored."""
     federation, canary = record_trials(source, client, trials, canary_radius(source))
     scorer = UploadScorer(federation, canary, federation.num_clients)
     rng = Randomness(int(source.config["seed"]), secure=bool(source.config["secure-noise"]))
     play(federation, rng, rounds, [federation.num_clients - 1], scorer)
     scores = scorer.scores.numpy()
-    return scores[:trials], scores[trials:2 * trials], federation, scorer.scored
+    return (scores[:trials], scores[trials:2 * trials], federation, [0, trials],
+            scorer.scored)
 
 
-def client_level(source: Problem, client: int, trials: int, rounds: int
-                 ) -> tuple[np.ndarray, np.ndarray, Problem, set[str]]:
+def client_level(source: Problem, client: int, trials: int, rounds: int) -> Measured:
     """Out and in scores of ``trials`` runs each of the whole federation without and with a
-    canary client (:func:`dpfl.audit.canary.client_trials`), each run with its own noise."""
+    canary client (:func:`dpfl.audit.canary.client_trials`), each run with its own noise; the
+    federation with the canary client, that client (whose ledger is compared), the model."""
     canary = craft(source, source.partitions[client], canary_radius(source))
     worlds = (source, client_trials(source, canary))
     seeds = Randomness(int(source.config["seed"]))
@@ -207,7 +211,7 @@ def client_level(source: Problem, client: int, trials: int, rounds: int
             play(problem, rng, rounds, list(range(problem.num_clients)), scorer)
             runs.append(float(scorer.scores[0]))
         scores.append(np.asarray(runs))
-    return scores[0], scores[1], worlds[1], {"model"}
+    return scores[0], scores[1], worlds[1], [worlds[1].num_clients - 1], {"model"}
 
 
 def ledger_epsilon(problem: Problem, clients: list[int], rounds: int) -> float:
@@ -226,6 +230,16 @@ def ledger_epsilon(problem: Problem, clients: list[int], rounds: int) -> float:
     return max(accounting.epsilon(c) for c in clients)
 
 
+def full_batch(values: dict[str, Any]) -> tuple[RunConfig, int]:
+    """``values`` with every batch a client's whole data, and the client to audit: the one
+    with the fewest records, whose batch that is (no sampling amplification: the canary is in
+    every step, the tightest setting for this method)."""
+    sizes = list(map(len, build_problem(RunConfig(values)).partitions))
+    if "batch-size" in RunConfig(values).reads:
+        values = {**values, "batch-size": min(sizes)}
+    return RunConfig(values), sizes.index(min(sizes))
+
+
 THREATS = {
     "record": ("record-level local DP: the server sees every upload of the client",
                record_level),
@@ -242,12 +256,11 @@ def audit(config: RunConfig, *, trials: int = 1000, confidence: float = 0.95,
     source = build_problem(config)
     threat, measure = THREATS["client" if source.algorithm.central_releases() else "record"]
     rounds = int(config["num-server-rounds"])
-    out, inn, problem, scored = measure(source, client, trials, rounds)
+    out, inn, problem, charged, scored = measure(source, client, trials, rounds)
     delta = float(config["delta"])
     bound = epsilon_lower_bound(out, inn, delta=delta, confidence=confidence)
     target = (float(config["epsilon"]) if float(config["noise-multiplier"]) < 0
               and not source.algorithm.noise_free else None)
-    charged = [problem.num_clients - 1] if problem is not source else [client]
     return AuditResult(algorithm=source.algorithm.name, threat_model=threat, bound=bound,
                        epsilon_ledger=ledger_epsilon(problem, charged, rounds),
                        epsilon_target=target, delta=delta, rounds=rounds,
