@@ -1,0 +1,107 @@
+"""What every benchmark shares: interleaved timing, and the rows of `make bench`'s one table.
+
+A benchmark measures with :func:`interleaved` (the candidates alternate, so machine noise
+affects them alike), turns its measurements into :class:`Row` s, prints them, and, when run with
+``--rows FILE`` (as ``run_all.py`` runs it), appends them to FILE as JSON lines; ``run_all.py``
+gathers every benchmark's rows into one Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class Row:
+    """One figure of the table: a ``measure`` of a ``workload`` (``family``: the algorithm
+    family it covers, or "" for one that is not an algorithm's); ``median`` and ``spread``
+    (the lowest and highest of the ``repeats`` interleaved measurements) in ``unit``;
+    ``target`` the figure it must reach ("≤ 1.5×"; "" for none), ``met`` whether it does."""
+
+    section: str
+    measure: str
+    workload: str
+    family: str
+    median: float
+    low: float
+    high: float
+    unit: str
+    repeats: int
+    target: str = ""
+    met: bool | None = None
+
+    @classmethod
+    def of(cls, section: str, measure: str, workload: str, family: str, values: Sequence[float],
+           unit: str, *, target: str = "", limit: float | None = None) -> Row:
+        """The row of measurements ``values``; ``limit``: the target is median ≤ limit."""
+        med = statistics.median(values)
+        return cls(section, measure, workload, family, med, min(values), max(values), unit,
+                   len(values), target, None if limit is None else med <= limit)
+
+    def markdown(self) -> str:
+        spread = f"{_fmt(self.low)}–{_fmt(self.high)}" if self.repeats > 1 else "—"
+        target = self.target + {True: " ✓", False: " ✗", None: ""}[self.met]
+        return (f"| {self.section} | {self.measure} | {self.workload} | {self.family or '—'} | "
+                f"{_fmt(self.median)} {self.unit} | {spread} | {self.repeats} | {target} |")
+
+
+HEADER = ("| section | measure | workload | family | median | spread (min–max) | runs | target |\n"
+          "|---|---|---|---|---:|---:|---:|---|")
+
+
+def _fmt(value: float) -> str:
+    if value == 0 or 0.01 <= abs(value) < 1e5:
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    return f"{value:.2e}"
+
+
+def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
+    """The ratio of each interleaved pair (repeat i of one candidate against repeat i of the
+    other), so the spread is the spread of the ratio, not of either time."""
+    return [n / d for n, d in zip(numerators, denominators, strict=True)]
+
+
+def interleaved(candidates: dict[str, Callable[[], object]], repeats: int,
+                warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds of each call of each candidate: ``warmup`` untimed rounds, then ``repeats``
+    rounds in which every candidate runs once, in turn."""
+    for _ in range(warmup):
+        for fn in candidates.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def arguments(description: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: ``--rows FILE`` (append the rows there) and ``--quick``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rows", type=Path, default=None,
+                        help="append this benchmark's table rows to FILE (JSON lines)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller sizes")
+    return parser
+
+
+def emit(rows: Sequence[Row], path: Path | None) -> None:
+    """Print ``rows`` as Markdown, and append them to ``path`` (JSON lines) when given."""
+    print(HEADER)
+    for row in rows:
+        print(row.markdown(), flush=True)
+    if path is not None:
+        with path.open("a") as out:
+            for row in rows:
+                out.write(json.dumps(asdict(row)) + "\n")
+
+
+def load(path: Path) -> list[Row]:
+    return [Row(**json.loads(line)) for line in path.read_text().splitlines() if line]
