@@ -168,6 +168,45 @@ def test_chunking_gives_the_same_results(name):
             assert _close(ours, ref)
 
 
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic"])
+def test_a_chunk_byte_budget_leaves_the_results_unchanged(name):
+    """float64, rtol 1e-10: budgets of one sample per chunk, three, and none (a linear model's
+    closed form, otherwise one chunk per client, is split too; chunks of any length, ResNet-20
+    included, are checked by test_chunking_gives_the_same_results)."""
+    flat_model, flat, x, y = _setup(name, clients=2, batch=7, dtype=torch.float64)
+    per_row = flat_model.sample_bytes(flat, x, y, rows=True)
+    per_clip = flat_model.sample_bytes(flat, x, y, rows=False)
+    results = []
+    for budget in (None, 1, 3 * per_clip):
+        flat_model.chunk_bytes = budget
+        losses = torch.empty(2, 7, dtype=torch.float64)
+        grads = flat_model.per_sample_gradients(flat, x, y)
+        results.append((grads, *flat_model.clipped_mean(flat, x, y, 0.3, losses=losses), losses))
+        if budget is not None:
+            for rows, per_sample in ((False, per_clip), (True, per_row)):
+                length = flat_model.chunk_length(flat, x, y, rows=rows)
+                assert length == min(7, max(1, budget // per_sample))
+    for other in results[1:]:
+        for ours, ref in zip(other, results[0]):
+            assert _close(ours, ref)
+
+
+@pytest.mark.parametrize("name", ["clip21-cnn", "logistic"])
+def test_no_chunk_of_gradient_rows_exceeds_the_byte_budget(name):
+    flat_model, flat, x, y = _setup(name, clients=2, batch=10)
+    per_row = flat_model.sample_bytes(flat, x, y, rows=True)
+    assert per_row >= 4 * flat_model.d  # a row is counted, at least
+    flat_model.chunk_bytes = 3 * per_row + per_row // 2
+    lengths = [len(rows) for _, _, rows in flat_model.per_sample_gradient_chunks(flat, x, y)]
+    assert lengths == [3, 3, 3, 1] * 2
+
+
+def test_a_chunk_byte_budget_must_be_positive():
+    model = build_model("mlp", input_shape=(1, 28, 28), num_classes=10, seed=0)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        FlatModel(model, "cross-entropy", chunk_bytes=0)
+
+
 @pytest.mark.parametrize("name", ["mlp", "clip21-cnn"])
 def test_per_client_points_equal_separate_calls(name):
     flat_model, flat, x, y = _setup(name, clients=3, batch=4)

@@ -29,6 +29,7 @@ per-sample loss, the convention of PriSMA eq. 22. The Clip21 paper's logistic re
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -108,17 +109,33 @@ class FlatModel:
         λ of the regulariser ``(λ/2) Σ_k x_k²/(1 + x_k²)`` added to every per-sample loss
         (PriSMA eq. 22; Clip21's λ is half of this one).
     chunk_size : int, default 256
-        Samples per forward/backward pass in the per-sample methods; bounds their memory.
+        Most samples per forward/backward pass in the per-sample methods (a linear model's
+        closed form ignores it: one chunk per client, unless ``chunk_bytes`` says otherwise).
+    chunk_bytes : int or None, default None
+        A byte budget for the per-sample values one chunk holds at once: the tensors autograd
+        saves for the backward pass, the layers' output gradients, and the materialised
+        per-sample gradients (conv and norm layers in :meth:`clipped_mean`; whole ``[n, d]``
+        rows in :meth:`per_sample_gradient_chunks` and in a linear model's closed form). Chunks
+        are then ``min(chunk_size, max(1, chunk_bytes // bytes per sample))`` samples, the
+        bytes per sample counted once per input shape by a one-sample pass
+        (:meth:`sample_bytes`). The chunk length depends on the model and the input shape only,
+        never on the number of clients or the data, so results stay reproducible; splitting
+        a batch differently changes only the rounding of the sums. None: ``chunk_size`` alone.
     """
 
     def __init__(
-        self, module: nn.Module, loss: str, nonconvex_reg: float = 0.0, chunk_size: int = 256
+        self, module: nn.Module, loss: str, nonconvex_reg: float = 0.0, chunk_size: int = 256,
+        chunk_bytes: int | None = None,
     ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if chunk_bytes is not None and chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive or None, got {chunk_bytes}")
         self.loss = LOSSES.get(loss)
         self.nonconvex_reg = float(nonconvex_reg)
         self.chunk_size = int(chunk_size)
+        self.chunk_bytes = None if chunk_bytes is None else int(chunk_bytes)
+        self._sample_bytes: dict[tuple[torch.Size, torch.dtype, bool], int] = {}
         self._template = copy.deepcopy(module)
         self._module = copy.deepcopy(module)
 
@@ -259,8 +276,7 @@ class FlatModel:
         of ``chunk_size`` samples from ``start`` (what :meth:`per_sample_gradients` stacks, in
         ``chunk_size × d`` memory at a time)."""
         closed_form = self._linear is not None and self.loss.output_grad is not None
-        # a linear model's rows cost n·d memory and no autograd tape: one chunk per client
-        size = x.shape[1] if closed_form else self.chunk_size
+        size = self.chunk_length(flat, x, y, rows=True)
         for c in range(x.shape[0]):
             point = self._point(flat, c)
             reg = self._reg_grad(point) if self.nonconvex_reg else None
@@ -291,8 +307,10 @@ class FlatModel:
         and the ``[C, b]`` norms of the unclipped per-sample gradients; if ``losses`` (``[C, b]``)
         is given, the per-sample losses of the forward pass are written into it (without the
         regulariser); ``offset`` (``[C, d]``) is added to each of client c's per-sample
-        gradients before clipping (FedProx's proximal gradient μ(x − x_global)). Memory stays about
-        ``chunk_size`` × (largest conv/norm layer) floats beyond an ordinary training step.
+        gradients before clipping (FedProx's proximal gradient μ(x − x_global)). Clients are
+        processed one at a time, so memory does not grow with ``C``: beyond the inputs and
+        outputs it is one chunk's per-sample values (see ``chunk_bytes``; Linear layers on
+        ``[n, in]`` inputs cost only their inputs and output gradients, ``‖g_j‖·‖a_j‖``).
         """
         n_clients, b = x.shape[:2]
         radii = self._radii(clip, n_clients)
@@ -300,23 +318,29 @@ class FlatModel:
         norms = x.new_empty(n_clients, b)
         scratch = _Scratch(out)
         closed_form = self._linear is not None and self.loss.output_grad is not None
+        size = self.chunk_length(flat, x, y, rows=closed_form)
         for c in range(n_clients):
             point = self._point(flat, c)
             reg = self._reg_grad(point) if self.nonconvex_reg else None
             if offset is not None:
                 reg = _aligned(offset[c]) if reg is None else reg + offset[c]
             row = scratch.row(c)
-            if closed_form:  # the rows themselves: n·d memory, no autograd
-                (_, xs, ys), = self._chunks(x, y, c, b)
-                rows = self._linear_per_sample(point, xs, ys,
-                                               None if losses is None else losses[c])
-                if reg is not None:
-                    rows += reg
-                norms[c] = torch.linalg.vector_norm(rows, dim=1)
-                torch.mv(rows.t(), clip_factors(norms[c], radii[c]).div_(b), out=row)
+            if closed_form:  # the rows themselves: n·d memory per chunk, no autograd
+                for start, xs, ys in self._chunks(x, y, c, size):
+                    n = len(xs)
+                    rows = self._linear_per_sample(
+                        point, xs, ys, None if losses is None else losses[c, start:start + n])
+                    if reg is not None:
+                        rows += reg
+                    norms[c, start:start + n] = torch.linalg.vector_norm(rows, dim=1)
+                    w = clip_factors(norms[c, start:start + n], radii[c]).div_(b)
+                    if start == 0:
+                        torch.mv(rows.t(), w, out=row)
+                    else:
+                        row.addmv_(rows.t(), w)
                 scratch.commit(c)
                 continue
-            for start, xs, ys in self._chunks(x, y, c):
+            for start, xs, ys in self._chunks(x, y, c, size):
                 tape = self._record(point, xs, ys,
                                     None if losses is None else losses[c, start:start + len(xs)])
                 n = len(xs)
@@ -325,6 +349,48 @@ class FlatModel:
                 )
             scratch.commit(c)
         return out, norms
+
+    def chunk_length(self, flat: Tensor, x: Tensor, y: Tensor, *, rows: bool) -> int:
+        """Samples per chunk for inputs like ``x [C, b, ...]``: ``chunk_size`` (a linear model's
+        closed form: ``b``), capped by ``chunk_bytes`` // :meth:`sample_bytes` when a budget is
+        set; ``rows``: whole ``[n, d]`` per-sample gradient rows are materialised."""
+        closed_form = self._linear is not None and self.loss.output_grad is not None
+        size = max(1, x.shape[1]) if closed_form else self.chunk_size
+        if self.chunk_bytes is None:
+            return size
+        per_sample = self.sample_bytes(flat, x, y, rows=rows)
+        return max(1, min(size, self.chunk_bytes // per_sample))
+
+    def sample_bytes(self, flat: Tensor, x: Tensor, y: Tensor, *, rows: bool) -> int:
+        """Bytes of per-sample values one sample of ``x [C, b, ...]`` adds to a chunk, counted
+        by one pass on one sample (cached per input shape and dtype): the distinct tensors
+        autograd saves with a leading axis of 1 (the parameters' views are not), the layers'
+        output gradients, and the per-sample gradients materialised — every layer's that has
+        no ghost norm, or the whole ``d`` when ``rows``. A linear model's closed form holds
+        the row, the input and the output and its gradient."""
+        key = (x.shape[2:], x.dtype, rows)
+        if key in self._sample_bytes:
+            return self._sample_bytes[key]
+        itemsize = x.element_size()
+        if self._linear is not None and self.loss.output_grad is not None:
+            features = math.prod(x.shape[2:])
+            self._sample_bytes[key] = itemsize * (self.d + features + 2 * self._linear.out_features)
+        else:
+            saved: dict[int, int] = {}
+
+            def pack(t: Tensor) -> Tensor:
+                if t.dim() and t.shape[0] == 1:
+                    saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.nbytes)
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                tape = self._record(self._point(flat, 0), _aligned(x[0, :1]), _aligned(y[0, :1]))
+            count = self.d if rows else sum(
+                sum(s.numel() for s in layer.shapes)
+                for layer, a, _ in tape if not grad_sample.has_ghost(layer.module, a))
+            values = sum(saved.values()) + sum(g.nbytes for _, _, g in tape)
+            self._sample_bytes[key] = values + itemsize * count
+        return self._sample_bytes[key]
 
     # ------------------------------------------------------------------------------ internals
 
@@ -495,10 +561,10 @@ class FlatModel:
     def _point(self, flat: Tensor, c: int) -> Tensor:
         return _aligned(flat if flat.dim() == 1 else flat[c])
 
-    def _chunks(self, x: Tensor, y: Tensor, c: int, size: int | None = None):
-        """(start, x, y) for client c's fixed-size sample chunks (``chunk_size`` samples unless
-        ``size``), each on aligned memory."""
-        size = size or self.chunk_size
+    @staticmethod
+    def _chunks(x: Tensor, y: Tensor, c: int, size: int):
+        """(start, x, y) for client c's fixed-size sample chunks of ``size`` samples
+        (:meth:`chunk_length`), each on aligned memory."""
         for start in range(0, x.shape[1], size):
             stop = start + size
             yield start, _aligned(x[c, start:stop]), _aligned(y[c, start:stop])
