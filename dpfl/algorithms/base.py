@@ -215,6 +215,11 @@ class Algorithm(ABC):
     # its values of the per-algorithm keys left at "auto" (learning rate, clip, …): chosen by
     # the search in docs/defaults.md; a key it does not name takes the key's own default
     defaults: ClassVar[Mapping[str, Value]] = {}
+    # runs batched as one client step (dpfl.engine.many): whether client_step also takes each
+    # broadcast array with a leading client axis (a point per client, as FlatModel's methods
+    # do), and the run-config keys only the server reads (batched runs may differ in them)
+    per_client_broadcast: ClassVar[bool] = False
+    server_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, hp: Any, model: FlatModel, num_clients: int, *,
                  public: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:

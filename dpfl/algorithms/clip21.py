@@ -232,6 +232,8 @@ class Clip21Family(Algorithm):
     (Alg. 4), the server's average, and the two gradient oracles."""
 
     exchanges = (Exchange("train", ("x",), {"c": Upload("message")}),)
+    per_client_broadcast = True
+    server_keys = ("learning-rate", "fraction-train", "pp-scaling")
 
     # ---- privacy -----------------------------------------------------------------------------
     @abstractmethod

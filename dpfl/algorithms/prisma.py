@@ -195,6 +195,8 @@ class Prisma(Algorithm):
     exchanges = (Exchange("init", ("x",), {"v": Upload("init", post_processing=True)}),
                  Exchange("train", ("x", "x_prev"),
                           {"v": Upload("momentum", post_processing=True)}))
+    per_client_broadcast = True
+    server_keys = ("learning-rate", "server-clip")  # eq. (4)'s radius, checked equal
 
     @property
     def relation(self) -> str:  # type: ignore[override]

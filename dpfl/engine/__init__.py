@@ -1,5 +1,7 @@
-"""In-process engine for sweeps and reproductions (``dpfl run``)."""
+"""In-process engine for sweeps and reproductions (``dpfl run``), and many runs batched as one
+(:func:`run_many`)."""
 
+from dpfl.engine.many import run_many
 from dpfl.engine.runner import run
 
-__all__ = ["run"]
+__all__ = ["run", "run_many"]
