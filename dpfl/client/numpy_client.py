@@ -26,12 +26,31 @@ from dpfl.rounds import ClientRuntime
 
 def node_clients(context: Context) -> list[int]:
     """The client ids this node hosts: node config ``partition-ids`` ("0,3,5", the one
-    string a SuperNode's ``--node-config`` can carry) or ``partition-id`` (set by Flower's
-    simulation for each virtual SuperNode)."""
+    string a SuperNode's ``--node-config`` can carry); else ``partition-id`` p with
+    ``num-partitions`` S (what Flower's simulation sets for each of its S virtual SuperNodes):
+    block p of the run config's ``num-partitions`` clients shared by S nodes
+    (:func:`node_block`: one client per node when S equals it, cohort SuperNodes when S is
+    smaller); else client ``partition-id`` alone."""
     cfg = context.node_config
     if "partition-ids" in cfg:
         return sorted(int(c) for c in str(cfg["partition-ids"]).split(","))
-    return [int(cfg["partition-id"])]
+    node = int(cfg["partition-id"])
+    if "num-partitions" not in cfg:
+        return [node]
+    return node_block(node, int(cfg["num-partitions"]), int(context.run_config["num-partitions"]))
+
+
+def node_block(node: int, nodes: int, clients: int) -> list[int]:
+    """Node ``node`` of ``nodes`` sharing clients ``0..clients-1``: the balanced contiguous
+    block ``node·clients//nodes`` up to ``(node+1)·clients//nodes`` (blocks in node order,
+    disjoint, covering every client, sizes differing by at most one). More nodes than clients
+    are refused: a node would host none."""
+    if not 0 < nodes <= clients:
+        raise ConfigError("num-partitions", f"{clients} clients for {nodes} SuperNodes: a "
+                          f"SuperNode would host none; run at most {clients} SuperNodes "
+                          f"(simulation: --federation-config \"num-supernodes={clients}\")",
+                          allowed=f"at least the {nodes} SuperNodes")
+    return list(range(node * clients // nodes, (node + 1) * clients // nodes))
 
 
 def node_secure_noise(context: Context) -> bool:

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from dpfl.algorithms import State
+from dpfl.algorithms import Cohort, State
 from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem, build_problem
 from dpfl.rounds.client import ClientRuntime
 from dpfl.rounds.driver import RoundDriver
-from dpfl.rounds.transport import Replies, per_client, sum_rows
+from dpfl.rounds.transport import Replies, RowSum, blocks, per_client
 from dpfl.runconfig import RunConfig
 
 
@@ -31,6 +31,7 @@ class EngineTransport:
         self.clients = ClientRuntime.of(problem, pooled_noise=pooled_noise)
         self.cohort = problem.full_cohort()
         self.states = problem.algorithm.init_client_state(problem.num_clients)
+        self.blocks: dict[tuple[int, int], Cohort] = {}
 
     def begin(self, lineage: Lineage, states: State | None) -> None:
         """Take over a checkpoint's client states (a resumed run); the lineage names no file
@@ -43,18 +44,33 @@ class EngineTransport:
 
     def exchange(self, exchange: str, round: int, broadcast: State,
                  participants: list[int]) -> Replies:
-        everyone = len(participants) == self.problem.num_clients  # sorted: no gather/scatter
-        positions = torch.tensor(participants, dtype=torch.long)
-        cohort = self.cohort if everyone else self.cohort.select(participants)
-        rows = self.states if everyone else {k: v[positions] for k, v in self.states.items()}
-        uploads, rows, diagnostics = self.clients.step(exchange, round, broadcast, rows, cohort)
-        if everyone:
-            self.states = dict(rows)
-        else:
+        """One exchange for ``participants``, a block of :data:`~dpfl.rounds.transport.BLOCK`
+        clients at a time: each block's uploads are summed (the one reduction,
+        :class:`~dpfl.rounds.RowSum`) before the next block is computed, so a round holds
+        one block of uploads and noise whatever the number of clients."""
+        everyone = len(participants) == self.problem.num_clients  # sorted: positions = ids
+        total = RowSum(self.problem.device)
+        diagnostics: dict[int, dict[str, float]] = {}
+        for part in blocks(len(participants)):
+            ids = participants[part]
+            cohort = self.block_cohort(part) if everyone else self.cohort.select(ids)
+            positions: slice | torch.Tensor = part if everyone else torch.tensor(ids)
+            given = {k: v[positions] for k, v in self.states.items()}
+            uploads, rows, diagnosed = self.clients.step(exchange, round, broadcast, given,
+                                                         cohort)
             for k, v in rows.items():  # idle clients keep their state
-                self.states[k][positions] = v
-        return Replies(sum_rows(uploads, self.problem.device),
-                       per_client(participants, diagnostics))
+                if v is not given[k]:
+                    self.states[k][positions] = v
+            total.add(uploads)
+            diagnostics.update(per_client(ids, diagnosed))
+        return Replies(total.sums, diagnostics)
+
+    def block_cohort(self, part: slice) -> Cohort:
+        """The cohort of the clients in ``part`` (every client's block, kept across rounds)."""
+        key = (part.start, part.stop)
+        if key not in self.blocks:
+            self.blocks[key] = self.cohort.select(range(part.start, part.stop))
+        return self.blocks[key]
 
 
 def run(config: RunConfig, *, echo: bool = True) -> dict[str, Any]:

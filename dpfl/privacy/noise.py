@@ -30,5 +30,6 @@ def add_noise(values: torch.Tensor, clients: Sequence[int], std: torch.Tensor, *
         out = values.clone()
         out[0].add_(draw[0].to(values.device))
         return out
-    return values + rng.normal(list(clients), round, stream, values.shape[1:], std,
-                               dtype=values.dtype, device=values.device)
+    noise = rng.normal(list(clients), round, stream, values.shape[1:], std, dtype=values.dtype,
+                       device=values.device)
+    return noise.add_(values)  # values + noise, in the noise's fresh memory

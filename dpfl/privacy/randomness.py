@@ -87,9 +87,8 @@ class Randomness:
             rows = secure_standard_normal(len(clients) * n).reshape(len(clients), *shape)
             return (rows * scale.to(dtype=torch.float64, device="cpu")).to(dtype).to(device)
         noise = torch.empty((len(clients), *shape), dtype=dtype)
-        for row, client in zip(noise, clients):
-            torch.randn(shape, generator=self.generator(client, round, purpose),
-                        dtype=dtype, out=row)
+        for row, client in zip(noise, clients):  # the numbers of torch.randn(shape, generator)
+            row.normal_(generator=self.generator(client, round, purpose))
         noise *= scale.to(dtype=dtype, device="cpu")
         return noise.to(device)
 

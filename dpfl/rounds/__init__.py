@@ -6,10 +6,12 @@ from dpfl.rounds.transport import (
     ClientRefused,
     ClientsLost,
     Replies,
+    RowSum,
     Transport,
+    blocks,
     per_client,
     sum_rows,
 )
 
-__all__ = ["ClientRefused", "ClientRuntime", "ClientsLost", "Replies", "RoundDriver", "Transport",
-           "per_client", "sum_rows"]
+__all__ = ["ClientRefused", "ClientRuntime", "ClientsLost", "Replies", "RoundDriver", "RowSum",
+           "Transport", "blocks", "per_client", "sum_rows"]

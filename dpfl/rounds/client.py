@@ -91,10 +91,11 @@ class ClientRuntime:
 
 def check_finite(messages: State, clients: list[int], round: int, exchange: str) -> None:
     """Raise :class:`NonFiniteError` naming the clients and the upload when an upload of
-    ``messages`` (``[C, ...]``, rows in ``clients`` order) holds inf or NaN: one ``isfinite``
-    pass per upload, the rows located only on failure."""
+    ``messages`` (``[C, ...]``, rows in ``clients`` order) holds inf or NaN: one sum per upload
+    (inf or NaN in the rows makes it inf or NaN; an overflow of finite rows is told apart by
+    the elementwise check, 50× slower), the rows located only on failure."""
     for key, rows in messages.items():
-        if not bool(torch.isfinite(rows).all()):
+        if not bool(torch.isfinite(rows.sum())) and not bool(torch.isfinite(rows).all()):
             bad = (~torch.isfinite(rows.reshape(len(clients), -1))).any(dim=1).nonzero()
             raise NonFiniteError(f"round {round}, exchange {exchange!r}: clients "
                                  f"{[clients[i] for i in bad.flatten().tolist()]} computed an "

@@ -64,11 +64,43 @@ class ClientRefused(RuntimeError):
         self.clients = clients
 
 
+#: rows per block of the one reduction, and clients per batched client step in the engine: a
+#: block's uploads and their noise take 2·BLOCK·d·4 bytes (0.4 GB for the 203,530 parameters
+#: of MNIST's 784-256-10 MLP) however many clients take part
+BLOCK = 256
+
+
+def blocks(n: int) -> list[slice]:
+    """The blocks of ``n`` rows: :data:`BLOCK` consecutive rows each, the last one shorter."""
+    return [slice(start, min(start + BLOCK, n)) for start in range(0, n, BLOCK)]
+
+
+class RowSum:
+    """The one reduction of uploads over participants, so that every transport sums in the
+    same order and with the same kernels (the engine equals Flower bit for bit): each block of
+    :data:`BLOCK` consecutive rows (increasing client id) is summed with one ``sum(dim=0)``, and
+    the block sums are added in order. Up to :data:`BLOCK` participants it is one
+    ``sum(dim=0)`` over all rows. Fed one block at a time (:meth:`add`), it never holds more
+    than a block of rows."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sums: State = {}
+
+    def add(self, rows: State) -> None:
+        """Add the next block's rows ``{upload: [b, ...]}`` (b = :data:`BLOCK`, but in the
+        last block)."""
+        block = {k: v.to(self.device).sum(dim=0) for k, v in rows.items()}
+        self.sums = {k: self.sums[k] + v for k, v in block.items()} if self.sums else block
+
+
 def sum_rows(rows: State, device: torch.device) -> State:
     """Each upload ``[S, ...]`` (rows in increasing client id) summed over the participants on
-    ``device``: the one reduction, so every transport sums in the same order and the same
-    kernel (the engine equals Flower bit for bit)."""
-    return {k: v.to(device).sum(dim=0) for k, v in rows.items()}
+    ``device``, by the one reduction (:class:`RowSum`)."""
+    total = RowSum(device)
+    for part in blocks(len(next(iter(rows.values()))) if rows else 0):
+        total.add({k: v[part] for k, v in rows.items()})
+    return total.sums
 
 
 def per_client(ids: list[int], diagnostics: dict[str, torch.Tensor]) -> dict[int, dict[str, float]]:

@@ -2,10 +2,11 @@
 
 It is the server side of the Flower transport, and thin: ``configure_train`` turns one
 exchange's broadcast into one message per node hosting participants, ``aggregate_train`` sums
-the participants' uploads (the one reduction the engine uses too) and collects the diagnostics
-of the non-private mode. ``start`` asks every node which clients it hosts, then hands the round
-driver (:class:`~dpfl.rounds.RoundDriver`) a :class:`FlowerTransport` over these two methods:
-the driver runs the rounds, their exchanges (one message round-trip each), the budget stop and
+the participants' uploads (block by block: the one reduction the engine uses too,
+:class:`~dpfl.rounds.RowSum`) and collects the diagnostics of the non-private mode. ``start``
+asks every node which clients it hosts, then hands the round driver
+(:class:`~dpfl.rounds.RoundDriver`) a :class:`FlowerTransport` over these two methods: the
+driver runs the rounds, their exchanges (one message round-trip each), the budget stop and
 the central evaluation, exactly as it does for the engine.
 
 Messages (records keyed natively; nothing is sent that is not read):
@@ -46,7 +47,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from dpfl.algorithms import State
 from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem
-from dpfl.rounds import ClientRefused, Replies, RoundDriver, sum_rows
+from dpfl.rounds import ClientRefused, Replies, RoundDriver, RowSum, blocks
 
 log = logging.getLogger("dpfl")
 
@@ -127,8 +128,10 @@ class AlgorithmStrategy(Strategy):
         if missing or extra:
             raise FederationError(
                 f"num-partitions={len(wanted)} but the connected nodes host clients "
-                f"{sorted(self.node_of)}; start one SuperNode per partition "
-                f"(simulation: --federation-config \"num-supernodes={len(wanted)}\")")
+                f"{sorted(self.node_of)}; start SuperNodes that host every client once "
+                f"(node config partition-id or partition-ids; simulation: --federation-config "
+                f"\"num-supernodes={len(wanted)}\" for one client per SuperNode, or fewer "
+                f"SuperNodes that each host a block of the clients)")
 
     def ask_new_nodes(self, grid: Grid, *, strict: bool = False) -> set[int]:
         """Ask the online nodes not asked yet which clients they host (a node that restarted
@@ -208,9 +211,11 @@ class AlgorithmStrategy(Strategy):
         if not uploads:
             return None, None
         ids = sorted(uploads)
-        rows = {k: torch.stack([uploads[c][k] for c in ids]) for k in uploads[ids[0]]}
-        sums = sum_rows(rows, self.problem.device)
-        return to_record(sums), None
+        total = RowSum(self.problem.device)
+        for part in blocks(len(ids)):
+            total.add({k: torch.stack([uploads[c][k] for c in ids[part]])
+                       for k in uploads[ids[0]]})
+        return to_record(total.sums), None
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
