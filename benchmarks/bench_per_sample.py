@@ -1,90 +1,181 @@
-"""Cost of per-sample clipping relative to a plain training step, on CPU.
+"""Cost of per-sample clipping relative to a plain training step, on CPU: dpfl and Opacus.
 
-ratio = time(one per-sample-clipped step: ``FlatModel.clipped_mean`` + SGD update on the flat
-vector) / time(one plain step: mean-loss ``backward()`` on the ``nn.Module`` + ``torch.optim.SGD``
-step), batch 64, MNIST-shaped inputs. Both are timed in the same run, interleaved, and the medians
-over the repeats (after warm-up) are compared. The ``×10 clients`` rows time one ``clipped_mean``
-call over 10 clients × 64 samples (clients at different points) against 10 plain steps.
+Four steps on the same shapes (batch 64; MNIST-shaped inputs for the MLP and the Clip21 CNN,
+CIFAR-shaped 3×32×32 for ResNet-20 with GroupNorm), clip radius 1, SGD with learning rate 0.1:
 
-    .venv/bin/python benchmarks/bench_per_sample.py [--quick]
+- plain: mean-loss ``backward()`` on the ``nn.Module`` + ``torch.optim.SGD`` step;
+- dpfl: ``FlatModel.clipped_mean`` (ghost norms for Linear layers, chunked) + the SGD update on
+  the flat vector;
+- Opacus GradSampleModule: ``PrivacyEngine.make_private`` (hooks) with noise multiplier 0:
+  per-sample gradients, clipping, sum and step in ``DPOptimizer.step``;
+- Opacus ghost clipping: ``make_private(grad_sample_mode="ghost")`` with the
+  ``DPLossFastGradientClipping`` criterion it returns (two backward passes), noise 0.
+
+The candidates are timed interleaved (``common.interleaved``); each row is the median and the
+spread of the per-repeat ratio to the plain step. The ``10 clients`` rows time one
+``clipped_mean`` call over 10 clients × 64 samples (clients at different points) against 10
+steps of each of the others. Before timing, each model's clipped mean from dpfl and from both
+Opacus modes are compared at one point (the ``agreement`` rows): they must agree to float32
+rounding, or the comparison is not like for like. Opacus clips with ``C/(‖g‖ + 1e-6)``, dpfl
+with ``C/‖g‖``; the difference is ~1e-6 relative.
+
+    .venv/bin/python benchmarks/bench_per_sample.py [--quick] [--rows FILE]
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from opacus import PrivacyEngine
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import Row, arguments, emit, interleaved, ratios  # noqa: E402
+
 from dpfl.models import FlatModel, build_model  # noqa: E402
 
-BATCH, CLIENTS, LR, CLIP = 64, 10, 0.1, 1.0
+SECTION = "per-sample clipping"
+BATCH, LR, CLIP = 64, 0.1, 1.0
+AGREEMENT = 1e-5  # max |Δ| ÷ max |value| allowed between the clipped means
+# model -> (input shape, clients per timed workload, ratio target on dpfl's rows)
+MODELS: dict[str, tuple[tuple[int, ...], tuple[int, ...], float | None]] = {
+    "mlp": ((1, 28, 28), (1, 10), 1.5),
+    "clip21-cnn": ((1, 28, 28), (1, 10), 1.5),
+    "resnet20": ((3, 32, 32), (1,), None),
+}
+# (model, clients) -> (repeats, quick repeats): the full run takes about 5 minutes on 2 cores
+REPEATS = {("mlp", 1): (50, 15), ("mlp", 10): (15, 4), ("clip21-cnn", 1): (30, 10),
+           ("clip21-cnn", 10): (8, 3), ("resnet20", 1): (4, 2)}
+OPACUS = {"Opacus GradSampleModule": "hooks", "Opacus ghost clipping": "ghost"}
+
+Step = Callable[[], None]
 
 
-def _steps(name: str, n_clients: int) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(plain step, clipped step) closures for ``n_clients`` clients of ``BATCH`` samples."""
+def _data(name: str, n_clients: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    model = build_model(name, input_shape=(1, 28, 28), num_classes=10, seed=0)
-    x = torch.randn(n_clients, BATCH, 1, 28, 28, generator=gen)
-    y = torch.randint(0, 10, (n_clients, BATCH), generator=gen)
+    shape = MODELS[name][0]
+    return (torch.randn(n_clients, BATCH, *shape, generator=gen),
+            torch.randint(0, 10, (n_clients, BATCH), generator=gen))
+
+
+def _module(name: str) -> nn.Module:
+    return build_model(name, input_shape=MODELS[name][0], num_classes=10, seed=0)
+
+
+def _opacus(name: str, mode: str, x: torch.Tensor, y: torch.Tensor
+            ) -> tuple[nn.Module, torch.optim.Optimizer, Callable]:
+    """Opacus' private (module, optimizer, criterion) for batches of ``BATCH``, noise 0."""
+    module = _module(name)
+    loader = DataLoader(TensorDataset(x[0], y[0]), batch_size=BATCH)  # expected batch = BATCH
+    made = PrivacyEngine(accountant="rdp").make_private(
+        module=module, optimizer=torch.optim.SGD(module.parameters(), lr=LR),
+        data_loader=loader, noise_multiplier=0.0, max_grad_norm=CLIP, poisson_sampling=False,
+        criterion=nn.CrossEntropyLoss(), grad_sample_mode=mode)
+    model, optimizer = made[0], made[1]
+    criterion = made[2] if mode == "ghost" else F.cross_entropy
+    return model, optimizer, criterion
+
+
+def _opacus_step(name: str, mode: str, x: torch.Tensor, y: torch.Tensor) -> Step:
+    model, optimizer, criterion = _opacus(name, mode, x, y)
+
+    def step() -> None:
+        for c in range(len(x)):
+            optimizer.zero_grad()
+            criterion(model(x[c]), y[c]).backward()
+            optimizer.step()
+
+    return step
+
+
+def _plain_step(name: str, x: torch.Tensor, y: torch.Tensor) -> Step:
+    model = _module(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
-    def plain() -> None:
-        for c in range(n_clients):
+    def step() -> None:
+        for c in range(len(x)):
             optimizer.zero_grad()
             F.cross_entropy(model(x[c]), y[c]).backward()
             optimizer.step()
 
-    flat_model = FlatModel(model, "cross-entropy")
+    return step
+
+
+def _dpfl_step(name: str, x: torch.Tensor, y: torch.Tensor) -> Step:
+    flat_model = FlatModel(_module(name), "cross-entropy")
     flat = flat_model.initial_params()
-    if n_clients > 1:  # clients at their own points, as after local steps
-        flat = flat.repeat(n_clients, 1)
+    if len(x) > 1:  # clients at their own points, as after local steps
+        flat = flat.repeat(len(x), 1)
 
-    def clipped() -> None:
+    def step() -> None:
         update, _ = flat_model.clipped_mean(flat, x, y, CLIP)
-        flat.add_(update if n_clients > 1 else update[0], alpha=-LR)
+        flat.add_(update if len(x) > 1 else update[0], alpha=-LR)
 
-    return plain, clipped
+    return step
 
 
-def _median_times(
-    plain: Callable[[], None], clipped: Callable[[], None], repeats: int, warmup: int
-) -> tuple[float, float]:
-    for _ in range(warmup):
-        plain()
-        clipped()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for fn, out in ((plain, times[0]), (clipped, times[1])):
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+def agreement(name: str, mode: str) -> tuple[float, int]:
+    """max |Opacus − dpfl| ÷ max |dpfl| of one client's clipped mean at the initial point, and
+    how many of its samples were clipped (the check needs some clipped, some not)."""
+    x, y = _data(name, 1)
+    flat_model = FlatModel(_module(name), "cross-entropy")
+    means, norms = flat_model.clipped_mean(flat_model.initial_params(), x, y, CLIP)
+    ours = means[0]
+    model, optimizer, criterion = _opacus(name, mode, x, y)
+    optimizer.zero_grad()
+    criterion(model(x[0]), y[0]).backward()
+    optimizer.pre_step()  # clip, accumulate, noise (0), scale by 1/BATCH: p.grad is the mean
+    theirs = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+    return ((theirs - ours).abs().max() / ours.abs().max()).item(), int((norms > CLIP).sum())
+
+
+def measure(name: str, n_clients: int, repeats: int) -> list[Row]:
+    x, y = _data(name, n_clients)
+    steps = {"plain": _plain_step(name, x, y), "dpfl": _dpfl_step(name, x, y)}
+    steps |= {label: _opacus_step(name, mode, x, y) for label, mode in OPACUS.items()}
+    times = interleaved(steps, repeats, warmup=max(1, repeats // 10))
+    workload = f"{name}, batch {BATCH}, {n_clients} client{'s' if n_clients > 1 else ''}"
+    target = MODELS[name][2]
+    rows = [Row.of(SECTION, "plain step (mean-loss backward + SGD)", workload, "",
+                   [1e3 * t for t in times["plain"]], "ms")]
+    for label in list(steps)[1:]:
+        rows.append(Row.of(
+            SECTION, f"{label} clipped step ÷ plain step", workload, "",
+            ratios(times[label], times["plain"]), "×",
+            **({"target": f"≤ {target}×", "limit": target}
+               if label == "dpfl" and target is not None else {})))
+    return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (20, not 100)")
-    args = parser.parse_args()
-    repeats, warmup = (20, 5) if args.quick else (100, 10)
-
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {BATCH}, "
-          f"median of {repeats} interleaved repeats\n")
-    print("| model | clients | plain step (ms) | clipped step (ms) | ratio |")
-    print("|---|---:|---:|---:|---:|")
-    for name in ("mlp", "clip21-cnn"):
-        for n_clients in (1, CLIENTS):
-            plain, clipped = _steps(name, n_clients)
-            t_plain, t_clipped = _median_times(plain, clipped, repeats, warmup)
-            print(f"| {name} | {n_clients} | {1e3 * t_plain:.2f} | {1e3 * t_clipped:.2f} | "
-                  f"{t_clipped / t_plain:.2f}× |", flush=True)
+    args = arguments(__doc__.splitlines()[0]).parse_args()
+    # Opacus' full backward hooks warn that the inputs need no gradient; they need none here
+    warnings.filterwarnings("ignore", "Full backward hook is firing")
+    warnings.filterwarnings("ignore", "Secure RNG turned off")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {BATCH}",
+          file=sys.stderr)
+    rows: list[Row] = []
+    for name, (_, clients, _) in MODELS.items():
+        for label, mode in OPACUS.items():
+            gap, clipped = agreement(name, mode)
+            if gap > AGREEMENT:
+                print(f"{name}: {label} and dpfl disagree: {gap:.2e}", file=sys.stderr)
+            rows.append(Row.of(
+                SECTION, f"{label} vs dpfl clipped mean: largest difference ÷ largest entry",
+                f"{name}, batch {BATCH} ({clipped} clipped)", "", [gap], "",
+                target=f"≤ {AGREEMENT:g}", limit=AGREEMENT))
+        for n_clients in clients:
+            repeats = REPEATS[name, n_clients][args.quick]
+            rows += measure(name, n_clients, repeats)
+            print(f"{name} × {n_clients} done", file=sys.stderr, flush=True)
+    emit(rows, args.rows)
 
 
 if __name__ == "__main__":
