@@ -2,7 +2,8 @@
 
 ``dpfl run --run-config "key=value ..."`` runs the in-process engine;
 ``dpfl flower --run-config ...`` runs the same configuration through ``flwr run``
-(Ray simulation) and stops the SuperLink it started; ``dpfl certs FOLDER`` writes the
+(Ray simulation, on this machine or, with ``--ray-address``, on a running Ray cluster) and
+stops the SuperLink it started; ``dpfl certs FOLDER`` writes the
 certificates and node keys of a federation over TLS; ``dpfl export-partition FILE`` writes one
 client's records of a run's split as a site's own data file; ``dpfl export-app FOLDER`` writes
 the Flower app that ``flwr run`` and ``flwr build`` read (from a checkout or an installed
@@ -49,6 +50,17 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--verbose", "-v", action="store_true",
                            help="show all of Flower's and Ray's output (always kept in "
                            "flower.log in the results folder)")
+            p.add_argument("--ray-address", metavar="HOST:PORT",
+                           help="run the ClientApps on this running Ray cluster (its head's "
+                           "address, as `ray start --head` prints it) instead of a Ray "
+                           "started here; run dpfl on one of its nodes (docs/multinode.md)")
+            p.add_argument("--client-cpus", type=int, metavar="N",
+                           help="CPUs Ray reserves per ClientApp actor (Flower's "
+                           "client-resources; default 2): a node of C CPUs runs C // N "
+                           "clients at once")
+            p.add_argument("--client-gpus", type=float, metavar="X",
+                           help="share of a GPU per ClientApp actor (default 0), e.g. 0.25 "
+                           "for four clients per GPU")
         else:
             p.add_argument("--quiet", "-q", action="store_true",
                            help="no line per round: the results folder and warnings only")
@@ -285,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from dpfl.launch import flwr_run
 
-        return flwr_run(overrides, num_supernodes=args.num_supernodes, verbose=args.verbose)
+        return flwr_run(overrides, num_supernodes=args.num_supernodes, verbose=args.verbose,
+                        ray_address=args.ray_address, client_cpus=args.client_cpus,
+                        client_gpus=args.client_gpus)
     except (ConfigError, UsageError) as exc:
         print(f"dpfl: error: {exc}", file=sys.stderr)
         return 2

@@ -6,7 +6,9 @@ keeps running after the run, on ports that are the same for every run on the mac
 launcher validates the run config first (bad input never reaches Flower), gives every
 invocation a private ``FLWR_HOME`` and free loopback ports (so concurrent runs on one machine
 never share a SuperLink), reads the run's final status from ``flwr ls`` (``flwr run --stream``
-exits 0 whatever the run's fate), and stops the processes the run started, by PID.
+exits 0 whatever the run's fate), and stops the processes the run started, by PID. Given a
+Ray address, the simulation runtime attaches to that running cluster instead of starting Ray
+here (:mod:`dpfl.ray_cluster`, docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dpfl.config import Value, format_overrides
 from dpfl.federation import free_port
 from dpfl.flower_app import app_folder
 from dpfl.problem import build_problem, data_dir
+from dpfl.ray_cluster import check_cluster, client_resources
 from dpfl.runconfig import RunConfig, check_runtime
 
 
@@ -154,16 +157,30 @@ def final_status(flwr: Path, env: Mapping[str, str], cwd: Path) -> tuple[str, st
 
 def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = None,
              flwr_home: Path | None = None, timeout: float | None = None,
-             verbose: bool = False) -> int:
+             verbose: bool = False, ray_address: str | None = None,
+             client_cpus: int | None = None, client_gpus: float | None = None) -> int:
     """Run the dpfl app with ``flwr run`` (Ray simulation) on a SuperLink of its own; returns
     0 when the run finished completed, else non-zero (one ``dpfl: error:`` line saying how
     it ended). The app is the source checkout, or for an installed wheel a temporary copy of
     the app it carries (:mod:`dpfl.flower_app`). Flower's whole output goes to ``flower.log``
     in the run's results folder; the console shows it less Flower's and Ray's noise (all of it
-    with ``verbose``)."""
+    with ``verbose``).
+
+    ``ray_address`` (``HOST:PORT`` of a running Ray cluster's head; this machine must be one
+    of its nodes) runs the ClientApps on that cluster instead of a Ray started here; it is
+    checked to answer and to hold a ClientApp actor first. ``client_cpus`` and ``client_gpus``
+    are Flower's ``client-resources`` per ClientApp actor (default 2 CPUs, no GPU): a node of
+    ``n`` CPUs runs ``n // client_cpus`` actors at once."""
     config = RunConfig(overrides)  # raises ConfigError before anything starts
+    cpus, gpus = client_resources(client_cpus, client_gpus)  # Flower's, where not given
+    if ray_address is not None:
+        print(check_cluster(ray_address, cpus, gpus))
     build_problem(config)  # so do the data, the split and the model
     check_runtime(config, "flower")
+    federation: dict[str, Value] = {
+        "num-supernodes": num_supernodes or int(config["num-partitions"])}
+    if client_cpus is not None or client_gpus is not None:
+        federation.update({"client-resources-num-cpus": cpus, "client-resources-num-gpus": gpus})
     values = dict(overrides)
     values["results-dir"] = str(Path(str(config["results-dir"])).expanduser().resolve())
     home = (flwr_home or Path(tempfile.mkdtemp(prefix="dpfl-flwr-home-"))).resolve()
@@ -172,6 +189,8 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
                FLWR_LOCAL_CONTROL_API_PORT=str(free_port()))
     env.setdefault("DPFL_DATA_DIR", data_dir(config))  # the app runs from a copy of the FAB
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    if ray_address is not None:  # read by the simulation runtime's ray.init()
+        env["RAY_ADDRESS"] = ray_address.strip()
     bindir = Path(sys.executable).parent  # flwr starts flower-superlink from PATH
     env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
     flwr = bindir / "flwr"
@@ -180,7 +199,7 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
         with app_folder() as app_dir:
             cmd = [str(flwr), "run", str(app_dir), "--stream", "--run-config",
                    format_overrides(values), "--federation-config",
-                   f"num-supernodes={num_supernodes or int(config['num-partitions'])}"]
+                   format_overrides(federation)]
             code, seen = stream(cmd, env, app_dir, timeout, verbose=verbose)
             log = seen.write_log(Path(values["results-dir"]))
             if code == 0:
