@@ -18,7 +18,8 @@ CASES = {
     # stateless, per-sample clipping: DPSGD-GC, 3 rounds, 4 clients
     "dpsgd-gc": {"algorithm": "dpsgd-gc", "num-partitions": 4, "num-server-rounds": 3,
                  "batch-size": 16, "seed": 3},
-    # stateful clients (v_i, g_i in Context.state), 25 virtual clients, sampling
+    # stateful clients (v_i, g_i in Context.state), 25 clients, sampling, on 4 cohort
+    # SuperNodes (SUPERNODES) hosting 7, 6, 6 and 6 of them
     "clip21-sgd2m": {"algorithm": "clip21-sgd2m", "num-partitions": 25, "num-server-rounds": 3,
                      "batch-size": 16, "seed": 4, "beta": 0.5, "beta-hat": 0.5, "clip": 0.1,
                      "fraction-train": 0.8, "calibration": "practice", "learning-rate": 0.5},
@@ -30,11 +31,15 @@ CASES = {
 }
 
 
+SUPERNODES = {"clip21-sgd2m": 4}  # fewer virtual SuperNodes than clients: cohort SuperNodes
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_flower_simulation_equals_engine_bitwise(tmp_path, case):
     overrides = {**CASES[case], "results-dir": str(tmp_path / "results")}
     home = tmp_path / "flwr-home"
-    code = flwr_run({**overrides, "run-name": "flower"}, flwr_home=home, timeout=600)
+    code = flwr_run({**overrides, "run-name": "flower"}, num_supernodes=SUPERNODES.get(case),
+                    flwr_home=home, timeout=600)
     assert code == 0
     assert started_processes(home) == []  # the managed SuperLink was stopped
     run(RunConfig({**overrides, "run-name": "engine"}), echo=False)
@@ -71,21 +76,22 @@ def test_two_runs_at_once_each_get_a_superlink_of_their_own(tmp_path):
 
 
 def test_a_federation_of_the_wrong_size_fails_the_run_at_once(tmp_path, capfd):
-    """One virtual SuperNode for two partitions: the ServerApp refuses within seconds (not
+    """Three virtual SuperNodes for two partitions: the ServerApp refuses within seconds (not
     the 120 s a deployment waits for nodes), Flower lists the run as failed, and
     ``dpfl flower`` exits non-zero naming the ``--federation-config`` to use."""
     import time
 
     overrides = {**CASES["dpsgd-gc"], "num-partitions": 2, "results-dir": str(tmp_path)}
     start = time.monotonic()
-    code = flwr_run(overrides, num_supernodes=1, flwr_home=tmp_path / "home", timeout=600)
+    code = flwr_run(overrides, num_supernodes=3, flwr_home=tmp_path / "home", timeout=600)
     elapsed = time.monotonic() - start
     out, err = capfd.readouterr()
     assert code == 1
     assert err.splitlines()[-1].startswith("dpfl: error: the Flower run ended finished:failed "
                                            f"(Flower's log: {tmp_path}/flower-")
     assert "\x1b[" not in out and "DEBUG" not in out
-    assert '(simulation: --federation-config "num-supernodes=2")' in out
+    assert ('2 clients for 3 SuperNodes: a SuperNode would host none; run at most 2 '
+            'SuperNodes (simulation: --federation-config "num-supernodes=2")') in out
     assert "Traceback" not in out + err
     assert elapsed < 90, elapsed
     assert started_processes(tmp_path / "home") == []

@@ -9,6 +9,7 @@ from dpfl.checkpoint import Lineage
 from dpfl.client.cache import node_problem
 from dpfl.client.numpy_client import AlgorithmClient, BudgetSpent, node_clients
 from dpfl.client.state_files import StateFiles, state_folder
+from dpfl.errors import ConfigError
 from dpfl.problem import Problem
 
 app = ClientApp()
@@ -22,9 +23,12 @@ def _problem(context: Context) -> Problem:
 
 @app.query("clients")
 def hosted(msg: Message, context: Context) -> Message:
-    """Tell the server which clients this node hosts."""
-    return Message(RecordDict({"hosted": ConfigRecord({"clients": node_clients(context)})}),
-                   reply_to=msg)
+    """Tell the server which clients this node hosts, or (``refused``) why it hosts none."""
+    try:
+        hosted = ConfigRecord({"clients": node_clients(context)})
+    except ConfigError as error:  # the server stops the run with it, in one line
+        hosted = ConfigRecord({"clients": [], "refused": str(error)})
+    return Message(RecordDict({"hosted": hosted}), reply_to=msg)
 
 
 @app.train()

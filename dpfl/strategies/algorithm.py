@@ -136,7 +136,9 @@ class AlgorithmStrategy(Strategy):
     def ask_new_nodes(self, grid: Grid, *, strict: bool = False) -> set[int]:
         """Ask the online nodes not asked yet which clients they host (a node that restarted
         rejoins under a new id, or its old one with node authentication); returns the online
-        nodes. A failing node stops discovery (``strict``) or is left for later."""
+        nodes. A failing node stops discovery (``strict``) or is left for later; so does a
+        node that refuses to host any client (more SuperNodes than clients), or is left
+        unused."""
         online = set(grid.get_node_ids())
         asked = [Message(RecordDict(), n, f"{MessageType.QUERY}.clients")
                  for n in sorted(online - self.asked)]
@@ -145,8 +147,12 @@ class AlgorithmStrategy(Strategy):
                 if strict:
                     self._raise_on_error(reply)
                 continue
+            hosted = reply.content["hosted"]
+            if "refused" in hosted and strict:
+                raise FederationError(f"node {reply.metadata.src_node_id} hosts no client: "
+                                      f"{hosted['refused']}")
             self.asked.add(reply.metadata.src_node_id)
-            for c in reply.content["hosted"]["clients"]:
+            for c in hosted["clients"]:
                 self.node_of[int(c)] = reply.metadata.src_node_id
         return online
 
