@@ -5,9 +5,9 @@ Workload: DPSGD-GC (stateless, per-sample clipping, one noisy step per round; no
 batch 16, every client in every round, one torch thread. Every client holds 24 records: the
 first 24·C records of MNIST's 60,000 training images taken in order and repeated as often as
 needed (distinct images up to C = 2,500; at C = 10,000 each image is held 4 times, by 4
-different clients), split in contiguous blocks of 24; the rounds timed do not evaluate (1,000 test images
-evaluate the initial model once). A round is the round driver's whole round on the engine
-(``RoundDriver.play_round``): the participants, the clients' batched steps and noise in
+different clients), split in contiguous blocks of 24; the rounds timed do not evaluate (1,000
+test images evaluate the initial model once). A round is the round driver's whole round on
+the engine (``RoundDriver.play_round``): the participants, the clients' batched steps and noise in
 blocks of :data:`dpfl.rounds.transport.BLOCK` clients, the blocked sum, the server step, every
 client's ledger and the round's record. The sizes alternate (:func:`common.interleaved`) after
 one warm-up round each.
