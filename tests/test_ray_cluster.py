@@ -64,8 +64,8 @@ class Cluster:
         with open(self.folder / f"node-{i}.log", "w") as out:
             self.nodes.append(subprocess.Popen(
                 [str(RAY), "start", "--block", *role, "--node-ip-address", ip, "--num-cpus",
-                 "1", "--num-gpus", "0", "--temp-dir", str(self.temp), "--disable-usage-stats",
-                 "--dashboard-agent-listen-port", "0"],
+                 "1", "--num-gpus", "0", "--object-store-memory", str(100 << 20), "--temp-dir",
+                 str(self.temp), "--disable-usage-stats", "--dashboard-agent-listen-port", "0"],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         if i == 0:
             self.wait(lambda: _answers(self.head), "the head's GCS does not answer")
