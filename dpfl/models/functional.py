@@ -341,11 +341,12 @@ class FlatModel:
                 scratch.commit(c)
                 continue
             for start, xs, ys in self._chunks(x, y, c, size):
-                tape = self._record(point, xs, ys,
-                                    None if losses is None else losses[c, start:start + len(xs)])
                 n = len(xs)
+                # no name keeps a chunk's tape alive into the next chunk's forward pass
                 norms[c, start : start + n] = self._clip_chunk(
-                    tape, reg, radii[c], n, b, row, first=start == 0
+                    self._record(point, xs, ys,
+                                 None if losses is None else losses[c, start:start + n]),
+                    reg, radii[c], n, b, row, first=start == 0,
                 )
             scratch.commit(c)
         return out, norms
