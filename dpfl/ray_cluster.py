@@ -14,7 +14,11 @@ end in one line instead of a run that fails after Ray's 30-second connect timeou
 from __future__ import annotations
 
 import math
+import os
 import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from flwr.supercore.constant import DEFAULT_SIMULATION_CONFIG
@@ -66,23 +70,41 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def ray_nodes(address: str, timeout: float = 10.0) -> list[RayNode]:
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Nothing on file descriptor 2 inside: Ray's C++ GCS client logs its connection retries
+    there, and the one ``dpfl: error:`` line says what they mean."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def ray_nodes(address: str, timeout: float = 5.0) -> list[RayNode]:
     """The alive nodes of the Ray cluster whose head listens at ``address``, read from its
-    GCS; UsageError naming ``--ray-address`` when nothing listens there or it is no Ray head."""
+    GCS; UsageError naming ``--ray-address`` when nothing listens there or it is no Ray head
+    (Ray's client waits 5 s to connect, then ``timeout``)."""
     host, port = split_address(address)
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as error:
         raise UsageError(f"--ray-address: no Ray cluster answers at {address} "
                          f"({error.strerror or error}) (allowed: {ADDRESS_HELP})") from None
-    # Ray's own client of the GCS: its public state API (ray.util.state) needs the dashboard,
-    # which a cluster need not run; this is the call `ray status` makes through it
-    from ray._raylet import GcsClient
+    # Ray's own client of the GCS, as `ray status` uses it: the public state API
+    # (ray.util.state) asks the dashboard, which a cluster need not run
+    from ray._raylet import InnerGcsClient
     from ray.core.generated.gcs_pb2 import GcsNodeInfo
     from ray.exceptions import RpcError
 
     try:
-        infos = GcsClient(address=f"{host}:{port}").get_all_node_info(timeout=timeout)
+        with _quiet_stderr():
+            gcs = InnerGcsClient.standalone(f"{host}:{port}", None, int(timeout * 1000))
+            infos = gcs.get_all_node_info(timeout=timeout)
     except (RpcError, OSError) as error:
         raise UsageError(f"--ray-address: {address} answers, but not as a Ray cluster's head "
                          f"({error}) (allowed: {ADDRESS_HELP})") from None
