@@ -3,16 +3,14 @@
 The Table-1 workload of the Clip21 reproduction (E3, docs/reproductions.md): MNIST, the
 784-256-10 MLP, 25 clients, batch 64, ε = 27 under the 'practice' calibration, one torch
 thread (what each `dpfl reproduce` worker gets). The two modes alternate, ``--repeats`` times
-each, in this one process, and the ratio of their medians is reported, so machine noise
-affects both alike.
+each, in this one process; each pair's ratio is one measurement, so machine noise affects
+both alike.
 
-    .venv/bin/python benchmarks/bench_engine_modes.py [--rounds 60] [--repeats 3]
+    .venv/bin/python benchmarks/bench_engine_modes.py [--quick] [--rows FILE]
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -20,6 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import Row, arguments, emit, ratios  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
@@ -30,25 +30,28 @@ BASE = {"dataset": "mnist", "model": "mlp", "partitioner": "iid", "num-partition
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = arguments(__doc__.split("\n\n")[0])
     args = parser.parse_args()
+    rounds, repeats = (10, 1) if args.quick else (30, 3)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="dpfl-bench-modes-"))
-    print("| algorithm | exact s/round | fast s/round | speed-up |\n|---|---:|---:|---:|")
+    rows = []
     for algorithm in ("clip-sgd", "clip21-sgd2m", "dpsgd-gc"):
         times: dict[str, list[float]] = {"exact": [], "fast": []}
-        for repeat in range(args.repeats):
+        for repeat in range(repeats):
             for mode in times:
                 config = {**BASE, "algorithm": algorithm, "engine-mode": mode,
-                          "num-server-rounds": args.rounds, "eval-every": args.rounds,
+                          "num-server-rounds": rounds, "eval-every": rounds,
                           "results-dir": str(tmp), "run-name": f"{algorithm}-{mode}-{repeat}"}
                 if algorithm == "dpsgd-gc":
                     config.update({"calibration": "accountant", "clip": 1.0})
                 times[mode].append(run(RunConfig(config), echo=False)["seconds_per_round"])
-        exact, fast = (statistics.median(times[m]) for m in ("exact", "fast"))
-        print(f"| {algorithm} | {exact:.4f} | {fast:.4f} | {exact / fast:.2f}x |", flush=True)
+        family = "prisma" if algorithm == "dpsgd-gc" else "clip21"
+        workload = f"{algorithm}, MNIST MLP, 25 clients × batch 64, one thread"
+        rows += [Row.of("engine modes", "exact ÷ fast, s/round", workload, family,
+                        ratios(times["exact"], times["fast"]), "×"),
+                 Row.of("engine modes", "fast s/round", workload, family, times["fast"], "s")]
+    emit(rows, args.rows)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
-"""Engine vs `flwr run`: seconds per round for the same run, and whether the models agree.
+"""Engine vs `flwr run`: seconds per round and end to end, same configuration, same final model.
 
-DPSGD-GC, 10 clients, the 784-256-10 MLP on MNIST, batch 64.
-Both runtimes run the same configuration and seed in this one process tree; the
-ratio is taken from this single run, so machine noise affects both alike.
+For one algorithm of every family: MNIST, the 784-256-10 MLP, 10 clients, batch 64, evaluation
+at the last round only. ``flwr run`` (Ray simulation, one virtual SuperNode per client, through
+``dpfl flower``'s launcher) and the engine (``dpfl run``, exact mode) run the same configuration
+and seed, alternately, ``--repeats`` times; each pair's ratio is one measurement. Seconds per
+round are the median of rounds 2..T-1 of the run's round records (the last evaluates); end to
+end is the wall time of the whole command, start-up included. The final models must be bitwise
+equal: the benchmark stops if they are not.
 
-    .venv/bin/python benchmarks/bench_engine_vs_flower.py [--rounds 10]
+    .venv/bin/python benchmarks/bench_engine_vs_flower.py [--quick] [--rows FILE]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -21,52 +24,69 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import Row, arguments, emit, ratios  # noqa: E402
+
 from dpfl.engine import run  # noqa: E402
 from dpfl.launch import flwr_run  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
 
+FAMILIES = {"clip21": "clip21-sgd2m", "prisma": "dpsgd-gc", "adaptive": "adaptdp-fedavg",
+            "quantile": "dp-fedavg-quantile", "scaffold": "dp-scaffold", "projected": "pcdp-sgd"}
+QUICK = ("clip21", "prisma", "projected")
+BASE = {"dataset": "mnist", "model": "mlp", "num-partitions": 10, "batch-size": 64,
+        "epsilon": 8.0, "seed": 0}
+
+
+def timed(folder: Path, name: str, config: dict, runtime: str) -> tuple[float, float]:
+    """(median s/round of rounds 2..T-1, wall seconds) of ``config`` on ``runtime``."""
+    values = {**config, "results-dir": str(folder), "run-name": name}
+    started = time.perf_counter()
+    if runtime == "flower":
+        if flwr_run(values, flwr_home=folder / f"{name}-home", timeout=1800) != 0:
+            raise SystemExit(f"flwr run of {name} failed")
+    else:
+        run(RunConfig(values), echo=False)
+    wall = time.perf_counter() - started
+    lines = (folder / name / "rounds.jsonl").read_text().splitlines()
+    return statistics.median(json.loads(line)["seconds"] for line in lines[1:-1]), wall
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=20)
+    parser = arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="dpfl-bench-"))
-    config = {"algorithm": "dpsgd-gc", "dataset": "mnist", "model": "mlp", "num-partitions": 10,
-              "batch-size": 64, "num-server-rounds": args.rounds, "learning-rate": 0.5,
-              "clip": 1.0, "epsilon": 8.0, "seed": 0, "results-dir": str(tmp),
-              "eval-every": args.rounds}  # evaluate once, at the end, in both runtimes
-
-    started = time.perf_counter()
-    code = flwr_run({**config, "run-name": "flower"}, flwr_home=tmp / "flwr-home", timeout=1800)
-    flower_total = time.perf_counter() - started
-    if code != 0:
-        raise SystemExit(f"flwr run failed with status {code}")
-    started = time.perf_counter()
-    run(RunConfig({**config, "run-name": "engine"}), echo=False)
-    engine_total = time.perf_counter() - started
-
-    summaries = {name: json.loads((tmp / name / "summary.json").read_text())
-                 for name in ("flower", "engine")}
-    steady = {name: statistics.median(
-        json.loads(line)["seconds"]
-        for line in (tmp / name / "rounds.jsonl").read_text().splitlines()[1:])
-        for name in ("flower", "engine")}
-    models = {name: torch.load(tmp / name / "model.pt") for name in ("flower", "engine")}
-    equal = all(torch.equal(models["flower"][k], models["engine"][k]) for k in models["engine"])
-    f_round, e_round = steady["flower"], steady["engine"]
-    print(f"DPSGD-GC, MNIST MLP 784-256-10, 10 clients, batch 64, {args.rounds} rounds "
-          f"(torch threads: {torch.get_num_threads()})\n")
-    print("| runtime | s/round (median, rounds 2..T) | s/round (mean, all rounds) "
-          "| wall incl. start-up (s) | final test acc |")
-    print("|---|---|---|---|---|")
-    for label, name, total in (("flwr run (Ray simulation)", "flower", flower_total),
-                               ("engine", "engine", engine_total)):
-        s = summaries[name]
-        print(f"| {label} | {steady[name]:.4f} | {s['seconds_per_round']:.4f} | {total:.1f} | "
-              f"{100 * s['test_accuracy']:.2f}% |")
-    print(f"\nengine speed-up: {f_round / e_round:.0f}x per round (median), "
-          f"{flower_total / engine_total:.0f}x end to end; "
-          f"final models bitwise equal: {equal}")
+    repeats, rounds = (1, 4) if args.quick else (args.repeats or 2, 8)
+    folder = Path(tempfile.mkdtemp(prefix="dpfl-bench-flower-"))
+    rows = []
+    for family, algorithm in FAMILIES.items():
+        if args.quick and family not in QUICK:
+            continue
+        config = {**BASE, "algorithm": algorithm, "num-server-rounds": rounds,
+                  "eval-every": rounds}
+        per_round: dict[str, list[float]] = {"flower": [], "engine": []}
+        wall: dict[str, list[float]] = {"flower": [], "engine": []}
+        for repeat in range(repeats):
+            for runtime in ("flower", "engine"):
+                r, w = timed(folder, f"{algorithm}-{runtime}-{repeat}", config, runtime)
+                per_round[runtime].append(r)
+                wall[runtime].append(w)
+            models = [torch.load(folder / f"{algorithm}-{rt}-{repeat}" / "model.pt")
+                      for rt in ("flower", "engine")]
+            if not all(torch.equal(models[0][k], models[1][k]) for k in models[1]):
+                raise SystemExit(f"{algorithm}: the engine's model differs from flwr run's")
+        workload = (f"{algorithm}, MNIST MLP, 10 clients × batch 64, {rounds} rounds; "
+                    f"final models bitwise equal")
+        rows += [Row.of("engine vs flwr run", "flwr run ÷ engine, s/round", workload, family,
+                        ratios(per_round["flower"], per_round["engine"]), "×"),
+                 Row.of("engine vs flwr run", "flwr run ÷ engine, end to end", workload, family,
+                        ratios(wall["flower"], wall["engine"]), "×"),
+                 Row.of("engine vs flwr run", "flwr run s/round", workload, family,
+                        per_round["flower"], "s"),
+                 Row.of("engine vs flwr run", "engine s/round", workload, family,
+                        per_round["engine"], "s")]
+        print(rows[-4].markdown(), flush=True)
+    print(f"(torch threads: {torch.get_num_threads()})")
+    emit(rows, args.rows)
 
 
 if __name__ == "__main__":

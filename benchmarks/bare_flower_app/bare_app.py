@@ -3,9 +3,13 @@ against which ``benchmarks/bench_deployment.py`` measures dpfl's ClientApp over 
 
 Each message, as in the quickstart: import torch, torchvision and flwr-datasets; open the
 dataset from its on-disk (memory-mapped Arrow) copy, take this node's partition with
-flwr-datasets' ``IidPartitioner``, transform it with torchvision (``ToTensor``, ``Normalize``)
-and run ``local-steps`` plain SGD steps of the same MLP as dpfl's ``mlp`` (784-256-10, tanh).
-The ServerApp is Flower's ``FedAvg``; it writes the wall time of each round to ``times-file``.
+flwr-datasets' ``IidPartitioner`` (kept for the process's later messages, as the quickstart keeps
+its ``FederatedDataset``: a warm simulation actor partitions once), transform it with torchvision
+(``ToTensor``, ``Normalize``) and run ``local-steps`` plain SGD steps of the same MLP as dpfl's
+``mlp`` (784-256-10, tanh). A node's partition is its node config's ``partition-ids`` (a real
+SuperNode) or ``partition-id`` (a simulated one). The ServerApp is Flower's ``FedAvg``; it writes
+the wall time of each round to ``times-file``. The yardstick of ``benchmarks/bench_deployment.py``
+(real processes) and ``benchmarks/bench_flower_vs_bare.py`` (Ray simulation).
 """
 
 import json
@@ -31,10 +35,15 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.Tanh(), nn.Linear(256, 10))
 
 
+_partitioners: dict[tuple[int, str], IidPartitioner] = {}
+
+
 def load_data(partition_id: int, num_partitions: int, path: str, batch_size: int) -> DataLoader:
-    partitioner = IidPartitioner(num_partitions=num_partitions)
-    partitioner.dataset = load_from_disk(path)
-    partition = partitioner.load_partition(partition_id)
+    if (num_partitions, path) not in _partitioners:
+        partitioner = IidPartitioner(num_partitions=num_partitions)
+        partitioner.dataset = load_from_disk(path)
+        _partitioners[num_partitions, path] = partitioner
+    partition = _partitioners[num_partitions, path].load_partition(partition_id)
     transform = Compose([ToTensor(), Normalize((0.1307,), (0.3081,))])
 
     def apply(batch: dict) -> dict:
@@ -64,7 +73,9 @@ def train(msg: Message, context: Context) -> Message:
     cfg = context.run_config
     model = net()
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    loader = load_data(int(context.node_config["partition-ids"]), int(cfg["num-partitions"]),
+    node = context.node_config
+    loader = load_data(int(node.get("partition-ids", node.get("partition-id", 0))),
+                       int(cfg["num-partitions"]),
                        str(cfg["data-path"]), int(cfg["batch-size"]))
     steps = fit(model, loader, int(cfg["local-steps"]), float(cfg["learning-rate"]))
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()),

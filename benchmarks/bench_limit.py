@@ -1,0 +1,156 @@
+"""The hardware limit: an engine round of every algorithm family against the work it cannot avoid.
+
+For each workload, the engine's seconds per round (exact mode, the median of rounds 2..T-1 of a
+``dpfl run``: the last round evaluates) is divided by the limit: one plain, non-private forward
+and backward pass of the ``nn.Module`` (mean loss, ``backward()``) over all the samples the round
+trains on, batched in one call, plus, for a noisy algorithm, one ``torch.randn`` of as many
+Gaussians as the round draws. Both counts are measured, not assumed: a first short run counts
+the samples every training forward pass sees and the Gaussians every draw makes. A ratio of 1
+means the engine is at the limit; what lies above it is per-sample clipping, per-client keyed
+noise streams, the algorithm's own vector arithmetic and the round's bookkeeping (ledger,
+records). The engine run and the limit alternate ``--repeats`` times; the row gives the median
+and spread of the per-repeat ratio. One torch thread (what each ``dpfl reproduce`` worker has).
+
+Target (the issue's): ≤ 1.5× in exact mode for the MLP and the Clip21 CNN, on the families
+whose round is one clipped step per client (Clip21, DPSGD-GC).
+
+    .venv/bin/python benchmarks/bench_limit.py [--quick] [--rows FILE]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import Row, arguments, emit, ratios  # noqa: E402
+
+from dpfl.engine import run  # noqa: E402
+from dpfl.models.functional import FlatModel  # noqa: E402
+from dpfl.privacy.randomness import Randomness  # noqa: E402
+from dpfl.problem import build_problem  # noqa: E402
+from dpfl.runconfig import RunConfig  # noqa: E402
+
+CLIENTS, BATCH = 10, 64
+BASE = {"dataset": "mnist", "model": "mlp", "num-partitions": CLIENTS, "batch-size": BATCH,
+        "epsilon": 8.0, "engine-mode": "exact", "seed": 0}
+# (family, algorithm, model, overrides): one or two algorithms per family, on the MLP, and the
+# one-step families on the Clip21 CNN too
+WORKLOADS: list[tuple[str, str, str, dict]] = [
+    ("clip21", "clip21-sgd2m", "mlp", {}),
+    ("clip21", "clip21-sgd2m", "clip21-cnn", {}),
+    ("prisma", "dpsgd-gc", "mlp", {}),
+    ("prisma", "dpsgd-gc", "clip21-cnn", {}),
+    ("prisma", "prisma", "mlp", {}),
+    ("adaptive", "adaptdp-fedavg", "mlp", {"local-steps": 5}),
+    ("adaptive", "dp-fedavg", "mlp", {"local-steps": 5}),
+    ("quantile", "dp-fedavg-quantile", "mlp", {}),
+    ("scaffold", "dp-scaffold", "mlp", {"local-steps": 5}),
+    ("projected", "dp-sgd", "mlp", {"local-steps": 5}),
+    ("projected", "pcdp-sgd", "mlp", {"local-steps": 5}),
+]
+TARGETED = {"clip21", "prisma"}  # one clipped step per client: the issue's target applies
+LIMIT = 1.5
+
+
+@contextmanager
+def counting() -> Iterator[dict[str, int]]:
+    """Count the samples of every training forward pass (grad enabled) of any ``FlatModel`` and
+    every Gaussian any ``Randomness.normal`` draws, while the block runs."""
+    counts = {"samples": 0, "gaussians": 0}
+    forward, normal = FlatModel._forward, Randomness.normal
+
+    def counted_forward(self, point, x):
+        if torch.is_grad_enabled():
+            counts["samples"] += x.shape[0]
+        return forward(self, point, x)
+
+    def counted_normal(self, clients, round, purpose, shape, std, **kwargs):
+        counts["gaussians"] += len(clients) * math.prod(shape)
+        return normal(self, clients, round, purpose, shape, std, **kwargs)
+
+    FlatModel._forward, Randomness.normal = counted_forward, counted_normal  # type: ignore
+    try:
+        yield counts
+    finally:
+        FlatModel._forward, Randomness.normal = forward, normal  # type: ignore
+
+
+def config(algorithm: str, model: str, overrides: dict, rounds: int, folder: Path,
+           name: str) -> RunConfig:
+    return RunConfig({**BASE, "algorithm": algorithm, "model": model, **overrides,
+                      "num-server-rounds": rounds, "eval-every": rounds,
+                      "results-dir": str(folder), "run-name": name})
+
+
+def engine_round(cfg: RunConfig) -> float:
+    """Median seconds of rounds 2..T-1 of ``cfg`` run on the engine."""
+    run(cfg, echo=False)
+    lines = (Path(str(cfg["results-dir"])) / str(cfg["run-name"]) / "rounds.jsonl")
+    seconds = [json.loads(line)["seconds"] for line in lines.read_text().splitlines()]
+    return statistics.median(seconds[1:-1])
+
+
+def limit_step(cfg: RunConfig, samples: int, gaussians: int) -> float:
+    """Seconds of one plain forward+backward over ``samples`` samples in one call, plus one draw
+    of ``gaussians`` standard normals."""
+    problem = build_problem(cfg)
+    module = problem.model.load_into(problem.x0)
+    x = torch.randn(samples, *problem.dataset.train_x.shape[1:])
+    y = torch.randint(0, 10, (samples,))
+    start = time.perf_counter()
+    F.cross_entropy(module(x), y).backward()
+    if gaussians:
+        torch.randn(gaussians)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    repeats, rounds = (2, 4) if args.quick else (args.repeats or 5, 8)
+    torch.set_num_threads(1)
+    folder = Path(tempfile.mkdtemp(prefix="dpfl-bench-limit-"))
+    rows = []
+    for family, algorithm, model, overrides in WORKLOADS:
+        with counting() as counts:
+            run(config(algorithm, model, overrides, 2, folder, f"{algorithm}-{model}-count"),
+                echo=False)
+        samples, gaussians = counts["samples"] // 2, counts["gaussians"] // 2
+        engine, limit = [], []
+        for repeat in range(repeats + 1):  # the first pair warms up
+            cfg = config(algorithm, model, overrides, rounds, folder,
+                         f"{algorithm}-{model}-{repeat}")
+            e = engine_round(cfg)
+            lim = min(limit_step(cfg, samples, gaussians) for _ in range(3))
+            if repeat:
+                engine.append(e)
+                limit.append(lim)
+        workload = (f"{algorithm}, MNIST {model}, {CLIENTS} clients × batch {BATCH}"
+                    + "".join(f", {k} {v}" for k, v in overrides.items())
+                    + f" ({samples:,} samples, {gaussians:,} Gaussians a round)")
+        targeted = family in TARGETED
+        rows.append(Row.of("hardware limit", "engine round ÷ (plain fwd+bwd + Gaussians)",
+                           workload, family, ratios(engine, limit), "×",
+                           target=f"≤ {LIMIT}×" if targeted else "",
+                           limit=LIMIT if targeted else None))
+        rows.append(Row.of("hardware limit", "engine s/round (exact)", workload, family,
+                           engine, "s"))
+        print(rows[-2].markdown(), flush=True)
+    emit(rows, args.rows)
+
+
+if __name__ == "__main__":
+    main()
