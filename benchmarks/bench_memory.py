@@ -107,16 +107,19 @@ def measure_in_child(point: Point, device: str) -> dict[str, float]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+# model -> (batches at one client, clients at the batch ``at``, at), full run; --quick takes the
+# first and last batch and the first two client counts
+SWEEPS = {"mlp": ((16, 64, 256, 1024), (1, 10, 100), 64),
+          "clip21-cnn": ((16, 64, 256, 1024), (1, 10, 100), 16),
+          "resnet20": ((16, 128), (1, 4), 16)}
+
+
 def points(quick: bool) -> list[Point]:
-    """Batch sweeps at one client and client sweeps at batch 64 (ResNet-20: batch 16), each
-    with and without the byte budget."""
+    """Batch sweeps at one client and client sweeps, each with and without the byte budget."""
     out: list[Point] = []
-    for model in SHAPES:
-        if model == "resnet20":
-            batches, clients, at = ((16, 64) if quick else (16, 64, 256)), (1, 4), 16
-        else:
-            batches, clients, at = ((16, 256) if quick else (16, 64, 256, 1024)), (
-                (1, 10) if quick else (1, 10, 100)), 64
+    for model, (batches, clients, at) in SWEEPS.items():
+        if quick:
+            batches, clients = (batches[0], batches[-1]), clients[:2]
         sweep = [(b, 1) for b in batches] + [(at, c) for c in clients if c > 1]
         out += [Point(model, b, c, budget) for b, c in sweep for budget in (None, BUDGET)]
     return out
