@@ -28,6 +28,7 @@ from dpfl.engine import run
 from dpfl.errors import UsageError
 from dpfl.federation import free_port
 from dpfl.launch import flwr_run, started_processes
+from dpfl.problem import data_dir
 from dpfl.ray_cluster import check_cluster, ray_nodes
 from dpfl.runconfig import RunConfig
 
@@ -35,8 +36,10 @@ RAY = Path(sys.executable).parent / "ray"
 needs_ray = pytest.mark.skipif(not RAY.is_file(), reason=f"the `ray` command ({RAY}) is not "
                                "installed: `ray start` starts the cluster's nodes")
 
-CASE = {"algorithm": "dpsgd-gc", "dataset": "digits", "model": "logistic", "num-partitions": 4,
-        "num-server-rounds": 2, "batch-size": 16, "seed": 7}
+# LIBSVM duke, read from $DPFL_DATA_DIR: the nodes' ClientApps see it in `ray start`'s
+# environment, not in dpfl's
+CASE = {"algorithm": "dpsgd-gc", "dataset": "duke", "model": "logistic", "num-partitions": 4,
+        "num-server-rounds": 2, "batch-size": 8, "seed": 7}
 
 
 class Cluster:
@@ -57,7 +60,8 @@ class Cluster:
         i = len(self.nodes)
         cache = self.folder / f"node-{i}-cache"
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        env.update(DPFL_CACHE_DIR=str(cache), RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0")
+        env.update(DPFL_DATA_DIR=data_dir(RunConfig(CASE)), DPFL_CACHE_DIR=str(cache),
+                   RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0")
         role = (["--head", "--port", self.head.rsplit(":", 1)[1], "--include-dashboard",
                  "false", "--dashboard-port", str(free_port()), "--ray-client-server-port",
                  str(free_port())] if i == 0 else ["--address", self.head])
