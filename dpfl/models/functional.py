@@ -13,12 +13,17 @@ gradients follow layer by layer (``dpfl.models.grad_sample``). ``clipped_mean`` 
 clipped sum from one weighted GEMM ("ghost clipping"); conv and norm layers are materialised
 (``b × d_layer``), which is cheap for the small conv layers of the papers' models.
 
-Reproducibility. Clients are processed one at a time, in fixed chunks of ``chunk_size`` samples,
-on 64-byte-aligned copies of their data, into 64-byte-aligned output rows (``_Scratch``), so
-client i's result does not depend on how many other clients share the call: a Flower client
-(C = 1) and the in-process engine (C = 100) agree bit for bit on CPU. (Measured: stacking the
-clients' samples into the rows of one GEMM changes the rounding of every client's rows, because
-MKL picks its kernel by the matrix shape.)
+Memory. Clients are processed one at a time, and each client's samples in chunks of at most
+``chunk_size`` samples, or of as many as fit a byte budget ``chunk_bytes`` for the chunk's
+per-sample values; so beyond the ``[C, d]`` result, a step's peak memory is one chunk's, whatever
+the batch or the number of clients (``benchmarks/bench_memory.py`` measures it).
+
+Reproducibility. Clients are processed one at a time, in fixed chunks (their length depends on
+the model and the input shape only), on 64-byte-aligned copies of their data, into
+64-byte-aligned output rows (``_Scratch``), so client i's result does not depend on how many
+other clients share the call: a Flower client (C = 1) and the in-process engine (C = 100) agree
+bit for bit on CPU. (Measured: stacking the clients' samples into the rows of one GEMM changes
+the rounding of every client's rows, because MKL picks its kernel by the matrix shape.)
 
 The nonconvex regulariser. ``nonconvex_reg = λ`` adds ``(λ/2) Σ_k x_k² / (1 + x_k²)`` to every
 per-sample loss, the convention of PriSMA eq. 22. The Clip21 paper's logistic regression
