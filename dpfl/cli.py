@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--ray-address", metavar="HOST:PORT",
                            help="run the ClientApps on this running Ray cluster (its head's "
                            "address, as `ray start --head` prints it) instead of a Ray "
-                           "started here; run dpfl on one of its nodes (docs/multinode.md)")
+                           "started here; run dpfl on one of its nodes")
             p.add_argument("--client-cpus", type=int, metavar="N",
                            help="CPUs Ray reserves per ClientApp actor (Flower's "
                            "client-resources; default 2): a node of C CPUs runs C // N "
