@@ -15,8 +15,9 @@ The candidates are timed interleaved (``common.interleaved``); each row is the m
 spread of the per-repeat ratio to the plain step. The ``10 clients`` rows time one
 ``clipped_mean`` call over 10 clients × 64 samples (clients at different points) against 10
 steps of each of the others. Before timing, each model's clipped mean from dpfl and from both
-Opacus modes are compared at one point (the ``agreement`` rows): they must agree to float32
-rounding, or the comparison is not like for like. Opacus clips with ``C/(‖g‖ + 1e-6)``, dpfl
+Opacus modes are compared at one point, at the radius that clips half of the samples (the
+``vs dpfl clipped mean`` rows): they must agree to float32 rounding, or the comparison is not
+like for like. Opacus clips with ``C/(‖g‖ + 1e-6)``, dpfl
 with ``C/‖g‖``; the difference is ~1e-6 relative.
 
     .venv/bin/python benchmarks/bench_per_sample.py [--quick] [--rows FILE]
@@ -69,14 +70,14 @@ def _module(name: str) -> nn.Module:
     return build_model(name, input_shape=MODELS[name][0], num_classes=10, seed=0)
 
 
-def _opacus(name: str, mode: str, x: torch.Tensor, y: torch.Tensor
+def _opacus(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, clip: float = CLIP
             ) -> tuple[nn.Module, torch.optim.Optimizer, Callable]:
     """Opacus' private (module, optimizer, criterion) for batches of ``BATCH``, noise 0."""
     module = _module(name)
     loader = DataLoader(TensorDataset(x[0], y[0]), batch_size=BATCH)  # expected batch = BATCH
     made = PrivacyEngine(accountant="rdp").make_private(
         module=module, optimizer=torch.optim.SGD(module.parameters(), lr=LR),
-        data_loader=loader, noise_multiplier=0.0, max_grad_norm=CLIP, poisson_sampling=False,
+        data_loader=loader, noise_multiplier=0.0, max_grad_norm=clip, poisson_sampling=False,
         criterion=nn.CrossEntropyLoss(), grad_sample_mode=mode)
     model, optimizer = made[0], made[1]
     criterion = made[2] if mode == "ghost" else F.cross_entropy
@@ -122,18 +123,21 @@ def _dpfl_step(name: str, x: torch.Tensor, y: torch.Tensor) -> Step:
 
 
 def agreement(name: str, mode: str) -> tuple[float, int]:
-    """max |Opacus − dpfl| ÷ max |dpfl| of one client's clipped mean at the initial point, and
-    how many of its samples were clipped (the check needs some clipped, some not)."""
+    """max |Opacus − dpfl| ÷ max |dpfl| of one client's clipped mean at the initial point, at
+    the radius that clips half of its samples (both branches of the clip), and how many were
+    clipped."""
     x, y = _data(name, 1)
     flat_model = FlatModel(_module(name), "cross-entropy")
-    means, norms = flat_model.clipped_mean(flat_model.initial_params(), x, y, CLIP)
+    flat = flat_model.initial_params()
+    clip = flat_model.clipped_mean(flat, x, y, CLIP)[1].median().item()
+    means, norms = flat_model.clipped_mean(flat, x, y, clip)
     ours = means[0]
-    model, optimizer, criterion = _opacus(name, mode, x, y)
+    model, optimizer, criterion = _opacus(name, mode, x, y, clip)
     optimizer.zero_grad()
     criterion(model(x[0]), y[0]).backward()
     optimizer.pre_step()  # clip, accumulate, noise (0), scale by 1/BATCH: p.grad is the mean
     theirs = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
-    return ((theirs - ours).abs().max() / ours.abs().max()).item(), int((norms > CLIP).sum())
+    return ((theirs - ours).abs().max() / ours.abs().max()).item(), int((norms > clip).sum())
 
 
 def measure(name: str, n_clients: int, repeats: int) -> list[Row]:
