@@ -84,7 +84,9 @@ def _grouped_weight_grad(layer: nn.Conv2d, a: Tensor, g: Tensor) -> Tensor:
     folded into the groups: sample j is group j (times the layer's own groups)."""
     n = a.shape[0]
     shape = layer.weight.shape
-    weight = layer.weight.detach().expand(n, *shape).reshape(n * shape[0], *shape[1:])
+    # only the weight's shape is read: a stride-0 stand-in on a's device (the layer's own weight
+    # may sit elsewhere), not n copies of it
+    weight = a.new_empty(()).expand(n * shape[0], *shape[1:])
     return torch.ops.aten.convolution_backward(
         g.reshape(1, n * g.shape[1], *g.shape[2:]),
         a.reshape(1, n * a.shape[1], *a.shape[2:]),
