@@ -9,8 +9,9 @@ budget (``chunk_bytes``). Every point runs in a fresh Python process (``--point`
    one-off kernel buffers are already resident (they are not the step's memory);
 3. resets the kernel's record of its peak resident set to the current one (``5`` written to
    ``/proc/self/clear_refs``), reads the resident set (``VmRSS``: the baseline), runs the step,
-   and reads the peak (``VmHWM``): the step's peak is the difference. On CUDA the figure is
-   ``torch.cuda.max_memory_allocated`` during the step less the memory allocated before it.
+   and reads the peak (``VmHWM``): the step's peak is the difference. On CUDA (``--device
+   cuda``) there is a second figure: ``torch.cuda.max_memory_allocated`` during the step less
+   the memory allocated before it.
 
 (``ru_maxrss`` will not do: a child started by ``fork`` + ``exec`` inherits its parent's peak
 at the fork, which hides the step in a big parent such as a test run.) The difference is what
@@ -60,7 +61,8 @@ class Point:
 
     def workload(self) -> str:
         bound = "chunk_size 256" if self.budget is None else f"chunk_bytes {self.budget // MIB} MiB"
-        return f"{self.model}, batch {self.batch}, {self.clients} client(s), {bound}"
+        clients = f"{self.clients} client{'s' if self.clients > 1 else ''}"
+        return f"{self.model}, batch {self.batch}, {clients}, {bound}"
 
 
 def _status_bytes(field: str) -> int:
@@ -83,20 +85,21 @@ def measure(point: Point, device: str) -> dict[str, float]:
     flat_model.clipped_mean(flat, x[:1, :1], y[:1, :1], 1.0)  # warm-up: code pages, kernels
     chunk = min(point.batch, flat_model.chunk_length(flat, x, y, rows=False))
     per_sample = flat_model.sample_bytes(flat, x, y, rows=False)
+    figures = {"d": float(flat_model.d), "chunk": float(chunk),
+               "counted": float(per_sample * chunk),
+               "output": float(4 * point.clients * flat_model.d)}
+    STATUS.with_name("clear_refs").write_text("5")  # peak resident set := the current one
+    before = _status_bytes("VmRSS")
     if device == "cuda":
         torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
+        cuda_before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        flat_model.clipped_mean(points, x, y, 1.0)
+    flat_model.clipped_mean(points, x, y, 1.0)
+    if device == "cuda":
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        STATUS.with_name("clear_refs").write_text("5")  # peak resident set := the current one
-        before = _status_bytes("VmRSS")
-        flat_model.clipped_mean(points, x, y, 1.0)
-        peak = _status_bytes("VmHWM") - before
-    return {"peak": float(peak), "d": float(flat_model.d), "chunk": float(chunk),
-            "counted": float(per_sample * chunk), "output": float(4 * point.clients * flat_model.d)}
+        figures["cuda peak"] = float(torch.cuda.max_memory_allocated() - cuda_before)
+    figures["peak"] = float(_status_bytes("VmHWM") - before)
+    return figures
 
 
 def measure_in_child(point: Point, device: str) -> dict[str, float]:
@@ -126,16 +129,22 @@ def points(quick: bool) -> list[Point]:
 
 
 def rows_of(point: Point, figures: dict[str, float]) -> list[Row]:
-    """The step's peak per sample; with a budget, also the peak itself against
-    ``SLACK`` × budget + the ``[C, d]`` result."""
+    """The step's peak (resident set; CUDA memory too on CUDA) per sample; with a budget, also
+    the peak itself against ``SLACK`` × budget + the ``[C, d]`` result."""
     workload = f"{point.workload()}: {int(figures['chunk'])}-sample chunks"
-    per_sample = figures["peak"] / (point.batch * point.clients) / 1024
-    out = [Row.of(SECTION, "clipped step's peak per sample", workload, "", [per_sample], "KiB")]
-    if point.budget is not None:
-        limit = (SLACK * point.budget + figures["output"]) / MIB
-        out.append(Row.of(SECTION, "clipped step's peak", workload, "", [figures["peak"] / MIB],
-                          "MiB", target=f"≤ {limit:.0f} MiB ({SLACK}× budget + result)",
-                          limit=limit))
+    out: list[Row] = []
+    for key, memory in (("peak", "resident set"), ("cuda peak", "CUDA memory")):
+        if key not in figures:
+            continue
+        per_sample = figures[key] / (point.batch * point.clients) / 1024
+        out.append(Row.of(SECTION, f"clipped step's peak {memory} per sample", workload, "",
+                          [per_sample], "KiB"))
+        if point.budget is not None:
+            limit = (SLACK * point.budget + figures["output"]) / MIB
+            out.append(Row.of(SECTION, f"clipped step's peak {memory}", workload, "",
+                              [figures[key] / MIB], "MiB",
+                              target=f"≤ {limit:.0f} MiB ({SLACK}× budget + result)",
+                              limit=limit))
     return out
 
 
