@@ -4,8 +4,9 @@ For each workload, the engine's seconds per round (exact mode, the median of rou
 ``dpfl run``: the last round evaluates) is divided by the limit: one plain, non-private forward
 and backward pass of the ``nn.Module`` (mean loss, ``backward()``) over all the samples the round
 trains on, batched in one call, plus, for a noisy algorithm, one ``torch.randn`` of as many
-Gaussians as the round draws. Both counts are measured, not assumed: a first short run counts
-the samples every training forward pass sees and the Gaussians every draw makes. A ratio of 1
+Gaussians as the round draws. Both counts are measured, not assumed: short runs count the
+samples every training forward pass sees and the Gaussians every draw makes in rounds 2 and 3
+(the first round may be another exchange, e.g. PriSMA's initial one). A ratio of 1
 means the engine is at the limit; what lies above it is per-sample clipping, per-client keyed
 noise streams, the algorithm's own vector arithmetic and the round's bookkeeping (ledger,
 records). The engine run and the limit alternate ``--repeats`` times; the row gives the median
@@ -119,16 +120,23 @@ def limit_step(cfg: RunConfig, samples: int, gaussians: int) -> float:
 def main() -> None:
     parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--algorithms", nargs="+", metavar="NAME",
+                        help="only the workloads of these algorithms")
     args = parser.parse_args()
     repeats, rounds = (2, 4) if args.quick else (args.repeats or 5, 8)
     torch.set_num_threads(1)
     folder = Path(tempfile.mkdtemp(prefix="dpfl-bench-limit-"))
     rows = []
     for family, algorithm, model, overrides in WORKLOADS:
-        with counting() as counts:
-            run(config(algorithm, model, overrides, 2, folder, f"{algorithm}-{model}-count"),
-                echo=False)
-        samples, gaussians = counts["samples"] // 2, counts["gaussians"] // 2
+        if args.algorithms and algorithm not in args.algorithms:
+            continue
+        counted = {}
+        for rounds_counted in (1, 3):  # rounds 2 and 3: the timed rounds' exchanges
+            with counting() as counted[rounds_counted]:
+                run(config(algorithm, model, overrides, rounds_counted, folder,
+                           f"{algorithm}-{model}-count{rounds_counted}"), echo=False)
+        samples, gaussians = ((counted[3][k] - counted[1][k]) // 2 for k in ("samples",
+                                                                             "gaussians"))
         engine, limit = [], []
         for repeat in range(repeats + 1):  # the first pair warms up
             cfg = config(algorithm, model, overrides, rounds, folder,

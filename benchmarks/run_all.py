@@ -23,7 +23,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from common import HEADER, load
 
 HERE = Path(__file__).resolve().parent

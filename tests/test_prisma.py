@@ -319,3 +319,31 @@ def test_the_least_squares_problem_grows_n_by_duplicating_each_clients_records(s
     full = [problem.model.full_gradient(problem.x0 + 0.1, problem.dataset.train_x,
                                         problem.dataset.train_y) for problem in (one, three)]
     assert torch.allclose(full[0], full[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,reg,clip_diff", [("mlp", 0.0, 0.3), ("mlp", 0.1, None),
+                                                ("clip21-cnn", 0.0, 0.3), ("logistic", 0.1, 0.3)])
+def test_the_increment_without_materialised_gradients_equals_eq_20_on_materialised_ones(
+        name, reg, clip_diff):
+    """q_i^t from ghost norms and the cross term (δ_j·δ̃_j)(a_j·ã_j) equals eq. (20) computed on
+    materialised per-sample gradients (float64, to 1e-10), with and without the C3 clip (eq. (4))
+    and the regulariser."""
+    from dpfl.models import FlatModel, build_model
+
+    side = 28 if name == "clip21-cnn" else 8
+    module = build_model(name, input_shape=(1, side, side), num_classes=10, seed=0).double()
+    model = FlatModel(module, "cross-entropy", nonconvex_reg=reg, chunk_size=5)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 12, 1, side, side, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 10, (3, 12), generator=gen)
+    now = model.initial_params().double()
+    before = now + 0.3 * torch.randn(3, model.d, generator=gen, dtype=torch.float64)
+    gamma, clip = 0.3, 0.5
+    got = model.clipped_difference_mean(now, before, x, y, clip=clip, clip_diff=clip_diff,
+                                        gamma=gamma)
+    c = clip_by_norm(model.per_sample_gradients(now.expand(3, -1), x, y), clip)
+    c_before = clip_by_norm(model.per_sample_gradients(before, x, y), clip)
+    diff = c - c_before if clip_diff is None else clip_by_norm(c - c_before, clip_diff)
+    want = (gamma * c + (1 - gamma) * diff).mean(dim=1)
+    assert (c - c_before).norm(dim=2).max() > (clip_diff or 0)  # the C3 clip binds somewhere
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

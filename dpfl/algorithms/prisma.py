@@ -267,18 +267,11 @@ class Prisma(Algorithm):
     def increment(self, x: Tensor, x_prev: Tensor, xb: Tensor, yb: Tensor) -> Tensor:
         """q_i^t ``[C, d]``: (1/b) Σ_j [γ·c_j + (1 − γ)·clip_C3(c_j − c̃_j)] with c_j, c̃_j the
         C1-clipped per-sample gradients at x^t and x^{t−1} on the same batch (no C3 clip for
-        eq. (4)). Per-sample gradients are materialised one chunk at a time."""
+        eq. (4)), without materialising them where the model has ghost norms."""
         hp = self.hp
-        out = xb.new_zeros(len(xb), self.model.d)
-        now = self.model.per_sample_gradient_chunks(x, xb, yb)
-        before = self.model.per_sample_gradient_chunks(x_prev, xb, yb)
-        for (c, _, g), (_, _, g_prev) in zip(now, before, strict=True):
-            clipped = clip_by_norm(g, hp.clip)
-            diff = clipped - clip_by_norm(g_prev, hp.clip)
-            if hp.smoothness_L <= 0:
-                diff = clip_by_norm(diff, hp.clip_diff)
-            out[c] += hp.gamma * clipped.sum(dim=0) + (1 - hp.gamma) * diff.sum(dim=0)
-        return out / hp.batch_size
+        return self.model.clipped_difference_mean(
+            x, x_prev, xb, yb, clip=hp.clip, gamma=hp.gamma,
+            clip_diff=hp.clip_diff if hp.smoothness_L <= 0 else None)
 
 
 @ALGORITHMS.register_class

@@ -356,6 +356,71 @@ class FlatModel:
             scratch.commit(c)
         return out, norms
 
+    def clipped_difference_mean(
+        self, flat: Tensor, flat_before: Tensor, x: Tensor, y: Tensor, *, clip: float,
+        clip_diff: float | None, gamma: float,
+    ) -> Tensor:
+        """``[C, d]``: ``(1/b) Σ_j [γ·c_j + (1 − γ)·clip_C3(c_j − c̃_j)]`` for each client, with
+        ``c_j = clip_C(g_j)`` and ``c̃_j = clip_C(g̃_j)`` the clipped gradients of sample j at
+        ``flat`` and at ``flat_before`` (``[d]`` or ``[C, d]``); ``clip_diff=None``: no C3 clip.
+
+        No per-sample gradient is materialised where a layer has ghost norms: with
+        α_j = min(1, C/‖g_j‖), α̃_j likewise, ‖c_j − c̃_j‖² = α_j²‖g_j‖² + α̃_j²‖g̃_j‖² −
+        2α_jα̃_j⟨g_j, g̃_j⟩ (the cross term per Linear layer is (δ_j·δ̃_j)(a_j·ã_j)), and with
+        β_j = min(1, C3/‖c_j − c̃_j‖) the sum is two weighted GEMMs per layer:
+        Σ_j (γ + (1 − γ)β_j)α_j g_j − Σ_j (1 − γ)β_j α̃_j g̃_j. Memory: two chunks' tapes.
+        """
+        n_clients, b = x.shape[:2]
+        out = x.new_empty(n_clients, self.d)
+        scratch = _Scratch(out)
+        closed_form = self._linear is not None and self.loss.output_grad is not None
+        size = self.chunk_length(flat, x, y, rows=closed_form)
+        if not closed_form:  # two tapes at once
+            size = max(1, size // 2) if self.chunk_bytes is not None else size
+        for c in range(n_clients):
+            point, before = self._point(flat, c), self._point(flat_before, c)
+            reg = self._reg_grad(point) if self.nonconvex_reg else None
+            reg_before = self._reg_grad(before) if self.nonconvex_reg else None
+            row = scratch.row(c)
+            for start, xs, ys in self._chunks(x, y, c, size):
+                n = len(xs)
+                if closed_form:
+                    rows = self._linear_per_sample(point, xs, ys)
+                    rows_before = self._linear_per_sample(before, xs, ys)
+                    if reg is not None and reg_before is not None:  # both or neither
+                        rows += reg
+                        rows_before += reg_before
+                    sq, sq_before = rows.square().sum(dim=1), rows_before.square().sum(dim=1)
+                    dots = (rows * rows_before).sum(dim=1)
+                else:
+                    tape, tape_before = (self._record(p, xs, ys) for p in (point, before))
+                    sq, grads = self._squares(tape, reg, row.new_zeros(n))
+                    sq_before, grads_before = self._squares(tape_before, reg_before,
+                                                            row.new_zeros(n))
+                    dots = self._pair_dots(tape, grads, reg, tape_before, grads_before,
+                                           reg_before, n)
+                alpha = clip_factors(sq.clamp_min(0).sqrt(), clip)
+                alpha_before = clip_factors(sq_before.clamp_min(0).sqrt(), clip)
+                diff_sq = (alpha.square() * sq + alpha_before.square() * sq_before
+                           - 2 * alpha * alpha_before * dots)
+                beta = (torch.ones_like(alpha) if clip_diff is None
+                        else clip_factors(diff_sq.clamp_min(0).sqrt(), clip_diff))
+                w = (gamma + (1 - gamma) * beta) * alpha / b
+                w_before = -(1 - gamma) * beta * alpha_before / b
+                if closed_form:
+                    if start == 0:
+                        torch.mv(rows.t(), w, out=row)
+                    else:
+                        row.addmv_(rows.t(), w)
+                    row.addmv_(rows_before.t(), w_before)
+                    continue
+                self._add_weighted(tape, grads, reg, w, row, first=start == 0)
+                self._add_weighted(tape_before, grads_before, reg_before, w_before, row,
+                                   first=False)
+                del tape, tape_before, grads, grads_before
+            scratch.commit(c)
+        return out
+
     def chunk_length(self, flat: Tensor, x: Tensor, y: Tensor, *, rows: bool) -> int:
         """Samples per chunk for inputs like ``x [C, b, ...]``: ``chunk_size`` (a linear model's
         closed form: ``b``), capped by ``chunk_bytes`` // :meth:`sample_bytes` when a budget is
@@ -466,14 +531,23 @@ class FlatModel:
         """Add (1/b) Σ_j w_j g_j over one chunk of n samples to ``row`` (overwrite it if
         ``first``), with w_j = min(1, C/‖g_j‖) (:func:`~dpfl.privacy.clipping.clip_factors`,
         the one clipping operator); return the norms ‖g_j‖."""
-        sq = row.new_zeros(n)
+        sq, materialised = self._squares(tape, reg, row.new_zeros(n))
+        norm = sq.clamp_min_(0).sqrt_()
+        w = clip_factors(norm, radius).div_(b)  # exactly 1/b where ‖g_j‖ ≤ C
+        self._add_weighted(tape, materialised, reg, w, row, first)
+        return norm
+
+    def _squares(self, tape: list[tuple[_Layer, Tensor, Tensor]], reg: Tensor | None,
+                 sq: Tensor) -> tuple[Tensor, list[list[Tensor] | None]]:
+        """``sq`` plus ‖g_j + reg‖² of one chunk's per-sample gradients ``[n]`` (ghost norms
+        where a layer has them), and each layer's materialised per-sample gradients (None for
+        a ghost layer)."""
         materialised: list[list[Tensor] | None] = []
         for layer, a, g in tape:
             if grad_sample.has_ghost(layer.module, a):
                 sq += grad_sample.ghost_sq_norms(a, g, layer.trainable)
                 if reg is not None:
-                    parts = [reg[s].view(shape) for s, shape in zip(layer.slices, layer.shapes)]
-                    sq += 2 * grad_sample.ghost_dots(a, g, layer.trainable, parts)
+                    sq += 2 * grad_sample.ghost_dots(a, g, layer.trainable, self._parts(layer, reg))
                 materialised.append(None)
             else:
                 grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
@@ -484,8 +558,13 @@ class FlatModel:
                 materialised.append(grads)
         if reg is not None:
             sq += reg.square().sum()
-        norm = sq.clamp_min_(0).sqrt_()
-        w = clip_factors(norm, radius).div_(b)  # exactly 1/b where ‖g_j‖ ≤ C
+        return sq, materialised
+
+    def _add_weighted(self, tape: list[tuple[_Layer, Tensor, Tensor]],
+                      materialised: list[list[Tensor] | None], reg: Tensor | None, w: Tensor,
+                      row: Tensor, first: bool) -> None:
+        """``row`` (overwritten if ``first``) plus Σ_j w_j (g_j + reg) over one chunk: one
+        weighted GEMM per layer."""
         beta = 0.0 if first else 1.0
         for (layer, a, g), grads in zip(tape, materialised):
             targets = [row[s].view(shape) for s, shape in zip(layer.slices, layer.shapes)]
@@ -500,7 +579,44 @@ class FlatModel:
                     row[where] = 0
         if reg is not None:
             row.add_(reg, alpha=w.sum().item())
-        return norm
+
+    @staticmethod
+    def _parts(layer: _Layer, vector: Tensor) -> list[Tensor]:
+        """``vector [d]``'s pieces for the layer's trainable parameters, in their shapes."""
+        return [vector[s].view(shape) for s, shape in zip(layer.slices, layer.shapes)]
+
+    def _pair_dots(self, now: list[tuple[_Layer, Tensor, Tensor]],
+                   now_grads: list[list[Tensor] | None], reg: Tensor | None,
+                   before: list[tuple[_Layer, Tensor, Tensor]],
+                   before_grads: list[list[Tensor] | None], reg_before: Tensor | None,
+                   n: int) -> Tensor:
+        """⟨g_j + reg, g̃_j + reg_before⟩ ``[n]`` of the same samples' per-sample gradients at
+        two points: for a Linear layer (g_j = δ_j a_jᵀ) ⟨δ_j a_jᵀ, δ̃_j ã_jᵀ⟩ = (δ_j·δ̃_j)(a_j·ã_j),
+        plus δ_j·δ̃_j for the bias; else the materialised rows' dot products."""
+        dots = now[0][1].new_zeros(n)
+        for (layer, a, g), grads, (_, a2, g2), grads2 in zip(now, now_grads, before, before_grads,
+                                                            strict=True):
+            if grads is None or grads2 is None:  # the same layer on the same samples: both ghost
+                deltas = (g * g2).sum(dim=1)
+                if layer.trainable[0]:
+                    dots += deltas * (a * a2).sum(dim=1)
+                if layer.trainable[1]:
+                    dots += deltas
+                if reg_before is not None:
+                    dots += grad_sample.ghost_dots(a, g, layer.trainable,
+                                                   self._parts(layer, reg_before))
+                if reg is not None:
+                    dots += grad_sample.ghost_dots(a2, g2, layer.trainable, self._parts(layer, reg))
+                continue
+            for p, p2, where in zip(grads, grads2, layer.slices, strict=True):  # type: ignore
+                dots += (p * p2).sum(dim=1)
+                if reg_before is not None:
+                    dots += torch.mv(p, reg_before[where])
+                if reg is not None:
+                    dots += torch.mv(p2, reg[where])
+        if reg is not None and reg_before is not None:
+            dots += torch.dot(reg, reg_before)
+        return dots
 
     def _capture(
         self, layer: _Layer, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor
