@@ -57,7 +57,7 @@ class ClientRuntime:
         diagnostics ``{name: [C]}`` of one exchange for ``cohort``."""
         algorithm = self.algorithm
         for key, value in broadcast.items():
-            if not bool(torch.isfinite(value).all()):
+            if not finite(value):
                 raise NonFiniteError(f"round {round}, exchange {exchange!r}: the server's "
                                      f"broadcast {key!r} is not finite (inf or NaN): the server "
                                      f"step before it overflowed{LEVERS}")
@@ -89,13 +89,19 @@ class ClientRuntime:
         return uploads, states, ctx.diagnostics or {}
 
 
+def finite(values: torch.Tensor) -> bool:
+    """Whether every entry of ``values`` is finite, by one sum (inf or NaN in the entries makes
+    it inf or NaN; an overflow of finite entries is told apart by the elementwise check, about
+    50× slower on large tensors, made only then)."""
+    return bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all())
+
+
 def check_finite(messages: State, clients: list[int], round: int, exchange: str) -> None:
     """Raise :class:`NonFiniteError` naming the clients and the upload when an upload of
-    ``messages`` (``[C, ...]``, rows in ``clients`` order) holds inf or NaN: one sum per upload
-    (inf or NaN in the rows makes it inf or NaN; an overflow of finite rows is told apart by
-    the elementwise check, 50× slower), the rows located only on failure."""
+    ``messages`` (``[C, ...]``, rows in ``clients`` order) holds inf or NaN (:func:`finite`),
+    the rows located only on failure."""
     for key, rows in messages.items():
-        if not bool(torch.isfinite(rows.sum())) and not bool(torch.isfinite(rows).all()):
+        if not finite(rows):
             bad = (~torch.isfinite(rows.reshape(len(clients), -1))).any(dim=1).nonzero()
             raise NonFiniteError(f"round {round}, exchange {exchange!r}: clients "
                                  f"{[clients[i] for i in bad.flatten().tolist()]} computed an "

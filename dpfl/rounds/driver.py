@@ -32,6 +32,7 @@ from dpfl.errors import ConfigError, NonFiniteError
 from dpfl.privacy import CALIBRATIONS, Accounting, PrivacyLedger, Randomness
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter, results_path
+from dpfl.rounds.client import finite
 from dpfl.rounds.transport import ClientRefused, ClientsLost, Transport
 from dpfl.runconfig import check_runtime
 
@@ -222,7 +223,7 @@ class RoundDriver:
             traffic["uplink_bytes"] += len(ctx.participants) * payload(replies.sums)
             self.check_noise(exchange, replies.sums, len(ctx.participants))
             self.state = self.algorithm.server_step(exchange.name, self.state, replies.sums, ctx)
-            if not bool(torch.isfinite(self.algorithm.global_params(self.state)).all()):
+            if not finite(self.algorithm.global_params(self.state)):
                 raise NonFiniteError(f"round {round}, exchange {exchange.name!r}: the server's "
                                      f"step made the model inf or NaN; lower the learning "
                                      f"rates (the results keep the last finite round)")
