@@ -249,6 +249,11 @@ COMMON: tuple[Param, ...] = (
           "onto public records), else none.", per_algorithm=True),
     Param("data-dir", "", "Folder of the offline datasets; empty = $DPFL_DATA_DIR."),
     Param("download", False, "Allow torchvision to download a dataset that is not on disk."),
+    Param("chunk-bytes", 0, "Byte budget for one chunk of per-sample values (activations "
+          "autograd keeps, output gradients, per-sample gradients) in per-sample clipping: "
+          "chunks shrink so that a step's memory stays near it whatever the batch size; "
+          "0 = chunks of 256 samples. Changes only the rounding of sums, not the results' "
+          "meaning.", check=at_least(0)),
     Param("nonconvex-reg", 0.0, "λ of the nonconvex regulariser (λ/2)Σx²/(1+x²) per sample.",
           check=at_least(0.0), symbol="λ"),
     Param("checkpoint-every", 0, "Write a checkpoint into the results folder every this many "

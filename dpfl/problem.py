@@ -264,7 +264,8 @@ def assemble(config: RunConfig, dataset: Dataset, parts: list[np.ndarray],
                          **options(config, "model-options", "model",
                                    MODELS.get(str(config["model"])))).to(device)
     model = FlatModel(module, LOSS_OF_TASK[dataset.task],
-                      nonconvex_reg=float(config["nonconvex-reg"]))
+                      nonconvex_reg=float(config["nonconvex-reg"]),
+                      chunk_bytes=int(config["chunk-bytes"]) or None)
     public = (None if dataset.public_y is None
               else (dataset.public_x.to(device), dataset.public_y.to(device)))
     algorithm = ALGORITHMS.get(str(config["algorithm"]))(config.hyperparameters, model,

@@ -32,3 +32,23 @@ def test_a_chunk_byte_budget_bounds_the_peak_memory_of_a_clipped_step():
     figures = f"without a budget {free}, with {bounded}"
     assert bounded["peak"] < free["peak"] / 3, figures
     assert bounded["peak"] < 5 * 4 * MIB, figures
+
+
+def test_the_chunk_bytes_key_reaches_the_model_and_changes_only_rounding(small_config, tmp_path):
+    """``chunk-bytes`` sets the model's budget (chunks of a few samples here); the run's model
+    equals the default chunking's to float32 rounding."""
+    import torch
+
+    from dpfl.engine import run
+    from dpfl.problem import build_problem
+
+    tight = small_config(chunk_bytes=20_000, run_name="tight")
+    problem = build_problem(tight)
+    x = problem.dataset.train_x[:16].unsqueeze(0)
+    assert problem.model.chunk_length(problem.x0, x, problem.dataset.train_y[:16].unsqueeze(0),
+                                      rows=False) < 16
+    run(tight, echo=False)
+    run(small_config(run_name="default"), echo=False)
+    models = [torch.load(tmp_path / "results" / name / "model.pt") for name in ("tight", "default")]
+    for key, value in models[1].items():
+        torch.testing.assert_close(models[0][key], value, rtol=1e-5, atol=1e-6)
