@@ -26,7 +26,9 @@ from dpfl.runconfig import RunConfig  # noqa: E402
 
 BASE = {"dataset": "mnist", "model": "mlp", "partitioner": "iid", "num-partitions": 25,
         "batch-size": 64, "calibration": "practice", "epsilon": 27.0, "delta": 1e-3,
-        "learning-rate": 0.1, "clip": 0.01, "beta": 0.5, "beta-hat": 0.01}
+        "learning-rate": 0.1, "clip": 0.01}
+OWN = {"clip-sgd": {}, "clip21-sgd2m": {"beta": 0.5, "beta-hat": 0.01},
+       "dpsgd-gc": {"calibration": "accountant", "clip": 1.0}}
 
 
 def main() -> None:
@@ -36,15 +38,13 @@ def main() -> None:
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="dpfl-bench-modes-"))
     rows = []
-    for algorithm in ("clip-sgd", "clip21-sgd2m", "dpsgd-gc"):
+    for algorithm, own in OWN.items():
         times: dict[str, list[float]] = {"exact": [], "fast": []}
         for repeat in range(repeats):
             for mode in times:
-                config = {**BASE, "algorithm": algorithm, "engine-mode": mode,
+                config = {**BASE, **own, "algorithm": algorithm, "engine-mode": mode,
                           "num-server-rounds": rounds, "eval-every": rounds,
                           "results-dir": str(tmp), "run-name": f"{algorithm}-{mode}-{repeat}"}
-                if algorithm == "dpsgd-gc":
-                    config.update({"calibration": "accountant", "clip": 1.0})
                 times[mode].append(run(RunConfig(config), echo=False)["seconds_per_round"])
         family = "prisma" if algorithm == "dpsgd-gc" else "clip21"
         workload = f"{algorithm}, MNIST MLP, 25 clients × batch 64, one thread"

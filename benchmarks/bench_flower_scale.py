@@ -43,7 +43,7 @@ def main() -> None:
     parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=None)
     parser.add_argument("--cohort-nodes", type=int, default=None)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     clients = args.clients or (100 if args.quick else 1_000)
     cohort = args.cohort_nodes or 10
@@ -55,7 +55,7 @@ def main() -> None:
     run(RunConfig({**values, "run-name": "engine"}), echo=False)
     engine = torch.load(folder / "engine" / "model.pt")
     workload = f"dpsgd-gc, MNIST logistic, {clients:,} clients per round, batch 16"
-    rows = []
+    rows, times = [], {}
     for nodes in (cohort, clients):
         name = f"flower-{nodes}"
         code = flwr_run({**values, "run-name": name}, num_supernodes=nodes, timeout=3600)
@@ -65,8 +65,12 @@ def main() -> None:
         if not all(torch.equal(model[k], engine[k]) for k in engine):
             sys.exit(f"flwr run with {nodes} SuperNodes: the model differs from the engine's")
         hosted = f"{nodes:,} SuperNodes × {clients // nodes:,} clients"
+        times[nodes] = seconds_per_round(folder / name)
         rows.append(Row.of(SECTION, f"flwr run s/round, {hosted}", workload, "prisma",
-                           seconds_per_round(folder / name), "s"))
+                           times[nodes], "s"))
+    rows.append(Row.of(SECTION, f"one client per SuperNode ÷ {cohort} cohort SuperNodes, "
+                       "s/round", workload, "prisma",
+                       [a / b for a in times[clients] for b in times[cohort]], "×"))
     print(f"models equal to the engine's (torch.equal): {cohort} and {clients} SuperNodes")
     emit(rows, args.rows)
 

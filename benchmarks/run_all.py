@@ -36,12 +36,10 @@ BENCHMARKS = ("bench_limit", "bench_engine_vs_flower", "bench_flower_vs_bare", "
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())
     gpu = (f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available()
            else ", no GPU")
-    return (f"{cpu}, {os.cpu_count()} cores{gpu}; torch {torch.__version__}, Python "
-            f"{platform.python_version()}; {datetime.date.today().isoformat()}")
+    return (f"{os.cpu_count()} CPU cores ({platform.machine()}){gpu}; torch {torch.__version__}, "
+            f"Python {platform.python_version()}; {datetime.date.today().isoformat()}")
 
 
 def main() -> None:
@@ -59,7 +57,8 @@ def main() -> None:
         if subprocess.run(command + (["--quick"] if args.quick else [])).returncode != 0:
             sys.exit(f"make bench: {name} failed; nothing written")
         print(flush=True)
-    table = "\n".join([HEADER, *(row.markdown() for row in load(rows_file))])
+    rows = load(rows_file)
+    table = "\n".join([HEADER, *(row.markdown() for row in rows)])
     rows_file.unlink()
     text = (f"Measured on {machine()}{' (quick)' if args.quick else ''}. Median and spread "
             f"(lowest–highest) over the interleaved repeats; ✓/✗: target met or not.\n\n{table}\n")
@@ -72,7 +71,9 @@ def main() -> None:
     _, _, tail = rest.partition(END)
     if not rest or END not in rest:
         sys.exit(f"make bench: README.md has no {BEGIN} … {END} section; wrote {RESULTS} only")
-    README.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+    README.write_text(f"{head}{BEGIN}\n<details><summary>The whole table ({len(rows)} rows; also "
+                      f"in <code>benchmarks/results.md</code>)</summary>\n\n{text}\n</details>\n"
+                      f"{END}{tail}")
     print(f"wrote {RESULTS} and README.md's table")
 
 
