@@ -58,8 +58,11 @@ class EngineTransport:
             given = {k: v[positions] for k, v in self.states.items()}
             uploads, rows, diagnosed = self.clients.step(exchange, round, broadcast, given,
                                                          cohort)
+            whole = everyone and part == slice(0, self.problem.num_clients)
             for k, v in rows.items():  # idle clients keep their state
-                if v is not given[k]:
+                if whole:  # one block of every client: the new states are the states
+                    self.states[k] = v
+                elif v is not given[k]:
                     self.states[k][positions] = v
             total.add(uploads)
             diagnostics.update(per_client(ids, diagnosed))
