@@ -43,19 +43,19 @@ CASES = {
     "dpsgd-gc": {"algorithm": "dpsgd-gc", "num-partitions": 3, "num-server-rounds": 3,
                  "seed": 2},
     # client state (the momentum buffers) kept in each SuperNode's Context.state
-    "clip21-sgd2m": {"algorithm": "clip21-sgd2m", "num-partitions": 3, "num-server-rounds": 3,
+    "clip21-sgd2m": {"algorithm": "clip21-sgd2m", "num-partitions": 3, "num-server-rounds": 2,
                      "seed": 2},
-    "prisma": {"algorithm": "prisma", "num-partitions": 4, "num-server-rounds": 3,
+    "prisma": {"algorithm": "prisma", "num-partitions": 4, "num-server-rounds": 2,
                "batch-size": 16, "seed": 5, "gamma": 0.3, "clip-diff": 0.2,
                "learning-rate": 0.5},
     # two exchanges a round: the noisy statistic sets C_r, then K local DP-SGD steps
     "adaptdp-fedavg": {"algorithm": "adaptdp-fedavg", "dataset": "quadratic",
-                       "model": "least-squares", "num-partitions": 4, "num-server-rounds": 4,
+                       "model": "least-squares", "num-partitions": 4, "num-server-rounds": 2,
                        "batch-size": 50, "local-steps": 5, "learning-rate": 0.4, "clip": 3.0,
                        "calibration": "paper", "epsilon": 1000.0, "delta": 1e-4, "seed": 3},
     # the server's public subspace broadcast each round, client sampling, k-number uploads
     "fedpcdp": {"algorithm": "fedpcdp", "dataset-options": "num_public=40",
-                "model": "logistic", "num-partitions": 4, "num-server-rounds": 3,
+                "model": "logistic", "num-partitions": 4, "num-server-rounds": 2,
                 "fraction-train": 0.75, "batch-size": 40, "local-steps": 3, "clip": 0.5,
                 "learning-rate": 0.5, "projection-dim": 12, "noise-multiplier": 2.0,
                 "momentum": 0.5, "seed": 4},
@@ -87,7 +87,9 @@ def _deployed_equals_engine(tmp_path: Path, env: dict[str, str], case: dict) -> 
         assert d == e
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# dpsgd-gc's case runs over TLS (test_tls_with_supernode_authentication); two rounds carry
+# every stateful case's client state from one round into the next
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"dpsgd-gc"}))
 def test_real_supernodes_equal_the_engine_bitwise(tmp_path, deployment, case):
     nodes = NODES.get(case, ["0,1", "2,3"])
     env = deployment.start(nodes)
