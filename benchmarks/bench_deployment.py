@@ -35,6 +35,8 @@ import numpy as np
 
 from dpfl.config import format_overrides
 from dpfl.federation import BIN, CONNECTION, LocalFederation
+from dpfl.problem import data_dir
+from dpfl.runconfig import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BARE = ROOT / "benchmarks" / "bare_flower_app"
@@ -51,7 +53,7 @@ def mnist_arrow(folder: Path) -> Path:
     labels, as Flower's quickstart downloads them), from the idx files in ``$DPFL_DATA_DIR``."""
     from datasets import ClassLabel, Dataset, Features, Image
 
-    source = Path(os.environ["DPFL_DATA_DIR"]) / "mnist"
+    source = Path(data_dir(RunConfig({}))) / "mnist"
     with gzip.open(source / "train-images-idx3-ubyte.gz") as f:
         images = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)
     with gzip.open(source / "train-labels-idx1-ubyte.gz") as f:

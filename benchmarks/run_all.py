@@ -49,13 +49,18 @@ def main() -> None:
                         help="with --quick or --only: write results.md and the README all "
                         "the same")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these")
+    parser.add_argument("--rows-from", type=Path, metavar="FILE",
+                        help="go on from the rows an interrupted run left in FILE (its path "
+                        "is printed when a benchmark fails)")
     args = parser.parse_args()
-    rows_file = Path(tempfile.mkstemp(prefix="dpfl-bench-rows-", suffix=".jsonl")[1])
+    rows_file = args.rows_from or Path(tempfile.mkstemp(prefix="dpfl-bench-rows-",
+                                                        suffix=".jsonl")[1])
     for name in args.only or BENCHMARKS:
         print(f"## {name}\n", flush=True)
         command = [sys.executable, str(HERE / f"{name}.py"), "--rows", str(rows_file)]
         if subprocess.run(command + (["--quick"] if args.quick else [])).returncode != 0:
-            sys.exit(f"make bench: {name} failed; nothing written")
+            sys.exit(f"make bench: {name} failed; nothing written (the rows so far: "
+                     f"{rows_file}, for --rows-from)")
         print(flush=True)
     rows = load(rows_file)
     table = "\n".join([HEADER, *(row.markdown() for row in rows)])
@@ -63,7 +68,7 @@ def main() -> None:
     text = (f"Measured on {machine()}{' (quick)' if args.quick else ''}. Median and spread "
             f"(lowest–highest) over the interleaved repeats; ✓/✗: target met or not.\n\n{table}\n")
     print(text)
-    if (args.quick or args.only) and not args.write:
+    if (args.quick or args.only) and not (args.write or args.rows_from):
         return
     RESULTS.write_text(f"# Benchmarks (`make bench`)\n\n{text}")
     readme = README.read_text()
