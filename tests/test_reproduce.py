@@ -426,7 +426,7 @@ class _CurveLab:
     def __init__(self, metric):
         self.metric, self.ran = metric, []
 
-    def run_many(self, configs, derive=None, batch=False):
+    def run_many(self, configs, derive=None):
         self.ran += configs
         return [{"derived": {"grad_norm_tail": self.metric(math.log2(c["learning-rate"]))}}
                 for c in configs]

@@ -110,7 +110,7 @@ def past_the_edge(lab: Lab, best: dict[Any, tuple[float, float, Config]], gammas
     doing. Returns every cell, extended or not."""
     return walk_past_edge(lab, best, "learning-rate", gammas, seeds,
                           lambda summary: summary["derived"]["grad_norm_tail"],
-                          limit=GAMMA_PAST_EDGE, derive=derive, batch=True)
+                          limit=GAMMA_PAST_EDGE, derive=derive)
 
 
 def gamma_label(gamma: float, gammas: Sequence[float]) -> str:
@@ -147,8 +147,7 @@ def logreg(lab: Lab) -> str:
                 (point, [{**point, "seed": s} for s in seeds]))
     derive = functools.partial(logreg_tail, last=last)
     summaries = iter(lab.run_many(
-        [c for cells in runs.values() for _, seeded in cells for c in seeded], derive=derive,
-        batch=True))  # seeds and γ of a cell batched: 1.4x the runs an hour (performance.md)
+        [c for cells in runs.values() for _, seeded in cells for c in seeded], derive=derive))
 
     best: dict[tuple[str, float, str], tuple[float, float, Config]] = {}
     for key, cells in runs.items():
@@ -200,8 +199,8 @@ def logreg(lab: Lab) -> str:
         ax.legend()
     lab.figure("fig2", fig, "Fig. 2: tuned methods' final gradient norm against τ (dashed: "
                "γ past the grid's edge, where that moved a cell).")
-    lab.run_many([{**b[2], "seed": seeds[0]} for b in best.values()], rounds=True,
-                 batch=True)  # Fig. I.1's curves: rounds.jsonl, which no archive keeps
+    lab.run_many([{**b[2], "seed": seeds[0]} for b in best.values()],
+                 rounds=True)  # Fig. I.1's curves: rounds.jsonl, which no archive keeps
     fig, axes = plt.subplots(len(modes), len(taus), figsize=(4 * len(taus), 3.5 * len(modes)),
                              squeeze=False)
     for (i, mode), (j, tau) in itertools.product(enumerate(modes), enumerate(taus)):

@@ -42,9 +42,6 @@ from dpfl.errors import UsageError  # noqa: E402
 from dpfl.runconfig import ALGORITHMS, RunConfig  # noqa: E402
 
 ARCHIVE = "runs.jsonl.gz"
-# runs batched in one job at most (Lab.run_many(batch=True)): past a dozen the batch gains little
-# more (docs/performance.md), and smaller jobs keep every worker busy
-BATCH_RUNS = 16
 # the run-config keys that fix a run's dataset (checked once per distinct value before a sweep)
 DATA_KEYS = ("dataset", "dataset-options", "data-dir", "download", "seed")
 # The summary fields an archive keeps: what experiments and reports read of a finished run.
@@ -113,33 +110,6 @@ def _run_one(values: dict[str, Value]) -> dict[str, Any]:
 
     with one_thread():
         return run(RunConfig(values), echo=False)
-
-
-def _run_job(job: list[dict[str, Value]]) -> None:
-    """One job of a sweep: a run, or runs batched as one (:func:`dpfl.engine.run_many`)."""
-    from dpfl.engine import run_many
-
-    if len(job) == 1:
-        _run_one(job[0])
-        return
-    with one_thread():
-        run_many([RunConfig(v) for v in job])
-
-
-def jobs(prepared: list[dict[str, Value]], *, batch: bool) -> list[list[int]]:
-    """The jobs of a sweep, as positions in ``prepared``: one run each, or with ``batch`` the
-    runs that can share a batch (:func:`dpfl.engine.many.batch_key`), at most
-    :data:`BATCH_RUNS` to a job, in order of their first run."""
-    from dpfl.engine.many import batch_key, batchable
-
-    if not batch:
-        return [[i] for i in range(len(prepared))]
-    groups: dict[Any, list[int]] = {}
-    for i, values in enumerate(prepared):
-        key = batch_key(values) if batchable(str(RunConfig(values)["algorithm"])) else i
-        groups.setdefault(key, []).append(i)
-    return [group[start:start + BATCH_RUNS] for group in groups.values()
-            for start in range(0, len(group), BATCH_RUNS)]
 
 
 def _simulate(simulate: Callable[[list[dict[str, Value]]], list[dict[str, Any]]],
@@ -260,12 +230,8 @@ class Lab:
 
     def run_many(self, configs: Sequence[dict[str, Value]], *, rounds: bool = False,
                  derive: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
-                 batch: bool = False) -> list[dict[str, Any]]:
+                 ) -> list[dict[str, Any]]:
         """Run every configuration not already finished; summaries in the given order.
-
-        ``batch``: runs that can share a batch run as one (:func:`dpfl.engine.run_many`, equal
-        to the runs alone bit for bit, each run's wall time its share of the batch's), for
-        workloads where that pays: tiny models, thousands of rounds (docs/performance.md).
 
         ``rounds``: the caller reads the runs' ``rounds.jsonl`` (:meth:`rounds`), which an
         archive does not keep, so archived runs without a folder here run again.
@@ -309,24 +275,19 @@ class Lab:
             if finished(c):
                 record(c)
         progress = Progress(len(todo))
-
-        def done(job: list[int]) -> None:
-            for i in job:
-                progress.done(record(todo[i]))
-            self.write_archive()
-
-        work = jobs(prepared, batch=batch)
-        if self.workers == 1 or len(work) <= 1:
-            for job in work:
-                _run_job([prepared[i] for i in job])
-                done(job)
+        if self.workers == 1 or len(prepared) <= 1:
+            for c, v in zip(todo, prepared, strict=True):
+                _run_one(v)
+                progress.done(record(c))
+                self.write_archive()
         else:
             with ProcessPoolExecutor(max_workers=self.workers) as pool:
-                futures = {pool.submit(_run_job, [prepared[i] for i in job]): job
-                           for job in work}
+                futures = {pool.submit(_run_one, v): c for c, v in zip(todo, prepared,
+                                                                       strict=True)}
                 for future in as_completed(futures):
                     future.result()
-                    done(futures[future])
+                    progress.done(record(futures[future]))
+                    self.write_archive()
         return [record(c) for c in configs]
 
     def run_batched(self, configs: Sequence[dict[str, Value]], *,
