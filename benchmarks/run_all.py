@@ -23,12 +23,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import HEADER, load
+from common import HEADER, Row, load
 
 HERE = Path(__file__).resolve().parent
 README = HERE.parent / "README.md"
 RESULTS = HERE / "results.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+TITLE = "# Benchmarks (`make bench`)"
 # in the table's order
 BENCHMARKS = ("bench_limit", "bench_engine_vs_flower", "bench_flower_vs_bare", "bench_per_sample",
               "bench_memory", "bench_scale", "bench_flower_scale", "bench_many_runs",
@@ -63,23 +64,37 @@ def main() -> None:
                      f"{rows_file}, for --rows-from)")
         print(flush=True)
     rows = load(rows_file)
-    table = "\n".join([HEADER, *(row.markdown() for row in rows)])
     rows_file.unlink()
-    text = (f"Measured on {machine()}{' (quick)' if args.quick else ''}. Median and spread "
-            f"(lowest–highest) over the interleaved repeats; ✓/✗: target met or not.\n\n{table}\n")
-    print(text)
+    intro = (f"Measured on {machine()}{' (quick)' if args.quick else ''}. Median and spread "
+             f"(lowest–highest) over the interleaved repeats; ✓/✗: target met or not.")
+    table = [HEADER, *(row.markdown() for row in rows)]
+    print("\n".join([intro, "", *table]))
     if (args.quick or args.only) and not (args.write or args.rows_from):
         return
-    RESULTS.write_text(f"# Benchmarks (`make bench`)\n\n{text}")
-    readme = README.read_text()
-    head, _, rest = readme.partition(BEGIN)
-    _, _, tail = rest.partition(END)
+    RESULTS.write_text("\n".join([TITLE, "", intro, "", *table, ""]))
+    readme(intro, [line for line, row in zip(table[1:], rows, strict=True) if in_readme(row)])
+    print(f"wrote {RESULTS} and README.md's table")
+
+
+def in_readme(row: Row) -> bool:
+    """The README's rows (a front page): every ratio, the scale and Flower-path figures, and the
+    memory bounds with their targets; the rest (per-point memory, plain-step times, agreement
+    checks, absolute throughputs) stays in ``benchmarks/results.md``."""
+    return row.unit == "×" or row.section in ("scale", "Flower path") or (
+        row.section == "memory" and row.met is not None)
+
+
+def readme(intro: str, lines: list[str]) -> None:
+    """Put ``lines`` (table rows, under :data:`HEADER`) between the README's marks."""
+    text = README.read_text()
+    head, _, rest = text.partition(BEGIN)
     if not rest or END not in rest:
         sys.exit(f"make bench: README.md has no {BEGIN} … {END} section; wrote {RESULTS} only")
-    README.write_text(f"{head}{BEGIN}\n<details><summary>The whole table ({len(rows)} rows; also "
-                      f"in <code>benchmarks/results.md</code>)</summary>\n\n{text}\n</details>\n"
-                      f"{END}{tail}")
-    print(f"wrote {RESULTS} and README.md's table")
+    tail = rest.partition(END)[2]
+    body = "\n".join([intro, "", HEADER, *lines])
+    README.write_text(f"{head}{BEGIN}\n<details><summary>The table ({len(lines)} main rows; all "
+                      f"of them in <code>benchmarks/results.md</code>)</summary>\n\n{body}\n\n"
+                      f"</details>\n{END}{tail}")
 
 
 if __name__ == "__main__":
