@@ -12,14 +12,13 @@ both alike.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit, ratios  # noqa: E402
+from common import Row, arguments, emit, ratios, scratch  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
@@ -36,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     rounds, repeats = (10, 1) if args.quick else (30, 3)
     torch.set_num_threads(1)
-    tmp = Path(tempfile.mkdtemp(prefix="dpfl-bench-modes-"))
+    tmp = scratch("dpfl-bench-modes-")
     rows = []
     for algorithm, own in OWN.items():
         times: dict[str, list[float]] = {"exact": [], "fast": []}

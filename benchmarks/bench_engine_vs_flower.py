@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit, ratios  # noqa: E402
+from common import Row, arguments, emit, ratios, scratch  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
 from dpfl.launch import flwr_run  # noqa: E402
@@ -56,7 +55,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args()
     repeats, rounds = (1, 4) if args.quick else (args.repeats or 2, 8)
-    folder = Path(tempfile.mkdtemp(prefix="dpfl-bench-flower-"))
+    folder = scratch("dpfl-bench-flower-")
     rows = []
     for family, algorithm in FAMILIES.items():
         if args.quick and family not in QUICK:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import scratch  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
 from dpfl.experiments.adaptive import LEVELS, METHODS, TASKS, config_of  # noqa: E402
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    tmp = Path(tempfile.mkdtemp(prefix="dpfl-bench-ff-"))
+    tmp = scratch("dpfl-bench-ff-")
     print("| task | engine s/round DP-FedAvg / AdaptDP-FedAvg | batch | simulator s per "
           "configuration-round | speed-up |\n|---|---:|---:|---:|---:|")
     for name in args.tasks:

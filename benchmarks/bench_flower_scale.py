@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit  # noqa: E402
+from common import Row, arguments, emit, scratch  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
 from dpfl.launch import flwr_run  # noqa: E402
@@ -47,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     clients = args.clients or (100 if args.quick else 1_000)
     cohort = args.cohort_nodes or 10
-    folder = Path(tempfile.mkdtemp(prefix="dpfl-bench-flower-scale-"))
+    folder = scratch("dpfl-bench-flower-scale-")
     values = {"algorithm": "dpsgd-gc", "dataset": "mnist", "model": "logistic",
               "num-partitions": clients, "batch-size": 16, "noise-multiplier": 1.0,
               "clip": 1.0, "num-server-rounds": args.rounds, "seed": 0,

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import scratch  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
 from dpfl.experiments import least_squares  # noqa: E402
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    tmp = Path(tempfile.mkdtemp(prefix="dpfl-bench-ls-"))
+    tmp = scratch("dpfl-bench-ls-")
     fused = least_squares.compile_kernels()
     print(f"fused kernels: {fused}\n")
     print("| N | engine s/round | engine, 32,000 rounds (extrapolated) | simulator, 32,000 rounds "

@@ -24,7 +24,6 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit, ratios  # noqa: E402
+from common import Row, arguments, emit, ratios, scratch  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
 from dpfl.models.functional import FlatModel  # noqa: E402
@@ -125,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     repeats, rounds = (2, 4) if args.quick else (args.repeats or 3, 8)
     torch.set_num_threads(1)
-    folder = Path(tempfile.mkdtemp(prefix="dpfl-bench-limit-"))
+    folder = scratch("dpfl-bench-limit-")
     rows = []
     for family, algorithm, model, overrides in WORKLOADS:
         if args.algorithms and algorithm not in args.algorithms:

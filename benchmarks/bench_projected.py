@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import scratch  # noqa: E402
 
 from dpfl.algorithms.projected import top_eigenspace  # noqa: E402
 from dpfl.engine import run  # noqa: E402
@@ -43,7 +44,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    tmp = Path(tempfile.mkdtemp(prefix="dpfl-bench-pcdp-"))
+    tmp = scratch("dpfl-bench-pcdp-")
     setting = SETTINGS["centralized-mnist"]
     print("| method | s per local step | s per 80-epoch run (extrapolated) |\n|---|---:|---:|")
     for method in METHODS:

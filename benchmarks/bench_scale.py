@@ -25,7 +25,6 @@ keyed streams, copies and the bookkeeping.
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit, interleaved  # noqa: E402
+from common import Row, arguments, emit, interleaved, scratch  # noqa: E402
 
 from dpfl.datasets.base import Dataset  # noqa: E402
 from dpfl.engine.runner import EngineTransport  # noqa: E402
@@ -100,7 +99,7 @@ def main() -> None:
     sizes = QUICK_SIZES if args.quick else SIZES
     repeats = args.repeats or (2 if args.quick else 3)
     torch.set_num_threads(1)
-    folder = Path(tempfile.mkdtemp(prefix="dpfl-bench-scale-"))
+    folder = scratch("dpfl-bench-scale-")
     problems = {c: problem_of(c, folder) for c in sizes}
     times = interleaved({str(c): Rounds(p) for c, p in problems.items()}, repeats)
     medians = np.array([float(np.median(times[str(c)])) for c in sizes])

@@ -9,8 +9,11 @@ gathers every benchmark's rows into one Markdown table.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -81,6 +84,13 @@ def interleaved(candidates: dict[str, Callable[[], object]], repeats: int,
             fn()
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def scratch(prefix: str) -> Path:
+    """A fresh temporary folder for a benchmark's runs, removed when the benchmark exits."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def arguments(description: str) -> argparse.ArgumentParser:
