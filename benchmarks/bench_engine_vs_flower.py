@@ -13,7 +13,6 @@ equal: the benchmark stops if they are not.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit, ratios, scratch  # noqa: E402
+from common import Row, arguments, emit, ratios, round_seconds, scratch  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
 from dpfl.launch import flwr_run  # noqa: E402
@@ -46,8 +45,7 @@ def timed(folder: Path, name: str, config: dict, runtime: str) -> tuple[float, f
     else:
         run(RunConfig(values), echo=False)
     wall = time.perf_counter() - started
-    lines = (folder / name / "rounds.jsonl").read_text().splitlines()
-    return statistics.median(json.loads(line)["seconds"] for line in lines[1:-1]), wall
+    return statistics.median(round_seconds(folder / name)[1:-1]), wall
 
 
 def main() -> None:

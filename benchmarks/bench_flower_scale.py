@@ -16,7 +16,6 @@ final models must equal the engine's (``torch.equal``), which the benchmark chec
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -24,18 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit, scratch  # noqa: E402
+from common import Row, arguments, emit, round_seconds, scratch  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
 from dpfl.launch import flwr_run  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
 
 SECTION = "scale"
-
-
-def seconds_per_round(folder: Path) -> list[float]:
-    lines = (folder / "rounds.jsonl").read_text().splitlines()
-    return [json.loads(line)["seconds"] for line in lines][1:-1]
 
 
 def main() -> None:
@@ -64,7 +58,7 @@ def main() -> None:
         if not all(torch.equal(model[k], engine[k]) for k in engine):
             sys.exit(f"flwr run with {nodes} SuperNodes: the model differs from the engine's")
         hosted = f"{nodes:,} SuperNodes × {clients // nodes:,} clients"
-        times[nodes] = seconds_per_round(folder / name)
+        times[nodes] = round_seconds(folder / name)[1:-1]
         rows.append(Row.of(SECTION, f"flwr run s/round, {hosted}", workload, "prisma",
                            times[nodes], "s"))
     rows.append(Row.of(SECTION, f"one client per SuperNode ÷ {cohort} cohort SuperNodes, "

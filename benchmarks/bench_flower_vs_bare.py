@@ -15,7 +15,6 @@ last round, the bare app never). Target: dpfl ≤ 1.2× the bare app per round.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -26,11 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_deployment import BARE, mnist_arrow  # noqa: E402
-from common import Row, arguments, emit, ratios  # noqa: E402
+from common import Row, arguments, emit, ratios, round_seconds  # noqa: E402
 
 from dpfl.config import format_overrides  # noqa: E402
-from dpfl.federation import BIN, free_port  # noqa: E402
-from dpfl.launch import flwr_run, started_processes, stop  # noqa: E402
+from dpfl.federation import BIN  # noqa: E402
+from dpfl.launch import flwr_run, simulation_env, started_processes, stop  # noqa: E402
 
 NODES, ROUNDS, LIMIT = 10, 8, 1.2
 SHARED = {"num-partitions": NODES, "batch-size": 32, "learning-rate": 0.1}
@@ -41,10 +40,7 @@ DPFL = {**SHARED, "algorithm": "dpsgd-gc", "dataset": "mnist", "model": "mlp",
 def bare_rounds(folder: Path, data: Path, rounds: int, name: str) -> list[float]:
     """Seconds of each round of the bare app under a local simulation of its own."""
     home, times = folder / f"home-{name}", folder / f"{name}.json"
-    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-               FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
-               FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
-               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = simulation_env(home)
     overrides = {**SHARED, "num-server-rounds": rounds, "local-steps": 1,
                  "data-path": str(data), "times-file": str(times)}
     try:
@@ -66,8 +62,7 @@ def dpfl_rounds(folder: Path, rounds: int, name: str) -> list[float]:
                      "results-dir": str(folder / "results"), "run-name": name}, timeout=1800)
     if code != 0:
         raise SystemExit(f"flwr run of dpfl failed with status {code}")
-    lines = (folder / "results" / name / "rounds.jsonl").read_text().splitlines()
-    return [json.loads(line)["seconds"] for line in lines]
+    return round_seconds(folder / "results" / name)
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ whose round is one clipped step per client (Clip21, DPSGD-GC).
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit, ratios, scratch  # noqa: E402
+from common import Row, arguments, emit, ratios, round_seconds, scratch  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
 from dpfl.models.functional import FlatModel  # noqa: E402
@@ -97,9 +96,8 @@ def config(algorithm: str, model: str, overrides: dict, rounds: int, folder: Pat
 def engine_round(cfg: RunConfig) -> float:
     """Median seconds of rounds 2..T-1 of ``cfg`` run on the engine."""
     run(cfg, echo=False)
-    lines = (Path(str(cfg["results-dir"])) / str(cfg["run-name"]) / "rounds.jsonl")
-    seconds = [json.loads(line)["seconds"] for line in lines.read_text().splitlines()]
-    return statistics.median(seconds[1:-1])
+    return statistics.median(
+        round_seconds(Path(str(cfg["results-dir"])) / str(cfg["run-name"]))[1:-1])
 
 
 def limit_step(cfg: RunConfig, samples: int, gaussians: int) -> float:

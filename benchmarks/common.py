@@ -86,6 +86,13 @@ def interleaved(candidates: dict[str, Callable[[], object]], repeats: int,
     return times
 
 
+def round_seconds(run_folder: Path) -> list[float]:
+    """The seconds of every round of the run whose results folder is ``run_folder`` (its
+    ``rounds.jsonl``; the round driver's clock, evaluation included where a round evaluates)."""
+    lines = (run_folder / "rounds.jsonl").read_text().splitlines()
+    return [json.loads(line)["seconds"] for line in lines]
+
+
 def scratch(prefix: str) -> Path:
     """A fresh temporary folder for a benchmark's runs, removed when the benchmark exits."""
     folder = Path(tempfile.mkdtemp(prefix=prefix))

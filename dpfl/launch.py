@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dpfl.config import Value, format_overrides
-from dpfl.federation import free_port
+from dpfl.federation import BIN, free_port
 from dpfl.flower_app import app_folder
 from dpfl.problem import build_problem, data_dir
 from dpfl.ray_cluster import check_cluster, client_resources
@@ -155,6 +155,16 @@ def final_status(flwr: Path, env: Mapping[str, str], cwd: Path) -> tuple[str, st
         return "unknown", (listed.stdout + listed.stderr).strip()[-300:]
 
 
+def simulation_env(home: Path) -> dict[str, str]:
+    """The environment of a ``flwr run`` on a local simulation connection of its own: a private
+    ``FLWR_HOME``, free loopback ports for its managed SuperLink, no runtime dependency
+    installation, and this interpreter's scripts first on ``PATH``."""
+    return dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+                FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
+                FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
+                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
 def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = None,
              flwr_home: Path | None = None, timeout: float | None = None,
              verbose: bool = False, ray_address: str | None = None,
@@ -184,16 +194,12 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
     values = dict(overrides)
     values["results-dir"] = str(Path(str(config["results-dir"])).expanduser().resolve())
     home = (flwr_home or Path(tempfile.mkdtemp(prefix="dpfl-flwr-home-"))).resolve()
-    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-               FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
-               FLWR_LOCAL_CONTROL_API_PORT=str(free_port()))
+    env = simulation_env(home)
     env.setdefault("DPFL_DATA_DIR", data_dir(config))  # the app runs from a copy of the FAB
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     if ray_address is not None:  # read by the simulation runtime's ray.init()
         env["RAY_ADDRESS"] = ray_address.strip()
-    bindir = Path(sys.executable).parent  # flwr starts flower-superlink from PATH
-    env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
-    flwr = bindir / "flwr"
+    flwr = BIN / "flwr"
     before = set(started_processes(home))
     try:
         with app_folder() as app_dir:
