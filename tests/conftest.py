@@ -17,6 +17,9 @@ os.environ.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").res
 if "DPFL_CACHE_DIR" not in os.environ:
     os.environ["DPFL_CACHE_DIR"] = tempfile.mkdtemp(prefix="dpfl-test-cache-")
     atexit.register(shutil.rmtree, os.environ["DPFL_CACHE_DIR"], ignore_errors=True)
+# Flower's usage telemetry is off in every process the tests start (and in the compose
+# containers): the tests send traffic only to loopback and to what they start
+os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ at round-timeout."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from flwr.app import Context, Error, Message, RecordDict
 
+from dpfl.client.app import app as client_app
 from dpfl.engine import run
 from dpfl.runconfig import RunConfig
 from dpfl.strategies import FederationError
@@ -181,23 +183,33 @@ def test_a_client_whose_state_is_wiped_mid_run_is_flagged_once(tmp_path):
     assert flagged[0].startswith("client 1 reports ε=") and " at round 3, below the " in flagged[0]
 
 
-def test_a_transport_failure_mid_exchange_closes_the_results_and_charges_the_round(tmp_path):
-    """The exchange of round 2 fails after two of three nodes replied (a Ray actor killed
-    mid-run): the results folder is closed with round 1's model and the reason, and every
-    client the exchange was addressed to is charged for it."""
+def cut_in_round_2(error: Exception | None) -> type[InProcessGrid]:
+    """A grid whose exchange of round 2 is cut after two of three nodes replied: it raises
+    ``error`` (a Ray actor killed), or with None, the process gets SIGINT (Flower's exit)."""
 
-    class Dying(InProcessGrid):
+    class Cut(InProcessGrid):
         def send_and_receive(self, messages, *, timeout=None):
             messages = list(messages)
             if messages and messages[0].metadata.message_type == "train" \
                     and int(messages[0].content["config"]["round"]) == 2:
                 super().send_and_receive(messages[:2])
-                raise RuntimeError("the actor died")
+                if error is not None:
+                    raise error
+                signal.raise_signal(signal.SIGINT)
             return super().send_and_receive(messages)
+
+    return Cut
+
+
+def test_a_transport_failure_mid_exchange_closes_the_results_and_charges_the_round(tmp_path):
+    """The exchange of round 2 fails after two of three nodes replied (a Ray actor killed
+    mid-run): the results folder is closed with round 1's model and the reason, and every
+    client the exchange was addressed to is charged for it."""
 
     values = {**BASE, "results-dir": str(tmp_path)}
     with pytest.raises(RuntimeError, match="the actor died"):
-        run_flower_code_path({**values, "run-name": "flower"}, NODES, grid_class=Dying)
+        run_flower_code_path({**values, "run-name": "flower"}, NODES,
+                             grid_class=cut_in_round_2(RuntimeError("the actor died")))
     summary = _summary(tmp_path, "flower")
     assert summary["rounds_completed"] == 1
     assert summary["stopped_early"] == "failed in round 2: RuntimeError: the actor died"
@@ -208,6 +220,37 @@ def test_a_transport_failure_mid_exchange_closes_the_results_and_charges_the_rou
     assert all(torch.equal(flower[k], engine[k]) for k in engine)
     run(RunConfig({**values, "num-server-rounds": 2, "run-name": "two"}), echo=False)
     assert summary["epsilon"] == _summary(tmp_path, "two")["epsilon"]
+
+
+def test_flowers_exit_signal_waits_until_the_results_folder_is_closed(tmp_path):
+    """Flower ends a ServerApp whose SuperLink went away with SIGINT, and its handler kills the
+    process 5 s after it starts: the dpfl ServerApp takes the signal first (mid-exchange of
+    round 2 here), closes the results folder with round 1, and only then calls Flower's handler,
+    whose SystemExit goes on; the handlers are Flower's again afterwards."""
+    from dpfl.server.app import main
+
+    closed_when_flower_exited = []
+
+    def flowers_exit(signum, _frame):
+        closed_when_flower_exited.append((tmp_path / "flower" / "summary.json").exists())
+        raise SystemExit(0)
+
+    values = RunConfig({**BASE, "results-dir": str(tmp_path), "run-name": "flower"}).as_dict()
+    grid = cut_in_round_2(None)(client_app, values, NODES)
+    before = signal.signal(signal.SIGINT, flowers_exit)
+    try:
+        with pytest.raises(SystemExit):
+            main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                               run_config=values))
+        assert signal.getsignal(signal.SIGINT) is flowers_exit
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert closed_when_flower_exited == [True]
+    summary = _summary(tmp_path, "flower")
+    assert summary["rounds_completed"] == 1 and len(_rounds(tmp_path, "flower")) == 1
+    assert summary["stopped_early"] == (
+        "failed in round 2: Flower ended the ServerApp (SIGINT): the SuperLink was lost or "
+        "restarted, or the run was stopped")
 
 
 def test_a_stalled_client_is_given_up_at_round_timeout_with_progress_lines(tmp_path,

@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import math
+import signal
 import time
 from typing import Any
 
@@ -61,8 +62,23 @@ def payload(arrays: dict[str, torch.Tensor]) -> int:
     return sum(a.numel() * a.element_size() for a in arrays.values())
 
 
+class Stopped(BaseException):
+    """Flower was asked to end the ServerApp with signal ``signum`` (its SuperLink or SuperExec
+    went away, or the run was stopped). Raised into the round loop in place of Flower's own exit
+    (:func:`dpfl.server.app.main`), so that the results folder is closed before that exit starts
+    its clock: Flower ends the process 5 s after it, whatever is still being written."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def failure(round: int, exc: BaseException) -> str:
     """Why a run stopped on ``exc`` in round ``round``, for its summary."""
+    if isinstance(exc, Stopped):
+        return (f"failed in round {round}: Flower ended the ServerApp "
+                f"({signal.Signals(exc.signum).name}): the SuperLink was lost or restarted, or "
+                f"the run was stopped")
     if isinstance(exc, SystemExit):
         return (f"failed in round {round}: Flower ended the ServerApp (exit status {exc.code}): "
                 f"the SuperLink was lost or restarted, or the run was stopped")

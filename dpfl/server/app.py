@@ -4,18 +4,27 @@ Bad input, a federation that does not match the run, and a run stopped by lost c
 one line ``dpfl: error: …`` and then raise :class:`RunFailed` with that line, so that Flower
 marks the run ``finished:failed`` (``flwr ls``) rather than completed; Flower logs the exception
 with its traceback after the line. ``dpfl flower`` validates the run config and sizes the
-federation before it submits a run, and exits non-zero on any status but completed."""
+federation before it submits a run, and exits non-zero on any status but completed.
+
+Flower ends a ServerApp whose SuperLink went away, or whose run was stopped, with a signal, and
+its handler kills the process 5 s after it starts exiting; the ServerApp therefore takes the
+signal first, closes the results folder, and only then hands it to Flower's handler."""
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from dpfl.errors import ConfigError
 from dpfl.problem import cached_problem
+from dpfl.rounds.driver import Stopped
 from dpfl.runconfig import RunConfig, check_runtime
 from dpfl.strategies import AlgorithmStrategy, FederationError
 from dpfl.strategies.algorithm import to_record
@@ -28,6 +37,36 @@ class RunFailed(RuntimeError):
     """The run stopped on an error already explained by a ``dpfl: error:`` line."""
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def results_closed_first() -> Iterator[None]:
+    """SIGINT and SIGTERM, where Python handles them (Flower's exit), raise :class:`Stopped` in
+    the round loop, which closes the results folder, and then go to those handlers; a second
+    signal goes straight to them. Only the main thread takes signals: elsewhere this does
+    nothing."""
+    previous = {sig: handler for sig in SIGNALS if callable(handler := signal.getsignal(sig))}
+    if threading.current_thread() is not threading.main_thread():
+        previous = {}
+
+    def stop(signum: int, _frame: object) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        raise Stopped(signum)
+
+    for sig in previous:
+        signal.signal(sig, stop)
+    try:
+        yield
+    except Stopped as stopped:
+        previous[stopped.signum](stopped.signum, None)  # Flower's exit: raises SystemExit
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     try:
@@ -36,8 +75,9 @@ def main(grid: Grid, context: Context) -> None:
         # the run config as given: keys left at "auto" stay so (the driver names their values)
         problem = cached_problem(tuple(sorted(context.run_config.items())))
         strategy = AlgorithmStrategy(problem)
-        strategy.start(grid=grid, initial_arrays=to_record({"x": problem.x0}),
-                       num_rounds=int(config["num-server-rounds"]))
+        with results_closed_first():
+            strategy.start(grid=grid, initial_arrays=to_record({"x": problem.x0}),
+                           num_rounds=int(config["num-server-rounds"]))
     except (ConfigError, FederationError) as exc:
         print(f"dpfl: error: {exc}", file=sys.stderr, flush=True)
         raise RunFailed(str(exc)) from None
