@@ -121,8 +121,10 @@ class Cohort:
                 self._whole = (self.x[rows], self.y[rows])
             return self._whole
         picks = rng.sample_without_replacement(self.ids, self.sizes, round, purpose, batch_size)
-        rows = torch.stack([idx[p] for idx, p in zip(self.indices, picks, strict=True)])
-        return self.x[rows], self.y[rows]
+        rows = torch.cat([idx[p] for idx, p in zip(self.indices, picks, strict=True)])
+        shape = (len(self), batch_size)
+        return (self.x.index_select(0, rows).view(*shape, *self.x.shape[1:]),
+                self.y.index_select(0, rows).view(shape))
 
 
     def poisson(self, rng: Randomness, round: int, purpose: str,

@@ -20,7 +20,7 @@ the batch or the number of clients (``benchmarks/bench_memory.py`` measures it).
 
 Reproducibility. Clients are processed one at a time, in fixed chunks (their length depends on
 the model and the input shape only), on 64-byte-aligned copies of their data, into
-64-byte-aligned output rows (``_Scratch``), so client i's result does not depend on how many
+64-byte-aligned output rows (``_aligned_rows``), so client i's result does not depend on how many
 other clients share the call: a Flower client (C = 1) and the in-process engine (C = 100) agree
 bit for bit on CPU. (Measured: stacking the clients' samples into the rows of one GEMM changes
 the rounding of every client's rows, because MKL picks its kernel by the matrix shape.)
@@ -70,33 +70,16 @@ def _aligned(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-class _Scratch:
-    """Aligned rows to write one client's GEMM outputs into, for an output ``out [C, d]``.
+def _aligned_rows(like: Tensor, n: int, d: int) -> Tensor:
+    """An uninitialised ``[n, d]`` tensor whose every row starts on a 64-byte boundary: the
+    first ``d`` columns of ``[n, d']``, ``d'`` rounded up to a whole number of boundaries.
 
     MKL's result depends on where its output sits (measured on an AVX-512 CPU: a client's clipped
     mean written into row 1 of a ``[4, d]`` tensor, 40 bytes past a 64-byte boundary, differs in
-    the last bit from the same mean written at offset 0). A row that is not 64-byte aligned is
-    computed in an aligned buffer and copied into place, so every client's kernels see the same
-    alignment whatever ``C`` is.
-    """
-
-    def __init__(self, out: Tensor):
-        self.out = out
-        self._buffer: Tensor | None = None
-
-    def row(self, c: int) -> Tensor:
-        """Where to write row ``c``: the row itself if aligned, else the (reused) buffer."""
-        if _is_aligned(self.out[c]):
-            return self.out[c]
-        if self._buffer is None:
-            self._buffer = torch.empty_like(self.out[c])
-        return self._buffer
-
-    def commit(self, c: int) -> None:
-        """Copy the buffer into row ``c`` if ``row(c)`` handed it out."""
-        if not _is_aligned(self.out[c]):
-            assert self._buffer is not None
-            self.out[c].copy_(self._buffer)
+    the last bit from the same mean written at offset 0); on aligned rows every client's kernels
+    see the same alignment whatever ``C`` is, with no copy."""
+    per = max(1, _ALIGNMENT // like.element_size())
+    return like.new_empty(n, -(-d // per) * per)[:, :d]
 
 
 class FlatModel:
@@ -237,13 +220,11 @@ class FlatModel:
         """``[C, d]``: the gradient of each client's mean loss over its ``b`` samples; the
         per-sample losses (without the regulariser) are written into ``losses [C, b]`` if given."""
         n_clients = x.shape[0]
-        out = x.new_empty(n_clients, self.d)
+        out = _aligned_rows(x, n_clients, self.d)
         if self._linear is not None and self.loss.output_grad is not None:
-            scratch = _Scratch(out)
             for c in range(n_clients):
-                self._linear_gradient(self._point(flat, c), _aligned(x[c]), y[c], scratch.row(c),
+                self._linear_gradient(self._point(flat, c), _aligned(x[c]), y[c], out[c],
                                       None if losses is None else losses[c])
-                scratch.commit(c)
             return out
         for c in range(n_clients):
             point = self._point(flat, c).detach().requires_grad_()
@@ -319,9 +300,8 @@ class FlatModel:
         """
         n_clients, b = x.shape[:2]
         radii = self._radii(clip, n_clients)
-        out = x.new_empty(n_clients, self.d)  # the first chunk's GEMMs overwrite it (β = 0)
+        out = _aligned_rows(x, n_clients, self.d)  # the first chunk's GEMMs overwrite it (β = 0)
         norms = x.new_empty(n_clients, b)
-        scratch = _Scratch(out)
         closed_form = self._linear is not None and self.loss.output_grad is not None
         size = self.chunk_length(flat, x, y, rows=closed_form)
         for c in range(n_clients):
@@ -329,7 +309,7 @@ class FlatModel:
             reg = self._reg_grad(point) if self.nonconvex_reg else None
             if offset is not None:
                 reg = _aligned(offset[c]) if reg is None else reg + offset[c]
-            row = scratch.row(c)
+            row = out[c]
             if closed_form:  # the rows themselves: n·d memory per chunk, no autograd
                 for start, xs, ys in self._chunks(x, y, c, size):
                     n = len(xs)
@@ -343,7 +323,6 @@ class FlatModel:
                         torch.mv(rows.t(), w, out=row)
                     else:
                         row.addmv_(rows.t(), w)
-                scratch.commit(c)
                 continue
             for start, xs, ys in self._chunks(x, y, c, size):
                 n = len(xs)
@@ -353,7 +332,6 @@ class FlatModel:
                                  None if losses is None else losses[c, start:start + n]),
                     reg, radii[c], n, b, row, first=start == 0,
                 )
-            scratch.commit(c)
         return out, norms
 
     def clipped_difference_mean(
@@ -371,8 +349,7 @@ class FlatModel:
         Σ_j (γ + (1 − γ)β_j)α_j g_j − Σ_j (1 − γ)β_j α̃_j g̃_j. Memory: two chunks' tapes.
         """
         n_clients, b = x.shape[:2]
-        out = x.new_empty(n_clients, self.d)
-        scratch = _Scratch(out)
+        out = _aligned_rows(x, n_clients, self.d)
         closed_form = self._linear is not None and self.loss.output_grad is not None
         size = self.chunk_length(flat, x, y, rows=closed_form)
         if not closed_form:  # two tapes at once
@@ -381,7 +358,7 @@ class FlatModel:
             point, before = self._point(flat, c), self._point(flat_before, c)
             reg = self._reg_grad(point) if self.nonconvex_reg else None
             reg_before = self._reg_grad(before) if self.nonconvex_reg else None
-            row = scratch.row(c)
+            row = out[c]
             for start, xs, ys in self._chunks(x, y, c, size):
                 n = len(xs)
                 if closed_form:
@@ -418,7 +395,6 @@ class FlatModel:
                 self._add_weighted(tape_before, grads_before, reg_before, w_before, row,
                                    first=False)
                 del tape, tape_before, grads, grads_before
-            scratch.commit(c)
         return out
 
     def chunk_length(self, flat: Tensor, x: Tensor, y: Tensor, *, rows: bool) -> int:
