@@ -199,10 +199,16 @@ def test_superlink_restart_does_not_reset_the_ledger(tmp_path, deployment):
     summary = json.loads((results / "restart" / "summary.json").read_text())
     assert summary["stopped_early"].startswith(f"failed in round {rounds() + 1}: Flower ended")
     assert summary["rounds_completed"] == rounds() < 40
-    listed = subprocess.run([str(BIN / "flwr"), "ls", "local-deployment", "--format", "json"],
-                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    runs = json.loads(listed.stdout)["runs"]
-    assert [r["status"] for r in runs] == ["finished:failed"], runs
+
+    def statuses() -> list[str]:
+        listed = subprocess.run([str(BIN / "flwr"), "ls", "local-deployment", "--format",
+                                 "json"], env=env, cwd=ROOT, capture_output=True, text=True,
+                                timeout=60)
+        return [r["status"] for r in json.loads(listed.stdout)["runs"]]
+
+    # the results are closed first, then Flower's exit reports the run to the SuperLink
+    wait_for(lambda: statuses() != ["running"], "the run stayed running", [], timeout=150)
+    assert statuses() == ["finished:failed"]
     time.sleep(20)  # nothing picks the run up again
     assert rounds() == summary["rounds_completed"]
     again = subprocess.run([*command[:4], "--stream", *command[4:]], env=env, cwd=ROOT,

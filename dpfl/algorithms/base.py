@@ -124,7 +124,7 @@ class Cohort:
         rows = torch.cat([idx[p] for idx, p in zip(self.indices, picks, strict=True)])
         shape = (len(self), batch_size)
         return (self.x.index_select(0, rows).view(*shape, *self.x.shape[1:]),
-                self.y.index_select(0, rows).view(shape))
+                self.y.index_select(0, rows).view(*shape, *self.y.shape[1:]))
 
 
     def poisson(self, rng: Randomness, round: int, purpose: str,
