@@ -76,22 +76,22 @@ def counting() -> Iterator[dict[str, int]]:
     """Count the samples of every training forward pass (grad enabled) of any ``FlatModel`` and
     every Gaussian any ``Randomness.normal`` draws, while the block runs."""
     counts = {"samples": 0, "gaussians": 0}
-    forward, normal = FlatModel._forward, Randomness.normal
+    forward, normal = FlatModel._forward_with, Randomness.normal
 
-    def counted_forward(self, point, x):
+    def counted_forward(self, params, x):
         if torch.is_grad_enabled():
             counts["samples"] += x.shape[0]
-        return forward(self, point, x)
+        return forward(self, params, x)
 
     def counted_normal(self, clients, round, purpose, shape, std, **kwargs):
         counts["gaussians"] += len(clients) * math.prod(shape)
         return normal(self, clients, round, purpose, shape, std, **kwargs)
 
-    FlatModel._forward, Randomness.normal = counted_forward, counted_normal  # type: ignore
+    FlatModel._forward_with, Randomness.normal = counted_forward, counted_normal  # type: ignore
     try:
         yield counts
     finally:
-        FlatModel._forward, Randomness.normal = forward, normal  # type: ignore
+        FlatModel._forward_with, Randomness.normal = forward, normal  # type: ignore
 
 
 def config(algorithm: str, model: str, overrides: dict, rounds: int, folder: Path,

@@ -82,6 +82,30 @@ def _aligned_rows(like: Tensor, n: int, d: int) -> Tensor:
     return like.new_empty(n, -(-d // per) * per)[:, :d]
 
 
+class _InputSquares:
+    """‖a_j‖² ``[n]`` of the layer inputs of one chunk, computed once per input: a layer whose
+    input does not depend on the point (the first, fed the data) has the same input in the
+    tapes at two points, and there ⟨a_j, ã_j⟩ = ‖a_j‖² (the same products, summed alike)."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Tensor] = {}
+
+    @staticmethod
+    def key(a: Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        return a.data_ptr(), tuple(a.shape), a.stride()
+
+    @classmethod
+    def same(cls, a: Tensor, b: Tensor) -> bool:
+        """Whether ``a`` and ``b`` are the same memory, seen alike (so the same values)."""
+        return cls.key(a) == cls.key(b)
+
+    def of(self, a: Tensor) -> Tensor:
+        key = self.key(a)
+        if key not in self._known:
+            self._known[key] = a.square().sum(dim=1)
+        return self._known[key]
+
+
 class FlatModel:
     """A torch module seen as a function of its flat trainable parameter vector.
 
@@ -227,15 +251,23 @@ class FlatModel:
                                       None if losses is None else losses[c])
             return out
         for c in range(n_clients):
-            point = self._point(flat, c).detach().requires_grad_()
+            point = self._point(flat, c).detach()
+            if self.nonconvex_reg:  # the regulariser's gradient joins autograd's on the point
+                point.requires_grad_()
+                params = self._params(point)
+            else:  # each parameter's gradient is written straight into its part of the row
+                params = [p.requires_grad_() for p in self._params(point)]
             with torch.enable_grad():
-                per_sample = self.loss.per_sample(self._forward(point, _aligned(x[c])), y[c])
+                per_sample = self.loss.per_sample(self._forward_with(params, _aligned(x[c])),
+                                                  y[c])
                 if losses is not None:
                     losses[c].copy_(per_sample.detach())
                 loss = per_sample.mean()
                 if self.nonconvex_reg:
-                    loss = loss + self._reg_value(point)
-                out[c] = torch.autograd.grad(loss, point)[0]
+                    out[c] = torch.autograd.grad(loss + self._reg_value(point), point)[0]
+                    continue
+                grads = torch.autograd.grad(loss, params, materialize_grads=True)
+            torch.cat([g.view(-1) for g in grads], out=out[c])
         return out
 
     def full_gradient(self, flat: Tensor, x: Tensor, y: Tensor, batch_size: int = 4096) -> Tensor:
@@ -371,11 +403,12 @@ class FlatModel:
                     dots = (rows * rows_before).sum(dim=1)
                 else:
                     tape, tape_before = (self._record(p, xs, ys) for p in (point, before))
-                    sq, grads = self._squares(tape, reg, row.new_zeros(n))
+                    inputs = _InputSquares()
+                    sq, grads = self._squares(tape, reg, row.new_zeros(n), inputs)
                     sq_before, grads_before = self._squares(tape_before, reg_before,
-                                                            row.new_zeros(n))
+                                                            row.new_zeros(n), inputs)
                     dots = self._pair_dots(tape, grads, reg, tape_before, grads_before,
-                                           reg_before, n)
+                                           reg_before, n, inputs)
                 alpha = clip_factors(sq.clamp_min(0).sqrt(), clip)
                 alpha_before = clip_factors(sq_before.clamp_min(0).sqrt(), clip)
                 diff_sq = (alpha.square() * sq + alpha_before.square() * sq_before
@@ -514,14 +547,16 @@ class FlatModel:
         return norm
 
     def _squares(self, tape: list[tuple[_Layer, Tensor, Tensor]], reg: Tensor | None,
-                 sq: Tensor) -> tuple[Tensor, list[list[Tensor] | None]]:
+                 sq: Tensor, inputs: _InputSquares | None = None
+                 ) -> tuple[Tensor, list[list[Tensor] | None]]:
         """``sq`` plus ‖g_j + reg‖² of one chunk's per-sample gradients ``[n]`` (ghost norms
         where a layer has them), and each layer's materialised per-sample gradients (None for
-        a ghost layer)."""
+        a ghost layer); ``inputs`` shares the layers' ‖a_j‖² between tapes of the same chunk."""
         materialised: list[list[Tensor] | None] = []
         for layer, a, g in tape:
             if grad_sample.has_ghost(layer.module, a):
-                sq += grad_sample.ghost_sq_norms(a, g, layer.trainable)
+                sq += grad_sample.ghost_sq_norms(a, g, layer.trainable,
+                                                 None if inputs is None else inputs.of(a))
                 if reg is not None:
                     sq += 2 * grad_sample.ghost_dots(a, g, layer.trainable, self._parts(layer, reg))
                 materialised.append(None)
@@ -565,7 +600,7 @@ class FlatModel:
                    now_grads: list[list[Tensor] | None], reg: Tensor | None,
                    before: list[tuple[_Layer, Tensor, Tensor]],
                    before_grads: list[list[Tensor] | None], reg_before: Tensor | None,
-                   n: int) -> Tensor:
+                   n: int, inputs: _InputSquares) -> Tensor:
         """⟨g_j + reg, g̃_j + reg_before⟩ ``[n]`` of the same samples' per-sample gradients at
         two points: for a Linear layer (g_j = δ_j a_jᵀ) ⟨δ_j a_jᵀ, δ̃_j ã_jᵀ⟩ = (δ_j·δ̃_j)(a_j·ã_j),
         plus δ_j·δ̃_j for the bias; else the materialised rows' dot products."""
@@ -574,8 +609,9 @@ class FlatModel:
                                                             strict=True):
             if grads is None or grads2 is None:  # the same layer on the same samples: both ghost
                 deltas = (g * g2).sum(dim=1)
-                if layer.trainable[0]:
-                    dots += deltas * (a * a2).sum(dim=1)
+                if layer.trainable[0]:  # a layer whose input does not depend on the point: ‖a_j‖²
+                    dots += deltas * (inputs.of(a) if _InputSquares.same(a, a2)
+                                      else (a * a2).sum(dim=1))
                 if layer.trainable[1]:
                     dots += deltas
                 if reg_before is not None:
@@ -632,14 +668,21 @@ class FlatModel:
             for (layer, a, out), g in zip(tape, grads)
         ]
 
+    def _params(self, point: Tensor) -> list[Tensor]:
+        """The trainable parameters as views of ``point``, in their shapes."""
+        return [v.view(shape) for v, shape in zip(point.split(self._numels), self._shapes)]
+
     def _forward(self, point: Tensor, x: Tensor) -> Tensor:
         """The private module's output with its trainable parameters replaced by views of
         ``point`` (a cheaper ``torch.func.functional_call``; the originals are put back)."""
+        return self._forward_with(self._params(point), x)
+
+    def _forward_with(self, params: list[Tensor], x: Tensor) -> Tensor:
+        """The private module's output with its trainable parameters replaced by ``params``."""
         originals = [module._parameters[attr] for module, attr in self._slots]
-        views = point.split(self._numels)
         try:
-            for (module, attr), view, shape in zip(self._slots, views, self._shapes):
-                module._parameters[attr] = view.view(shape)  # type: ignore[assignment]
+            for (module, attr), param in zip(self._slots, params):
+                module._parameters[attr] = param  # type: ignore[assignment]
             return self._module(x)
         finally:
             for (module, attr), original in zip(self._slots, originals):

@@ -148,10 +148,14 @@ def has_ghost(layer: nn.Module, a: Tensor) -> bool:
     return type(layer) is nn.Linear and a.dim() == 2
 
 
-def ghost_sq_norms(a: Tensor, g: Tensor, trainable: tuple[bool, bool]) -> Tensor:
-    """Σ over the layer's trainable parameters of ‖per-sample gradient‖², shape ``[n]``."""
+def ghost_sq_norms(a: Tensor, g: Tensor, trainable: tuple[bool, bool],
+                   a_sq: Tensor | None = None) -> Tensor:
+    """Σ over the layer's trainable parameters of ‖per-sample gradient‖², shape ``[n]``;
+    ``a_sq``: the inputs' ‖a_j‖², when already computed."""
     g_sq = g.square().sum(dim=1)
-    sq = g_sq * a.square().sum(dim=1) if trainable[0] else torch.zeros_like(g_sq)
+    if a_sq is None and trainable[0]:
+        a_sq = a.square().sum(dim=1)
+    sq = g_sq * a_sq if trainable[0] else torch.zeros_like(g_sq)
     return sq + g_sq if trainable[1] else sq
 
 
