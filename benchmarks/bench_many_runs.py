@@ -19,8 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import Row, arguments, emit, interleaved, ratios  # noqa: E402
 
+from dpfl.engine import run, run_many  # noqa: E402
 from dpfl.experiments.clip21 import LOGREG_BASE, LOGREG_MODES  # noqa: E402
-from dpfl.experiments.lab import _run_job  # noqa: E402
+from dpfl.experiments.lab import one_thread  # noqa: E402
+from dpfl.runconfig import RunConfig  # noqa: E402
 
 SECTION = "many runs"
 WORKERS = 2
@@ -39,12 +41,21 @@ def mlp(rounds: int, runs: int) -> list[dict]:
              "eval-every": rounds, "seed": s} for s in range(runs)]
 
 
+def job(runs: list[dict]) -> None:
+    """One worker's job, on one torch thread: a run alone, or runs batched as one."""
+    with one_thread():
+        if len(runs) == 1:
+            run(RunConfig(runs[0]), echo=False)
+        else:
+            run_many([RunConfig(v) for v in runs])
+
+
 def sweep(pool: ProcessPoolExecutor, configs: list[dict], batch: int, where: Path) -> None:
     """Every run of ``configs`` on the pool, ``batch`` runs to a job (fresh results folders)."""
     folder = Path(tempfile.mkdtemp(dir=where))
     runs = [{**c, "results-dir": str(folder)} for c in configs]
     jobs = [runs[i:i + batch] for i in range(0, len(runs), batch)]
-    for future in [pool.submit(_run_job, job) for job in jobs]:
+    for future in [pool.submit(job, chunk) for chunk in jobs]:
         future.result()
 
 
