@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import round_seconds
 
 from dpfl.config import format_overrides
 from dpfl.federation import BIN, CONNECTION, LocalFederation
@@ -81,8 +82,7 @@ def bare_rounds(env: dict[str, str], folder: Path, data: Path, name: str) -> lis
 
 def dpfl_rounds(env: dict[str, str], folder: Path, name: str) -> list[float]:
     flwr_run(env, ROOT, {**DPFL, "results-dir": str(folder / "results"), "run-name": name})
-    lines = (folder / "results" / name / "rounds.jsonl").read_text().splitlines()
-    return [json.loads(line)["seconds"] for line in lines]
+    return round_seconds(folder / "results" / name)
 
 
 def probe(kind: str, data: str) -> dict[str, float]:
