@@ -225,13 +225,16 @@ def test_per_client_points_equal_separate_calls(name):
 @pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic", "resnet20"])
 @pytest.mark.parametrize("shared", [True, False])
 def test_a_client_result_does_not_depend_on_the_other_clients_bitwise(name, shared):
-    """A Flower client calls with C = 1, the engine with C = 4: every client agrees bit for bit
-    (the rows of a [4, d] result start at four different offsets from a 64-byte boundary; with
-    8 or more samples MKL's GEMM result depends on that offset, measured on an AVX-512 CPU)."""
+    """A Flower client calls with C = 1, the engine with C = 4 (whose clients' clip factors are
+    computed together, in one group): every client agrees bit for bit (the rows of a [4, d]
+    result start at four different offsets from a 64-byte boundary; with 8 or more samples
+    MKL's GEMM result depends on that offset, measured on an AVX-512 CPU)."""
     flat_model, flat, x, y = _setup(name, clients=4, batch=8, nonconvex_reg=1e-3)
     flat4 = flat if shared else torch.stack([flat + 0.01 * k for k in range(4)])
     radii4 = torch.tensor([0.1, 0.2, 0.3, 0.4])
     m4, n4 = flat_model.clipped_mean(flat4, x, y, radii4)
+    difference = dict(clip=0.2, clip_diff=0.05, gamma=0.5)  # PriSMA's increment
+    d4 = flat_model.clipped_difference_mean(flat4, flat4 * 0.9, x, y, **difference)
     methods = (flat_model.batch_gradients, flat_model.per_sample_gradients)
     together = [method(flat4, x, y) for method in methods]
     losses4 = flat_model.losses(flat4, x, y) if not shared else None
@@ -240,6 +243,8 @@ def test_a_client_result_does_not_depend_on_the_other_clients_bitwise(name, shar
         x1, y1 = x[c : c + 1].clone(), y[c : c + 1].clone()
         m1, n1 = flat_model.clipped_mean(flat1, x1, y1, radii4[c].item())
         assert torch.equal(m4[c], m1[0]) and torch.equal(n4[c], n1[0])
+        d1 = flat_model.clipped_difference_mean(flat1, flat1 * 0.9, x1, y1, **difference)
+        assert torch.equal(d4[c], d1[0])
         for method, result in zip(methods, together):
             assert torch.equal(result[c], method(flat1, x1, y1)[0])
         if losses4 is not None:

@@ -259,8 +259,8 @@ class Prisma(Algorithm):
                 q, _ = self.model.clipped_mean(x, xb, yb, hp.clip)
             else:
                 q = self.increment(x, broadcast["x_prev"].to(ctx.device), xb, yb)
-            v = torch.add(ctx.privatize("momentum", q), states["v"].to(ctx.device),
-                          alpha=1 - hp.gamma)  # eq. (20) / (4), line 10
+            # eq. (20) / (4), line 10, in the noised increment's fresh memory
+            v = ctx.privatize("momentum", q).add_(states["v"].to(ctx.device), alpha=1 - hp.gamma)
         v = v.cpu()
         return {"v": v}, {"v": v}
 

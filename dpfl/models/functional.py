@@ -16,11 +16,14 @@ clipped sum from one weighted GEMM ("ghost clipping"); conv and norm layers are 
 Memory. Clients are processed one at a time, and each client's samples in chunks of at most
 ``chunk_size`` samples, or of as many as fit a byte budget ``chunk_bytes`` for the chunk's
 per-sample values; so beyond the ``[C, d]`` result, a step's peak memory is one chunk's, whatever
-the batch or the number of clients (``benchmarks/bench_memory.py`` measures it).
+the batch or the number of clients (``benchmarks/bench_memory.py`` measures it). Per-sample
+clipping holds consecutive clients' chunks together up to one chunk's samples (a group), so
+that the scalar arithmetic from norms to clip factors runs once per group, not once per client.
 
 Reproducibility. Clients are processed one at a time, in fixed chunks (their length depends on
 the model and the input shape only), on 64-byte-aligned copies of their data, into
-64-byte-aligned output rows (``_aligned_rows``), so client i's result does not depend on how many
+64-byte-aligned output rows (``_aligned_rows``), and a group's clip factors come from
+elementwise, correctly rounded operations, so client i's result does not depend on how many
 other clients share the call: a Flower client (C = 1) and the in-process engine (C = 100) agree
 bit for bit on CPU. (Measured: stacking the clients' samples into the rows of one GEMM changes
 the rounding of every client's rows, because MKL picks its kernel by the matrix shape.)
@@ -104,6 +107,48 @@ class _InputSquares:
         if key not in self._known:
             self._known[key] = a.square().sum(dim=1)
         return self._known[key]
+
+
+@dataclass(frozen=True, eq=False)
+class _Chunk:
+    """One chunk of one client's samples (:meth:`FlatModel._groups`), at ``pos`` in its group:
+    its data, the parameters it is taken at (and at a second point, for a difference), and
+    the regulariser's (or an offset's) gradient added to each of its per-sample gradients."""
+
+    client: int
+    start: int
+    n: int
+    pos: int
+    x: Tensor
+    y: Tensor
+    params: list[Tensor]
+    reg: Tensor | None
+    params_before: list[Tensor] | None = None
+    reg_before: Tensor | None = None
+
+    def of(self, values: Tensor) -> Tensor:
+        """The chunk's entries of a group's per-sample ``values``."""
+        return values[self.pos:self.pos + self.n]
+
+
+def _per_sample(radii: list[float], group: list[_Chunk]) -> float | Tensor:
+    """The clip radius of every sample of ``group`` (one float when its clients share one)."""
+    if len({radii[chunk.client] for chunk in group}) == 1:
+        return radii[group[0].client]
+    return torch.cat([torch.full((chunk.n,), radii[chunk.client]) for chunk in group])
+
+
+def _difference_weights(sq: Tensor, sq_before: Tensor, dots: Tensor, *, clip: float,
+                        clip_diff: float | None, gamma: float, b: int) -> tuple[Tensor, Tensor]:
+    """The weights ``(w, w̃)`` of ``Σ_j w_j g_j + Σ_j w̃_j g̃_j`` in
+    :meth:`FlatModel.clipped_difference_mean`, from ‖g_j‖², ‖g̃_j‖² and ⟨g_j, g̃_j⟩."""
+    alpha = clip_factors(sq.clamp_min(0).sqrt(), clip)
+    alpha_before = clip_factors(sq_before.clamp_min(0).sqrt(), clip)
+    diff_sq = (alpha.square() * sq + alpha_before.square() * sq_before
+               - 2 * alpha * alpha_before * dots)
+    beta = (torch.ones_like(alpha) if clip_diff is None
+            else clip_factors(diff_sq.clamp_min(0).sqrt(), clip_diff))
+    return (gamma + (1 - gamma) * beta) * alpha / b, -(1 - gamma) * beta * alpha_before / b
 
 
 class FlatModel:
@@ -297,6 +342,7 @@ class FlatModel:
         size = self.chunk_length(flat, x, y, rows=True)
         for c in range(x.shape[0]):
             point = self._point(flat, c)
+            params = self._params(point.detach())
             reg = self._reg_grad(point) if self.nonconvex_reg else None
             for start, xs, ys in self._chunks(x, y, c, size):
                 if closed_form:
@@ -306,7 +352,7 @@ class FlatModel:
                     yield c, start, rows
                     continue
                 rows = x.new_zeros(len(xs), self.d)
-                for layer, a, g in self._record(point, xs, ys):
+                for layer, a, g in self._record(params, xs, ys):
                     grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
                     for p, where in zip(grads, layer.slices):
                         rows[:, where] = p
@@ -326,9 +372,10 @@ class FlatModel:
         is given, the per-sample losses of the forward pass are written into it (without the
         regulariser); ``offset`` (``[C, d]``) is added to each of client c's per-sample
         gradients before clipping (FedProx's proximal gradient μ(x − x_global)). Clients are
-        processed one at a time, so memory does not grow with ``C``: beyond the inputs and
-        outputs it is one chunk's per-sample values (see ``chunk_bytes``; Linear layers on
-        ``[n, in]`` inputs cost only their inputs and output gradients, ``‖g_j‖·‖a_j‖``).
+        processed in groups of at most one chunk's samples (:meth:`_groups`), so memory does
+        not grow with ``C``: beyond the inputs and outputs it is one chunk's per-sample values
+        (see ``chunk_bytes``; Linear layers on ``[n, in]`` inputs cost only their inputs and
+        output gradients, ``‖g_j‖·‖a_j‖``).
         """
         n_clients, b = x.shape[:2]
         radii = self._radii(clip, n_clients)
@@ -336,14 +383,14 @@ class FlatModel:
         norms = x.new_empty(n_clients, b)
         closed_form = self._linear is not None and self.loss.output_grad is not None
         size = self.chunk_length(flat, x, y, rows=closed_form)
-        for c in range(n_clients):
-            point = self._point(flat, c)
-            reg = self._reg_grad(point) if self.nonconvex_reg else None
-            if offset is not None:
-                reg = _aligned(offset[c]) if reg is None else reg + offset[c]
-            row = out[c]
-            if closed_form:  # the rows themselves: n·d memory per chunk, no autograd
-                for start, xs, ys in self._chunks(x, y, c, size):
+        if closed_form:
+            for c in range(n_clients):
+                point = self._point(flat, c)
+                reg = self._reg_grad(point) if self.nonconvex_reg else None
+                if offset is not None:
+                    reg = _aligned(offset[c]) if reg is None else reg + offset[c]
+                row = out[c]
+                for start, xs, ys in self._chunks(x, y, c, size):  # the rows: n·d memory a chunk
                     n = len(xs)
                     rows = self._linear_per_sample(
                         point, xs, ys, None if losses is None else losses[c, start:start + n])
@@ -355,15 +402,21 @@ class FlatModel:
                         torch.mv(rows.t(), w, out=row)
                     else:
                         row.addmv_(rows.t(), w)
-                continue
-            for start, xs, ys in self._chunks(x, y, c, size):
-                n = len(xs)
-                # no name keeps a chunk's tape alive into the next chunk's forward pass
-                norms[c, start : start + n] = self._clip_chunk(
-                    self._record(point, xs, ys,
-                                 None if losses is None else losses[c, start:start + n]),
-                    reg, radii[c], n, b, row, first=start == 0,
-                )
+            return out, norms
+        for group in self._groups(flat, x, y, size, offset=offset):
+            sq = x.new_zeros(sum(chunk.n for chunk in group))
+            tapes = []
+            for chunk in group:  # pass 1: the tapes and the squared norms
+                tape = self._record(chunk.params, chunk.x, chunk.y, None if losses is None else
+                                    losses[chunk.client, chunk.start:chunk.start + chunk.n])
+                tapes.append((tape, self._squares(tape, chunk.reg, chunk.of(sq))[1]))
+            norm = sq.clamp_min_(0).sqrt_()
+            w = clip_factors(norm, _per_sample(radii, group)).div_(b)  # exactly 1/b where ‖g_j‖ ≤ C
+            for chunk, (tape, materialised) in zip(group, tapes):  # pass 2: the weighted sums
+                norms[chunk.client, chunk.start:chunk.start + chunk.n] = chunk.of(norm)
+                self._add_weighted(tape, materialised, chunk.reg, _aligned(chunk.of(w)),
+                                   out[chunk.client], first=chunk.start == 0)
+            del tapes  # no tape lives into the next group's forward passes
         return out, norms
 
     def clipped_difference_mean(
@@ -384,50 +437,51 @@ class FlatModel:
         out = _aligned_rows(x, n_clients, self.d)
         closed_form = self._linear is not None and self.loss.output_grad is not None
         size = self.chunk_length(flat, x, y, rows=closed_form)
-        if not closed_form:  # two tapes at once
-            size = max(1, size // 2) if self.chunk_bytes is not None else size
-        for c in range(n_clients):
-            point, before = self._point(flat, c), self._point(flat_before, c)
-            reg = self._reg_grad(point) if self.nonconvex_reg else None
-            reg_before = self._reg_grad(before) if self.nonconvex_reg else None
-            row = out[c]
-            for start, xs, ys in self._chunks(x, y, c, size):
-                n = len(xs)
-                if closed_form:
+        weights = partial(_difference_weights, clip=clip, clip_diff=clip_diff, gamma=gamma, b=b)
+        if closed_form:
+            for c in range(n_clients):
+                point, before = self._point(flat, c), self._point(flat_before, c)
+                reg = self._reg_grad(point) if self.nonconvex_reg else None
+                reg_before = self._reg_grad(before) if self.nonconvex_reg else None
+                row = out[c]
+                for start, xs, ys in self._chunks(x, y, c, size):
                     rows = self._linear_per_sample(point, xs, ys)
                     rows_before = self._linear_per_sample(before, xs, ys)
                     if reg is not None and reg_before is not None:  # both or neither
                         rows += reg
                         rows_before += reg_before
-                    sq, sq_before = rows.square().sum(dim=1), rows_before.square().sum(dim=1)
-                    dots = (rows * rows_before).sum(dim=1)
-                else:
-                    tape, tape_before = (self._record(p, xs, ys) for p in (point, before))
-                    inputs = _InputSquares()
-                    sq, grads = self._squares(tape, reg, row.new_zeros(n), inputs)
-                    sq_before, grads_before = self._squares(tape_before, reg_before,
-                                                            row.new_zeros(n), inputs)
-                    dots = self._pair_dots(tape, grads, reg, tape_before, grads_before,
-                                           reg_before, n, inputs)
-                alpha = clip_factors(sq.clamp_min(0).sqrt(), clip)
-                alpha_before = clip_factors(sq_before.clamp_min(0).sqrt(), clip)
-                diff_sq = (alpha.square() * sq + alpha_before.square() * sq_before
-                           - 2 * alpha * alpha_before * dots)
-                beta = (torch.ones_like(alpha) if clip_diff is None
-                        else clip_factors(diff_sq.clamp_min(0).sqrt(), clip_diff))
-                w = (gamma + (1 - gamma) * beta) * alpha / b
-                w_before = -(1 - gamma) * beta * alpha_before / b
-                if closed_form:
+                    w, w_before = weights(rows.square().sum(dim=1),
+                                          rows_before.square().sum(dim=1),
+                                          (rows * rows_before).sum(dim=1))
                     if start == 0:
                         torch.mv(rows.t(), w, out=row)
                     else:
                         row.addmv_(rows.t(), w)
                     row.addmv_(rows_before.t(), w_before)
-                    continue
-                self._add_weighted(tape, grads, reg, w, row, first=start == 0)
-                self._add_weighted(tape_before, grads_before, reg_before, w_before, row,
-                                   first=False)
-                del tape, tape_before, grads, grads_before
+            return out
+        if self.chunk_bytes is not None:  # two tapes at once
+            size = max(1, size // 2)
+        for group in self._groups(flat, x, y, size, before=flat_before):
+            sq, sq_before, dots = x.new_zeros(3, sum(chunk.n for chunk in group))
+            tapes = []
+            for chunk in group:  # pass 1: both tapes, the squared norms and the cross terms
+                tape, tape_before = self._record(chunk.params, chunk.x, chunk.y), \
+                    self._record(chunk.params_before, chunk.x, chunk.y)
+                inputs = _InputSquares()
+                grads = self._squares(tape, chunk.reg, chunk.of(sq), inputs)[1]
+                grads_before = self._squares(tape_before, chunk.reg_before, chunk.of(sq_before),
+                                             inputs)[1]
+                self._pair_dots(tape, grads, chunk.reg, tape_before, grads_before,
+                                chunk.reg_before, chunk.of(dots), inputs)
+                tapes.append((tape, grads, tape_before, grads_before))
+            w, w_before = weights(sq, sq_before, dots)
+            for chunk, (tape, grads, tape_before, grads_before) in zip(group, tapes):  # pass 2
+                row = out[chunk.client]
+                self._add_weighted(tape, grads, chunk.reg, _aligned(chunk.of(w)), row,
+                                   first=chunk.start == 0)
+                self._add_weighted(tape_before, grads_before, chunk.reg_before,
+                                   _aligned(chunk.of(w_before)), row, first=False)
+            del tapes
         return out
 
     def chunk_length(self, flat: Tensor, x: Tensor, y: Tensor, *, rows: bool) -> int:
@@ -464,7 +518,8 @@ class FlatModel:
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                tape = self._record(self._point(flat, 0), _aligned(x[0, :1]), _aligned(y[0, :1]))
+                tape = self._record(self._params(self._point(flat, 0).detach()),
+                                    _aligned(x[0, :1]), _aligned(y[0, :1]))
             count = self.d if rows else sum(
                 sum(s.numel() for s in layer.shapes)
                 for layer, a, _ in tape if not grad_sample.has_ghost(layer.module, a))
@@ -527,25 +582,6 @@ class FlatModel:
         if self.nonconvex_reg:
             out += self._reg_grad(point)
 
-    def _clip_chunk(
-        self,
-        tape: list[tuple[_Layer, Tensor, Tensor]],
-        reg: Tensor | None,
-        radius: float,
-        n: int,
-        b: int,
-        row: Tensor,
-        first: bool,
-    ) -> Tensor:
-        """Add (1/b) Σ_j w_j g_j over one chunk of n samples to ``row`` (overwrite it if
-        ``first``), with w_j = min(1, C/‖g_j‖) (:func:`~dpfl.privacy.clipping.clip_factors`,
-        the one clipping operator); return the norms ‖g_j‖."""
-        sq, materialised = self._squares(tape, reg, row.new_zeros(n))
-        norm = sq.clamp_min_(0).sqrt_()
-        w = clip_factors(norm, radius).div_(b)  # exactly 1/b where ‖g_j‖ ≤ C
-        self._add_weighted(tape, materialised, reg, w, row, first)
-        return norm
-
     def _squares(self, tape: list[tuple[_Layer, Tensor, Tensor]], reg: Tensor | None,
                  sq: Tensor, inputs: _InputSquares | None = None
                  ) -> tuple[Tensor, list[list[Tensor] | None]]:
@@ -600,11 +636,11 @@ class FlatModel:
                    now_grads: list[list[Tensor] | None], reg: Tensor | None,
                    before: list[tuple[_Layer, Tensor, Tensor]],
                    before_grads: list[list[Tensor] | None], reg_before: Tensor | None,
-                   n: int, inputs: _InputSquares) -> Tensor:
+                   dots: Tensor, inputs: _InputSquares) -> Tensor:
         """⟨g_j + reg, g̃_j + reg_before⟩ ``[n]`` of the same samples' per-sample gradients at
         two points: for a Linear layer (g_j = δ_j a_jᵀ) ⟨δ_j a_jᵀ, δ̃_j ã_jᵀ⟩ = (δ_j·δ̃_j)(a_j·ã_j),
-        plus δ_j·δ̃_j for the bias; else the materialised rows' dot products."""
-        dots = now[0][1].new_zeros(n)
+        plus δ_j·δ̃_j for the bias; else the materialised rows' dot products. Added to
+        ``dots``, which is returned."""
         for (layer, a, g), grads, (_, a2, g2), grads2 in zip(now, now_grads, before, before_grads,
                                                             strict=True):
             if grads is None or grads2 is None:  # the same layer on the same samples: both ghost
@@ -646,14 +682,15 @@ class FlatModel:
         tape.append((layer, inputs[0].detach(), output))
         return output
 
-    def _record(self, point: Tensor, x: Tensor, y: Tensor, losses_out: Tensor | None = None
-                ) -> list[tuple[_Layer, Tensor, Tensor]]:
-        """One forward and backward pass: (layer, input, output gradient) per trainable layer;
-        the per-sample losses are copied into ``losses_out`` when given."""
+    def _record(self, params: list[Tensor], x: Tensor, y: Tensor,
+                losses_out: Tensor | None = None) -> list[tuple[_Layer, Tensor, Tensor]]:
+        """One forward and backward pass at ``params`` (:meth:`_params` of a detached point):
+        (layer, input, output gradient) per trainable layer; the per-sample losses are copied
+        into ``losses_out`` when given."""
         self._tape = []
         try:
             with torch.enable_grad():
-                losses = self.loss.per_sample(self._forward(point.detach(), x), y)
+                losses = self.loss.per_sample(self._forward_with(params, x), y)
             tape = self._tape
         finally:
             self._tape = None
@@ -701,6 +738,39 @@ class FlatModel:
 
     def _point(self, flat: Tensor, c: int) -> Tensor:
         return _aligned(flat if flat.dim() == 1 else flat[c])
+
+    def _groups(self, flat: Tensor, x: Tensor, y: Tensor, size: int, *,
+                offset: Tensor | None = None, before: Tensor | None = None
+                ) -> Iterator[list[_Chunk]]:
+        """Every client's chunks (:meth:`_chunks`), client by client, gathered into groups of
+        consecutive chunks of at most ``size`` samples in all: a group holds one chunk's
+        per-sample values, and its per-sample scalar arithmetic (norms, clip factors) is one
+        pass for the group instead of one per client. That arithmetic is elementwise and
+        correctly rounded, so no value depends on the grouping. ``offset [C, d]`` is added
+        to every per-sample gradient of client c (with the regulariser's); ``before`` is a
+        second point (``[d]`` or ``[C, d]``) each chunk is also taken at."""
+        group: list[_Chunk] = []
+        held = 0
+        points: dict[str, tuple[list[Tensor], Tensor | None]] = {}
+        for c in range(x.shape[0]):
+            for name, where in (("now", flat), ("before", before)):
+                if where is not None and (where.dim() > 1 or name not in points):
+                    point = self._point(where, c)
+                    reg = self._reg_grad(point) if self.nonconvex_reg else None
+                    points[name] = (self._params(point.detach()), reg)
+            params, reg = points["now"]
+            if offset is not None:
+                reg = _aligned(offset[c]) if reg is None else reg + offset[c]
+            params_before, reg_before = points.get("before", (None, None))
+            for start, xs, ys in self._chunks(x, y, c, size):
+                if group and held + len(xs) > size:
+                    yield group
+                    group, held = [], 0
+                group.append(_Chunk(c, start, len(xs), held, xs, ys, params, reg,
+                                    params_before, reg_before))
+                held += len(xs)
+        if group:
+            yield group
 
     @staticmethod
     def _chunks(x: Tensor, y: Tensor, c: int, size: int):

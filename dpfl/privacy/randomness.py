@@ -87,9 +87,11 @@ class Randomness:
             rows = secure_standard_normal(len(clients) * n).reshape(len(clients), *shape)
             return (rows * scale.to(dtype=torch.float64, device="cpu")).to(dtype).to(device)
         noise = torch.empty((len(clients), *shape), dtype=dtype)
-        for row, client in zip(noise, clients):  # the numbers of torch.randn(shape, generator)
-            row.normal_(generator=self.generator(client, round, purpose))
-        noise *= scale.to(dtype=dtype, device="cpu")
+        # each row drawn with its std in one pass: for 16 entries or more, the numbers of
+        # torch.randn(shape, generator) times the std rounded to ``dtype``
+        stds = scale.to(dtype=dtype, device="cpu").reshape(-1).tolist()
+        for row, client, s in zip(noise, clients, stds, strict=True):
+            row.normal_(0.0, s, generator=self.generator(client, round, purpose))
         return noise.to(device)
 
     def permutation(self, client: int, round: int, purpose: str, n: int) -> torch.Tensor:
