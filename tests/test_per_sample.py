@@ -11,6 +11,8 @@ materialised gradients. Reproducibility properties are checked bit for bit with 
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -189,6 +191,31 @@ def test_a_chunk_byte_budget_leaves_the_results_unchanged(name):
     for other in results[1:]:
         for ours, ref in zip(other, results[0]):
             assert _close(ours, ref)
+
+
+@pytest.mark.parametrize("method, pair", [("clipped_mean", 0), ("clipped_difference_mean", 1)])
+def test_no_tape_outlives_its_group(method, pair):
+    """A group's tapes are freed before the next group's forward pass, so a step holds one
+    chunk's per-sample values (a name left holding the last tape would double the peak): at every
+    forward pass, no earlier tape is alive but the other point's of the same chunk (``pair``)."""
+    flat_model, flat, x, y = _setup("clip21-cnn", clients=2, batch=8)
+    flat_model.chunk_size = 4  # groups of one 4-sample chunk: four of them
+    record, alive, calls = flat_model._record, [], []
+
+    def tracked(*args, **kwargs):
+        calls.append(sum(ref() is not None for ref in alive))
+        tape = record(*args, **kwargs)
+        alive.append(weakref.ref(tape[0][2]))  # the first layer's output gradients
+        return tape
+
+    flat_model._record = tracked
+    if method == "clipped_mean":
+        flat_model.clipped_mean(flat, x, y, 0.1)
+    else:
+        flat_model.clipped_difference_mean(flat, flat * 0.9, x, y, clip=0.1, clip_diff=0.05,
+                                           gamma=0.5)
+    assert len(calls) == 4 * (1 + pair)
+    assert max(calls) == pair
 
 
 @pytest.mark.parametrize("name", ["clip21-cnn", "logistic"])

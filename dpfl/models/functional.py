@@ -416,7 +416,7 @@ class FlatModel:
                 norms[chunk.client, chunk.start:chunk.start + chunk.n] = chunk.of(norm)
                 self._add_weighted(tape, materialised, chunk.reg, _aligned(chunk.of(w)),
                                    out[chunk.client], first=chunk.start == 0)
-            del tapes  # no tape lives into the next group's forward passes
+            del tapes, tape, materialised  # no tape lives into the next group's passes
         return out, norms
 
     def clipped_difference_mean(
@@ -481,7 +481,7 @@ class FlatModel:
                                    first=chunk.start == 0)
                 self._add_weighted(tape_before, grads_before, chunk.reg_before,
                                    _aligned(chunk.of(w_before)), row, first=False)
-            del tapes
+            del tapes, tape, grads, tape_before, grads_before  # as in clipped_mean
         return out
 
     def chunk_length(self, flat: Tensor, x: Tensor, y: Tensor, *, rows: bool) -> int:
