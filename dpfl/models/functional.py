@@ -295,13 +295,16 @@ class FlatModel:
                 self._linear_gradient(self._point(flat, c), _aligned(x[c]), y[c], out[c],
                                       None if losses is None else losses[c])
             return out
+        shared: list[Tensor] | None = None  # a shared point's leaves, made once
         for c in range(n_clients):
-            point = self._point(flat, c).detach()
             if self.nonconvex_reg:  # the regulariser's gradient joins autograd's on the point
-                point.requires_grad_()
+                point = self._point(flat, c).detach().requires_grad_()
                 params = self._params(point)
             else:  # each parameter's gradient is written straight into its part of the row
-                params = [p.requires_grad_() for p in self._params(point)]
+                if shared is None or flat.dim() > 1:
+                    shared = [p.requires_grad_()
+                              for p in self._params(self._point(flat, c).detach())]
+                params = shared
             with torch.enable_grad():
                 per_sample = self.loss.per_sample(self._forward_with(params, _aligned(x[c])),
                                                   y[c])
@@ -636,11 +639,11 @@ class FlatModel:
                    now_grads: list[list[Tensor] | None], reg: Tensor | None,
                    before: list[tuple[_Layer, Tensor, Tensor]],
                    before_grads: list[list[Tensor] | None], reg_before: Tensor | None,
-                   dots: Tensor, inputs: _InputSquares) -> Tensor:
+                   dots: Tensor, inputs: _InputSquares) -> None:
         """⟨g_j + reg, g̃_j + reg_before⟩ ``[n]`` of the same samples' per-sample gradients at
         two points: for a Linear layer (g_j = δ_j a_jᵀ) ⟨δ_j a_jᵀ, δ̃_j ã_jᵀ⟩ = (δ_j·δ̃_j)(a_j·ã_j),
         plus δ_j·δ̃_j for the bias; else the materialised rows' dot products. Added to
-        ``dots``, which is returned."""
+        ``dots`` in place."""
         for (layer, a, g), grads, (_, a2, g2), grads2 in zip(now, now_grads, before, before_grads,
                                                             strict=True):
             if grads is None or grads2 is None:  # the same layer on the same samples: both ghost
@@ -664,7 +667,6 @@ class FlatModel:
                     dots += torch.mv(p2, reg[where])
         if reg is not None and reg_before is not None:
             dots += torch.dot(reg, reg_before)
-        return dots
 
     def _capture(
         self, layer: _Layer, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor
