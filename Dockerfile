@@ -24,7 +24,8 @@ RUN pip install -r requirements.txt
 COPY pyproject.toml README.md LICENSE ./
 COPY dpfl ./dpfl
 # any user may run it (compose runs the ServerApp as the invoking user, so that the results it
-# writes to a bind mount are theirs)
+# writes to a bind mount are theirs); /app/state is where compose keeps a node's ledgers
 ENV FLWR_HOME=/tmp/flwr HOME=/tmp
-RUN pip install --no-deps . && mkdir -p /data /app/results && chmod 1777 /app/results
+RUN pip install --no-deps . && mkdir -p /data /app/results /app/state \
+    && chmod 1777 /app/results /app/state
 USER 1000:1000

@@ -27,6 +27,8 @@ bench: install
 
 # The same app as a docker-compose federation (docker-compose.yml): build the image, start the
 # SuperLink, three SuperNodes and their SuperExecs, run 3 rounds with `flwr run`, stop it all.
+# The demo's nodes are throwaway: their ledgers (volumes node-N-state) go with them, so that the
+# next demo is not refused by the nodes' ε cap.
 # Without Docker Hub: BASE_IMAGE=$$(bash deploy/base-image.sh) make demo-compose
 DEMO_NAME := compose-demo-$(shell date +%Y%m%d-%H%M%S)
 demo-compose: install
@@ -36,7 +38,7 @@ demo-compose: install
 	  until docker-compose logs superlink | grep -q "Uvicorn running"; do sleep 1; done && \
 	  FLWR_HOME=$(abspath .flwr-compose) $(VENV)/bin/flwr run . compose --stream \
 	    --run-config 'num-partitions=3 num-server-rounds=3 secure-noise=true run-name="$(DEMO_NAME)"'; \
-	  status=$$?; docker-compose down --remove-orphans; \
+	  status=$$?; docker-compose down --remove-orphans --volumes; \
 	  test $$status = 0 && echo "results in results/$(DEMO_NAME)"
 
 clean:

@@ -110,7 +110,8 @@ def probe(kind: str, data: str) -> dict[str, float]:
         marks.append(("imports", time.perf_counter()))
         problem = node_problem(tuple(sorted(RunConfig(DPFL).as_dict().items())), (0,))
         marks.append(("data", time.perf_counter()))
-        context = flwr.app.Context(run_id=0, node_id=0, node_config={"partition-ids": "0"},
+        context = flwr.app.Context(run_id=0, node_id=0,
+                                   node_config={"partition-ids": "0", "trust-server": True},
                                    state=flwr.app.RecordDict(), run_config={})
         AlgorithmClient(problem, context, [0]).fit([problem.x0.numpy()],
                                                    {"exchange": "train", "round": 1})
@@ -134,10 +135,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         data = mnist_arrow(folder)
-        env = dict(os.environ, DPFL_CACHE_DIR=str(folder / "cache"))
+        env = dict(os.environ, DPFL_CACHE_DIR=str(folder / "cache"),
+                   DPFL_STATE_DIR=str(folder / "state"))
         rounds: dict[str, list[list[float]]] = {"bare": [], "dpfl": []}
         with LocalFederation(folder, env) as federation:
-            env = federation.start([str(i) for i in range(NODES)])
+            # nodes that trust the server (seeded noise, no cap): the runs repeat on them
+            env = federation.start([str(i) for i in range(NODES)], policy="trust-server=true")
             for repeat in range(REPEATS):
                 rounds["bare"].append(bare_rounds(env, folder, data, f"bare-{repeat}"))
                 rounds["dpfl"].append(dpfl_rounds(env, folder, f"dpfl-{repeat}"))

@@ -42,6 +42,7 @@ class UsageError(ValueError):
 
 
 class NonFiniteError(RuntimeError):
-    """A value a run computed is not finite (inf or NaN): a client's upload before its noise, or
-    the server's model it broadcasts. The run stops before the value is noised or sent; the
-    command line prints one line and exits with status 1."""
+    """A value the server controls is not finite (inf or NaN): the model its step made, or the
+    broadcast a client received. The run stops there; the command line prints one line and
+    exits with status 1. A client's own non-finite values never raise (the error would reach
+    the server): they are handled on the node (docs/privacy.md, "Non-finite values")."""

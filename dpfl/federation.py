@@ -98,11 +98,12 @@ class LocalFederation:
                 if self.certs.exists() else ["--insecure"])
 
     def start(self, nodes: list[str], *, tls: bool = False, database: bool = False,
-              node_config: dict[int, str] | None = None) -> dict[str, str]:
+              node_config: dict[int, str] | None = None, policy: str = "") -> dict[str, str]:
         """Start the SuperLink (over TLS with SuperNode authentication: certificates and one
         node key more than ``nodes``, every node's but the last registered; ``database``: its
         state in ``superlink.db``) and the SuperNodes (node ``i`` with ``node_config[i]``
-        besides its ``partition-ids``); wait until they are connected."""
+        and every node with ``policy``, e.g. ``trust-server=true``, besides its
+        ``partition-ids``); wait until they are connected."""
         connection = (f'root-certificates = "{self.certs / "ca.crt"}"' if tls
                       else "insecure = true")
         (self.home / "config.toml").write_text(
@@ -127,7 +128,7 @@ class LocalFederation:
                     "the SuperLink did not register the node keys", self.started)
         extra = node_config or {}
         self.nodes = [self.supernode(f"supernode-{i}", ids, *self.node_security(i),
-                                     node_config=extra.get(i, ""))
+                                     node_config=f"{extra.get(i, '')} {policy}".strip())
                       for i, ids in enumerate(nodes)]
         wait_for(lambda: (self.folder / "superlink.log").read_text().count("Activated node_id")
                  >= len(nodes), "the SuperNodes did not connect", self.started)

@@ -50,7 +50,10 @@ class Problem:
     """Data, partition, model, algorithm and initial point of a run.
 
     ``hosted``: None for the whole run (the server's and the engine's view), or the clients of
-    one node, whose view (:meth:`node_data`, :func:`node_problem`) holds only their rows.
+    one node, whose view (:meth:`node_data`, :func:`node_problem`) holds only their rows;
+    ``source`` names the data a node holds (its cache key: the data's files, the split, the
+    clients), which the provenance of its clients' states starts from
+    (:func:`dpfl.client.node_ledger.initial_chain`).
     """
 
     config: RunConfig
@@ -61,6 +64,7 @@ class Problem:
     x0: torch.Tensor
     device: torch.device
     hosted: tuple[int, ...] | None = None
+    source: str = ""
     _releases: dict[int, list[Release]] = field(default_factory=dict)
     _server: dict[str, list[Release]] = field(default_factory=dict)
     _cohorts: dict[tuple[int, ...], Cohort] = field(default_factory=dict)

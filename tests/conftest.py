@@ -17,6 +17,11 @@ os.environ.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").res
 if "DPFL_CACHE_DIR" not in os.environ:
     os.environ["DPFL_CACHE_DIR"] = tempfile.mkdtemp(prefix="dpfl-test-cache-")
     atexit.register(shutil.rmtree, os.environ["DPFL_CACHE_DIR"], ignore_errors=True)
+# the nodes' state (clients' state files, ledgers, keys) of every run the tests start goes to a
+# folder of this session too
+if "DPFL_STATE_DIR" not in os.environ:
+    os.environ["DPFL_STATE_DIR"] = tempfile.mkdtemp(prefix="dpfl-test-state-")
+    atexit.register(shutil.rmtree, os.environ["DPFL_STATE_DIR"], ignore_errors=True)
 # Flower's usage telemetry is off in every process the tests start (and in the compose
 # containers): the tests send traffic only to loopback and to what they start
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"

@@ -16,13 +16,19 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 
+#: what Flower's simulation gives its virtual nodes (dpfl.client.policy.simulated): a policy that
+#: trusts the server; a node config that sets ``trust-server`` keeps its own
+SIMULATED = {"trust-server": True}
+
+
 class InProcessGrid(Grid):
-    """Nodes ``1..N`` with the given node configs, each with its own persistent Context."""
+    """Nodes ``1..N`` with the given node configs, each with its own persistent Context; the
+    nodes trust the server, as simulated ones do, unless their config says otherwise."""
 
     def __init__(self, app, run_config: dict, node_configs: list[dict]) -> None:
         self.app = app
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-        self.contexts = {i + 1: Context(run_id=1, node_id=i + 1, node_config=cfg,
+        self.contexts = {i + 1: Context(run_id=1, node_id=i + 1, node_config={**SIMULATED, **cfg},
                                         state=RecordDict(), run_config=dict(run_config))
                          for i, cfg in enumerate(node_configs)}
         self.outbox: dict[str, Message] = {}  # replies pushed, not pulled yet

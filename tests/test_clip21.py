@@ -13,6 +13,7 @@ from torch import nn
 
 from dpfl.algorithms import ALGORITHMS, Cohort, ServerContext
 from dpfl.algorithms.clip21 import clip21_paper_noise_std, clip21_practice_noise_std
+from dpfl.client.node_ledger import NodeLedger
 from dpfl.errors import ConfigError
 from dpfl.models import FlatModel, build_model
 from dpfl.privacy import PrivacyLedger, Randomness, Release, clip_by_norm, stds
@@ -506,8 +507,9 @@ def test_flower_code_path_equals_the_engine(tmp_path, name, clients, rounds, ext
     for node, context in grid.contexts.items():
         c = node - 1
         taken = sum(c in ids for ids in picks)
-        record = context.state.get(f"dpfl.ledger.{c}")
-        steps = 0 if record is None else PrivacyLedger.from_json(str(record["json"])).steps
+        record = context.state.get(f"dpfl.node.{c}")
+        steps = 0 if record is None else sum(
+            e[3] for e in NodeLedger.from_json(str(record["json"])).events)
         assert steps == taken
 
 

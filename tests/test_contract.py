@@ -126,17 +126,20 @@ def test_flower_code_path_equals_engine_with_two_exchanges_state_and_sampling(tm
     assert summary["server_epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
     assert [r["server_epsilon"] for r in e_rounds][-1] == summary["server_epsilon"]
 
-    # Context.state keeps momentum and ledger for the clients that took part; each
+    # Context.state keeps momentum and the node's ledger for the clients that took part; each
     # participation recorded one statistic release and LOCAL_STEPS training steps.
     for node, context in grid.contexts.items():
         client = node - 1
-        ledger_record = context.state.get(f"dpfl.ledger.{client}")
+        ledger_record = context.state.get(f"dpfl.node.{client}")
         if ledger_record is None:
             assert f"dpfl.state.{client}" not in context.state
             continue
         ledger = json.loads(str(ledger_record["json"]))
-        steps = sum(e[2] for e in ledger["history"])
+        steps = sum(steps for _, _, _, steps in ledger["events"])
         assert steps % (1 + LOCAL_STEPS) == 0 and steps > 0
+        (run,) = ledger["runs"].values()
+        counts = run["total"]
+        assert counts["train"] == counts["statistic"] == steps // (1 + LOCAL_STEPS)
         momentum = context.state[f"dpfl.state.{client}"]["m"].numpy()
         assert abs(momentum).sum() > 0
 

@@ -1,7 +1,9 @@
 """Real Flower processes: a ``flower-superlink`` and ``flower-supernode`` processes hosting
-cohorts of clients, driven by ``flwr run``, give the engine's model bit for bit (PriSMA: its
-first round of its own, then x^t and x^{t−1} broadcast and the noisy v_i kept in each node's
-``Context.state``; AdaptDP-FedAvg: two exchanges a round; two clients per node)."""
+cohorts of clients, driven by ``flwr run``, give the engine's model bit for bit when their
+operators let them trust the server (node config ``trust-server=true``: seeded noise; PriSMA:
+its first round of its own, then x^t and x^{t−1} broadcast and the noisy v_i kept in each node's
+``Context.state``; AdaptDP-FedAvg: two exchanges a round; two clients per node); with their
+default policy they draw secret noise and keep their own ledgers."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def deployment(tmp_path):
     federation = LocalFederation(tmp_path)
     federation.env.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").resolve()))
     federation.env["DPFL_CACHE_DIR"] = str(tmp_path / "cache")  # the nodes' cache (one folder)
+    federation.env["DPFL_STATE_DIR"] = str(tmp_path / "state")  # their ledgers: this test's
     with federation:
         yield federation
 
@@ -64,6 +67,8 @@ CASES = {
 
 # one node per client: three SuperNodes
 NODES = {"dpsgd-gc": ["0", "1", "2"], "clip21-sgd2m": ["0", "1", "2"]}
+# nodes whose operators trust the server: the run's seeded noise, its ε and diagnostics
+TRUSTING = "trust-server=true"
 
 
 def _deployed_equals_engine(tmp_path: Path, env: dict[str, str], case: dict) -> None:
@@ -92,7 +97,7 @@ def _deployed_equals_engine(tmp_path: Path, env: dict[str, str], case: dict) -> 
 @pytest.mark.parametrize("case", sorted(set(CASES) - {"dpsgd-gc"}))
 def test_real_supernodes_equal_the_engine_bitwise(tmp_path, deployment, case):
     nodes = NODES.get(case, ["0,1", "2,3"])
-    env = deployment.start(nodes)
+    env = deployment.start(nodes, policy=TRUSTING)
     _deployed_equals_engine(tmp_path, env, CASES[case])
     # each node built its data once, on its first message, and read it from its cache after
     assert len(list((tmp_path / "cache" / "nodes").glob("data-*.pt"))) == len(nodes)
@@ -106,14 +111,45 @@ def test_a_site_with_its_own_data(tmp_path, deployment):
     site = tmp_path / "site-2.npz"
     assert main(["export-partition", str(site), "-c", format_overrides(case),
                  "--partition-id", "2"]) == 0
-    env = deployment.start(NODES["dpsgd-gc"], node_config={2: f'data-path="{site}"'})
+    env = deployment.start(NODES["dpsgd-gc"], node_config={2: f'data-path="{site}"'},
+                           policy=TRUSTING)
     _deployed_equals_engine(tmp_path, env, case)
+
+
+def test_real_supernodes_draw_secret_noise_and_keep_their_own_ledgers(tmp_path, deployment):
+    """SuperNodes with their default policy: whatever the run config says (secure-noise=false,
+    a seed the server knows), they draw their clients' noise and batches from the OS CSPRNG,
+    so the model is not the engine's, and the summary says the ε holds against the server;
+    each node charged its client's releases in its own ledger, which the server's matches."""
+    from dpfl.client.node_ledger import NodeLedger
+
+    env = deployment.start(NODES["dpsgd-gc"])
+    case = {**CASES["dpsgd-gc"], "results-dir": str(tmp_path / "results"), "run-name": "real"}
+    done = subprocess.run(
+        [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--stream", "--run-config",
+         format_overrides(case)], env=env, cwd=ROOT, timeout=600, capture_output=True,
+        text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((tmp_path / "results" / "real" / "summary.json").read_text())
+    assert summary["rounds_completed"] == 3
+    assert summary["privacy"]["guarantee_against_server"] is True
+    assert summary["privacy"]["noise"] == {"secure": 3}
+    engine = run(RunConfig({**case, "run-name": "engine"}), echo=False)
+    deployed = torch.load(tmp_path / "results" / "real" / "model.pt")
+    seeded = torch.load(tmp_path / "results" / "engine" / "model.pt")
+    assert not all(torch.equal(deployed[k], seeded[k]) for k in seeded)
+    assert engine["privacy"]["guarantee_against_server"] is False
+    for c in range(3):
+        ledger = NodeLedger.from_json((tmp_path / "state" / "ledger" / f"client-{c}.json")
+                                      .read_text())
+        assert summary["epsilon"][str(c)] == pytest.approx(ledger.epsilon("rdp", 1e-5),
+                                                           rel=1e-12)
 
 
 def test_tls_with_supernode_authentication(tmp_path, deployment):
     """Over TLS with registered node keys the run equals the engine's; a SuperNode with an
     unregistered key and a plaintext SuperNode are refused by the SuperLink."""
-    env = deployment.start(NODES["dpsgd-gc"], tls=True)
+    env = deployment.start(NODES["dpsgd-gc"], tls=True, policy=TRUSTING)
     _deployed_equals_engine(tmp_path, env, CASES["dpsgd-gc"])
     unregistered = deployment.supernode("unregistered", "0", *deployment.node_security(3))
     plaintext = deployment.supernode("plaintext", "0", "--insecure", "--max-retries", "2")
@@ -130,7 +166,7 @@ def test_killed_supernodes_min_clients(tmp_path, deployment):
     the second stopped (SIGTERM: it leaves the federation at once), the run stops with one line
     naming the lost clients and keeps its last complete round. Every client sent an exchange
     is charged, replied or not; a client whose node is known to be gone is not sent one."""
-    env = deployment.start(["0", "1", "2", "3"])
+    env = deployment.start(["0", "1", "2", "3"], policy=TRUSTING)
     results = tmp_path / "results"
     overrides = {"algorithm": "dpsgd-gc", "num-partitions": 4, "num-server-rounds": 40,
                  "noise-multiplier": 1.0, "min-clients": 3, "seed": 1,
@@ -178,7 +214,7 @@ def test_superlink_restart_does_not_reset_the_ledger(tmp_path, deployment):
     failed and nothing restarts it from round 1 with a fresh ledger; the ServerApp, cut off,
     closes the results folder with the rounds it completed and says why it stopped; running the
     same run name again is refused."""
-    env = deployment.start(["0", "1"], database=True)
+    env = deployment.start(["0", "1"], database=True, policy=TRUSTING)
     results = tmp_path / "results"
     overrides = {"algorithm": "dpsgd-gc", "num-partitions": 2, "num-server-rounds": 40,
                  "noise-multiplier": 1.0, "results-dir": str(results), "run-name": "restart"}

@@ -54,6 +54,10 @@ def test_flower_simulation_equals_engine_bitwise(tmp_path, case):
         f, e = json.loads(f), json.loads(e)
         f.pop("seconds"), e.pop("seconds")
         assert f == e  # losses, accuracy, ε per client, clipped fraction: all identical
+    # the virtual SuperNodes ran in Ray actors, so they trusted the server, as the summary says
+    summary = json.loads((tmp_path / "results" / "flower" / "summary.json").read_text())
+    assert summary["privacy"]["noise"] == {"seeded": CASES[case]["num-partitions"]}
+    assert summary["privacy"]["guarantee_against_server"] is False
 
 
 def test_two_runs_at_once_each_get_a_superlink_of_their_own(tmp_path):

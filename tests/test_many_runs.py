@@ -75,12 +75,13 @@ def test_prisma_runs_batched_equal_runs_alone(tmp_path, algorithm):
 
 
 def test_a_failing_run_fails_alone_and_the_others_finish(tmp_path):
-    """A run whose model turns inf (noise of std inf) fails with the lone run's message; its
-    batch mate runs to its end."""
+    """A run whose model turns inf (noise of std inf: the server's step, which stops a run; a
+    client's own inf or NaN does not) fails with the lone run's message; its batch mate runs
+    to its end."""
     changes = [{"algorithm": "clip21-sgd", "clip": 1e3, "seed": 0, "noise-multiplier": sigma}
                for sigma in (0.0, 1e37)]
     batch = fold(grid(E1, changes, tmp_path, "many"))
-    with pytest.raises(NonFiniteError) as failed:
+    with pytest.raises(NonFiniteError, match="the server's step made the model inf") as failed:
         run_fold(batch)
     alone = grid(E1, changes, tmp_path, "alone")
     with pytest.raises(NonFiniteError) as expected:

@@ -169,6 +169,48 @@ def test_clip_diff_of_at_least_twice_c1_gives_eq_4_exactly(tmp_path):
     assert _same_model(eq20, eq4) and not _same_model(eq20, clipped)
 
 
+def _one_record_batches(problem, count=32):
+    """x^{t−1} = x⁰, x^t = x⁰ moved by a fixed random step, and ``count`` records as
+    one-record batches ``[count, 1, ...]`` (q_i^t of a batch of one is that record's term)."""
+    gen = torch.Generator().manual_seed(0)
+    x = problem.x0 + 0.5 * torch.randn(problem.model.d, generator=gen)
+    cohort = problem.full_cohort()
+    return x, problem.x0, cohort.x[:count, None], cohort.y[:count, None]
+
+
+def test_eq_4_clips_each_per_sample_difference_at_l_eta_c2(small_config):
+    """Eq. (4) bounds ‖clip_C1(∇f_j(x^t)) − clip_C1(∇f_j(x^{t−1}))‖ by L·η·C2 (eqs. (8)–(9)),
+    which holds only where every f_j is L-smooth. With an L far too small for the data every
+    difference exceeds L·η·C2, and the clip at C3 := L·η·C2 brings each back to it: a record's
+    term γ·c_j + (1 − γ)·clip_C3(c_j − c̃_j), less γ·c_j, over 1 − γ."""
+    problem = build_problem(small_config(algorithm="prisma", smoothness_L=0.01, server_clip=1.0,
+                                         learning_rate=0.1, gamma=0.3, clip=1.0))
+    algorithm, model = problem.algorithm, problem.model
+    bound = 0.01 * 0.1 * 1.0
+    assert algorithm.difference_clip() == pytest.approx(bound)
+    x, x_prev, xb, yb = _one_record_batches(problem)
+    c = clip_by_norm(model.per_sample_gradients(x, xb, yb)[:, 0], 1.0)
+    c_prev = clip_by_norm(model.per_sample_gradients(x_prev, xb, yb)[:, 0], 1.0)
+    assert ((c - c_prev).norm(dim=1) > 10 * bound).all()  # the smoothness bound fails
+    clipped = (algorithm.increment(x, x_prev, xb, yb) - 0.3 * c) / 0.7
+    assert (clipped.norm(dim=1) <= bound * (1 + 1e-3)).all()
+    assert (clipped.norm(dim=1) >= bound * (1 - 1e-3)).all()
+
+
+def test_eq_4_where_the_smoothness_bound_holds_is_the_unclipped_increment_bit_for_bit(
+        small_config):
+    """With L·η·C2 ≥ 2·C1 no difference of two C1-clipped gradients reaches C3 := L·η·C2: the
+    clip is inactive and q_i^t is eq. (4)'s sum without it, bit for bit."""
+    problem = build_problem(small_config(algorithm="prisma", smoothness_L=100.0,
+                                         server_clip=1.0, learning_rate=0.1, clip=1.0))
+    algorithm, model = problem.algorithm, problem.model
+    x, x_prev, xb, yb = _one_record_batches(problem)
+    xb, yb = xb.view(4, 8, *xb.shape[2:]), yb.view(4, 8)  # 4 clients, batches of 8
+    unclipped = model.clipped_difference_mean(x, x_prev, xb, yb, clip=1.0, clip_diff=None,
+                                              gamma=algorithm.hp.gamma)
+    assert torch.equal(algorithm.increment(x, x_prev, xb, yb), unclipped)
+
+
 def _storm_reference(problem, rounds, seed=0):
     """Non-PriSMA by its STORM form (Cutkosky & Orabona 2019), written independently in float64
     from whole clipped means: v^0 = g^0, v^t = γ g^t + (1 − γ)(v^{t−1} + g^t − g̃^t),

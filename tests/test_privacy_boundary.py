@@ -13,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from dpfl.algorithms import ALGORITHMS, ServerContext
+from dpfl.algorithms.adaptive import SAMPLING
+from dpfl.algorithms.prisma import RELATION, Prisma
 from dpfl.client.app import reply
 from dpfl.privacy import RELATIONS, Randomness
 from dpfl.problem import build_problem
@@ -76,12 +79,20 @@ def test_every_record_a_client_sends_is_an_upload_covered_by_a_noised_release(tm
     for message in grid.replies:
         content = message.content
         if message.metadata.message_type == f"{MessageType.QUERY}.clients":
-            assert list(content) == ["hosted"]  # which partitions the node hosts: public
+            # which partitions the node hosts, where its noise comes from, its counts: public
+            assert set(content) == {"hosted", "node", *(
+                f"charged.{c}" for c in content["hosted"]["clients"])}
             assert set(content["hosted"]) == {"clients"}
             continue
         for record_name, record in content.items():
-            if record_name.startswith("ledger."):  # the client's own ledger: public releases
-                assert isinstance(record, ConfigRecord) and list(record) == ["json"]
+            if record_name == "node":  # where the node's noise comes from: its policy
+                assert dict(record) == {"noise": "seeded"}
+                continue
+            if record_name.startswith("charged."):  # the counts of the exchanges it was sent
+                assert isinstance(record, ConfigRecord)
+                assert set(record) <= {u.release for e in algorithm.exchanges
+                                       for u in e.uploads.values()}
+                assert all(isinstance(n, int) and n >= 1 for n in record.values())
                 continue
             assert record_name.startswith("client."), record_name
             assert isinstance(record, ArrayRecord), record_name
@@ -111,9 +122,10 @@ def _neighbour(problem, client=0):
         ds, train_x=train_x, train_y=train_y), _cohorts={})
 
 
-def _replies(problem):
+def _replies(problem, shift=None):
     """Each exchange's reply of the node hosting client 0, round 1 then 2 (broadcasts of
-    the initial model; client state carried in the node's Context)."""
+    the initial model, or in round 2 of x⁰ + ``shift``; client state carried in the node's
+    Context)."""
     grid = InProcessGrid(None, problem.config.as_dict(), [{"partition-id": 0}])
     context: Context = grid.contexts[1]
     out = []
@@ -121,6 +133,8 @@ def _replies(problem):
     for round in (1, 2):
         state = algorithm.begin_round(algorithm.init_server_state(problem.x0), ServerContext(
             round, Randomness(0), [0], problem.num_clients))
+        if round == 2 and shift is not None:
+            state = {**state, "x": state["x"] + shift}
         for exchange in algorithm.round_exchanges(round):
             broadcast = algorithm.broadcast(exchange.name, state, round)
             msg = Message(RecordDict({"broadcast": to_record(broadcast), "config": ConfigRecord(
@@ -130,17 +144,17 @@ def _replies(problem):
     return out
 
 
-def _bound(problem, release, upload, key) -> float:
-    """How far one replaced record can move an upload under the same noise: twice its
-    release's radius (a replacement is a removal and an addition); for the local model after
-    one noisy DP-SGD step at the radius the server sends (K = 1 here), η times the step's 2C/b
-    at the initial radius C = clip, and for SCAFFOLD's control-variate change (x − y)/(Kη) − c,
-    the step's 2C/b itself."""
+def _bound(problem, release, upload, key, relation="replace-one") -> float:
+    """How far one replaced (``relation="add-remove"``: added) record can move an upload under
+    the same noise: twice (once) its release's radius (a replacement is a removal and an
+    addition); for the local model after one noisy DP-SGD step at the radius the server sends
+    (K = 1 here), η times the step's 2C/b (C/b) at the initial radius C = clip, and for
+    SCAFFOLD's control-variate change (x − y)/(Kη) − c, the step's 2C/b (C/b) itself."""
     if release.radius is not None:
-        return RELATIONS["replace-one"] * release.radius
+        return RELATIONS[relation] * release.radius
     hp = problem.algorithm.hp
     assert upload.post_processing and hp.local_steps == 1
-    step = RELATIONS["replace-one"] * hp.clip / hp.batch_size
+    step = RELATIONS[relation] * hp.clip / hp.batch_size
     return step if key == "dc" else hp.learning_rate * step
 
 
@@ -173,6 +187,147 @@ def test_neighbouring_datasets_under_huge_noise_give_replies_within_the_sensitiv
                 bound = _bound(problem, releases[uploads[key].release], uploads[key], key)
                 # float32 rounding of values 10⁴ times the sensitivity adds a few percent
                 assert torch.linalg.vector_norm(diff).item() <= 1.1 * bound, key
+
+
+# ---- the neighbouring relation each algorithm declares ------------------------------------------
+
+#: PriSMA's eq. (4) with an L far too small for the data: L·η·C2 = 10⁻³ lies below the per-sample
+#: differences ‖clip_C1(∇f_j(x^t)) − clip_C1(∇f_j(x^{t−1}))‖, so the smoothness bound of eqs.
+#: (8)–(9) does not hold, and the declared radius holds only by the clip at C3 := L·η·C2 (without
+#: it the round-2 release of the replace-one case moves by 3.3 times its radius, where 2 is
+#: allowed); γ = 0.3 weights the difference term 0.7
+EQ4 = {"smoothness-L": 0.01, "server-clip": 1.0, "gamma": 0.3}
+
+
+def _relations(name: str) -> list[dict]:
+    """Every neighbouring relation and sampling ``name`` accepts: the values of its
+    ``relation`` or ``sampling`` key (one variant where it has neither), each also with eq. (4)
+    where it has ``smoothness-L`` (PriSMA)."""
+    fields = {f.name for f in dataclasses.fields(ALGORITHMS.get(name).Hyperparameters)}
+    variants = ([{"relation": r} for r in RELATION.choices] if "relation" in fields else
+                [{"sampling": s} for s in SAMPLING.choices] if "sampling" in fields else [{}])
+    if "smoothness_L" in fields:
+        variants += [{**v, **EQ4} for v in variants]
+    return variants
+
+
+#: batch = a client's whole data (the changed record is in every batch: Poisson rate q = 1), and
+#: batches of 100 of its 479 records (q ≈ 0.21) where add/remove is declared
+RELATION_CASES = ([(name, {**extra, **v}) for name, extra in LOCAL for v in _relations(name)]
+                  + [(name, {**v, "batch-size": 100}) for name, v in (
+                      ("dpsgd-gc", {"relation": "add-remove"}),
+                      ("prisma", {"relation": "add-remove"}),
+                      ("prisma", {"relation": "add-remove", **EQ4}),
+                      ("dp-fedavg", {"sampling": "poisson"}), ("dp-sgd", {}))])
+RELATION_IDS = [name + "".join(f"-{v}" for k, v in extra.items() if k not in EQ4)
+                + ("-eq4" if "smoothness-L" in extra else "") for name, extra in RELATION_CASES]
+
+
+def _added(problem, client=0):
+    """The problem with one record (a test image, mislabelled) added to ``client``'s data, after
+    its own records: the other rows, and their order, are unchanged."""
+    ds = problem.dataset
+    train_x = torch.cat([ds.train_x, ds.test_x[:1]])
+    train_y = torch.cat([ds.train_y, (ds.test_y[:1] + 1) % ds.num_classes])
+    partitions = list(problem.partitions)
+    partitions[client] = np.append(partitions[client], len(ds.train_y))
+    return dataclasses.replace(problem, dataset=dataclasses.replace(
+        ds, train_x=train_x, train_y=train_y), partitions=partitions, _cohorts={})
+
+
+def _array(array) -> torch.Tensor:
+    return torch.from_numpy(array.numpy()).double()
+
+
+@pytest.mark.parametrize("name, extra", RELATION_CASES, ids=RELATION_IDS)
+def test_a_neighbour_under_the_declared_relation_moves_each_release_by_its_sensitivity(
+        name, extra, tmp_path):
+    """The outside review's check, for every relation and sampling an algorithm accepts. Noise
+    10⁴ times the sensitivity and the same seed (so the same noise); replace-one: one record of
+    client 0 replaced; add/remove: one record added to client 0, with min-client-records fixed
+    at its original size, so that both datasets have the same public sample rate and
+    calibration. Every noised array moves by at most its release's sensitivity under the
+    relation (PriSMA's message v^t = (q_i^t + ξ) + (1 − γ)v^{t−1} carries the earlier release:
+    its round-t release is v^t − (1 − γ)v^{t−1}; round 2 broadcasts x^t ≠ x^{t−1}, so that the
+    difference term of eqs. (4)/(20) is in it). A fixed-size batch under add/remove fails it
+    (the added record pushes another out: up to 2C/b); Poisson sampling at the release's own
+    rate, each record's coin independent of the records after it, passes."""
+    values = {**base(name), **extra, "algorithm": name, "noise-multiplier": 1e4,
+              "results-dir": str(tmp_path)}
+    size = len(build_problem(RunConfig(values)).partitions[0])
+    problem = build_problem(RunConfig({**values, "min-client-records": size}))
+    algorithm = problem.algorithm
+    relation = algorithm.relation
+    neighbour = (_added if relation == "add-remove" else _neighbour)(problem)
+    assert problem.releases(0) == neighbour.releases(0)
+    state = algorithm.init_server_state(problem.x0)
+    shift = (0.5 * torch.randn(problem.model.d, generator=torch.Generator().manual_seed(0))
+             if "x_prev" in state else None)
+    carried = 1 - algorithm.hp.gamma if isinstance(algorithm, Prisma) else 0.0
+    releases = {r.name: r for r in problem.releases(0)}
+    exchanges = [e for r in (1, 2) for e in algorithm.round_exchanges(r)]
+    before: dict[str, torch.Tensor] = {}
+    for exchange, ours, theirs in zip(exchanges, _replies(problem, shift),
+                                      _replies(neighbour, shift), strict=True):
+        assert list(ours) == list(theirs)
+        for record_name in ours:
+            a, b = ours[record_name], theirs[record_name]
+            if not isinstance(a, ArrayRecord):
+                assert dict(a) == dict(b), record_name
+                continue
+            for key in a:
+                diff = _array(a[key]) - _array(b[key])
+                released = diff - carried * before.get(key, torch.zeros_like(diff))
+                before[key] = diff
+                upload = exchange.uploads[key]
+                bound = _bound(problem, releases[upload.release], upload, key, relation)
+                assert torch.linalg.vector_norm(released).item() <= 1.1 * bound, key
+
+
+def test_a_record_s_coin_does_not_depend_on_the_records_after_it():
+    """The coupling add/remove neighbours rely on: Poisson sampling of n + 1 records keeps the
+    first n exactly as it keeps them out of n (the same coins, the same rate)."""
+    rng = Randomness(4)
+    for n in (1, 15, 16, 500):
+        picks = rng.bernoulli_rows([0, 0], [n, n + 1], 3, "batch-0", [0.3, 0.3])
+        assert torch.equal(picks[1][picks[1] < n], picks[0])
+
+
+def test_adding_a_client_moves_the_central_sums_by_at_most_their_radius(tmp_path):
+    """Client-level central DP (dp-fedavg-quantile): add one client (one more partition) and
+    the server's noisy sums, of the clipped updates and of the unclipped bits, move by at most
+    their radius C and 1 (the same noise: seed and calibration public and unchanged)."""
+    config = RunConfig({**BASE, "algorithm": "dp-fedavg-quantile", "batch-size": 100,
+                        "noise-multiplier": 1e4, "clipped-count-stddev": 1e5,
+                        "results-dir": str(tmp_path)})
+    problem = build_problem(config)
+    ds = problem.dataset
+    extra = np.arange(len(ds.train_y), len(ds.train_y) + 100)  # the new client's 100 records
+    more = dataclasses.replace(problem, dataset=dataclasses.replace(
+        ds, train_x=torch.cat([ds.train_x, ds.test_x[:100]]),
+        train_y=torch.cat([ds.train_y, ds.test_y[:100]])),
+        partitions=[*problem.partitions, extra], _cohorts={})
+    algorithm = problem.algorithm
+    central = {r.name: r for r in problem.server_releases()}
+    state = algorithm.init_server_state(problem.x0)
+    noisy = []
+    for run in (problem, more):
+        clients = list(range(run.num_clients))
+        grid = InProcessGrid(None, config.as_dict(),
+                             [{"partition-ids": ",".join(map(str, clients))}])
+        msg = Message(RecordDict({"broadcast": to_record(algorithm.broadcast("train", state, 1)),
+                                  "config": ConfigRecord({"exchange": "train", "round": 1,
+                                                          "clients": clients})}),
+                      1, MessageType.TRAIN)
+        content = reply(msg, grid.contexts[1], run).content
+        sums = {key: sum(_array(content[f"client.{c}"][key]) for c in clients)
+                for key in ("delta", "unclipped")}
+        ctx = ServerContext(1, Randomness(0), clients, run.num_clients, releases=central)
+        noisy.append((ctx.privatize("model", sums["delta"], radius=algorithm.hp.clip),
+                      ctx.privatize("count", sums["unclipped"])))
+    (model, count), (model_more, count_more) = noisy
+    assert torch.linalg.vector_norm(model - model_more).item() <= 1.1 * algorithm.hp.clip
+    assert abs(float(count.sum() - count_more.sum())) <= 1.1
 
 
 @pytest.mark.parametrize("name", ["dpsgd-gc", "clip21-sgd2m"])

@@ -91,7 +91,8 @@ def _by_hand(problem, after_clipping=False):
     v, _ = top_eigenspace(public, hp.projection_dim)
     cohort = problem.full_cohort()
     steps, coords = [], []
-    for (xb, yb) in cohort.poisson(Randomness(0), 1, "batch-0", hp.batch_size):
+    rates = [hp.batch_size / n for n in cohort.sizes]  # the releases' sample rate b/n
+    for (xb, yb) in cohort.poisson(Randomness(0), 1, "batch-0", rates):
         g = model.per_sample_gradients(x0, xb.unsqueeze(0), yb.unsqueeze(0))[0]
         if after_clipping:
             clipped = g * clip_factors(torch.linalg.vector_norm(g, dim=1), hp.clip)[:, None]
@@ -275,7 +276,7 @@ def test_poisson_batches_take_each_record_with_probability_b_over_n(tmp_path):
     n = cohort.sizes[0]
     counts = torch.zeros(n)
     for round in range(300):
-        picks = Randomness(0).bernoulli_rows([0], [n], round, "batch-0", 60)[0]
+        picks = Randomness(0).bernoulli_rows([0], [n], round, "batch-0", [60 / n])[0]
         counts[picks] += 1
     assert counts.sum().item() / 300 == pytest.approx(60, rel=0.03)
     assert counts.mean().item() / 300 == pytest.approx(60 / n, rel=0.03)
@@ -291,7 +292,7 @@ def test_dp_fedprox_clips_the_gradient_plus_the_proximal_term(tmp_path):
     cohort = problem.full_cohort()
     point = x0
     for k in range(2):
-        (xb, yb), = cohort.poisson(Randomness(0), 1, f"batch-{k}", 60)
+        (xb, yb), = cohort.poisson(Randomness(0), 1, f"batch-{k}", [60 / cohort.sizes[0]])
         g = model.per_sample_gradients(point, xb.unsqueeze(0), yb.unsqueeze(0))[0]
         g = g + 3.0 * (point - x0)
         g = g * clip_factors(torch.linalg.vector_norm(g, dim=1), 0.5)[:, None]

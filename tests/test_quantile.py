@@ -188,12 +188,12 @@ def test_flower_code_path_equals_engine(tmp_path):
     e, f = (torch.load(tmp_path / name / "model.pt") for name in ("engine", "flower"))
     assert all(torch.equal(e[key], f[key]) for key in e)
     # each client's own ledger (in its node's Context.state) holds the central releases too
-    from dpfl.privacy import PrivacyLedger
+    from dpfl.client.node_ledger import NodeLedger
 
     summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
     for node, context in grid.contexts.items():
-        ledger = PrivacyLedger.from_json(str(context.state[f"dpfl.ledger.{node - 1}"]["json"]))
-        assert ledger.epsilon(1e-4) == pytest.approx(summary["epsilon"][str(node - 1)])
+        ledger = NodeLedger.from_json(str(context.state[f"dpfl.node.{node - 1}"]["json"]))
+        assert ledger.epsilon("rdp", 1e-4) == pytest.approx(summary["epsilon"][str(node - 1)])
     rounds = [[json.loads(line)["clip"] for line in
                (tmp_path / name / "rounds.jsonl").read_text().splitlines()]
               for name in ("engine", "flower")]

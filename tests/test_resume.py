@@ -163,7 +163,7 @@ def test_flower_clients_resume_from_their_node_files_to_the_engine_result(tmp_pa
 
 def test_a_node_that_lost_its_files_starts_afresh_and_is_flagged(tmp_path):
     """A resumed client whose node kept no file starts from fresh state: the server's ledger
-    (the reported ε) keeps its rounds, and the run warns that its own ledger is behind."""
+    (the reported ε) keeps its rounds, and the run warns that its node's ledger is behind."""
     values = {**STATEFUL, "fraction-train": 1.0, "num-server-rounds": 4,
               "results-dir": str(tmp_path), "run-name": "flower"}
     nodes = [{"partition-id": i, "state-dir": str(tmp_path / f"node-{i}")} for i in range(5)]
@@ -174,14 +174,25 @@ def test_a_node_that_lost_its_files_starts_afresh_and_is_flagged(tmp_path):
     summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
     assert len(set(summary["epsilon"].values())) == 1
     flagged = [w for w in summary["warnings"] if w.startswith("client ")]
-    assert len(flagged) == 1 and flagged[0].startswith("client 4 reports ε=")
-    assert "below the" in flagged[0]
+    assert len(flagged) == 1 and flagged[0].startswith(
+        "client 4's node reports fewer releases at round 2 than the server's ledger holds")
 
 
-def test_a_secure_noise_run_resumes_and_names_the_rounds_its_ledger_lacks(tmp_path):
-    """secure-noise: resumable, not reproducible; the round the interrupted attempt was in
-    was released with noise the resumed run does not draw again, and the summary says so."""
-    values = {**STATEFUL, "num-server-rounds": 4, "secure-noise": True,
+def node_epsilon(state_dir: Path, client: int, delta: float = 1e-5) -> float:
+    """ε of client ``client``'s ledger as its node keeps it for the run (rdp)."""
+    from dpfl.client.node_ledger import NodeLedger
+
+    (path,) = state_dir.glob(f"*/ledger/client-{client}.json")
+    return NodeLedger.from_json(path.read_text()).epsilon("rdp", delta)
+
+
+def test_a_secure_noise_run_resumes_and_charges_what_the_interrupted_attempt_released(
+        tmp_path):
+    """secure-noise: resumable, not reproducible. Round 3 reached two nodes before the server
+    died: their clients released it, and release it again, with fresh noise, in the resumed
+    run. Their nodes count both; the server, told by their replies, charges both: every
+    client's reported ε is its own node's ledger's."""
+    values = {**STATEFUL, "fraction-train": 1.0, "num-server-rounds": 4, "secure-noise": True,
               "results-dir": str(tmp_path), "run-name": "flower"}
     nodes = [{"partition-id": i, "state-dir": str(tmp_path / f"node-{i}")} for i in range(5)]
     with pytest.raises(KeyboardInterrupt):
@@ -189,11 +200,43 @@ def test_a_secure_noise_run_resumes_and_names_the_rounds_its_ledger_lacks(tmp_pa
     run_flower_code_path({**values, "resume": True}, nodes)
     summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
     assert summary["rounds_completed"] == 4 and summary["stopped_early"] is None
-    assert [w for w in summary["warnings"] if w.startswith("secure-noise")] == [
-        "secure-noise: the interrupted attempt may have released round 3 with noise this "
-        "resumed run does not draw again: their ε is not in the ledger, which resumes from "
-        "round 2's checkpoint"]
-    assert not [w for w in summary["warnings"] if w.startswith("client ")]
+    charged = [w for w in summary["warnings"] if "did not hold" in w]
+    assert [w.split("'")[0] for w in charged] == ["client 0", "client 1"]
+    assert all("(1 × 'message', by round 3)" in w for w in charged)
+    for c in range(5):
+        assert summary["epsilon"][str(c)] == pytest.approx(
+            node_epsilon(tmp_path / f"node-{c}", c), rel=1e-12)
+    assert summary["epsilon"]["0"] > summary["epsilon"]["4"]  # 5 releases against 4
+    assert summary["privacy"]["guarantee_against_server"] is True
+
+
+def test_a_secure_engine_run_resumed_charges_the_rounds_after_its_checkpoint(tmp_path,
+                                                                             monkeypatch):
+    """The engine has no node to report: a secure-noise run that stopped in round 4 after its
+    checkpoint of round 2 had released rounds 3 (recorded) and 4 (begun) with noise it does not
+    draw again; its resumed run charges both to every client, then their new releases."""
+    from dpfl.engine import runner
+
+    values = {**STATEFUL, "fraction-train": 1.0, "num-server-rounds": 4, "secure-noise": True,
+              "results-dir": str(tmp_path), "run-name": "engine"}
+    exchange = runner.EngineTransport.exchange
+
+    def dies_in_round_4(self, name, round, *args):
+        if round == 4:
+            raise KeyboardInterrupt
+        return exchange(self, name, round, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner.EngineTransport, "exchange", dies_in_round_4)
+        with pytest.raises(KeyboardInterrupt):
+            run(RunConfig(values), echo=False)
+    resumed = run(RunConfig({**values, "resume": True}), echo=False)
+    longer = run(RunConfig({**values, "num-server-rounds": 6, "run-name": "six",
+                            "resume": False}), echo=False)
+    assert resumed["epsilon"] == longer["epsilon"]  # 2 + 2 charged + 2 run again
+    assert [w for w in resumed["warnings"] if w.startswith("secure-noise")] == [
+        "secure-noise: the interrupted attempt may have released rounds 3-4 with noise this "
+        "resumed run does not draw again: they are charged to every client"]
 
 
 @pytest.mark.flower

@@ -47,6 +47,13 @@ operator of Wang et al. at the order α* = 1 + ⌈2 log(1/δ)/ε⌉
 (:mod:`dpfl.privacy.subsampled_rdp`); ``noise-size`` takes the relative noise sizes themselves
 (the experiments fix σ first, §5.1); ``accountant`` is Opacus'. The ledger reports Opacus' ε and
 the paper's accountant's (``rdp-wor``) for the noise actually used.
+
+With ``sampling="poisson"`` (DP-FedAvg and the PCDP paper's baselines) the neighbours are
+add/remove, and every batch a release is computed on (the training steps', and a statistic's)
+is a Poisson sample: each record with the release's own sample rate b/n_p (n_p =
+``min-client-records`` where set: public, never the client's actual record count), the sum
+divided by b (Abadi et al., CCS 2016, §3.1; :meth:`~dpfl.algorithms.base.Cohort.draw`). A
+fixed-size batch would let an added record push another out, moving a clipped mean by 2C/b.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from torch import Tensor
 
 from dpfl.algorithms.base import (
     Algorithm,
+    Batches,
     ClientContext,
     Cohort,
     Exchange,
@@ -85,8 +93,6 @@ from dpfl.config import (
 from dpfl.privacy import CALIBRATIONS, Query, Randomness, Target, clip_by_norm
 from dpfl.privacy.subsampled_rdp import noise_size
 
-Batch = tuple[Tensor, Tensor]  # one client's records of a step: x [b_c, ...], y [b_c]
-
 # beyond it a round never ends, and the ledgers' accountants stall on the compositions
 MAX_LOCAL_STEPS = 1_000_000
 LOCAL_STEPS = Param("local-steps", 1, "Local DP-SGD steps per round, each on a fresh batch.",
@@ -108,7 +114,8 @@ NOISE_SIZE = Param("noise-size", 0.01, "calibration='noise-size': σ_p, the trai
                    check=positive, symbol="σ_p")
 SAMPLING = Param("sampling", "fixed", "How each local step draws its batch: 'fixed' (b records "
                  "uniformly without replacement; replace-one neighbours) or 'poisson' (each record "
-                 "with probability b/n, the sum divided by the expected b; add/remove neighbours, "
+                 "with probability b/n, n = min-client-records where set, else the client's "
+                 "partition size, the sum divided by the expected b; add/remove neighbours, "
                  "Opacus' analysis).", choices=("fixed", "poisson"))
 SERVER_LEARNING_RATE = Param("server-learning-rate", 1.0, "Global step size: the server moves "
                              "by this times the mean update, x ← x − γ_g·mean_i(x − x_i); 1 = "
@@ -217,9 +224,10 @@ class AdaptDPFedAvg(Algorithm):
 
     name = "adaptdp-fedavg"
     Hyperparameters = AdaptDPFedAvgHyperparameters
-    protection = ("record-level local DP per client (replace-one neighbours): the radius "
-                  "statistic and K local DP-SGD steps per round, each noised on the client, "
-                  "fixed-size sampling without replacement")
+    protection = ("record-level local DP per client: the radius statistic and K local DP-SGD "
+                  "steps per round, each noised on the client; replace-one neighbours with "
+                  "fixed-size sampling without replacement, or add/remove with "
+                  "sampling='poisson'")
 
     @property
     def reported_accountants(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -301,12 +309,17 @@ class AdaptDPFedAvg(Algorithm):
         hp = self.hp
         x = broadcast["x"].to(ctx.device)
         if exchange == "statistic":
-            xb, yb = cohort.sample(ctx.rng, ctx.round, "statistic", hp.statistic_batch)
-            _, norms = self.model.clipped_mean(x, xb.to(ctx.device), yb.to(ctx.device), hp.clip)
-            squares = norms.double().square().clamp(max=hp.clip ** 2)
-            return {"s": squares.mean(dim=1, keepdim=True).float().cpu()}, states
+            batches = cohort.draw(ctx, "statistic", "statistic", hp.statistic_batch)
+            s, = batches.means(self.statistic, x, empty=(torch.zeros(1, dtype=torch.float64),),
+                               device=ctx.device)
+            return {"s": s.float().cpu()}, states
         params, states = self.local_steps(x, cohort, states, broadcast, ctx)
         return {"x": params.cpu()}, states
+
+    def statistic(self, xb: Tensor, yb: Tensor, x: Tensor) -> tuple[Tensor]:
+        """``[C, 1]``: the mean of min(‖∇ℓ_z(x)‖², Ĝ²) over each client's batch (float64)."""
+        _, norms = self.model.clipped_mean(x, xb, yb, self.hp.clip)
+        return (norms.double().square().clamp(max=self.hp.clip ** 2).mean(dim=1, keepdim=True),)
 
     def init_client_state(self, num_clients: int) -> State:
         """The momentum buffers, when there is momentum."""
@@ -342,16 +355,13 @@ class AdaptDPFedAvg(Algorithm):
         projected step overrides it)."""
         return self.noisy_gradient(params, x, self.batches(cohort, k, ctx), radius, k, ctx)
 
-    def batches(self, cohort: Cohort, k: int, ctx: ClientContext) -> list[Batch]:
-        """Each client's batch of local step ``k``: b records without replacement, or each
-        record with probability b/n (``sampling="poisson"``), from stream ``batch-<k>``."""
-        hp = self.hp
-        if hp.sampling == "poisson":
-            return cohort.poisson(ctx.rng, ctx.round, f"batch-{k}", hp.batch_size)
-        xb, yb = cohort.sample(ctx.rng, ctx.round, f"batch-{k}", hp.batch_size)
-        return list(zip(xb, yb, strict=True))
+    def batches(self, cohort: Cohort, k: int, ctx: ClientContext) -> Batches:
+        """Each client's batch of local step ``k``, from stream ``batch-<k>``: b records
+        without replacement, or (``sampling="poisson"``, add/remove) each record with the
+        release's probability b/n (:meth:`Cohort.draw`)."""
+        return cohort.draw(ctx, f"batch-{k}", "train", self.hp.batch_size)
 
-    def noisy_gradient(self, params: Tensor, x: Tensor, batches: list[Batch], radius: float,
+    def noisy_gradient(self, params: Tensor, x: Tensor, batches: Batches, radius: float,
                        k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
         """``[C, d]``: (1/b) Σ_j clip_C(∇ℓ_j(x_k) + μ(x_k − x)) plus the release's noise
         (std σ·C/b), and the fraction of the batch clipped ``[C]``. C_r = 0 takes no step."""
@@ -364,29 +374,21 @@ class AdaptDPFedAvg(Algorithm):
             g = torch.zeros_like(params)
         return ctx.privatize("train", g, radius=radius / hp.batch_size, step=k), clipped
 
-    def clipped_means(self, params: Tensor, batches: list[Batch], radius: float,
+    def clipped_means(self, params: Tensor, batches: Batches, radius: float,
                       ctx: ClientContext, *, offset: Tensor | None = None
                       ) -> tuple[Tensor, Tensor]:
         """``[C, d]`` (1/b) Σ_j clip_C(∇ℓ_j + offset) over each client's batch (b = batch-size,
-        the expected size under Poisson sampling), and the fraction of each batch clipped;
-        batches of one size run as one batched call."""
-        dev, b = ctx.device, self.hp.batch_size
-        sizes = {len(yb) for _, yb in batches}
-        if len(sizes) == 1 and (n := sizes.pop()) > 0:
-            xb = torch.stack([x for x, _ in batches]).to(dev)
-            yb = torch.stack([y for _, y in batches]).to(dev)
+        the expected size under Poisson sampling: :meth:`Batches.means`), and the fraction of
+        each batch clipped (0 for an empty one)."""
+        def clipped(xb: Tensor, yb: Tensor, params: Tensor, offset: Tensor | None
+                    ) -> tuple[Tensor, Tensor]:
             mean, norms = self.model.clipped_mean(params, xb, yb, radius, offset=offset)
-            return (mean if n == b else mean * (n / b)), (norms > radius).float().mean(dim=1)
-        means = torch.zeros_like(params)
-        clipped = torch.zeros(len(params), device=dev)
-        for c, (xb, yb) in enumerate(batches):
-            if len(yb):
-                mean, norms = self.model.clipped_mean(
-                    params[c:c + 1], xb[None].to(dev), yb[None].to(dev), radius,
-                    offset=None if offset is None else offset[c:c + 1])
-                means[c] = mean[0] * (len(yb) / b)
-                clipped[c] = (norms > radius).float().mean()
-        return means, clipped
+            return mean, (norms > radius).float().mean(dim=1)
+
+        mean, clipped_fraction = batches.means(
+            clipped, params, offset, empty=(params.new_zeros(self.model.d), params.new_zeros(())),
+            device=ctx.device)
+        return mean, clipped_fraction
 
 
 @ALGORITHMS.register_class
@@ -396,9 +398,9 @@ class DPFedAvg(AdaptDPFedAvg):
 
     name = "dp-fedavg"
     Hyperparameters = DPFedAvgHyperparameters
-    protection = ("record-level local DP per client (replace-one neighbours): K local DP-SGD "
-                  "steps per round at a fixed clip, noised on the client, fixed-size sampling "
-                  "without replacement")
+    protection = ("record-level local DP per client: K local DP-SGD steps per round at a "
+                  "fixed clip, noised on the client; replace-one neighbours with fixed-size "
+                  "sampling without replacement, or add/remove with sampling='poisson'")
     exchanges = AdaptDPFedAvg.exchanges[1:]
     epsilon_share = 1 / 2
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from dpfl.models import FlatModel
 
 State = dict[str, torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]  # one client's records of a step: x [n, ...], y [n]
 
 
 @dataclass(frozen=True)
@@ -128,12 +129,89 @@ class Cohort:
 
 
     def poisson(self, rng: Randomness, round: int, purpose: str,
-                expected: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Poisson sampling: each of a client's n records independently with probability
-        ``expected``/n; one ``(x [b_c, ...], y [b_c])`` per client, in stored order."""
-        picks = rng.bernoulli_rows(self.ids, self.sizes, round, purpose, expected)
+                rates: Sequence[float]) -> list[Batch]:
+        """Poisson sampling: each of client ``ids[i]``'s records independently with probability
+        ``rates[i]``; one ``(x [n_i, ...], y [n_i])`` per client, in stored order."""
+        picks = rng.bernoulli_rows(self.ids, self.sizes, round, purpose, rates)
         return [(self.x[idx[p]], self.y[idx[p]])
                 for idx, p in zip(self.indices, picks, strict=True)]
+
+    def draw(self, ctx: ClientContext, purpose: str, release: str, batch_size: int) -> Batches:
+        """Every client's mini-batch for one step of ``release`` (stream ``purpose``), sampled
+        as the release's neighbouring relation needs. Replace-one: ``batch_size`` records
+        without replacement (:meth:`sample`). Add/remove: Poisson sampling, each record with
+        the release's own sample rate q (b/n_min with ``min-client-records``, else b/n of the
+        client's partition), the sampling Opacus' accountant analyses (Abadi et al., "Deep
+        Learning with Differential Privacy", CCS 2016, §3.1; Mironov, Talwar, Zhang,
+        arXiv:1908.10530): a fixed-size batch would let an added record push another out,
+        moving a clipped mean by 2C/b instead of C/b. q is public, never a function of the
+        client's actual record count, which add/remove neighbours differ in."""
+        releases = [rel[release] for rel in ctx.releases]
+        if releases[0].relation == "add-remove":
+            rates = [r.sample_rate for r in releases]
+            return Batches(batch_size, rows=self.poisson(ctx.rng, ctx.round, purpose, rates))
+        return Batches(batch_size, stacked=self.sample(ctx.rng, ctx.round, purpose, batch_size))
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Every client's mini-batch of one step (:meth:`Cohort.draw`): fixed-size, ``stacked``
+    ``(x [C, b, ...], y [C, b])``, or Poisson, one ``(x [n_i, ...], y [n_i])`` per client
+    (``rows``). ``batch_size`` b divides every batch mean: under Poisson sampling the expected
+    size, a public number, not the batch's own (Abadi et al. 2016, §3.1)."""
+
+    batch_size: int
+    stacked: Batch | None = None
+    rows: list[Batch] | None = None
+
+    def __len__(self) -> int:
+        return len(self.stacked[1]) if self.stacked is not None else len(self.rows or [])
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Each client's batch, in cohort order."""
+        return iter(zip(*self.stacked) if self.stacked is not None else self.rows or [])
+
+    def groups(self) -> Iterator[tuple[list[int] | None, torch.Tensor, torch.Tensor]]:
+        """``(positions, x [C', n, ...], y [C', n])`` for the clients whose batches have one
+        size n; positions None: every client (fixed-size batches, or Poisson ones that happen
+        to have one size)."""
+        if self.stacked is not None:
+            yield None, *self.stacked
+            return
+        rows = self.rows or []
+        by_size: dict[int, list[int]] = {}
+        for i, (_, y) in enumerate(rows):
+            by_size.setdefault(len(y), []).append(i)
+        for positions in by_size.values():
+            yield (None if len(positions) == len(rows) else positions,
+                   torch.stack([rows[i][0] for i in positions]),
+                   torch.stack([rows[i][1] for i in positions]))
+
+    def means(self, fn: Callable[..., tuple[torch.Tensor, ...]], *points: torch.Tensor | None,
+              empty: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Each client's ``(1/b) Σ_{j∈B_i}`` over its batch B_i, and per-client values:
+        ``fn(x [C', n, ...], y [C', n], *points)`` returns ``(mean [C', ...], *values
+        [C', ...])`` for clients whose batches share one size n (one call for fixed-size
+        batches), the mean over the n records, which becomes (n/b)·mean; ``points`` are given
+        as they are (``[d]``, None) or as those clients' rows (``[C, ...]``). A client with an
+        empty batch gets ``empty`` (one client's values: zeros)."""
+        out: list[torch.Tensor] = []
+        for positions, x, y in self.groups():
+            n, size = y.shape[1], len(y)
+            if n == 0:
+                results = tuple(e.to(device).expand(size, *e.shape).clone() for e in empty)
+            else:
+                mean, *values = fn(x.to(device), y.to(device), *(
+                    p if p is None or p.dim() == 1 or positions is None else p[positions]
+                    for p in points))
+                results = (mean if n == self.batch_size else mean * (n / self.batch_size),
+                           *values)
+            if positions is None:
+                return results
+            out = out or [r.new_empty(len(self), *r.shape[1:]) for r in results]
+            for whole, part in zip(out, results, strict=True):
+                whole[positions] = part
+        return tuple(out)
 
 
 @dataclass

@@ -59,8 +59,11 @@ in. The server knows who is sampled, so sampling gives no amplification against 
 
 Gradients: the client-level methods use the mini-batch gradient of ``batch-size`` records drawn
 without replacement each round; the per-sample forms draw a fixed-size batch too (the ledger
-uses Opacus' Poisson analysis at q = b/m, the proxy docs/privacy.md describes). Norms are taken over
-the whole flattened model (global clipping, as in the paper's experiments).
+uses Opacus' Poisson analysis at q = b/m, the proxy docs/privacy.md describes) under replace-one
+neighbours, and under add/remove (DPSGD-GC's ``relation``) a Poisson batch, each record with the
+release's probability q = b/m, the sum still divided by b (Abadi et al. 2016, §3.1): with a
+fixed-size batch an added record would push another out. Norms are taken over the whole
+flattened model (global clipping, as in the paper's experiments).
 """
 
 from __future__ import annotations
@@ -244,10 +247,14 @@ class Clip21Family(Algorithm):
     def radius(self) -> float:
         """Norm bound r of one clipped vector of the release (τ, τ_in or 1)."""
 
+    def release(self) -> str:
+        """The name of the round's one release (the upload's)."""
+        return next(iter(self.exchanges[0].uploads.values())).release
+
     def queries(self, num_samples: int) -> list[Query]:
         """One release per round: the message (radius r, no amplification), or the per-sample
         query (radius r/b, sample rate b/m)."""
-        name = next(iter(self.exchanges[0].uploads.values())).release
+        name = self.release()
         if self.per_sample():
             b = self.hp.batch_size
             return [Query(name, "train", radius=self.radius() / b, relation=self.relation,
@@ -293,13 +300,23 @@ class Clip21Family(Algorithm):
 
     def clipped_mean(self, x: Tensor, cohort: Cohort, ctx: ClientContext) -> Tensor:
         """The DP-SGD query before its noise, ``(1/b)Σ_{j∈S_i} clip_r(∇f_ij(x))`` ``[C, d]``
-        (Alg. 5 line 7, App. J.2), r = ``radius()``."""
-        xb, yb = self.batch(cohort, ctx)
-        losses = self.losses(cohort, ctx)
-        mean, norms = self.model.clipped_mean(x, xb, yb, self.radius(), losses=losses)
-        if losses is not None:
-            ctx.diagnose("train-loss", losses.mean(dim=1))
-            ctx.diagnose("clipped-fraction", (norms > self.radius()).float().mean(dim=1))
+        (Alg. 5 line 7, App. J.2), r = ``radius()``, over each client's batch S_i as the
+        relation needs it (:meth:`Cohort.draw`: Poisson sampling under add/remove)."""
+        r = self.radius()
+
+        def clipped(xb: Tensor, yb: Tensor, x: Tensor) -> tuple[Tensor, ...]:
+            losses = torch.empty(yb.shape, device=ctx.device) if ctx.diagnosing else None
+            mean, norms = self.model.clipped_mean(x, xb, yb, r, losses=losses)
+            if losses is None:
+                return (mean,)
+            return mean, losses.mean(dim=1), (norms > r).float().mean(dim=1)
+
+        batches = cohort.draw(ctx, "batch", self.release(), self.hp.batch_size)
+        empty = (x.new_zeros(self.model.d),) + (x.new_zeros(()),) * (2 if ctx.diagnosing else 0)
+        mean, *diagnostics = batches.means(clipped, x, empty=empty, device=ctx.device)
+        if diagnostics:
+            ctx.diagnose("train-loss", diagnostics[0])
+            ctx.diagnose("clipped-fraction", diagnostics[1])
         return mean
 
 

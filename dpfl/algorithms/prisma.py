@@ -6,7 +6,8 @@ below are the paper's).
 
 **PriSMA** (Algorithm 1): clipped recursive momentum (STORM) with client-side Gaussian noise and
 a server-side clip. Client i keeps the noisy message v_i it sent; every round it draws a fresh
-batch B_i^t of b records uniformly without replacement and takes per-sample gradients at x^t and
+batch B_i^t of b records uniformly without replacement (under add/remove neighbours: each record
+with probability b/N, the sums still divided by b) and takes per-sample gradients at x^t and
 x^{t−1} on that same batch::
 
     t = 0:  v_i^0 = (1/b) Σ_j clip_C1(∇f_ij(x^0)) + ξ_i^0,                  ξ ~ N(0, σ_0² I)
@@ -16,17 +17,25 @@ x^{t−1} on that same batch::
     server: x^{t+1} = x^t − η · clip_C2((1/M) Σ_i v_i^t)                                  (4)
 
 Eq. (20) is the default; with ``smoothness-L`` = L > 0 it is eq. (4), v_i^t = g_i^t +
-(1 − γ)(v_i^{t−1} − g̃_i^t) + ξ_i^t, the same sum without the C3 clip, whose sensitivity is bounded
-through ‖x^t − x^{t−1}‖ ≤ ηC2 instead (eqs. (8)–(9)). The noise enters v_i, which the next round
+(1 − γ)(v_i^{t−1} − g̃_i^t) + ξ_i^t, whose sensitivity is bounded through ‖x^t − x^{t−1}‖ ≤ ηC2
+instead of a C3 clip (eqs. (8)–(9)): ‖clip_C1(∇f_j(x^t)) − clip_C1(∇f_j(x^{t−1}))‖ ≤ LηC2. That
+bound holds only if every f_j is L-smooth, which nothing checks (an L stated for the model need
+not hold for the data), so eq. (4) enforces it: each per-sample difference is clipped at
+C3 := LηC2, eq. (20)'s clip at that radius, a no-op wherever the smoothness assumption holds,
+and the declared sensitivity holds unconditionally. The noise enters v_i, which the next round
 reuses, so it is drawn inside the client step and the message is post-processing of it.
 
 Privacy. Replace-one neighbours (the paper's) or add/remove (``relation``). Each round releases
 one subsampled Gaussian query at rate b/N: at t = 0 the clipped mean (radius C1/b), at t ≥ 1 the
 momentum increment q_i^t (radius (γC1 + (1 − γ)C3)/b, eq. (21); eq. (4): (γC1 + (1 − γ)LηC2)/b,
 eq. (9)); everything else v_i carries is post-processing of earlier releases. The sensitivity is
-RELATIONS[relation] × radius. Calibration ``paper`` gives both releases the noise multiplier σ̂ of
-Theorem 3 with Corollary 1 (:func:`prisma_paper_calibration`: σ_t = σ̂·sensitivity_t, so σ_0 and
-σ_1 of eq. (17)); ``accountant`` gives both the Opacus multiplier for the T rounds at rate b/N.
+RELATIONS[relation] × radius. Under add/remove the batch is a Poisson sample at the release's
+rate q = b/N (N = ``min-client-records`` where set, else the client's partition size; public,
+never the client's actual record count): with a fixed-size batch an added record would push
+another out, moving the mean by 2·radius, and Opacus' accountant analyses Poisson sampling.
+Calibration ``paper`` gives both releases the noise multiplier σ̂ of Theorem 3 with Corollary 1
+(:func:`prisma_paper_calibration`: σ_t = σ̂·sensitivity_t, so σ_0 and σ_1 of eq. (17));
+``accountant`` gives both the Opacus multiplier for the T rounds at rate b/N.
 
 **Non-PriSMA** (Lemma 1, Theorem 2): PriSMA with σ_0 = σ_1 = 0, an ablation without privacy
 (ε = ∞).
@@ -75,9 +84,11 @@ log = logging.getLogger(__name__)
 
 
 RELATION = Param("relation", "replace-one", "The neighbouring relation protected: "
-                 "'replace-one' (one record replaced, the papers' choice: sensitivity twice a "
-                 "clipped record's norm) or 'add-remove' (one record added or removed: Opacus' "
-                 "analysis, half the noise for the same ε).",
+                 "'replace-one' (one record replaced, the papers' choice: fixed-size batches, "
+                 "sensitivity twice a clipped record's norm) or 'add-remove' (one record added "
+                 "or removed: Poisson sampling, each record with probability b/n, n = "
+                 "min-client-records where set, else the client's partition size, the mean "
+                 "still divided by b; Opacus' analysis, half the noise for the same ε).",
                  choices=tuple(RELATIONS))
 GAMMA = Param("gamma", 0.5, "PriSMA: weight of the fresh clipped gradient in the recursive "
               "momentum (eqs. (4), (20)); 1 = no momentum.", check=unit_interval, symbol="γ")
@@ -87,8 +98,10 @@ SERVER_CLIP = Param("server-clip", math.inf, "PriSMA: the server clips the mean 
 CLIP_DIFF = Param("clip-diff", 0.5, "PriSMA eq. (20): per-sample clip C3 of the difference of a "
                   "sample's clipped gradients at x^t and x^{t−1}.", check=positive, symbol="C3")
 SMOOTHNESS = Param("smoothness-L", 0.0, "PriSMA: the smoothness constant L; > 0 selects eq. (4) "
-                   "(no C3 clip; the sensitivity is bounded through L·η·C2, so server-clip must "
-                   "be finite); 0 = eq. (20).", check=at_least(0.0), symbol="L")
+                   "(the sensitivity is bounded through L·η·C2, so server-clip must be finite; "
+                   "each per-sample difference is clipped at C3 = L·η·C2, which enforces that "
+                   "bound where the data are not L-smooth); 0 = eq. (20).",
+                   check=at_least(0.0), symbol="L")
 
 
 @dataclass(frozen=True)
@@ -108,7 +121,8 @@ class DPSGDGC(ClipSGD):
     defaults = {}  # not Clip-SGD's: docs/defaults.md
     Hyperparameters = DPSGDGCHyperparameters
     protection = ("record-level local DP per client (the relation's neighbours), per-sample "
-                  "clipping, client-side noise, sampling amplification at rate b/N")
+                  "clipping, client-side noise, sampling amplification at rate b/N (fixed-size "
+                  "batches under replace-one, Poisson batches under add/remove)")
 
     @property
     def relation(self) -> str:  # type: ignore[override]
@@ -175,8 +189,8 @@ class PrismaHyperparameters:
                 raise ConfigError("server-clip", "eq. (4) (smoothness-L > 0) bounds the "
                                   "sensitivity through L·η·C2: give a finite server-clip")
             if self.clip_diff != CLIP_DIFF.default:
-                raise ConfigError("clip-diff", "eq. (4) (smoothness-L > 0) has no C3 clip: "
-                                  "leave clip-diff at its default",
+                raise ConfigError("clip-diff", "eq. (4) (smoothness-L > 0) clips at C3 = "
+                                  "L·η·C2: leave clip-diff at its default",
                                   allowed=f"{CLIP_DIFF.default}")
 
 
@@ -191,7 +205,8 @@ class Prisma(Algorithm):
     Hyperparameters = PrismaHyperparameters
     protection = ("record-level local DP per client (the relation's neighbours): per-sample "
                   "clipping at C1 (and C3 on the differences), client-side Gaussian noise inside "
-                  "the momentum, sampling amplification at rate b/N")
+                  "the momentum, sampling amplification at rate b/N (fixed-size batches under "
+                  "replace-one, Poisson batches under add/remove)")
     exchanges = (Exchange("init", ("x",), {"v": Upload("init", post_processing=True)}),
                  Exchange("train", ("x", "x_prev"),
                           {"v": Upload("momentum", post_processing=True)}))
@@ -207,12 +222,9 @@ class Prisma(Algorithm):
 
     def momentum_radius(self) -> float:
         """The norm bound of one record's term of q_i^t = γ·clip_C1(∇f_ij(x^t)) + (1 − γ)·
-        (its difference term), times b: γC1 + (1 − γ)C3 (eq. (21)), or γC1 + (1 − γ)LηC2 for
-        eq. (4) (eq. (9))."""
-        hp = self.hp
-        drift = (hp.smoothness_L * hp.learning_rate * hp.server_clip if hp.smoothness_L > 0
-                 else hp.clip_diff)
-        return hp.gamma * hp.clip + (1 - hp.gamma) * drift
+        (its difference term), times b: γC1 + (1 − γ)C3 (eq. (21)), with C3 = LηC2 for eq. (4)
+        (eq. (9)), enforced by the clip at C3 (:meth:`difference_clip`)."""
+        return self.hp.gamma * self.hp.clip + (1 - self.hp.gamma) * self.difference_clip()
 
     def queries(self, num_samples: int) -> list[Query]:
         """The round's subsampled Gaussian query at rate b/N: the clipped mean at t = 0, the
@@ -247,31 +259,47 @@ class Prisma(Algorithm):
 
     def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
                     ctx: ClientContext) -> tuple[State, State]:
-        hp = self.hp
-        xb, yb = cohort.sample(ctx.rng, ctx.round, "batch", hp.batch_size)
-        xb, yb = xb.to(ctx.device), yb.to(ctx.device)
-        x = broadcast["x"].to(ctx.device)
-        if exchange == "init":
-            mean, _ = self.model.clipped_mean(x, xb, yb, hp.clip)
-            v = ctx.privatize("init", mean)  # v_i^0, line 7
-        else:
-            if hp.gamma == 1:  # no momentum: the difference term has weight 0 (DPSGD-GC's query)
-                q, _ = self.model.clipped_mean(x, xb, yb, hp.clip)
-            else:
-                q = self.increment(x, broadcast["x_prev"].to(ctx.device), xb, yb)
-            # eq. (20) / (4), line 10, in the noised increment's fresh memory
-            v = ctx.privatize("momentum", q).add_(states["v"].to(ctx.device), alpha=1 - hp.gamma)
+        """The round's release on a fresh batch (:meth:`Cohort.draw`: b records, or under
+        add/remove each with probability b/N): v_i^0 (line 7) or v_i^t (line 10)."""
+        release = self.exchange(exchange).uploads["v"].release
+        batches = cohort.draw(ctx, "batch", release, self.hp.batch_size)
+        points = [broadcast[k].to(ctx.device) for k in self.exchange(exchange).broadcast]
+        q, = batches.means(self.query, *points, empty=(points[0].new_zeros(self.model.d),),
+                           device=ctx.device)
+        v = ctx.privatize(release, q)
+        if exchange == "train":  # eq. (20) / (4), in the noised increment's fresh memory
+            v.add_(states["v"].to(ctx.device), alpha=1 - self.hp.gamma)
         v = v.cpu()
         return {"v": v}, {"v": v}
 
+    def query(self, xb: Tensor, yb: Tensor, x: Tensor, x_prev: Tensor | None = None
+              ) -> tuple[Tensor]:
+        """The round's query before its noise, over batches of one size: the clipped mean at
+        t = 0 (line 7) and with γ = 1 (no momentum: the difference term has weight 0, DPSGD-GC's
+        query), else the increment q_i^t."""
+        if x_prev is None or self.hp.gamma == 1:
+            return self.model.clipped_mean(x, xb, yb, self.hp.clip)[:1]
+        return (self.increment(x, x_prev, xb, yb),)
+
+    def difference_clip(self) -> float:
+        """C3, the clip of each per-sample difference c_j − c̃_j: ``clip-diff`` (eq. (20)), or
+        L·η·C2 for eq. (4). Eqs. (8)–(9) bound that difference by L·η·C2 when every f_j is
+        L-smooth, which nothing checks; clipping at it enforces the bound (a no-op wherever
+        smoothness holds) and makes the declared radius (:meth:`momentum_radius`) hold
+        unconditionally."""
+        hp = self.hp
+        if hp.smoothness_L > 0:
+            return hp.smoothness_L * hp.learning_rate * hp.server_clip
+        return hp.clip_diff
+
     def increment(self, x: Tensor, x_prev: Tensor, xb: Tensor, yb: Tensor) -> Tensor:
         """q_i^t ``[C, d]``: (1/b) Σ_j [γ·c_j + (1 − γ)·clip_C3(c_j − c̃_j)] with c_j, c̃_j the
-        C1-clipped per-sample gradients at x^t and x^{t−1} on the same batch (no C3 clip for
-        eq. (4)), without materialising them where the model has ghost norms."""
+        C1-clipped per-sample gradients at x^t and x^{t−1} on the same batch and C3 from
+        :meth:`difference_clip`, without materialising them where the model has ghost
+        norms."""
         hp = self.hp
         return self.model.clipped_difference_mean(
-            x, x_prev, xb, yb, clip=hp.clip, gamma=hp.gamma,
-            clip_diff=hp.clip_diff if hp.smoothness_L <= 0 else None)
+            x, x_prev, xb, yb, clip=hp.clip, gamma=hp.gamma, clip_diff=self.difference_clip())
 
 
 @ALGORITHMS.register_class

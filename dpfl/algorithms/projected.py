@@ -14,15 +14,17 @@ V·N(0, c²σ²I_k))::
     a_i = Vᵀ∇ℓ(w_t, x_i),   ā_i = a_i / max(1, ‖a_i‖/c),
     w_{t+1} = w_t − (γ/B)·V(Σ_{i∈B_t} ā_i + z_t),   z_t ~ N(0, c²σ² I_k)
 
-over a Poisson batch B_t (each record with probability q = B/|D|; the sum is divided by the
-expected B). V is never a d×d matrix: it is G_pubᵀQΛ^{-1/2} from the eigendecomposition QΛQᵀ of
-the B_pub×B_pub Gram matrix of the public gradients (float64), keeping the directions whose
-singular value is above 1e-6 of the largest; a k above that numerical rank (k > B_pub) leaves
-the remaining columns zero, which project nothing and carry no noise. A client computes V from
-the public records (public data: no privacy cost) at its current iterate at the first local
-step of every round and every ``projection-interval`` (β) steps after it, so a round of one
-epoch is Algorithm 1 with V reset at each epoch (line 3). Centralized training is a federation
-of one client; with several clients this is distributed PCDP-SGD (clients' models averaged).
+over a Poisson batch B_t (each record with probability q = B/|D|, the release's sample rate,
+|D| = ``min-client-records`` where set: public, never the client's actual record count; the sum
+is divided by the expected B). V is never a d×d matrix: it is G_pubᵀQΛ^{-1/2} from the
+eigendecomposition QΛQᵀ of the B_pub×B_pub Gram matrix of the public gradients (float64),
+keeping the directions whose singular value is above 1e-6 of the largest; a k above that
+numerical rank (k > B_pub) leaves the remaining columns zero, which project nothing and carry no
+noise. A client computes V from the public records (public data: no privacy cost) at its
+current iterate at the first local step of every round and every ``projection-interval`` (β)
+steps after it, so a round of one epoch is Algorithm 1 with V reset at each epoch (line 3).
+Centralized training is a federation of one client; with several clients this is distributed
+PCDP-SGD (clients' models averaged).
 
 The baselines (§3.1), one code path with the projection as a parameter:
 
@@ -70,11 +72,18 @@ from dpfl.algorithms.adaptive import (
     LR_MILESTONES,
     MOMENTUM,
     SERVER_LEARNING_RATE,
-    Batch,
     DPFedAvg,
     LocalDPSGDHyperparameters,
 )
-from dpfl.algorithms.base import ClientContext, Cohort, Exchange, ServerContext, State, Upload
+from dpfl.algorithms.base import (
+    Batches,
+    ClientContext,
+    Cohort,
+    Exchange,
+    ServerContext,
+    State,
+    Upload,
+)
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import FRACTION_TRAIN, Param, at_least, hyperparameter
 from dpfl.errors import ConfigError
@@ -332,7 +341,7 @@ class DPSGD(DPFedAvg):
         memo["spaces"] = self.subspaces(params, cohort, k, ctx, memo.get("spaces", []))
         return memo["spaces"]
 
-    def projected_gradient(self, params: Tensor, batches: list[Batch], spaces: list[Subspace],
+    def projected_gradient(self, params: Tensor, batches: Batches, spaces: list[Subspace],
                            radius: float, k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
         """``[C, d]``: (1/B)·V(Σ_i clip_c(Vᵀg_i) + z) (eq. (2); PDP-SGD: (1/B)·V(VᵀΣ_i
         clip_c(g_i) + z)), z ~ N(0, c²σ²I_k), and the fraction of each batch clipped."""

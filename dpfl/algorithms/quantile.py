@@ -202,6 +202,10 @@ class QuantileDPFedAvg(Algorithm):
         deltas = (params - x).cpu().numpy().copy()
         unclipped = np.ones((len(cohort), 1), dtype=np.float32)
         for row, bit in zip(deltas, unclipped, strict=True):
+            # local steps that overflowed (a record's NaN is already dropped by the gradient):
+            # the runtime sends the row as zeros and logs it, so its bit is a zero update's
+            if not np.isfinite(row).all():
+                continue
             if np.any(row):  # Flower's clip divides by the norm
                 bit[0] = not adaptive_clip_inputs_inplace([row], clip)
         return {"delta": torch.from_numpy(deltas), "unclipped": torch.from_numpy(unclipped)}, {}

@@ -100,7 +100,8 @@ def _warn_unwritable(folder: Path, error: str) -> None:
 
 
 def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
-               site: str) -> dict[str, Any]:
+               site: str) -> tuple[dict[str, Any], str]:
+    """The node's data (:meth:`Problem.node_data`) and its key (what decides it)."""
     if site:
         source = str(Path(site).resolve())
         stat = Path(source).stat() if Path(source).is_file() else None
@@ -114,7 +115,7 @@ def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
     try:
         data = torch.load(path, mmap=True, weights_only=True)
         os.utime(path)
-        return data
+        return data, key
     except (OSError, RuntimeError, EOFError):  # not there yet, or unreadable: rebuild it
         pass
     data = (site_node_data(site, dataset=str(config["dataset"]), clients=list(clients),
@@ -125,7 +126,7 @@ def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
         _prune(folder)
     except OSError as error:
         _warn_unwritable(folder, str(error))
-    return data
+    return data, key
 
 
 @functools.lru_cache(maxsize=64)
@@ -142,7 +143,9 @@ def node_problem(items: tuple[tuple[str, object], ...], clients: tuple[int, ...]
                           allowed=f"an integer >= batch-size "
                           f"({config.hyperparameters.batch_size})")
     folder = cache_folder()
-    problem = Problem.from_node_data(config, _node_data(config, clients, folder, site))
+    data, source = _node_data(config, clients, folder, site)
+    problem = Problem.from_node_data(config, data)
+    problem.source = source
     key = _digest({k: v for k, v in items if k not in OUTPUT_KEYS}, clients, site,
                   dpfl.__version__)
     path = folder / f"releases-{key}.json"

@@ -1,15 +1,21 @@
 """``AlgorithmClient``: the algorithm's client side as a Flower ``NumPyClient``.
 
 Its ``fit`` runs one exchange of the configured algorithm for the node's participating clients
-(one partition in simulation, or a cohort, in one batched call), keeping each client's algorithm
-state and privacy ledger in the node's ``Context.state`` so they survive the ClientApp being
-rebuilt every round, and, when the run checkpoints, in files on the node's disk that a resumed
-run starts from (:mod:`dpfl.client.state_files`). A client refuses a round that would take its
-own ledger past ``max-epsilon`` (:class:`BudgetSpent`): the server's driver stops before such a
-round, so an honest server never sees a refusal.
+(one partition in simulation, or a cohort, in one batched call), under the node's own policy
+(:mod:`dpfl.client.policy`): it draws their noise and batches where the policy says, refuses
+(:class:`Refused`) what the policy does not accept, a round that would take a client past the
+node's ε cap by the node's own ledger, and a repeated round it would answer with the same noise
+but other inputs (:mod:`dpfl.client.node_ledger`), and charges every release in that ledger
+before the reply leaves. Each client's algorithm state lives in the node's ``Context.state``, so
+that it survives the ClientApp being rebuilt every round, and, when the run checkpoints, in
+files on the node's disk that a resumed run starts from (:mod:`dpfl.client.state_files`).
 """
 
 from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,11 +23,22 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.client import NumPyClient
 
 from dpfl.algorithms import State
+from dpfl.client.node_ledger import (
+    LedgerStore,
+    NodeLedger,
+    broadcast_digest,
+    initial_chain,
+    input_digest,
+    stream_context,
+)
+from dpfl.client.policy import NodeConfigError, NodePolicy
 from dpfl.client.state_files import StateFiles
 from dpfl.errors import ConfigError
-from dpfl.privacy import PrivacyLedger
+from dpfl.privacy import Release
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRuntime
+
+log = logging.getLogger("dpfl")
 
 
 def node_clients(context: Context) -> list[int]:
@@ -53,73 +70,113 @@ def node_block(node: int, nodes: int, clients: int) -> list[int]:
     return list(range(node * clients // nodes, (node + 1) * clients // nodes))
 
 
-def node_secure_noise(context: Context) -> bool:
-    """Node config ``secure-noise``: a node that sets it draws its clients' noise and batches
-    from the OS CSPRNG whatever the run config says (a node protects its own data; the
-    deployment examples set it on every SuperNode)."""
-    value = context.node_config.get("secure-noise", False)
-    text = str(value).lower()
-    if text not in ("true", "false"):
-        raise ConfigError("secure-noise", f"node config value {value!r}", allowed="true, false")
-    return text == "true"
+class Refused(RuntimeError):
+    """The node refuses an exchange for ``clients``: ``reason`` names the policy key that
+    refuses it (one line, nothing computed from the data)."""
 
-
-class BudgetSpent(RuntimeError):
-    """Clients refuse a round: its releases would take their ε past ``max-epsilon``."""
-
-    def __init__(self, clients: list[int]) -> None:
-        super().__init__(f"clients {clients} refuse: their privacy budget is spent")
+    def __init__(self, clients: list[int], reason: str) -> None:
+        super().__init__(f"clients {clients} refuse: {reason}")
         self.clients = clients
+        self.reason = reason
 
 
 class AlgorithmClient(NumPyClient):
-    """Runs the algorithm's client step for ``clients``, some of the node's clients; ``files``
-    are the run's state files on this node (None: a server that sends no lineage)."""
+    """Runs the algorithm's client step for ``clients``, some of the node's clients, under the
+    node's policy; ``files`` are the run's state files on this node (None: a server that sends
+    no lineage); ``run`` names the run in the node's ledger (its lineage, which a resumed run
+    keeps)."""
 
     def __init__(self, problem: Problem, context: Context, clients: list[int],
-                 files: StateFiles | None = None) -> None:
+                 files: StateFiles | None = None, *, run: str = "") -> None:
         self.problem = problem
         self.state = context.state
         self.clients = clients
         self.files = files
-        self.runtime = ClientRuntime.of(problem, secure=node_secure_noise(context))
+        self.run = run or f"flower-{context.run_id}"
+        config = problem.config
+        self.policy = NodePolicy.of(context.node_config, config)
+        self.context = stream_context(config)
+        rng = self.policy.randomness(int(config["seed"]), self.context)
+        self.noise = rng.mode
+        self.runtime = ClientRuntime.of(problem, rng=rng)
+        self.store = LedgerStore(self.state, self.ledger_folder())
+        self.charged: dict[int, dict[str, int]] = {}  # after fit: each client's counts
+
+    def ledger_folder(self) -> Path | None:
+        """Where the clients' ledgers are kept (:class:`LedgerStore`): every run's, in the
+        node's state folder, for a node that does not trust its server; the run's, beside its
+        state files, for one that does and whose run checkpoints; else in ``Context.state``."""
+        if not self.policy.trust_server:
+            folder = self.policy.state_dir / "ledger"
+        elif self.files is not None and self.files.every:
+            folder = self.files.folder / "ledger"
+        else:
+            return None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / ".writable").touch()
+        except OSError as error:
+            if self.policy.trust_server:  # the run's own ledger: Context.state will do
+                log.warning("dpfl: the ledger folder %s cannot be written (%s): a resumed run "
+                            "will not see this attempt's releases", folder, error.strerror)
+                return None
+            raise NodeConfigError("state-dir", f"this node keeps its privacy ledger in "
+                                  f"{str(folder)!r}, which cannot be written "
+                                  f"({error.strerror})", allowed="a folder this user can "
+                                  "write") from None
+        return folder
+
+    # ---- what the node accepts -----------------------------------------------------------
+    def refusal(self) -> str | None:
+        """Why the node refuses every exchange of this run (its policy's algorithms,
+        relations, diagnostics and least noise), or None."""
+        algorithm = self.problem.algorithm
+        multipliers = [r.noise_multiplier for c in self.clients for r in self._releases(c)]
+        if math.isfinite(self.policy.max_epsilon) and any(z <= 0 for z in multipliers):
+            return (f"node policy max-epsilon={self.policy.max_epsilon:g}: the run's releases "
+                    f"without noise (ε = ∞) would pass it")
+        return self.policy.refusal(self.problem.config, algorithm.relation) or \
+            self.policy.weak_noise(multipliers)
+
+    def counts(self, round: int) -> dict[int, dict[str, int]]:
+        """How many times each client has been charged each release in this run's rounds up
+        to ``round`` (what the server reconciles its own ledger with)."""
+        with self.store.open(self.clients, write=False) as ledgers:
+            return {c: ledgers[c].counts(self.run, round) for c in self.clients}
 
     # ---- persistent per-client state ---------------------------------------------------
-    def _load(self) -> tuple[State, list[PrivacyLedger]]:
-        """The clients' states and ledgers: from ``Context.state``, else from their state
-        files (a resumed run, a restarted node), else fresh."""
+    def _load(self) -> tuple[State, list[str]]:
+        """The clients' states and their provenance digests: from ``Context.state``, else
+        from their state files (a resumed run, a restarted node), else fresh."""
         fresh = self.problem.algorithm.init_client_state(len(self.clients))
         rows: dict[str, list[torch.Tensor]] = {k: [] for k in fresh}
-        ledgers = []
-        cfg = self.problem.config
+        chains = []
         for i, c in enumerate(self.clients):
             saved: State | None = None
-            ledger = self.state.get(f"dpfl.ledger.{c}")
-            if ledger is not None:
+            chain = self.state.get(f"dpfl.chain.{c}")
+            if chain is not None:
                 record = self.state.get(f"dpfl.state.{c}")
                 saved = None if record is None else {
                     k: torch.from_numpy(a.numpy()) for k, a in record.items()}
-                text: str | None = str(ledger["json"])
+                chains.append(str(chain["digest"]))
             elif self.files is not None and (kept := self.files.load(c)) is not None:
                 saved, text = kept
+                chains.append(text)
             else:
-                text = None
+                chains.append(initial_chain(self.context, c, self.problem.source))
             for k in fresh:
                 rows[k].append(saved[k] if saved else fresh[k][i])
-            ledgers.append(PrivacyLedger.from_json(text) if text is not None
-                           else PrivacyLedger(str(cfg["accountant"]),
-                                              self.problem.algorithm.relation))
-        return {k: torch.stack(v) for k, v in rows.items()}, ledgers
+        return {k: torch.stack(v) for k, v in rows.items()}, chains
 
-    def _save(self, round: int, states: State, ledgers: list[PrivacyLedger]) -> None:
+    def _save(self, round: int, states: State, chains: list[str]) -> None:
         for i, c in enumerate(self.clients):
             own = {k: v[i].clone() for k, v in states.items()}  # this client's rows only
             if states:
                 self.state[f"dpfl.state.{c}"] = ArrayRecord(
                     {k: Array(v.numpy()) for k, v in own.items()})
-            self.state[f"dpfl.ledger.{c}"] = ConfigRecord({"json": ledgers[i].to_json()})
+            self.state[f"dpfl.chain.{c}"] = ConfigRecord({"digest": chains[i]})
             if self.files is not None:
-                self.files.save(c, round, own, ledgers[i].to_json())
+                self.files.save(c, round, own, chains[i])
 
     # ---- NumPyClient ---------------------------------------------------------------------
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int,
@@ -128,33 +185,71 @@ class AlgorithmClient(NumPyClient):
         ``config`` holds ``exchange`` and ``round``. Returns the declared uploads, each stacked
         over ``clients`` ``[C, ...]`` and noised, the number of clients (Flower's example count:
         dpfl weights clients equally and does not send it) and, under non-private-diagnostics
-        only, each client's diagnostics as ``{"<name>.<client>": value}``."""
+        only, each client's diagnostics as ``{"<name>.<client>": value}``; ``charged`` then
+        holds each client's counts of this run's releases. Raises :class:`Refused`."""
         algorithm = self.problem.algorithm
         exchange, round = str(config["exchange"]), int(config["round"])
         spec = algorithm.exchange(exchange)
         broadcast = {k: torch.from_numpy(np.asarray(a))
                      for k, a in zip(spec.broadcast, parameters, strict=True)}
-        states, ledgers = self._load()
-        limit, delta = float(self.problem.config["max-epsilon"]), float(
-            self.problem.config["delta"])
-        today = [e.name for e in algorithm.round_exchanges(round)]
-        if limit > 0 and exchange == today[0]:  # the round's releases, checked at its start
-            spent = [c for c, ledger in zip(self.clients, ledgers, strict=True)
-                     if ledger.epsilon_after([r for r in self._releases(c)
-                                              if r.exchange in today], delta) > limit]
-            if spent:
-                raise BudgetSpent(spent)
-        uploads, states, diagnostics = self.runtime.step(
-            exchange, round, broadcast, states, self.problem.cohort(self.clients))
-        for c, ledger in zip(self.clients, ledgers, strict=True):
-            for release in self._releases(c, exchange):
-                ledger.record(release)
-        self._save(round, states, ledgers)
+        if reason := self.refusal():
+            raise Refused(self.clients, reason)
+        states, chains = self._load()
+        guarded = self.noise != "secure"  # the same noise for the same request
+        seen = broadcast_digest(broadcast.items()) if guarded else ""
+        with self.store.open(self.clients) as ledgers:
+            digests = [input_digest(context=self.context, client=c, chain=chain, round=round,
+                                    exchange=exchange, broadcast=seen,
+                                    releases=self._releases(c, exchange),
+                                    device=str(self.problem.device)) if guarded else chain
+                       for c, chain in zip(self.clients, chains, strict=True)]
+            new = [c for c, digest in zip(self.clients, digests, strict=True)
+                   if not guarded or self.check_replay(ledgers[c], round, exchange, digest)]
+            self.check_budget(ledgers, new, exchange, round)
+            uploads, states, diagnostics = self.runtime.step(
+                exchange, round, broadcast, states, self.problem.cohort(self.clients))
+            every = int(self.problem.config["checkpoint-every"])
+            for c, digest in zip(self.clients, digests, strict=True):
+                if c in new:
+                    ledgers[c].charge(self.run, round, self._releases(c, exchange), every)
+                    if guarded:
+                        ledgers[c].remember(self.context, round, exchange, digest, every)
+            self._save(round, states, digests)
+            self.charged = {c: ledgers[c].counts(self.run, round) for c in self.clients}
         metrics = {f"{k}.{c}": float(v[i]) for k, v in diagnostics.items()
                    for i, c in enumerate(self.clients)}
         return [uploads[k].numpy() for k in spec.uploads], len(self.clients), metrics
 
-    def _releases(self, client: int, exchange: str | None = None) -> list:
+    def check_replay(self, ledger: NodeLedger, round: int, exchange: str, digest: str) -> bool:
+        """Whether answering ``(round, exchange)`` with inputs ``digest`` is a new release
+        (True) or repeats an answer bit for bit (False, nothing new is released); raises
+        :class:`Refused` when it would repeat the noise of an answer to other inputs."""
+        before = ledger.answered_with(self.context, round, exchange)
+        if before is None:
+            return True
+        if before == digest:
+            return False
+        raise Refused(self.clients, f"replay: round {round}, exchange {exchange!r} was "
+                      f"answered before with other inputs, and its noise would repeat "
+                      f"(noise={self.noise}); a node answers a round once")
+
+    def check_budget(self, ledgers: dict[int, NodeLedger], clients: list[int], exchange: str,
+                     round: int) -> None:
+        """Refuse round ``round`` at its first exchange when its releases would take one of
+        ``clients`` past the node's ε cap, by the node's ledger (its accountant and δ)."""
+        policy = self.policy
+        today = [e.name for e in self.problem.algorithm.round_exchanges(round)]
+        if math.isinf(policy.max_epsilon) or exchange != today[0]:
+            return
+        spent = [c for c in clients if ledgers[c].epsilon(
+            policy.accountant, policy.delta,
+            [r for r in self._releases(c) if r.exchange in today]) > policy.max_epsilon]
+        if spent:
+            raise Refused(spent, f"node policy max-epsilon={policy.max_epsilon:g}: round "
+                          f"{round} would take ε past it (δ={policy.delta:g}, "
+                          f"{policy.accountant})")
+
+    def _releases(self, client: int, exchange: str | None = None) -> list[Release]:
         """What the client is charged for: its own releases, and the server's that cover its
         central uploads (client-level)."""
         central = self.problem.algorithm.central_releases()

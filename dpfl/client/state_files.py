@@ -1,6 +1,7 @@
 """Client state on its own node's disk: what a resumed run's clients start from.
 
-A client's algorithm state (momentum, error feedback, a kept message) and its own ledger never
+A client's algorithm state (momentum, error feedback, a kept message) and its provenance (the
+digest of the exchanges it went through, :func:`~dpfl.client.node_ledger.input_digest`) never
 leave its node. They live in the node's ``Context.state``, which a new run (a resumed one
 included: ``flwr run`` gives it a new run id) starts empty. So with ``checkpoint-every > 0``
 each client also writes them, after every round it takes part in, to
@@ -13,7 +14,8 @@ each client also writes them, after every round it takes part in, to
 from its newest file that belongs to the run's history: written by one of the run's segments
 before the next took over, so never by an interrupted attempt after the checkpoint its
 successor resumed from. A client with no such file starts afresh (it had not taken part yet,
-or its files are gone: the server then sees its ledger fall behind its own, and says so).
+or its files are gone). Its ledger is not here: a resume must not roll it back
+(:mod:`dpfl.client.node_ledger`).
 
 ``state-dir`` is the node config key ``state-dir``, else ``$DPFL_STATE_DIR``, else
 ``$XDG_STATE_HOME/dpfl`` (default ``~/.local/state/dpfl``). A client keeps, besides its newest
@@ -79,23 +81,24 @@ class StateFiles:
         return sorted(kept)
 
     def load(self, client: int) -> tuple[State, str] | None:
-        """The client's newest state and ledger (JSON) of the run's history, or None."""
+        """The client's newest state and its provenance digest of the run's history, or
+        None."""
         for _, path in reversed(self._entries(client)):
             try:
                 saved = torch.load(path, weights_only=True)
-                return saved["state"], saved["ledger"]
+                return saved["state"], saved["chain"]
             except (OSError, RuntimeError, EOFError, KeyError):  # unreadable: an older one
                 continue
         return None
 
-    def save(self, client: int, round: int, state: State, ledger: str) -> None:
-        """Write the client's state and ledger after ``round`` (when the run checkpoints),
-        then drop the files no resume can start from."""
+    def save(self, client: int, round: int, state: State, chain: str) -> None:
+        """Write the client's state and its provenance digest after ``round`` (when the run
+        checkpoints), then drop the files no resume can start from."""
         if not self.every:
             return
         path = self.folder / f"client-{client}" / f"{round:06d}-{self.lineage.current}.pt"
         try:
-            write_atomically(path, lambda p: torch.save({"state": state, "ledger": ledger}, p))
+            write_atomically(path, lambda p: torch.save({"state": state, "chain": chain}, p))
         except OSError as error:
             _warn_unwritable(self.folder, str(error))
             return

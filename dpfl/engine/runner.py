@@ -33,11 +33,12 @@ class EngineTransport:
         self.states = problem.algorithm.init_client_state(problem.num_clients)
         self.blocks: dict[tuple[int, int], Cohort] = {}
 
-    def begin(self, lineage: Lineage, states: State | None) -> None:
+    def begin(self, lineage: Lineage, states: State | None) -> dict[int, dict[str, int]]:
         """Take over a checkpoint's client states (a resumed run); the lineage names no file
-        here: the engine's clients live in the server's checkpoint."""
+        here: the engine's clients live in the server's checkpoint, and no node reports."""
         if states:
             self.states = {k: states[k].to(v.device) for k, v in self.states.items()}
+        return {}
 
     def client_states(self) -> State:
         return self.states

@@ -23,7 +23,8 @@ configurations of one federation (same data, batch size and seed) in lock step, 
   draws of their common rounds and leave the batch when they end.
 
 DPSGD-GC is PriSMA with γ = 1 and C2 = ∞ (the same releases, streams and step), which the engine
-checks bitwise (tests). Eq. (4) (``smoothness-L``) is not simulated. The metric is the full
+checks bitwise (tests). Eq. (4) (``smoothness-L``) and add/remove neighbours (Poisson batches)
+are not simulated. The metric is the full
 gradient norm ‖∇F(x^T)‖ of the training objective (all M·N records), and its running mean over
 the rounds (1/T)·Σ_t ‖∇F(x^t)‖, the quantity of the paper's theorems.
 """
@@ -81,6 +82,9 @@ def point(problem: Problem) -> Point:
     if not isinstance(problem.algorithm, Prisma) and problem.algorithm.name != "dpsgd-gc":
         raise ValueError(f"cannot simulate {problem.algorithm.name!r}: one of {SIMULATED}")
     releases = {r.name: r for r in problem.releases(0)}
+    if problem.algorithm.relation != "replace-one":
+        raise ValueError("relation='add-remove' (Poisson batches) is not simulated: the "
+                         "simulator draws fixed-size batches")
     if isinstance(problem.algorithm, Prisma):
         if hp.smoothness_L > 0:
             raise ValueError("eq. (4) (smoothness-L > 0) is not simulated")

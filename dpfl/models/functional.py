@@ -28,6 +28,26 @@ other clients share the call: a Flower client (C = 1) and the in-process engine 
 bit for bit on CPU. (Measured: stacking the clients' samples into the rows of one GEMM changes
 the rounding of every client's rows, because MKL picks its kernel by the matrix shape.)
 
+Non-finite values: a record is dropped on the client. A record with an inf or NaN feature, or
+on which the model overflows, has a per-sample gradient that is not finite; clipping cannot
+repair it (a NaN norm passes ``min(1, C/‖g‖)`` as 1, and 0 × NaN is NaN in the weighted GEMMs),
+and an error would tell the server a fact about the data outside any release. So a sample whose
+per-sample gradient is not finite (inf or NaN in it, or a norm beyond the float range; for a
+difference, at either point) contributes zero: clip factor 0, its rows of the tapes (layer
+inputs a_j, output gradients δ_j) and of the materialised gradients zeroed — out of place: a
+tape's first input is a view of the client's data — and its norm reported as 0 (it contributed
+nothing; AdaptDP's radius statistic reads these norms). This is a record-wise map: a record
+contributes at most what a clipped record can (here nothing), so every sensitivity stays what
+its release declares, and the output depends on the event only through the release. A
+client-level mini-batch gradient (:meth:`FlatModel.batch_gradients`) that is not finite is the
+mean over the client's records whose loss and gradient are finite (the others contribute zero,
+still divided by b), or zero if even that is not finite: the methods that use it clip the
+client's message (Clip21's radius τ, the quantile family's C) afterwards, which covers any value
+of it. Finding out costs one reduction per group (or call) on the hot path
+(:func:`non_finite_rows`); the masks run only when something is not finite, so finite data
+gives the same bits as before. The records dropped are counted for the caller
+(:meth:`FlatModel.take_dropped`), which logs them on the node (``dpfl.rounds.client``).
+
 The nonconvex regulariser. ``nonconvex_reg = λ`` adds ``(λ/2) Σ_k x_k² / (1 + x_k²)`` to every
 per-sample loss, the convention of PriSMA eq. 22. The Clip21 paper's logistic regression
 (App. I.1) writes ``λ Σ_k x_k² / (1 + x_k²)``: pass ``nonconvex_reg = 2 λ_clip21`` (2e-3 for
@@ -83,6 +103,31 @@ def _aligned_rows(like: Tensor, n: int, d: int) -> Tensor:
     see the same alignment whatever ``C`` is, with no copy."""
     per = max(1, _ALIGNMENT // like.element_size())
     return like.new_empty(n, -(-d // per) * per)[:, :d]
+
+
+def non_finite_rows(*values: Tensor) -> Tensor | None:
+    """``[n]``: which rows (entries along the first axis) hold inf or NaN in any of ``values``
+    (each ``[n, ...]``), or None when none does. One sum per tensor when all are finite (inf or
+    NaN among the entries makes the sum inf or NaN); the elementwise check, about 50× slower on
+    large tensors, runs only when a sum is not (an overflow of finite entries is told apart
+    there)."""
+    if all(math.isfinite(v.sum().item()) for v in values):
+        return None
+    bad = torch.zeros(len(values[0]), dtype=torch.bool, device=values[0].device)
+    for v in values:
+        bad |= ~torch.isfinite(v).reshape(len(v), -1).all(dim=1)
+    return bad if bool(bad.any()) else None
+
+
+def zero_rows(t: Tensor, rows: Tensor) -> Tensor:
+    """``t`` with the rows (first axis) set in ``rows`` ``[n]`` replaced by zeros, out of place:
+    masked, not multiplied (0 × NaN is NaN)."""
+    return t.masked_fill(_rows_mask(rows, t), 0)
+
+
+def _rows_mask(rows: Tensor, t: Tensor) -> Tensor:
+    """``rows [n]`` as a mask that broadcasts over ``t [n, ...]``'s rows."""
+    return rows.view(-1, *(1,) * (t.dim() - 1))
 
 
 class _InputSquares:
@@ -233,6 +278,7 @@ class FlatModel:
             m.register_forward_hook(partial(self._capture, layer))
         self._tape: list[tuple[_Layer, Tensor, Tensor]] | None = None
         self._linear = self._linear_layer(self._module)
+        self._dropped = 0  # records dropped for a non-finite gradient, until take_dropped()
 
     # ----------------------------------------------------------------------------- parameters
 
@@ -284,17 +330,26 @@ class FlatModel:
 
     # ------------------------------------------------------------------------------ gradients
 
+    def take_dropped(self) -> int:
+        """The records dropped since the last call (a gradient or loss that is not finite: see
+        the module docstring), and the count starts again from 0. Its caller (the client
+        runtime, after each client step) logs it on the node; it never leaves the node."""
+        dropped, self._dropped = self._dropped, 0
+        return dropped
+
     def batch_gradients(self, flat: Tensor, x: Tensor, y: Tensor, *,
                         losses: Tensor | None = None) -> Tensor:
         """``[C, d]``: the gradient of each client's mean loss over its ``b`` samples; the
-        per-sample losses (without the regulariser) are written into ``losses [C, b]`` if given."""
+        per-sample losses (without the regulariser) are written into ``losses [C, b]`` if given.
+        A client's gradient that is not finite is the mean over its records whose loss and
+        gradient are finite, or zero (:meth:`_finite_mean`; module docstring)."""
         n_clients = x.shape[0]
         out = _aligned_rows(x, n_clients, self.d)
         if self._linear is not None and self.loss.output_grad is not None:
             for c in range(n_clients):
                 self._linear_gradient(self._point(flat, c), _aligned(x[c]), y[c], out[c],
                                       None if losses is None else losses[c])
-            return out
+            return self._finite_means(flat, x, y, out)
         shared: list[Tensor] | None = None  # a shared point's leaves, made once
         for c in range(n_clients):
             if self.nonconvex_reg:  # the regulariser's gradient joins autograd's on the point
@@ -316,7 +371,38 @@ class FlatModel:
                     continue
                 grads = torch.autograd.grad(loss, params, materialize_grads=True)
             torch.cat([g.view(-1) for g in grads], out=out[c])
+        return self._finite_means(flat, x, y, out)
+
+    def _finite_means(self, flat: Tensor, x: Tensor, y: Tensor, out: Tensor) -> Tensor:
+        """``out`` (:meth:`batch_gradients`), each of its rows that is not finite replaced by
+        :meth:`_finite_mean` (one sum over ``out`` when all are finite)."""
+        if (bad := non_finite_rows(out)) is not None:
+            for c in bad.nonzero().flatten().tolist():
+                out[c] = self._finite_mean(flat[None] if flat.dim() == 1 else flat[c:c + 1],
+                                           x[c:c + 1], y[c:c + 1])
         return out
+
+    def _finite_mean(self, flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
+        """``[d]``: one client's (``x [1, b, ...]``) mean-loss gradient over its records whose
+        per-sample loss and gradient are finite, the others contributing zero (still divided
+        by b), or zero if even that is not finite; the records left out are counted. The
+        client's message is clipped after this (Clip21's τ, the quantile family's C), so any
+        value of it is covered."""
+        b = x.shape[1]
+        total = flat.new_zeros(self.d)
+        losses = flat.new_empty(1, b)
+        kept = 0
+        for _, start, rows in self._per_sample_rows(flat, x, y, losses):
+            keep = (torch.isfinite(rows).all(dim=1)
+                    & torch.isfinite(losses[0, start:start + len(rows)]))
+            total += rows[keep].sum(dim=0)
+            kept += int(keep.sum())
+        mean = total / b
+        if non_finite_rows(mean[None]) is not None:
+            mean.zero_()
+            kept = 0
+        self._dropped += b - kept
+        return mean
 
     def full_gradient(self, flat: Tensor, x: Tensor, y: Tensor, batch_size: int = 4096) -> Tensor:
         """``[d]``: the gradient of the mean loss (regulariser included) over all of ``x [N, ...]``,
@@ -340,7 +426,18 @@ class FlatModel:
                                    ) -> Iterator[tuple[int, int, Tensor]]:
         """``(client, start, [n, d])``: every sample's gradient, client by client in fixed chunks
         of ``chunk_size`` samples from ``start`` (what :meth:`per_sample_gradients` stacks, in
-        ``chunk_size × d`` memory at a time)."""
+        ``chunk_size × d`` memory at a time). A sample whose gradient is not finite gets a zero
+        row: it is dropped (module docstring), and counted."""
+        for c, start, rows in self._per_sample_rows(flat, x, y):
+            if (bad := non_finite_rows(rows)) is not None:
+                self._drop(bad, rows)
+            yield c, start, rows
+
+    def _per_sample_rows(self, flat: Tensor, x: Tensor, y: Tensor, losses: Tensor | None = None
+                         ) -> Iterator[tuple[int, int, Tensor]]:
+        """:meth:`per_sample_gradient_chunks` as computed (a row may be inf or NaN), each in
+        fresh memory; the per-sample losses (without the regulariser) go to ``losses [C, b]``
+        if given."""
         closed_form = self._linear is not None and self.loss.output_grad is not None
         size = self.chunk_length(flat, x, y, rows=True)
         for c in range(x.shape[0]):
@@ -348,14 +445,15 @@ class FlatModel:
             params = self._params(point.detach())
             reg = self._reg_grad(point) if self.nonconvex_reg else None
             for start, xs, ys in self._chunks(x, y, c, size):
+                losses_out = None if losses is None else losses[c, start:start + len(xs)]
                 if closed_form:
-                    rows = self._linear_per_sample(point, xs, ys)
+                    rows = self._linear_per_sample(point, xs, ys, losses_out)
                     if reg is not None:
                         rows += reg
                     yield c, start, rows
                     continue
                 rows = x.new_zeros(len(xs), self.d)
-                for layer, a, g in self._record(params, xs, ys):
+                for layer, a, g in self._record(params, xs, ys, losses_out):
                     grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
                     for p, where in zip(grads, layer.slices):
                         rows[:, where] = p
@@ -378,7 +476,8 @@ class FlatModel:
         processed in groups of at most one chunk's samples (:meth:`_groups`), so memory does
         not grow with ``C``: beyond the inputs and outputs it is one chunk's per-sample values
         (see ``chunk_bytes``; Linear layers on ``[n, in]`` inputs cost only their inputs and
-        output gradients, ``‖g_j‖·‖a_j‖``).
+        output gradients, ``‖g_j‖·‖a_j‖``). A sample whose gradient is not finite contributes
+        zero and its norm is reported as 0 (module docstring).
         """
         n_clients, b = x.shape[:2]
         radii = self._radii(clip, n_clients)
@@ -400,6 +499,8 @@ class FlatModel:
                     if reg is not None:
                         rows += reg
                     norms[c, start:start + n] = torch.linalg.vector_norm(rows, dim=1)
+                    if (bad := non_finite_rows(norms[c, start:start + n])) is not None:
+                        self._drop(bad, rows, norms[c, start:start + n])
                     w = clip_factors(norms[c, start:start + n], radii[c]).div_(b)
                     if start == 0:
                         torch.mv(rows.t(), w, out=row)
@@ -415,6 +516,9 @@ class FlatModel:
                 tapes.append((tape, self._squares(tape, chunk.reg, chunk.of(sq))[1]))
             norm = sq.clamp_min_(0).sqrt_()
             w = clip_factors(norm, _per_sample(radii, group)).div_(b)  # exactly 1/b where ‖g_j‖ ≤ C
+            if (bad := non_finite_rows(norm)) is not None:  # weight 0 (the regulariser's share
+                self._drop(bad, norm, w)  # too), norm reported 0, and no NaN in the GEMMs
+                tapes = [self._zeroed(chunk.of(bad), *pair) for chunk, pair in zip(group, tapes)]
             for chunk, (tape, materialised) in zip(group, tapes):  # pass 2: the weighted sums
                 norms[chunk.client, chunk.start:chunk.start + chunk.n] = chunk.of(norm)
                 self._add_weighted(tape, materialised, chunk.reg, _aligned(chunk.of(w)),
@@ -435,6 +539,8 @@ class FlatModel:
         2α_jα̃_j⟨g_j, g̃_j⟩ (the cross term per Linear layer is (δ_j·δ̃_j)(a_j·ã_j)), and with
         β_j = min(1, C3/‖c_j − c̃_j‖) the sum is two weighted GEMMs per layer:
         Σ_j (γ + (1 − γ)β_j)α_j g_j − Σ_j (1 − γ)β_j α̃_j g̃_j. Memory: two chunks' tapes.
+        A sample whose gradient is not finite at either point contributes zero at both
+        (module docstring).
         """
         n_clients, b = x.shape[:2]
         out = _aligned_rows(x, n_clients, self.d)
@@ -453,9 +559,10 @@ class FlatModel:
                     if reg is not None and reg_before is not None:  # both or neither
                         rows += reg
                         rows_before += reg_before
-                    w, w_before = weights(rows.square().sum(dim=1),
-                                          rows_before.square().sum(dim=1),
-                                          (rows * rows_before).sum(dim=1))
+                    sq, sq_before = rows.square().sum(dim=1), rows_before.square().sum(dim=1)
+                    w, w_before = weights(sq, sq_before, (rows * rows_before).sum(dim=1))
+                    if (bad := non_finite_rows(sq, sq_before)) is not None:
+                        self._drop(bad, rows, rows_before, w, w_before)
                     if start == 0:
                         torch.mv(rows.t(), w, out=row)
                     else:
@@ -478,6 +585,11 @@ class FlatModel:
                                 chunk.reg_before, chunk.of(dots), inputs)
                 tapes.append((tape, grads, tape_before, grads_before))
             w, w_before = weights(sq, sq_before, dots)
+            if (bad := non_finite_rows(sq, sq_before)) is not None:
+                self._drop(bad, w, w_before)
+                tapes = [(*self._zeroed(chunk.of(bad), *pair[:2]),
+                          *self._zeroed(chunk.of(bad), *pair[2:]))
+                         for chunk, pair in zip(group, tapes)]
             for chunk, (tape, grads, tape_before, grads_before) in zip(group, tapes):  # pass 2
                 row = out[chunk.client]
                 self._add_weighted(tape, grads, chunk.reg, _aligned(chunk.of(w)), row,
@@ -629,6 +741,26 @@ class FlatModel:
                     row[where] = 0
         if reg is not None:
             row.add_(reg, alpha=w.sum().item())
+
+    def _drop(self, bad: Tensor, *values: Tensor) -> None:
+        """Zero the samples ``bad`` ``[n]`` in the rows of each of ``values`` (``[n, ...]``, the
+        method's own memory), in place, and count them as dropped."""
+        for v in values:
+            v.masked_fill_(_rows_mask(bad, v), 0)
+        self._dropped += int(bad.sum())
+
+    @staticmethod
+    def _zeroed(bad: Tensor, tape: list[tuple[_Layer, Tensor, Tensor]],
+                materialised: list[list[Tensor] | None]
+                ) -> tuple[list[tuple[_Layer, Tensor, Tensor]], list[list[Tensor] | None]]:
+        """A chunk's tape and materialised per-sample gradients with the samples ``bad`` zeroed,
+        out of place (the first input is a view of the client's data): a weight of 0 does not
+        remove a NaN from a GEMM."""
+        if not bool(bad.any()):
+            return tape, materialised
+        return ([(layer, zero_rows(a, bad), zero_rows(g, bad)) for layer, a, g in tape],
+                [None if grads is None else [zero_rows(p, bad) for p in grads]
+                 for grads in materialised])
 
     @staticmethod
     def _parts(layer: _Layer, vector: Tensor) -> list[Tensor]:

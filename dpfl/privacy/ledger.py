@@ -32,7 +32,8 @@ import functools
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -159,6 +160,8 @@ class Accounting:
         self.clients = [PrivacyLedger(accountant, relation) for _ in range(num_clients)]
         self.server = PrivacyLedger(accountant, "client-level (server-side noise)")
         self.charged: set[int] = set()  # clients that released something
+        # how many times each client was charged each release, by name (what its node reports)
+        self.counts: list[Counter[str]] = [Counter() for _ in range(num_clients)]
 
     def client_releases(self, client: int, exchange: str | None = None) -> list[Release]:
         """The releases a client is charged for (its own, and the central ones)."""
@@ -169,7 +172,24 @@ class Accounting:
         for c in clients:
             for release in self.client_releases(c, exchange):
                 self.clients[c].record(release)
+                self.counts[c][release.name] += 1
                 self.charged.add(c)
+
+    def reconcile(self, client: int, reported: Mapping[str, int]) -> tuple[bool, dict[str, int]]:
+        """Compare the counts of releases ``client``'s node reports charging it (its own
+        ledger, by release name) with this ledger's. Releases the node counts beyond this
+        ledger happened (an interrupted attempt's after its checkpoint, a round answered twice
+        with fresh noise): they are charged here too, and returned. Also returns whether the
+        node counts fewer (it lost its ledger)."""
+        own = self.counts[client]
+        extra = {name: int(n) - own[name] for name, n in reported.items() if int(n) > own[name]}
+        releases = {r.name: r for r in self.client_releases(client)}
+        for name, times in sorted(extra.items()):
+            for _ in range(times):
+                self.clients[client].record(releases[name])
+            own[name] += times
+            self.charged.add(client)
+        return any(int(reported.get(name, 0)) < n for name, n in own.items()), extra
 
     def charge_server(self, release: Release) -> None:
         self.server.record(release)
@@ -210,7 +230,8 @@ class Accounting:
     def state_dict(self) -> dict[str, object]:
         """Every ledger and who has released something, as plain lists (a checkpoint's part)."""
         return {"clients": [ledger.state_dict() for ledger in self.clients],
-                "server": self.server.state_dict(), "charged": sorted(self.charged)}
+                "server": self.server.state_dict(), "charged": sorted(self.charged),
+                "counts": [dict(c) for c in self.counts]}
 
     def load_state_dict(self, saved: dict) -> None:
         """Restore what :meth:`state_dict` gave."""
@@ -218,3 +239,6 @@ class Accounting:
             ledger.load_state_dict(history)
         self.server.load_state_dict(saved["server"])
         self.charged = set(saved["charged"])
+        # a checkpoint of an older dpfl has no counts: a node's report then charges again what
+        # this ledger already holds (never fewer releases than happened)
+        self.counts = [Counter(c) for c in saved.get("counts", [{}] * len(self.clients))]

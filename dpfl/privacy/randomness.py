@@ -15,11 +15,18 @@ float64, before the cast to the message's dtype): Holohan & Braghin, "Secure Ran
 Differential Privacy", arXiv:2107.10138, §5.1; the attack on Gaussian DP-SGD is Jin et al.,
 "Are We There Yet? Timing and Floating-Point Attacks on Differential Privacy Systems",
 arXiv:2112.05307. Secure runs are not reproducible.
+
+Keyed (``key=``, a node's secret: :mod:`dpfl.client.policy`), every stream is seeded as in the
+seeded mode but from HMAC-SHA256 of the stream's name under the key instead of its plain hash:
+the node's owner, who holds the key, can regenerate every draw (a run is reproducible); the
+server, which knows the seed but not the key, cannot. ``context`` names the run configuration
+the streams belong to, so that two runs of one seed with other settings draw independent noise.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import os
 import secrets
@@ -52,20 +59,41 @@ def secure_standard_normal(n: int) -> torch.Tensor:
     return normals.reshape(SECURE_SUMMANDS, n).sum(dim=0).div_(math.sqrt(SECURE_SUMMANDS))
 
 
-class Randomness:
-    """Every random draw of one run: keyed streams, or the OS CSPRNG with ``secure``."""
+#: where the draws come from, weakest first: the run's seed (anyone who knows it can regenerate
+#: them), the seed under a node's secret key (only the key's holder can), the OS CSPRNG (nobody)
+MODES = ("seeded", "keyed", "secure")
 
-    def __init__(self, seed: int, *, secure: bool = False) -> None:
+
+class Randomness:
+    """Every random draw of one run: seeded streams, keyed streams (``key``), or the OS CSPRNG
+    with ``secure``."""
+
+    def __init__(self, seed: int, *, secure: bool = False, key: bytes | None = None,
+                 context: str = "") -> None:
+        if secure and key is not None:
+            raise ValueError("secure randomness takes no key")
         self.seed = seed
         self.secure = secure
+        self._secret = key
+        self.context = context
+
+    @property
+    def mode(self) -> str:
+        """One of :data:`MODES`."""
+        return "secure" if self.secure else "keyed" if self._secret is not None else "seeded"
 
     def key(self, client: int, round: int, purpose: str) -> int:
-        """The 63-bit seed of stream (client, round, purpose) (seeded randomness only)."""
+        """The 63-bit seed of stream (client, round, purpose) (seeded or keyed randomness)."""
         if self.secure:
             raise RuntimeError("secure randomness has no seeded streams: draw through "
                                "Randomness' methods")
-        text = f"dpfl/{self.seed}/{client}/{round}/{purpose}".encode()
-        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+        if self._secret is None:
+            text = f"dpfl/{self.seed}/{client}/{round}/{purpose}".encode()
+            digest = hashlib.sha256(text).digest()
+        else:
+            text = f"dpfl/{self.seed}/{self.context}/{client}/{round}/{purpose}".encode()
+            digest = hmac.new(self._secret, text, hashlib.sha256).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
 
     def generator(self, client: int, round: int, purpose: str,
                   device: torch.device | str = "cpu") -> torch.Generator:
@@ -112,13 +140,15 @@ class Randomness:
                 for client, size in zip(clients, sizes, strict=True)]
 
     def bernoulli_rows(self, clients: Sequence[int], sizes: Sequence[int], round: int,
-                       purpose: str, expected: int) -> list[torch.Tensor]:
+                       purpose: str, rates: Sequence[float]) -> list[torch.Tensor]:
         """For each client, the positions in ``range(size)`` kept by independent coin flips of
-        probability ``expected / size`` (Poisson sampling), increasing."""
+        probability ``rates[i]`` (Poisson sampling), increasing. Record j's coin is the j-th
+        uniform of the client's stream, whatever ``size`` is: a client with one record more
+        (add/remove neighbours) keeps the same first ``size`` records."""
         out = []
-        for client, size in zip(clients, sizes, strict=True):
+        for client, size, rate in zip(clients, sizes, rates, strict=True):
             coins = (secure_uniform(size) if self.secure else
                      torch.rand(size, generator=self.generator(client, round, purpose),
                                 dtype=torch.float64))
-            out.append(torch.nonzero(coins < expected / size).flatten())
+            out.append(torch.nonzero(coins < rate).flatten())
         return out

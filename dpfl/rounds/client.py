@@ -6,22 +6,29 @@ anything leaves the cohort: every client its own draw (exact), or, in the engine
 one pooled draw for the sum (the uploads reach the model only through the participants' sum and
 never feed client state, since the noise is added after the client step). It also checks that
 the step drew the in-step noise its releases declare, no more and no less, and that the model
-it received and the uploads it returns are finite: inf or NaN stops the run
-(:class:`~dpfl.errors.NonFiniteError`) before anything is noised or sent.
+it received is finite: inf or NaN there, which the server controls, stops the run
+(:class:`~dpfl.errors.NonFiniteError`). A non-finite value of a client's own is handled on the
+node and never raises (an error would reach the server, a fact about the data outside any
+release): its model drops records whose gradient is not finite, and an upload row that is still
+not finite is sent as zeros (noised as usual); both are logged on the node only
+(docs/privacy.md, "Non-finite values").
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from dpfl.algorithms import Algorithm, ClientContext, Cohort, State
 from dpfl.errors import NonFiniteError
+from dpfl.models.functional import non_finite_rows, zero_rows
 from dpfl.privacy import Randomness, Release, add_noise, stds
 from dpfl.problem import Problem
 
 LEVERS = " (lower learning-rate or clip, or check the data for inf and NaN)"
+log = logging.getLogger("dpfl")
 
 
 class ClientRuntime:
@@ -42,12 +49,13 @@ class ClientRuntime:
 
     @classmethod
     def of(cls, problem: Problem, *, pooled_noise: bool = False,
-           secure: bool = False) -> ClientRuntime:
-        """The runtime of ``problem``'s clients; ``secure`` draws from the OS CSPRNG even when
-        the run config's ``secure-noise`` is off (a node that insists on it)."""
+           rng: Randomness | None = None) -> ClientRuntime:
+        """The runtime of ``problem``'s clients, drawing from ``rng`` (a node's, by its policy:
+        :mod:`dpfl.client.policy`), by default from the run config's seed, or from the OS
+        CSPRNG under its ``secure-noise``."""
         cfg = problem.config
         return cls(problem.algorithm, problem.releases,
-                   Randomness(int(cfg["seed"]), secure=secure or bool(cfg["secure-noise"])),
+                   rng or Randomness(int(cfg["seed"]), secure=bool(cfg["secure-noise"])),
                    device=problem.device, pooled_noise=pooled_noise,
                    diagnostics=bool(cfg["non-private-diagnostics"]))
 
@@ -61,6 +69,7 @@ class ClientRuntime:
                 raise NonFiniteError(f"round {round}, exchange {exchange!r}: the server's "
                                      f"broadcast {key!r} is not finite (inf or NaN): the server "
                                      f"step before it overflowed{LEVERS}")
+        algorithm.model.take_dropped()  # drops counted outside a step are not this step's
         releases = [{r.name: r for r in self.releases(c)} for c in cohort.ids]
         ctx = ClientContext(round=round, rng=self.rng, clients=list(cohort.ids),
                             releases=releases, device=self.device,
@@ -70,7 +79,8 @@ class ClientRuntime:
         if set(messages) != set(spec.uploads):
             raise TypeError(f"{algorithm.name}: exchange {exchange!r} returned {sorted(messages)}"
                             f", declared {sorted(spec.uploads)}")
-        check_finite(messages, cohort.ids, round, exchange)
+        messages = zero_non_finite(messages, cohort.ids, round, exchange,
+                                   dropped=algorithm.model.take_dropped())
         noised = {u.release for u in spec.uploads.values() if not u.sent_as_returned}
         for name, release in releases[0].items():
             wanted = 0 if name in noised else release.steps
@@ -90,20 +100,34 @@ class ClientRuntime:
 
 
 def finite(values: torch.Tensor) -> bool:
-    """Whether every entry of ``values`` is finite, by one sum (inf or NaN in the entries makes
-    it inf or NaN; an overflow of finite entries is told apart by the elementwise check, about
-    50× slower on large tensors, made only then)."""
-    return bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all())
+    """Whether every entry of ``values`` is finite, by one sum (:func:`non_finite_rows`)."""
+    return non_finite_rows(values.reshape(1, -1)) is None
 
 
-def check_finite(messages: State, clients: list[int], round: int, exchange: str) -> None:
-    """Raise :class:`NonFiniteError` naming the clients and the upload when an upload of
-    ``messages`` (``[C, ...]``, rows in ``clients`` order) holds inf or NaN (:func:`finite`),
-    the rows located only on failure."""
+def zero_non_finite(messages: State, clients: list[int], round: int, exchange: str, *,
+                    dropped: int) -> State:
+    """``messages`` (``[C, ...]``, rows in ``clients`` order) with each upload row that holds
+    inf or NaN replaced by zeros, out of place (an upload may be the client's state; one sum
+    per upload when all are finite), and one line on the node's log when a row was zeroed or
+    the model dropped records (``dropped``, :meth:`~dpfl.models.FlatModel.take_dropped`).
+
+    Privacy: the event stays on the node (logger ``dpfl``; never in a reply or the results).
+    A dropped record contributes zero, no more than a clipped one. A row still not finite is
+    covered by its release all the same: a message clipped as a whole may be anything in the
+    ball of its radius, zero included, and a mean of clipped per-sample gradients is finite
+    once the model drops its records, so it can only overflow through values built from
+    noise already drawn or from the broadcast, and zeroing it is post-processing
+    (docs/privacy.md, "Non-finite values")."""
+    out, zeroed = dict(messages), []
     for key, rows in messages.items():
-        if not finite(rows):
-            bad = (~torch.isfinite(rows.reshape(len(clients), -1))).any(dim=1).nonzero()
-            raise NonFiniteError(f"round {round}, exchange {exchange!r}: clients "
-                                 f"{[clients[i] for i in bad.flatten().tolist()]} computed an "
-                                 f"upload {key!r} that is not finite (inf or NaN); the run "
-                                 f"stopped before it was noised or sent{LEVERS}")
+        if (bad := non_finite_rows(rows)) is not None:
+            out[key] = zero_rows(rows, bad)
+            zeroed.append(f"upload {key!r} of clients "
+                          f"{[clients[i] for i in bad.nonzero().flatten().tolist()]} was not "
+                          f"finite and is sent as zeros")
+    if dropped or zeroed:
+        done = [f"clients {clients} dropped {dropped} record(s) whose gradient or loss was not "
+                f"finite (they contribute zero)"] if dropped else []
+        log.warning("round %d, exchange %r: %s; logged on this node only%s", round, exchange,
+                    "; ".join(done + zeroed), LEVERS)
+    return out

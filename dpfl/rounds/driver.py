@@ -9,7 +9,10 @@ results folder. The Flower strategy and the engine differ only in the transport 
 With ``checkpoint-every`` it checkpoints the run (:mod:`dpfl.checkpoint`), and with
 ``resume=true`` it continues one from its checkpoint. A failure inside a round closes the
 results folder before it propagates: the rounds completed, their model, and the ledgers with
-the aborted exchange charged to everyone it was addressed to.
+the aborted exchange charged to everyone it was addressed to. Under Flower the server's ledger
+is reconciled with the counts each client's node reports (:meth:`RoundDriver.check_reports`):
+what a node released beyond it (an interrupted attempt's rounds, a round answered twice with
+fresh noise) is charged, and a node's refusal charges every participant that did not refuse.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import math
 import signal
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -30,7 +34,7 @@ from dpfl.algorithms import Exchange, ServerContext, State, distinct_streams
 from dpfl.checkpoint import Lineage
 from dpfl.config import format_overrides
 from dpfl.errors import ConfigError, NonFiniteError
-from dpfl.privacy import CALIBRATIONS, Accounting, PrivacyLedger, Randomness
+from dpfl.privacy import CALIBRATIONS, Accounting, Randomness
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter, results_path
 from dpfl.rounds.client import finite
@@ -54,6 +58,20 @@ NOISE_WARNING = 100.0  # noise norm of the participants' average over the clip, 
 
 NOISE_FREE = ("noise multiplier 0: clients send their messages without noise (ε = ∞); this run "
               "has no privacy guarantee against the server")
+
+SEEDED = ("noise and batches were drawn from the run's seed, which the server knows (a "
+          "simulation, or nodes with noise=\"seeded\"): it could regenerate the noise and "
+          "remove it, so ε holds against other clients and observers of the model, not against "
+          "the server (deployment nodes draw secret noise: docs/privacy.md)")
+
+SECRET = ("replies carry only noised uploads covered by the releases, with noise and batches "
+          "from a secret the server does not hold (secure or keyed noise)")
+
+NODES_DECIDE = ("each node's policy decides where its clients' noise comes from: summary.json "
+                "says what they used")
+
+#: the statements of runs that protect nothing against the server by their settings alone
+UNPROTECTED = (NON_PRIVATE, CENTRAL, NOISE_FREE)
 
 
 def payload(arrays: dict[str, torch.Tensor]) -> int:
@@ -116,9 +134,11 @@ class RoundDriver:
         self.every = int(cfg["checkpoint-every"])
         self.resumed = checkpoint.load(cfg, runtime) if cfg["resume"] else None
         self.path = checkpoint.folder_of(cfg) if self.resumed else results_path(cfg, runtime)
+        self.lineage = Lineage.fresh()
         if self.resumed is not None:
             self.check_releases(self.resumed)
-        self.lineage = Lineage.fresh()
+            self.lineage = Lineage(tuple((str(s), int(r)) for s, r in self.resumed["segments"])
+                                   ).resumed(int(self.resumed["round"]))
         self.results: ResultsWriter | None = None
         self.records: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] = {}
@@ -131,8 +151,9 @@ class RoundDriver:
         self.noise_checked: set[tuple[str, str]] = set()  # (exchange, upload) compared
         self.first_loss: float | None = None
         self.pending: tuple[str, list[int]] | None = None  # the exchange under way, addressees
-        self.reported: dict[int, float] = {}  # each client's own ε, as its node last said
-        self.flagged: set[int] = set()  # clients whose report disagreed with the server's
+        self.reported: dict[int, dict[str, int]] = {}  # each client's counts, as its node said
+        self.flagged: set[int] = set()  # clients whose node lost its ledger
+        self.noise: dict[int, str] = {}  # where each client's noise came from (Flower)
         self.first_round = 1
         self.earlier_seconds = 0.0  # wall time of the rounds a resumed run took over
         self.started = time.perf_counter()
@@ -187,7 +208,8 @@ class RoundDriver:
         try:
             diagnostics, completed = self.play(round, participants)
         except ClientRefused as refused:
-            self.stop_reason = f"max-epsilon: clients {refused.clients} refused round {round}"
+            self.stop_reason = f"clients {refused.clients} refused round {round}: " \
+                               f"{refused.reason}"
             return False
         except ClientsLost as lost:
             self.state, self.stop_reason = before, f"min-clients: {lost}"
@@ -224,14 +246,20 @@ class RoundDriver:
                 raise TypeError(f"{self.algorithm.name}: exchange {exchange.name!r} broadcast "
                                 f"{tuple(broadcast)}, declared {exchange.broadcast}")
             self.pending = (exchange.name, list(ctx.participants))
-            replies = self.transport.exchange(exchange.name, round, broadcast,
-                                              ctx.participants)
+            try:
+                replies = self.transport.exchange(exchange.name, round, broadcast,
+                                                  ctx.participants)
+            except ClientRefused as refused:  # the others' noised uploads reached the server
+                self.pending = None
+                self.accounting.charge(refused.released, exchange.name)
+                raise
             # everyone sent the exchange is charged, replied or not: a lost reply may have been
             # computed, noised and sent
             sent = [c for c in ctx.participants if c not in replies.unreached]
             self.pending = None
             self.accounting.charge(sent, exchange.name)
             self.check_reports(round, replies.reported)
+            self.noise.update(replies.noise)
             traffic["downlink_bytes"] += len(sent) * payload(broadcast)
             if gone := {**replies.unreached, **replies.lost}:
                 ctx = self.without(ctx, gone, round, exchange.name)
@@ -269,30 +297,31 @@ class RoundDriver:
         log.warning(message)
         return dataclasses.replace(ctx, participants=remaining)
 
-    def check_reports(self, round: int, reported: dict[int, str]) -> None:
-        """Compare each client's own ledger, as its node reports it (``reported``: client →
-        ledger JSON), with the server's, which is the authority: the ε the run reports is
-        always the server's. Warn, once per client, when a client's ε is below the server's
-        figure or below its own earlier report: its node lost its state (a restart, a wiped
-        disk), and the node's budget guard restarted with it."""
-        delta = float(self.config["delta"])
-        for c, text in sorted(reported.items()):
-            theirs = PrivacyLedger.from_json(text).epsilon(delta)
-            ours, before = self.accounting.epsilon(c), self.reported.get(c, 0.0)
-            self.reported[c] = theirs
-            if c in self.flagged:
-                continue
-            if theirs < ours * (1 - 1e-9):
-                why = f"below the {ours:.4g} of the server's ledger"
-            elif theirs < before:
-                why = f"down from the {before:.4g} it reported before"
-            else:
+    def check_reports(self, round: int, reported: dict[int, dict[str, int]]) -> None:
+        """Reconcile the server's ledger, the authority, with each client's counts of the run's
+        releases as its node reports them (``reported``: client → release name → count). What a
+        node counts beyond the server's ledger was released (an interrupted attempt's rounds
+        after its checkpoint, a round answered again with fresh noise): charge it, and say so.
+        A node that counts fewer than the server, or than it reported before, lost its ledger (a
+        wiped state folder): say so, once per client; the ε reported stays the server's."""
+        for c, counts in sorted(reported.items()):
+            behind, extra = self.accounting.reconcile(c, counts)
+            before = self.reported.get(c, {})
+            self.reported[c] = dict(counts)
+            if extra:
+                what = ", ".join(f"{n} × {name!r}" for name, n in sorted(extra.items()))
+                self.warn(f"client {c}'s node reports releases the server's ledger did not "
+                          f"hold ({what}, by round {round}): an interrupted attempt's after its "
+                          f"checkpoint, or a round answered again with fresh noise; they are "
+                          f"charged")
+            fell = any(counts.get(name, 0) < n for name, n in before.items())
+            if c in self.flagged or not (behind or fell):
                 continue
             self.flagged.add(c)
-            self.warn(f"client {c} reports ε={theirs:.4g} at round {round}, {why}: its node "
-                      f"lost its state (restarted, or its files wiped) and its own budget guard "
-                      f"restarted with it; the ε reported here is the server's ledger, which "
-                      f"keeps every round")
+            self.warn(f"client {c}'s node reports fewer releases at round {round} than the "
+                      f"server's ledger holds: it lost its ledger (its state folder wiped) and "
+                      f"its own budget guard restarted with it; the ε reported here is the "
+                      f"server's ledger, which keeps every round")
 
     def server_context(self, round: int, participants: list[int],
                        server_releases: dict[str, Any]) -> ServerContext:
@@ -334,7 +363,7 @@ class RoundDriver:
             print(f"{p.algorithm.name}'s defaults: {format_overrides(chosen)}", flush=True)
         if self.echo and self.resumed is not None:
             print(f"resuming {self.path} after round {self.rounds_done}", flush=True)
-        if not meta["privacy"]["guarantee_against_server"]:
+        if meta["privacy"]["note"] in UNPROTECTED:
             if self.echo:
                 print(f"WARNING: {meta['privacy']['note']}", flush=True)
             else:
@@ -343,7 +372,7 @@ class RoundDriver:
             with torch.no_grad():  # the start of the divergence check
                 self.first_loss = float(self.problem.model.evaluate(
                     self.algorithm.global_params(self.state), *self._test_set)["loss"])
-        self.transport.begin(self.lineage, client_states)
+        self.check_reports(self.rounds_done, self.transport.begin(self.lineage, client_states))
         self.started = time.perf_counter()
 
     def save_checkpoint(self, round: int) -> None:
@@ -359,7 +388,7 @@ class RoundDriver:
             "warnings": self.warnings, "first_loss": self.first_loss,
             "last_eval": self.last_eval,
             "noise_checked": [list(k) for k in sorted(self.noise_checked)],
-            "reported": self.reported, "flagged": sorted(self.flagged),
+            "reported": self.reported, "flagged": sorted(self.flagged), "noise": self.noise,
             "wall_seconds": self.wall_seconds()})
 
     def restore(self, saved: dict[str, Any]) -> State:
@@ -375,20 +404,22 @@ class RoundDriver:
         self.first_loss = saved["first_loss"]
         self.last_eval = dict(saved["last_eval"])
         self.noise_checked = {(e, u) for e, u in saved["noise_checked"]}
-        self.reported = dict(saved["reported"])
+        self.reported = {int(c): dict(counts) for c, counts in saved["reported"].items()
+                         if isinstance(counts, dict)}
         self.flagged = set(saved["flagged"])
+        self.noise = {int(c): str(m) for c, m in saved.get("noise", {}).items()}
         self.earlier_seconds = float(saved["wall_seconds"])
-        self.lineage = Lineage(tuple((str(s), int(r)) for s, r in saved["segments"])).resumed(
-            self.rounds_done)
-        if self.config["secure-noise"]:
-            self.warn_unaccounted()
+        if self.config["secure-noise"] and self.runtime == "engine":
+            self.charge_interrupted()
         return saved["client_states"]
 
-    def warn_unaccounted(self) -> None:
-        """Say which rounds an interrupted secure-noise attempt may have released after the
-        checkpoint: the rounds it recorded and the one it was in. Their noise came from the
-        OS and is not drawn again (a seeded run re-releases exactly what it released), so this
-        ledger, restored from the checkpoint, does not hold them."""
+    def charge_interrupted(self) -> None:
+        """Charge what an interrupted secure-noise attempt of an engine run released after its
+        checkpoint: the rounds it recorded and the one it was in, for every client (who took
+        part is not known: its client sampling was secure too). Its noise came from the OS and
+        is not drawn again (a seeded run re-releases exactly what it released), so these are
+        releases of their own. Under Flower the clients' nodes report them instead
+        (:meth:`check_reports`)."""
         done = self.rounds_done
         try:
             lines = (self.path / "rounds.jsonl").read_text().splitlines()
@@ -396,18 +427,31 @@ class RoundDriver:
         except (OSError, ValueError, KeyError):
             last = done
         last = min(last + 1, int(self.config["num-server-rounds"]))
+        for round in range(done + 1, last + 1):
+            for exchange in self.algorithm.round_exchanges(round):
+                self.accounting.charge(range(self.problem.num_clients), exchange.name)
         if last > done:
             rounds = f"round {last}" if last == done + 1 else f"rounds {done + 1}-{last}"
             self.warn(f"secure-noise: the interrupted attempt may have released {rounds} with "
-                      f"noise this resumed run does not draw again: their ε is not in the "
-                      f"ledger, which resumes from round {done}'s checkpoint")
+                      f"noise this resumed run does not draw again: they are charged to every "
+                      f"client")
 
     def wall_seconds(self) -> float:
         """The run's wall time so far, a resumed run's earlier attempts up to their
         checkpoint included."""
         return self.earlier_seconds + time.perf_counter() - self.started
 
+    def noise_sources(self) -> dict[str, int]:
+        """How many clients drew their noise from each source
+        (:data:`~dpfl.privacy.randomness.MODES`): as their nodes said (Flower; ``unknown``
+        before any has), else as the run config says (the engine)."""
+        if self.runtime == "engine":  # the clients that took part, as under Flower
+            return {"secure" if self.config["secure-noise"] else "seeded":
+                    len(self.accounting.charged) or self.problem.num_clients}
+        return dict(Counter(self.noise.values())) or {"unknown": self.problem.num_clients}
+
     def privacy_statement(self) -> dict[str, Any]:
+        """Whether the run's ε holds against the server, and why not."""
         if self.config["non-private-diagnostics"]:
             return {"guarantee_against_server": False, "note": NON_PRIVATE}
         if self.algorithm.central_releases():
@@ -415,8 +459,12 @@ class RoundDriver:
         if any(r.noise_multiplier <= 0 for c in range(self.problem.num_clients)
                for r in self.problem.releases(c)):
             return {"guarantee_against_server": False, "note": NOISE_FREE}
-        return {"guarantee_against_server": True,
-                "note": "replies carry only noised uploads covered by the releases"}
+        sources = self.noise_sources()
+        if sources.get("seeded"):
+            return {"guarantee_against_server": False, "note": SEEDED, "noise": sources}
+        if sources.get("unknown"):  # a Flower run before any node has replied
+            return {"guarantee_against_server": None, "note": NODES_DECIDE, "noise": sources}
+        return {"guarantee_against_server": True, "note": SECRET, "noise": sources}
 
     def releases(self) -> dict[str, Any]:
         out: dict[str, Any] = {str(c): [dataclasses.asdict(r) for r in self.problem.releases(c)]
@@ -655,9 +703,10 @@ class RoundDriver:
             stop = f" (stopped: {self.stop_reason})" if self.stop_reason else ""
             print(f"done: {self.rounds_done} rounds in {wall:.1f} s{stop}; results in {self.path}",
                   flush=True)
+            privacy = summary["privacy"]
             for line in (summary["calibration_check"],
-                         None if summary["privacy"]["guarantee_against_server"]
-                         else f"WARNING: {summary['privacy']['note']}"):
+                         f"WARNING: {privacy['note']}" if privacy["note"] in UNPROTECTED else
+                         f"note: {privacy['note']}" if privacy["note"] == SEEDED else None):
                 if line:
                     print(line, flush=True)
         log.info("results written to %s", self.path)

@@ -21,29 +21,35 @@ class Replies:
     their reply never came (the node failed or went away after receiving it). The engine loses
     nobody.
 
-    ``reported``: each replying client's own ledger (JSON), as its node keeps it (Flower only:
-    the server compares it with its own, the authority)."""
+    ``reported``: each replying client's counts of the run's releases (by release name), as its
+    node's own ledger holds them; ``noise``: where each replying client's noise came from
+    (:data:`~dpfl.privacy.randomness.MODES`). Flower only: the server reconciles its ledger, the
+    authority, with the counts, and its privacy statement with the noise."""
 
     sums: State | None
     diagnostics: dict[int, dict[str, float]] = field(default_factory=dict)
     lost: dict[int, str] = field(default_factory=dict)
     unreached: dict[int, str] = field(default_factory=dict)
-    reported: dict[int, str] = field(default_factory=dict)
+    reported: dict[int, dict[str, int]] = field(default_factory=dict)
+    noise: dict[int, str] = field(default_factory=dict)
 
 
 class Transport(Protocol):
     """Carries one exchange to the participants and back: the in-process engine, or Flower
     messages (strategy + ClientApp)."""
 
-    def begin(self, lineage: Lineage, states: State | None) -> None:
+    def begin(self, lineage: Lineage, states: State | None) -> dict[int, dict[str, int]]:
         """Called once before the first round: the run's lineage and, for a resumed run, the
-        client states of its checkpoint (as :meth:`client_states` gave them)."""
+        client states of its checkpoint (as :meth:`client_states` gave them). Returns the
+        counts of the run's releases the clients' nodes reported when they were discovered
+        (Flower; :attr:`Replies.reported`), for a resumed run to charge what an interrupted
+        attempt released after its checkpoint."""
         ...
 
     def exchange(self, exchange: str, round: int, broadcast: State,
                  participants: list[int]) -> Replies:
         """Send ``broadcast`` to ``participants`` (increasing id) and return their replies;
-        raises :class:`ClientRefused` when a client refuses the round."""
+        raises :class:`ClientRefused` when a node refuses the exchange."""
         ...
 
     def client_states(self) -> State:
@@ -57,11 +63,16 @@ class ClientsLost(RuntimeError):
 
 
 class ClientRefused(RuntimeError):
-    """A client refused an exchange because it would take its ε past ``max-epsilon``."""
+    """Nodes refused an exchange for ``clients``, by their own policy (``reason``: the policy
+    key, e.g. its ε cap). ``released`` are the participants that did not refuse: they may have
+    noised and sent their uploads, so they are charged for the exchange."""
 
-    def __init__(self, clients: list[int]) -> None:
-        super().__init__(f"clients {clients} refused: their privacy budget is spent")
+    def __init__(self, clients: list[int], reason: str = "their privacy budget is spent",
+                 released: list[int] | None = None) -> None:
+        super().__init__(f"clients {clients} refused: {reason}")
         self.clients = clients
+        self.reason = reason
+        self.released = list(released or [])
 
 
 #: rows per block of the one reduction, and clients per batched client step in the engine: a

@@ -11,13 +11,18 @@ the central evaluation, exactly as it does for the engine.
 
 Messages (records keyed natively; nothing is sent that is not read):
 
+* server → node (``query.clients``): ``config`` (the run's lineage, ``segments``, ``starts``);
+  node → server: ``hosted`` (``clients``, or ``refused``), ``node`` (``noise``) and one
+  ``charged.<id>`` per client (its counts of the run's releases);
 * server → node (``train``): ``broadcast`` (ArrayRecord: the exchange's declared arrays) and
   ``config`` (ConfigRecord: ``exchange``, ``round``, ``clients``: the participants the node
   hosts; ``segments``, ``starts``: the run's lineage, which names its clients' state files);
-* node → server: one ArrayRecord ``client.<id>`` per participant holding its noised uploads and
-  one ConfigRecord ``ledger.<id>`` with its own ledger (public: the releases it was charged),
-  ``diagnostics.<id>`` MetricRecords under non-private-diagnostics only, or a ConfigRecord
-  ``refused`` (``clients``) when a client's budget is spent.
+* node → server: one ArrayRecord ``client.<id>`` per participant holding its noised uploads, one
+  ConfigRecord ``charged.<id>`` with its counts of the run's releases (by name: nothing derived
+  from its data), ``diagnostics.<id>`` MetricRecords under non-private-diagnostics only, and
+  ``node`` (``noise``: where its clients' noise came from); or a ConfigRecord ``refused``
+  (``clients``, ``reason``) when the node's policy refuses the exchange
+  (:mod:`dpfl.client.policy`).
 
 An exchange waits for its replies up to ``round-timeout`` seconds, saying every
 :data:`PROGRESS_EVERY` seconds how many are missing; the replies that have not come by then are
@@ -53,7 +58,8 @@ log = logging.getLogger("dpfl")
 
 CLIENT = "client."
 DIAGNOSTICS = "diagnostics."
-LEDGER = "ledger."
+CHARGED = "charged."
+NODE = "node"
 REFUSED = "refused"
 PROGRESS_EVERY = 30.0  # seconds between the lines of an exchange that waits for replies
 
@@ -98,7 +104,9 @@ class AlgorithmStrategy(Strategy):
         self.unreached: dict[int, str] = {}  # participants not sent it: their node is offline
         self.clients_of: dict[int, list[int]] = {}  # node -> the participants it was sent
         self.diagnostics: dict[int, dict[str, float]] = {}
-        self.reported: dict[int, str] = {}  # each replying client's own ledger (JSON)
+        self.reported: dict[int, dict[str, int]] = {}  # each replying client's counts
+        self.noise: dict[int, str] = {}  # where each replying client's noise came from
+        self.lineage: Lineage | None = None  # the run's, sent with the discovery query
 
     def summary(self) -> None:
         p = self.problem
@@ -106,11 +114,14 @@ class AlgorithmStrategy(Strategy):
                  p.algorithm.protection, p.num_clients, p.model.d)
 
     # ---- node discovery ------------------------------------------------------------------
-    def discover(self, grid: Grid) -> None:
-        """Map client ids to nodes by asking every node which clients it hosts: until every
-        client is found, or ``connect_timeout`` passes, or, in a simulation (whose virtual
-        SuperNodes all register at once), the nodes online have answered and no other node
-        has come for a second."""
+    def discover(self, grid: Grid, lineage: Lineage | None = None) -> None:
+        """Map client ids to nodes by asking every node which clients it hosts (and, for the
+        run's ``lineage``, how often each was charged each release: :attr:`reported`): until
+        every client is found, or ``connect_timeout`` passes, or, in a simulation (whose
+        virtual SuperNodes all register at once), the nodes online have answered and no other
+        node has come for a second."""
+        self.lineage = lineage
+        self.reported = {}
         wanted = set(range(self.problem.num_clients))
         deadline = time.monotonic() + self.connect_timeout
         simulation = type(grid).__name__ == "InMemoryGrid"
@@ -140,7 +151,10 @@ class AlgorithmStrategy(Strategy):
         node that refuses to host any client (more SuperNodes than clients), or is left
         unused."""
         online = set(grid.get_node_ids())
-        asked = [Message(RecordDict(), n, f"{MessageType.QUERY}.clients")
+        lineage = ConfigRecord() if self.lineage is None else ConfigRecord(
+            {"segments": [s for s, _ in self.lineage.segments],
+             "starts": [r for _, r in self.lineage.segments]})
+        asked = [Message(RecordDict({"config": lineage}), n, f"{MessageType.QUERY}.clients")
                  for n in sorted(online - self.asked)]
         for reply in grid.send_and_receive(asked, timeout=self.connect_timeout) if asked else []:
             if reply.has_error():
@@ -154,7 +168,18 @@ class AlgorithmStrategy(Strategy):
             self.asked.add(reply.metadata.src_node_id)
             for c in hosted["clients"]:
                 self.node_of[int(c)] = reply.metadata.src_node_id
+            self.read_node(reply.content, hosted["clients"])
         return online
+
+    def read_node(self, content: RecordDict, clients: Iterable[int]) -> None:
+        """A node's ``charged.<id>`` counts into :attr:`reported`, and its ``noise`` into
+        :attr:`noise` for ``clients``."""
+        for name, record in content.items():
+            if name.startswith(CHARGED):
+                self.reported[int(name[len(CHARGED):])] = {k: int(v) for k, v in record.items()}
+        if NODE in content:
+            for c in clients:
+                self.noise[int(c)] = str(content[NODE]["noise"])
 
     # ---- one exchange ----------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -178,12 +203,14 @@ class AlgorithmStrategy(Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Each upload summed over the participants that replied, in increasing client id
-        (``None`` when none did); diagnostics by client in ``self.diagnostics``, their own
-        ledgers in ``self.reported``, the participants without a reply in ``self.lost``.
-        Raises :class:`~dpfl.rounds.ClientRefused` when a client refused the round."""
+        (``None`` when none did); diagnostics by client in ``self.diagnostics``, their counts of
+        the run's releases in ``self.reported``, where their noise came from in
+        ``self.noise``, the participants without a reply in ``self.lost``. Raises
+        :class:`~dpfl.rounds.ClientRefused` when a node refused the exchange: its clients sent
+        nothing, every other participant may have (``released``)."""
         uploads: dict[int, State] = {}
-        self.diagnostics, self.lost, self.reported = {}, {}, {}
-        refused: list[int] = []
+        self.diagnostics, self.lost, self.reported, self.noise = {}, {}, {}, {}
+        refused: dict[int, tuple[list[int], str]] = {}  # node -> its refusing clients, why
         failed: dict[int, str] = {}  # node -> its error
         unattributed: list[str] = []  # errors the SuperLink sent in a node's stead
         for reply in replies:
@@ -196,17 +223,21 @@ class AlgorithmStrategy(Strategy):
                 continue
             content = reply.content
             if REFUSED in content:
-                refused += [int(c) for c in content[REFUSED]["clients"]]
+                refused[reply.metadata.src_node_id] = (
+                    [int(c) for c in content[REFUSED]["clients"]],
+                    str(content[REFUSED].get("reason", "refused")))
                 continue
             for name, record in content.items():
                 if name.startswith(CLIENT):
                     uploads[int(name[len(CLIENT):])] = from_record(record)
                 elif name.startswith(DIAGNOSTICS):
                     self.diagnostics[int(name[len(DIAGNOSTICS):])] = dict(record)
-                elif name.startswith(LEDGER):
-                    self.reported[int(name[len(LEDGER):])] = str(record["json"])
+            self.read_node(content, self.clients_of.get(reply.metadata.src_node_id, []))
         if refused:
-            raise ClientRefused(sorted(refused))
+            silent = {c for node in refused for c in self.clients_of.get(node, [])}
+            raise ClientRefused(sorted(c for clients, _ in refused.values() for c in clients),
+                                "; ".join(dict.fromkeys(why for _, why in refused.values())),
+                                released=[c for c in self.pending if c not in silent])
         for c in self.pending:
             if c not in uploads:
                 node = self.node_of[c]
@@ -256,7 +287,7 @@ class AlgorithmStrategy(Strategy):
         self.summary()
         driver = RoundDriver(self.problem, FlowerTransport(self, grid), "flower",
                              echo=self.echo, x0=from_record(initial_arrays)["x"])
-        self.discover(grid)
+        self.discover(grid, driver.lineage)
         driver.run()
         if driver.stop_reason.startswith("min-clients"):
             raise FederationError(f"stopped after round {driver.rounds_done} ({driver.path}): "
@@ -280,11 +311,13 @@ class FlowerTransport:
         self.grid = grid
         self.lineage: Lineage | None = None
 
-    def begin(self, lineage: Lineage, states: State | None) -> None:
-        """The lineage every message carries; the clients keep their own states."""
+    def begin(self, lineage: Lineage, states: State | None) -> dict[int, dict[str, int]]:
+        """The lineage every message carries; the clients keep their own states. Returns the
+        counts the nodes reported when they were discovered."""
         if states:
             raise ValueError("a Flower run's checkpoint holds no client state")
         self.lineage = lineage
+        return dict(self.strategy.reported)
 
     def client_states(self) -> State:
         return {}
@@ -303,7 +336,7 @@ class FlowerTransport:
                        {k: v.to(device) for k, v in from_record(sums).items()},
                        self.strategy.diagnostics, lost=dict(self.strategy.lost),
                        unreached=dict(self.strategy.unreached),
-                       reported=dict(self.strategy.reported))
+                       reported=dict(self.strategy.reported), noise=dict(self.strategy.noise))
 
     def wait(self, messages: list[Message], what: str) -> list[Message]:
         """Send ``messages`` and collect their replies for up to ``round-timeout`` seconds,

@@ -1,0 +1,296 @@
+"""Privacy against the server, enforced by the node: what a server that controls the run config,
+the seed and the messages can and cannot do to a client (the real strategy and ClientApp over an
+in-process grid; the nodes are real ones, with their default policy, unless a test says
+``trust-server``).
+
+Each defect an outside review reproduced has its test here, and each test fails on the code
+before the fix: a server that regenerates a client's noise from the seed and removes it; a
+replayed round answered with the same noise; a server asking for no noise, for exact
+diagnostics, for a relation or an algorithm the node does not accept; a reply that reveals a
+client's record count; a refused round whose other replies went uncharged."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from dpfl.algorithms import ServerContext
+from dpfl.client.app import app as client_app
+from dpfl.client.node_ledger import NodeLedger, stream_context
+from dpfl.client.policy import NodeConfigError, NodePolicy, simulated
+from dpfl.engine import run
+from dpfl.privacy import Randomness, add_noise, stds
+from dpfl.problem import build_problem
+from dpfl.runconfig import RunConfig
+from dpfl.strategies import FederationError
+from dpfl.strategies.algorithm import to_record
+from tests.inprocess_grid import run_flower_code_path
+
+# a batch of a client's whole data is drawn by no randomness: the clean upload is the same
+# whatever a node's noise source
+BASE = {"algorithm": "dpsgd-gc", "num-partitions": 3, "num-server-rounds": 3, "seed": 11,
+        "batch-size": 479, "noise-multiplier": 20.0}
+TRUSTING = {"trust-server": True}  # what the grid's nodes are unless a test says otherwise
+
+
+def real(tmp_path: Path, **policy) -> dict:
+    """A real node's config: its default policy, its state in its own folder of the test."""
+    return {"trust-server": False, "state-dir": str(tmp_path / "state"), **policy}
+
+
+def nodes(tmp_path: Path, count: int, **policy) -> list[dict]:
+    return [{"partition-id": i, **real(tmp_path, **policy)} for i in range(count)]
+
+
+def summary_of(folder: Path) -> dict:
+    return json.loads((folder / "summary.json").read_text())
+
+
+class Node:
+    """One node (hosting client 0) answering the messages a test sends it, as a server would."""
+
+    def __init__(self, values: dict, **node_config) -> None:
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+        self.config = RunConfig(values)
+        self.problem = build_problem(self.config)
+        self.context = Context(run_id=1, node_id=1,
+                               node_config={"partition-id": 0, **node_config},
+                               state=RecordDict(), run_config=self.config.as_dict())
+
+    def send(self, round: int, x: torch.Tensor | None = None, exchange: str = "train"
+             ) -> RecordDict:
+        algorithm = self.problem.algorithm
+        state = algorithm.init_server_state(self.problem.x0 if x is None else x)
+        state = algorithm.begin_round(state, ServerContext(round, Randomness(0), [0], 3))
+        message = Message(RecordDict({
+            "broadcast": to_record(algorithm.broadcast(exchange, state, round)),
+            "config": ConfigRecord({"exchange": exchange, "round": round, "clients": [0],
+                                    "segments": ["run"], "starts": [0]})}), 1,
+            MessageType.TRAIN)
+        return client_app(message, self.context).content
+
+    def upload(self, reply: RecordDict) -> torch.Tensor:
+        return torch.from_numpy(reply["client.0"]["c"].numpy()).double()
+
+    def seeded_noise(self, round: int, rng: Randomness) -> torch.Tensor:
+        """The noise ``rng`` draws for client 0's upload of ``round``: what a server that knows
+        the randomness regenerates."""
+        (release,) = self.problem.releases(0)
+        zeros = torch.zeros(1, self.problem.model.d)
+        return add_noise(zeros, [0], stds([release]), rng=rng, round=round,
+                         stream=release.stream)[0].double()
+
+    def clean(self, round: int) -> torch.Tensor:
+        """Client 0's un-noised upload of ``round`` at the initial model."""
+        quiet = Node({**self.config.as_dict(), "noise-multiplier": 0.0}, **TRUSTING)
+        return quiet.upload(quiet.send(round))
+
+
+# ---- item 6: the server cannot strip a real node's noise ---------------------------------------
+
+def test_a_server_that_knows_the_seed_strips_seeded_noise_but_not_a_real_nodes(tmp_path):
+    """The review's attack: regenerate a client's noise from the run's seed and subtract it. On
+    a node that trusts the server (simulation, seeded) it recovers the clean value; a real
+    node's default (secure) noise and a keyed node's noise survive it; the keyed node's owner,
+    who holds the key, can regenerate its noise."""
+    values = {**BASE, "results-dir": str(tmp_path)}
+    seeded = Node(values, **TRUSTING)
+    clean = seeded.clean(1)
+    server = Randomness(int(values["seed"]))
+
+    def stripped(node: Node, upload: torch.Tensor, rng: Randomness) -> float:
+        noise = node.seeded_noise(1, rng)
+        return float((upload - noise - clean).norm() / noise.norm())
+
+    assert stripped(seeded, seeded.upload(seeded.send(1)), server) < 1e-6
+    secure = Node(values, **real(tmp_path))
+    assert stripped(secure, secure.upload(secure.send(1)), server) > 0.5
+    key = tmp_path / "node.key"
+    keyed = Node(values, **real(tmp_path, noise="keyed", **{"noise-key": str(key)}))
+    upload = keyed.upload(keyed.send(1))
+    assert stripped(keyed, upload, server) > 0.5
+    owner = Randomness(int(values["seed"]), key=key.read_bytes(),
+                       context=stream_context(keyed.config))
+    assert stripped(keyed, upload, owner) < 1e-6
+    assert key.stat().st_mode & 0o777 == 0o600
+
+
+def test_the_summary_says_whether_the_guarantee_holds_against_the_server(tmp_path):
+    """Real nodes draw secret noise whatever the run config says (secure-noise=false): the
+    run's ε holds against the server. Nodes that trust the server draw seeded noise, and the
+    summary says the guarantee does not hold against it."""
+    values = {**BASE, "results-dir": str(tmp_path)}
+    run_flower_code_path({**values, "run-name": "real"}, nodes(tmp_path, 3))
+    run_flower_code_path({**values, "run-name": "trusting"},
+                         [{"partition-id": i} for i in range(3)])
+    real, trusting = summary_of(tmp_path / "real"), summary_of(tmp_path / "trusting")
+    assert real["privacy"]["guarantee_against_server"] is True
+    assert real["privacy"]["noise"] == {"secure": 3}
+    assert trusting["privacy"]["guarantee_against_server"] is False
+    assert trusting["privacy"]["noise"] == {"seeded": 3}
+    assert "the server knows" in trusting["privacy"]["note"]
+    engine = run(RunConfig({**values, "run-name": "engine"}), echo=False)
+    assert engine["privacy"] == trusting["privacy"]
+
+
+def test_this_process_is_no_simulation_and_a_node_config_is_checked():
+    assert not simulated()
+    config = RunConfig(BASE)
+    policy = NodePolicy.of({"partition-id": 0}, config)
+    assert (policy.noise, policy.max_epsilon, policy.diagnostics) == ("secure", 10.0, False)
+    assert "dp-fedavg-quantile" not in policy.algorithms  # central DP trusts the server
+    trusting = NodePolicy.of({"trust-server": True}, config)
+    assert (trusting.noise, trusting.max_epsilon, trusting.diagnostics) == ("seeded", math.inf,
+                                                                            True)
+    assert NodePolicy.of({"trust-server": True}, RunConfig({**BASE, "secure-noise": True})
+                         ).noise == "secure"  # a run may ask for more, never for less
+    for bad, key in (({"secure-noise": True}, "secure-noise"), ({"noise": "weak"}, "noise"),
+                     ({"max-epsilon": -1}, "max-epsilon"), ({"relations": "swap"}, "relations"),
+                     ({"algorithms": "dpsgd"}, "algorithms"), ({"diagnostics": "yes"},
+                                                               "diagnostics")):
+        with pytest.raises(NodeConfigError, match=f"^node config key '{key}'"):
+            NodePolicy.of(bad, config)
+
+
+# ---- item 7: a replayed round --------------------------------------------------------------
+
+def test_a_node_refuses_a_replayed_round_it_would_answer_with_the_same_noise(tmp_path):
+    """A server asks round 1 again with another model (or after the client's state moved on):
+    the difference of two replies with the same noise would be exact. A node with seeded or
+    keyed noise refuses it; a node whose state is back where it was before round 1 (a resumed
+    run) answers the same request bit for bit again and is not charged twice; a secure node
+    answers with fresh noise and is charged twice."""
+    values = {**BASE, "results-dir": str(tmp_path)}
+    other = torch.full_like(build_problem(RunConfig(values)).x0, 0.01)
+    for policy in (TRUSTING, real(tmp_path, noise="keyed")):
+        node = Node(values, **policy)
+        first = node.send(1)
+        for x in (other, None):
+            refused = node.send(1, x)
+            assert list(refused) == ["refused"]
+            assert str(refused["refused"]["reason"]).startswith(
+                "replay: round 1, exchange 'train' was answered before with other inputs")
+    node.context.state = RecordDict()  # its state as before round 1; its ledger is on disk
+    again = node.send(1)
+    assert torch.equal(node.upload(again), node.upload(first))
+    assert dict(again["charged.0"]) == {"message": 1}  # round 1 once: the same release
+    assert dict(node.send(2, other)["charged.0"]) == {"message": 2}  # the next round is new
+    secure = Node(values, **real(tmp_path / "secure"))
+    first, again = secure.send(1), secure.send(1, other)
+    assert not torch.equal(secure.upload(first), secure.upload(again))
+    assert dict(again["charged.0"]) == {"message": 2}
+
+
+# ---- item 8: the node's own policy -----------------------------------------------------------
+
+@pytest.mark.parametrize("change, node, reason", [
+    ({"noise-multiplier": 0.0}, {}, "node policy max-epsilon=10: the run's releases without "
+                                    "noise (ε = ∞) would pass it"),
+    ({"non-private-diagnostics": True}, {}, "node policy diagnostics=false"),
+    ({"algorithm": "dp-fedavg-quantile", "clipped-count-stddev": 15.0}, {},
+     "node policy algorithms: 'dp-fedavg-quantile' is not accepted"),
+    ({"relation": "add-remove"}, {"relations": "replace-one"},
+     "node policy relations: relation 'add-remove' is not accepted"),
+    ({}, {"min-noise-multiplier": 50.0}, "node policy min-noise-multiplier=50"),
+], ids=["no-noise", "diagnostics", "central", "relation", "min-noise"])
+def test_a_node_refuses_what_its_policy_does_not_accept(tmp_path, caplog, change, node, reason):
+    """The server sets the run config; the node's policy (its node config) decides. The run
+    stops with the node's one-line reason, which the node logs too; nothing is computed."""
+    values = {**BASE, **change, "results-dir": str(tmp_path), "run-name": "run"}
+    with caplog.at_level(logging.WARNING, logger="dpfl"):
+        with pytest.raises(FederationError) as stopped:
+            run_flower_code_path(values, nodes(tmp_path, 3, **node))
+    assert reason in str(stopped.value)
+    assert any(reason in r.getMessage() for r in caplog.records)
+    # the same request is served by a node that trusts the server (the run's own settings)
+    if "min-noise-multiplier" not in node and "relations" not in node:
+        run_flower_code_path({**values, "run-name": "trusting"},
+                             [{"partition-id": i} for i in range(3)])
+
+
+def test_a_nodes_cap_spans_every_run_it_serves_by_its_own_ledger(tmp_path):
+    """A real node's ε cap is over every run it serves on its data, by its own ledger (its δ and
+    accountant), whatever the run config's max-epsilon: a run calibrated for ε = 8 runs; a
+    second one on the same nodes is refused as soon as it would pass the cap, and reports what
+    it spent; the nodes' ledgers never pass it."""
+    values = {**BASE, "noise-multiplier": -1.0, "epsilon": 8.0, "results-dir": str(tmp_path)}
+    run_flower_code_path({**values, "run-name": "first"}, nodes(tmp_path, 3))
+    assert summary_of(tmp_path / "first")["rounds_completed"] == 3
+    run_flower_code_path({**values, "run-name": "second"}, nodes(tmp_path, 3))
+    second = summary_of(tmp_path / "second")
+    assert second["rounds_completed"] < 3
+    assert "node policy max-epsilon=10" in second["stopped_early"]
+    for c in range(3):
+        ledger = NodeLedger.from_json((tmp_path / "state" / "ledger" / f"client-{c}.json")
+                                      .read_text())
+        assert 8.0 < ledger.epsilon("rdp", 1e-5) <= 10.0
+        assert len(ledger.runs) == 2
+
+
+# ---- item 2: nothing derived from the record count ----------------------------------------------
+
+def test_a_reply_carries_nothing_derived_from_a_clients_record_count(tmp_path):
+    """Two nodes whose client 0 holds 479 and 480 records: their replies differ in the noised
+    upload only. (The client's own ledger used to travel in the reply, with its sample rate
+    b/n: n exactly.)"""
+    values = {**BASE, "results-dir": str(tmp_path)}
+    one, other = Node(values, **TRUSTING), Node(values, **TRUSTING)
+    ds = other.problem.dataset
+    extra = torch.cat([ds.train_x, ds.test_x[:1]]), torch.cat([ds.train_y, ds.test_y[:1]])
+    import dataclasses
+
+    import numpy as np
+    parts = list(other.problem.partitions)
+    parts[0] = np.append(parts[0], len(ds.train_y))
+    other.problem = dataclasses.replace(other.problem, dataset=dataclasses.replace(
+        ds, train_x=extra[0], train_y=extra[1]), partitions=parts, _cohorts={}, _releases={})
+    assert len(other.problem.cohort([0]).y) == len(one.problem.cohort([0]).y) + 1
+    for round in (1, 2):
+        ours, theirs = (reply(node, round) for node in (one, other))
+        assert list(ours) == list(theirs)
+        for name in ours:
+            if name != "client.0":
+                assert dict(ours[name]) == dict(theirs[name]), name
+
+
+def reply(node: Node, round: int) -> RecordDict:
+    from dpfl.client.app import reply as answer
+
+    algorithm = node.problem.algorithm
+    state = algorithm.init_server_state(node.problem.x0)
+    message = Message(RecordDict({
+        "broadcast": to_record(algorithm.broadcast("train", state, round)),
+        "config": ConfigRecord({"exchange": "train", "round": round, "clients": [0]})}), 1,
+        MessageType.TRAIN)
+    return answer(message, node.context, node.problem).content
+
+
+# ---- item 3: a refused round is charged for everyone who replied --------------------------------
+
+def test_a_refused_round_is_charged_for_every_client_that_replied(tmp_path):
+    """Node 0's cap refuses round 3; node 1 answered it, and its noised reply reached the
+    server: the server charges it, so that the ε it reports for client 1 is client 1's own
+    (it used to miss that round)."""
+    values = {**BASE, "num-server-rounds": 5, "results-dir": str(tmp_path)}
+    engine = run(RunConfig({**values, "run-name": "engine"}), echo=False)
+    steps = [json.loads(line)["epsilon"] for line in
+             (tmp_path / "engine" / "rounds.jsonl").read_text().splitlines()]
+    cap = (steps[1]["0"] + steps[2]["0"]) / 2  # passed by round 3
+    grid, _ = run_flower_code_path({**values, "run-name": "flower"},
+                                   [{"partition-id": 0, "max-epsilon": cap},
+                                    {"partition-id": 1}, {"partition-id": 2}])
+    summary = summary_of(tmp_path / "flower")
+    assert summary["stopped_early"].startswith("clients [0] refused round 3: node policy "
+                                               f"max-epsilon={cap:g}")
+    own = NodeLedger.from_json(str(grid.contexts[2].state["dpfl.node.1"]["json"]))
+    assert summary["epsilon"]["1"] == pytest.approx(own.epsilon("rdp", 1e-5), rel=1e-12)
+    assert summary["epsilon"]["1"] == pytest.approx(steps[2]["1"], rel=1e-12)
+    assert summary["epsilon"]["0"] == pytest.approx(steps[1]["0"], rel=1e-12)
+    assert engine["rounds_completed"] == 5
