@@ -18,6 +18,7 @@ install: $(VENV)/.installed
 # The default demo: DPSGD-GC on scikit-learn's digits, 10 virtual SuperNodes, Ray simulation.
 run: install
 	$(PY) -m dpfl flower
+	@echo "dpfl and flwr are in $(VENV)/bin: run 'source $(VENV)/bin/activate' to put them on PATH"
 
 test: install
 	$(PY) -m pytest -q

@@ -123,11 +123,33 @@ def load(config: RunConfig, runtime: str) -> dict[str, Any]:
     if saved["runtime"] != runtime:
         raise ConfigError("resume", f"the run in {folder} ran on {WHERE[saved['runtime']]}")
     check_config(saved["run_config"], config, int(saved["round"]))
-    if int(saved["round"]) >= int(config[ROUNDS]) and (folder / "summary.json").exists():
-        raise ConfigError(ROUNDS, f"the run in {folder} has completed its {saved['round']} "
-                          f"rounds; raise num-server-rounds to continue it",
-                          allowed=f"more than {saved['round']}")
+    done = int(saved["round"])
+    if done >= int(config[ROUNDS]) and (folder / "summary.json").exists():
+        if calibrated_for_rounds(config):
+            raise ConfigError(ROUNDS, f"the run in {folder} has completed its {done} rounds, "
+                              f"with noise calibrated for ε={config['epsilon']:g} over them: "
+                              f"{EXTEND}", allowed="a new run (another run-name)")
+        raise ConfigError(ROUNDS, f"the run in {folder} has completed its {done} rounds; "
+                          f"raise num-server-rounds to continue it",
+                          allowed=f"more than {done}")
     return saved
+
+
+#: what can be extended, said once wherever a resume asks for more rounds
+EXTEND = ("a longer run needs noise calibrated for its own rounds, i.e. a new run; a run that "
+          "sets noise-multiplier (or a calibration without an ε target) can be resumed with "
+          "more rounds")
+
+
+def calibrated_for_rounds(config: RunConfig) -> bool:
+    """Whether ``config``'s noise is calibrated for an ε over its rounds (so more rounds would
+    need more noise)."""
+    from dpfl.algorithms import ALGORITHMS
+    from dpfl.privacy import CALIBRATIONS
+
+    algorithm = ALGORITHMS.get(str(config["algorithm"]))
+    return (float(config["noise-multiplier"]) < 0 and not algorithm.noise_free
+            and CALIBRATIONS.get(str(config["calibration"]), algorithm.name).targets_epsilon)
 
 
 def check_config(saved: Mapping[str, Value], config: RunConfig, rounds_done: int) -> None:

@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as exc:  # the run stopped; its results folder says so too
         print(f"dpfl: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the run closed its results folder (and said where)
+        print("dpfl: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

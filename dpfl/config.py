@@ -70,8 +70,9 @@ class Param:
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ConfigError(
-                self.key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}"
-            )
+                self.key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}",
+                allowed=f'a {kind.__name__}, or "{AUTO}" for the algorithm\'s own value'
+                if self.per_algorithm else None)
         if kind is float and math.isnan(value):
             raise ConfigError(self.key, "NaN is not allowed")
         if kind is float and math.isinf(value) and not math.isinf(float(self.default)):
@@ -312,8 +313,12 @@ def _pairs(item: str) -> list[str]:
         try:
             keys += _flat_keys(tomllib.loads(f"{match.group(1)} = {match.group(2)}"))
         except tomllib.TOMLDecodeError:
-            raise ConfigError(match.group(1).strip("\"'"), f"cannot read {match.group(0)!r}",
-                              allowed=SYNTAX) from None
+            key, value = match.group(1).strip("\"'"), match.group(2)
+            if re.fullmatch(r"[A-Za-z_][\w.-]*", value):  # a bare word: a string needs quotes
+                raise ConfigError(key, f"cannot read {match.group(0)!r}: a string value needs "
+                                  f"quotes", allowed=f'{key}="{value}", quoted for the shell as '
+                                  f"'{key}=\"{value}\"'") from None
+            raise ConfigError(key, f"cannot read {match.group(0)!r}", allowed=SYNTAX) from None
         end = match.end()
     if item[end:].strip():
         _stray(item[end:])

@@ -6,7 +6,9 @@ keeps running after the run, on ports that are the same for every run on the mac
 launcher validates the run config first (bad input never reaches Flower), gives every
 invocation a private ``FLWR_HOME`` and free loopback ports (so concurrent runs on one machine
 never share a SuperLink), reads the run's final status from ``flwr ls`` (``flwr run --stream``
-exits 0 whatever the run's fate), and stops the processes the run started, by PID. Given a
+exits 0 whatever the run's fate), and stops the processes the run started, by PID: every
+process whose environment carries the launch's ``DPFL_LAUNCH`` token (the SuperLink, the
+simulation, Ray's processes), when the run ends and when it is interrupted (Ctrl-C). Given a
 Ray address, the simulation runtime attaches to that running cluster instead of starting Ray
 here (:mod:`dpfl.ray_cluster`, docs/multinode.md).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -27,6 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dpfl.config import Value, format_overrides
+from dpfl.errors import UsageError
 from dpfl.federation import BIN, free_port
 from dpfl.flower_app import app_folder
 from dpfl.problem import build_problem, data_dir
@@ -44,6 +48,37 @@ def _cmdlines() -> dict[int, str]:
             except OSError:
                 continue
     return out
+
+
+LAUNCH_ENV = "DPFL_LAUNCH"  # marks every process a launch starts (they inherit it)
+
+
+def launched(token: str) -> list[int]:
+    """PIDs of the processes whose environment holds ``DPFL_LAUNCH=token``: every process
+    a launch started and whatever they started (the SuperLink, its SuperExec, the simulation
+    and Ray's processes), even those that left the launch's process tree."""
+    mark = f"{LAUNCH_ENV}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if mark in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def stop_launched(token: str, settle: float = 2.0) -> None:
+    """Stop every process of launch ``token`` (:func:`launched`), again until none is left
+    for ``settle`` seconds: a dying Ray node can still start an agent or two."""
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < settle:
+        if pids := launched(token):
+            stop(pids)
+            quiet_since = time.monotonic()
+        else:
+            time.sleep(0.25)
 
 
 def started_processes(flwr_home: Path) -> list[int]:
@@ -185,16 +220,22 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
     cpus, gpus = client_resources(client_cpus, client_gpus)  # Flower's, where not given
     if ray_address is not None:
         print(check_cluster(ray_address, cpus, gpus))
+    clients = int(config["num-partitions"])
+    if num_supernodes is not None and not 0 < num_supernodes <= clients:
+        raise UsageError(f"--num-supernodes {num_supernodes}: {clients} clients "
+                         f"(num-partitions={clients}) for {num_supernodes} SuperNodes, a "
+                         f"SuperNode would host none (allowed: 1 to {clients}; fewer "
+                         f"SuperNodes than clients host blocks of them)")
     build_problem(config)  # so do the data, the split and the model
     check_runtime(config, "flower")
-    federation: dict[str, Value] = {
-        "num-supernodes": num_supernodes or int(config["num-partitions"])}
+    federation: dict[str, Value] = {"num-supernodes": num_supernodes or clients}
     if client_cpus is not None or client_gpus is not None:
         federation.update({"client-resources-num-cpus": cpus, "client-resources-num-gpus": gpus})
     values = dict(overrides)
     values["results-dir"] = str(Path(str(config["results-dir"])).expanduser().resolve())
     home = (flwr_home or Path(tempfile.mkdtemp(prefix="dpfl-flwr-home-"))).resolve()
     env = simulation_env(home)
+    token = env[LAUNCH_ENV] = secrets.token_hex(8)
     env.setdefault("DPFL_DATA_DIR", data_dir(config))  # the app runs from a copy of the FAB
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     if ray_address is not None:  # read by the simulation runtime's ray.init()
@@ -216,7 +257,8 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
                           + f" (Flower's log: {log})", file=sys.stderr)
                     code = 1
         return code
-    finally:
+    finally:  # done, failed or interrupted (Ctrl-C): nothing it started outlives it
         stop([p for p in started_processes(home) if p not in before])
+        stop_launched(token)
         if flwr_home is None:
             shutil.rmtree(home, ignore_errors=True)

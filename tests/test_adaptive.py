@@ -230,7 +230,9 @@ def test_the_ledger_reports_opacus_and_the_papers_accountant_from_the_releases(t
     wor = summary["epsilon_by_accountant"]["rdp-wor"]
     assert wor == pytest.approx(min(paper(a) for a in range(2, 65)), rel=1e-9)
     assert summary["epsilon_by_accountant"]["rdp"] <= wor <= 20.0
-    assert "the rdp-wor accountant gives" in summary["calibration_check"]
+    check = summary["calibration_check"]
+    assert "the rdp accountant, which the run's guarantee rests on, gives" in check
+    assert "rdp-wor " in check and "not the run's guarantee" in check
 
 
 # ---- diagnostics -------------------------------------------------------------------------------

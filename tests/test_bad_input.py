@@ -34,7 +34,8 @@ CASES = {
                                "dataset 'digits' has no option 'dup' (allowed: num_public)"),
     "unparsable_dataset_options": ('dataset-options="num_public"', "dataset-options",
                                    "cannot parse 'num_public' is not key=value"),
-    "wrong_type": ('clip="big"', "clip", "expected float"),
+    "wrong_type": ('clip="big"', "clip", "expected float, got str 'big' (allowed: a float, or "
+                   '"auto" for the algorithm\'s own value)'),
     "clip_not_positive": ("clip=0.0", "clip", "must be > 0"),
     "epsilon_not_positive": ("epsilon=-1.0", "epsilon", "must be > 0"),
     "delta_zero": ("delta=0.0", "delta", "(0, 1)"),
@@ -91,7 +92,8 @@ CASES = {
     "garbage_after_a_pair": ("clip=1.0 garbage", "run-config",
                              "'garbage' is not a key=value pair"),
     "spaces_around_equals": ("clip = 1.0", "run-config", "no spaces around"),
-    "string_without_quotes": ("dataset=digits", "dataset", "cannot read 'dataset=digits'"),
+    "string_without_quotes": ("dataset=digits", "dataset", "cannot read 'dataset=digits': a "
+                              "string value needs quotes (allowed: dataset=\"digits\""),
     "key_given_twice": ("clip=1.0 clip=0.5", "clip", "given twice"),
     "fraction_train_under_prisma": ('algorithm="prisma" fraction-train=0.5', "fraction-train",
                                     "not used by algorithm 'prisma'"),
@@ -161,6 +163,24 @@ def test_flower_refuses_bad_input_before_starting_anything(name, tmp_path, capsy
     assert main(["flower", "--run-config", _run_config(override, tmp_path)]) == 2
     line = _one_line(capsys.readouterr().err)
     assert f"'{key}'" in line and fragment in line
+    assert not started and _nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("supernodes", [5, 0])
+def test_flower_refuses_more_supernodes_than_clients_before_starting_anything(
+        supernodes, tmp_path, capsys, monkeypatch):
+    """Five SuperNodes for three clients: refused naming --num-supernodes, exit status 2, before
+    Flower or Ray start (it used to fail after a minute, naming the wrong flag)."""
+    from dpfl import launch
+    from dpfl.cli import main
+
+    started = []
+    monkeypatch.setattr(launch, "stream", lambda *a, **k: started.append(a) or (1, None))
+    assert main(["flower", "--num-supernodes", str(supernodes), "--run-config",
+                 _run_config("num-partitions=3", tmp_path)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"dpfl: error: --num-supernodes {supernodes}: 3 clients")
+    assert "allowed: 1 to 3" in line
     assert not started and _nothing_written(tmp_path)
 
 

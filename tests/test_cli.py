@@ -46,3 +46,45 @@ def test_every_listed_experiment_name_is_accepted_as_printed(name, capsys):
 def test_a_paper_alone_names_its_experiments(capsys):
     assert main(["reproduce", "clip21"]) == 2
     assert "did you mean 'clip21/logreg'" in capsys.readouterr().err
+
+
+def _interrupted(command: list[str], tmp_path, env: dict | None = None):
+    """Start ``python -m dpfl COMMAND`` in its own session, press Ctrl-C (SIGINT to its process
+    group, as a terminal does) once round 2 is printed; returns (exit status, stdout, stderr)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "dpfl", *command], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, env=env)
+    seen = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("round   2/") or line.startswith("round 2/"):
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, "".join(seen) + out, err
+
+
+def test_ctrl_c_on_dpfl_run_exits_130_without_a_traceback(tmp_path):
+    """Ctrl-C: the results folder is closed (interrupted, with what was spent), one line, exit
+    status 130, no traceback."""
+    import json
+
+    code, out, err = _interrupted(["run", "-c", f'num-server-rounds=500 results-dir="{tmp_path}" '
+                                   f'run-name="cut"'], tmp_path)
+    assert code == 130, err
+    assert "Traceback" not in out + err and err.strip().splitlines()[-1] == "dpfl: interrupted"
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["stopped_early"].startswith("interrupted in round")
+    assert "the run stopped after" in summary["calibration_check"]

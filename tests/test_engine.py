@@ -126,3 +126,18 @@ def test_noise_that_dwarfs_the_clipped_signal_is_named_with_its_ratio(small_conf
     assert capsys.readouterr().out.count("WARNING: the noise dwarfs") == 1
     assert not any(w.startswith("the noise dwarfs")
                    for w in run(small_config(run_name="calm"), echo=False)["warnings"])
+
+
+def test_a_sweeps_runs_log_a_warning_they_share_once(small_config, caplog):
+    """Runs that do not echo (a sweep, a reproduction) log the warning they share once per
+    process, not once per run; each run's summary keeps it."""
+    import logging
+
+    from dpfl.rounds import driver
+
+    driver._LOGGED.discard(driver.NON_PRIVATE)
+    with caplog.at_level(logging.WARNING, logger="dpfl"):
+        summaries = [run(small_config(seed=seed, non_private_diagnostics=True, run_name=f"s{seed}"),
+                         echo=False) for seed in (1, 2, 3)]
+    assert sum(driver.NON_PRIVATE in message for message in caplog.messages) == 1
+    assert all(s["privacy"]["note"] == driver.NON_PRIVATE for s in summaries)

@@ -80,22 +80,72 @@ def test_two_runs_at_once_each_get_a_superlink_of_their_own(tmp_path):
 
 
 def test_a_federation_of_the_wrong_size_fails_the_run_at_once(tmp_path, capfd):
-    """Three virtual SuperNodes for two partitions: the ServerApp refuses within seconds (not
-    the 120 s a deployment waits for nodes), Flower lists the run as failed, and
-    ``dpfl flower`` exits non-zero naming the ``--federation-config`` to use."""
+    """Three virtual SuperNodes for two partitions: ``dpfl flower`` refuses before anything
+    starts (tests/test_bad_input.py); under a plain ``flwr run`` the nodes refuse within seconds
+    (not the 120 s a deployment waits for nodes), in one line naming both ways to size the
+    federation, and Flower lists the run as failed."""
     import time
 
+    from dpfl.config import format_overrides
+    from dpfl.flower_app import app_folder
+    from dpfl.launch import BIN, final_status, simulation_env, stream, stop
+
     overrides = {**CASES["dpsgd-gc"], "num-partitions": 2, "results-dir": str(tmp_path)}
+    home = tmp_path / "home"
+    env = simulation_env(home)
     start = time.monotonic()
-    code = flwr_run(overrides, num_supernodes=3, flwr_home=tmp_path / "home", timeout=600)
+    try:
+        with app_folder() as app:
+            code, _ = stream([str(BIN / "flwr"), "run", str(app), "--stream", "--run-config",
+                              format_overrides(overrides), "--federation-config",
+                              "num-supernodes=3"], env, app, timeout=600)
+            status, _ = final_status(BIN / "flwr", env, app)
+    finally:
+        stop(started_processes(home))
     elapsed = time.monotonic() - start
     out, err = capfd.readouterr()
-    assert code == 1
-    assert err.splitlines()[-1].startswith("dpfl: error: the Flower run ended finished:failed "
-                                           f"(Flower's log: {tmp_path}/flower-")
+    assert status == "finished:failed"
     assert "\x1b[" not in out and "DEBUG" not in out
-    assert ('2 clients for 3 SuperNodes: a SuperNode would host none; run at most 2 '
-            'SuperNodes (simulation: --federation-config "num-supernodes=2")') in out
+    assert ('2 clients for 3 SuperNodes: a SuperNode would host none (allowed: num-partitions '
+            'of at least 3, or at most 2 SuperNodes: flwr run --federation-config '
+            '"num-supernodes=2", dpfl flower --num-supernodes 2)') in out
     assert "Traceback" not in out + err
     assert elapsed < 90, elapsed
     assert started_processes(tmp_path / "home") == []
+
+
+def test_ctrl_c_stops_dpfl_flower_and_every_process_it_started(tmp_path):
+    """Ctrl-C on ``dpfl flower`` mid-run: exit status 130 without a traceback, the ServerApp
+    closed its results folder, and no process it started is left (Flower's SuperLink and
+    SuperExec, the simulation, Ray's processes: they used to be left orphaned)."""
+    import os
+    import time
+    import uuid
+    from pathlib import Path
+
+    from tests.test_cli import _interrupted
+
+    mark = f"DPFL_TEST_MARK={uuid.uuid4().hex}".encode()
+
+    def left() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if mark in (entry / "environ").read_bytes().split(b"\0"):
+                        found.append(int(entry.name))
+                except OSError:
+                    continue
+        return found
+
+    env = {**os.environ, mark.decode().split("=")[0]: mark.decode().split("=")[1]}
+    code, out, err = _interrupted(["flower", "-c", f'num-server-rounds=300 num-partitions=4 '
+                                   f'results-dir="{tmp_path}" run-name="cut"'], tmp_path, env)
+    assert code == 130, err
+    assert "Traceback" not in out + err and err.strip().splitlines()[-1] == "dpfl: interrupted"
+    deadline = time.monotonic() + 30
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left() == []
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["rounds_completed"] < 300 and summary["stopped_early"]

@@ -110,8 +110,15 @@ def test_rounds_extend_when_the_noise_does_not_depend_on_them(tmp_path, capsys):
     capsys.readouterr()
     assert main(["run", "--resume", str(tmp_path / "calibrated"), "-c",
                  "num-server-rounds=4"]) == 2
-    assert capsys.readouterr().err.startswith(
-        "dpfl: error: run config key 'num-server-rounds': changes the noise calibrated")
+    more = capsys.readouterr().err
+    assert more.startswith("dpfl: error: run config key 'num-server-rounds': the run's noise "
+                           "was calibrated for its 2 rounds: a longer run needs noise "
+                           "calibrated for its own rounds, i.e. a new run")
+    assert main(["run", "--resume", str(tmp_path / "calibrated")]) == 2  # as it was: finished
+    again = capsys.readouterr().err
+    assert "has completed its 2 rounds, with noise calibrated for ε=8 over them: a longer run " \
+           "needs noise calibrated for its own rounds, i.e. a new run" in again
+    assert "raise num-server-rounds" not in again and more.count("\n") == again.count("\n") == 1
 
 
 def killed_in(round: int, after_nodes: int) -> type[InProcessGrid]:

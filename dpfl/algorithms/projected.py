@@ -288,10 +288,14 @@ class DPSGD(DPFedAvg):
                                                 ys.unsqueeze(0).to(dev))[0]
         v, rank = top_eigenspace(grads, hp.projection_dim)
         if rank < hp.projection_dim and not self.warned_rank:
+            # len(ys) gradients span at most len(ys) dimensions, fewer where some coincide or
+            # vanish: expected when k is as large (the paper's m = B_pub = k = 100), worth a
+            # warning only when more public records than k still span fewer than k
             self.warned_rank = True
-            log.warning("%s: the public gradients span %d < k = %d dimensions; the remaining "
-                        "directions are left out (no signal, no noise)", self.name, rank,
-                        hp.projection_dim)
+            (log.warning if len(ys) > hp.projection_dim else log.info)(
+                "%s: the %d public gradients span %d < k = %d dimensions; the remaining "
+                "directions are left out (no signal, no noise)", self.name, len(ys), rank,
+                hp.projection_dim)
         return Basis(v)
 
     def random_subspace(self, rng: Randomness, client: int, round: int, index: int,

@@ -64,9 +64,10 @@ def node_block(node: int, nodes: int, clients: int) -> list[int]:
     are refused: a node would host none."""
     if not 0 < nodes <= clients:
         raise ConfigError("num-partitions", f"{clients} clients for {nodes} SuperNodes: a "
-                          f"SuperNode would host none; run at most {clients} SuperNodes "
-                          f"(simulation: --federation-config \"num-supernodes={clients}\")",
-                          allowed=f"at least the {nodes} SuperNodes")
+                          f"SuperNode would host none",
+                          allowed=f"num-partitions of at least {nodes}, or at most {clients} "
+                          f"SuperNodes: flwr run --federation-config \"num-supernodes="
+                          f"{clients}\", dpfl flower --num-supernodes {clients}")
     return list(range(node * clients // nodes, (node + 1) * clients // nodes))
 
 

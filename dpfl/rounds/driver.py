@@ -70,8 +70,33 @@ SECRET = ("replies carry only noised uploads covered by the releases, with noise
 NODES_DECIDE = ("each node's policy decides where its clients' noise comes from: summary.json "
                 "says what they used")
 
+#: why the ledger's other accountants give another ε for the same releases
+OTHER_ACCOUNTANTS = {
+    "rdp-wor": "Wang et al.'s bound for fixed-size sampling without replacement, the "
+               "adaptive-clipping paper's: looser than the Poisson analysis",
+    "rdp-classical": "the classical RDP conversion the PCDP paper's tables print: looser than "
+                     "Opacus' conversion",
+    "prv": "Opacus' PRV accountant, numerical",
+    "rdp": "Opacus' RDP accountant",
+    "dp-accounting-pld": "Google's dp-accounting, privacy loss distributions: an independent "
+                         "check, usually tighter",
+    "dp-accounting-rdp": "Google's dp-accounting, RDP: an independent check",
+    "dp-accounting-rdp-wor": "Google's dp-accounting, RDP of sampling without replacement",
+}
+
 #: the statements of runs that protect nothing against the server by their settings alone
 UNPROTECTED = (NON_PRIVATE, CENTRAL, NOISE_FREE)
+
+
+_LOGGED: set[str] = set()  # what runs that do not echo (sweeps, reproductions) logged so far
+
+
+def log_once(text: str) -> None:
+    """Log a run's warning once per process: a sweep's runs share their warnings (their
+    summaries keep them, each its own)."""
+    if text not in _LOGGED:
+        _LOGGED.add(text)
+        log.warning(text)
 
 
 def payload(arrays: dict[str, torch.Tensor]) -> int:
@@ -167,9 +192,10 @@ class RoundDriver:
         if rounds == self.config["num-server-rounds"]:
             raise ConfigError("resume", "the run's calibrated releases differ from the "
                               "checkpointed run's (another version of dpfl?)")
-        raise ConfigError("num-server-rounds", "changes the noise calibrated for the run's "
-                          "rounds; a run whose rounds may be extended sets noise-multiplier",
-                          allowed=format_overrides({"num-server-rounds": rounds}))
+        raise ConfigError("num-server-rounds", f"the run's noise was calibrated for its "
+                          f"{rounds} rounds: {checkpoint.EXTEND}",
+                          allowed=f"{format_overrides({'num-server-rounds': rounds})} to "
+                          f"resume it as it was")
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -367,7 +393,7 @@ class RoundDriver:
             if self.echo:
                 print(f"WARNING: {meta['privacy']['note']}", flush=True)
             else:
-                log.warning(meta["privacy"]["note"])
+                log_once(meta["privacy"]["note"])
         if self.resumed is None:
             with torch.no_grad():  # the start of the divergence check
                 self.first_loss = float(self.problem.model.evaluate(
@@ -563,7 +589,7 @@ class RoundDriver:
         if self.echo:
             print(f"WARNING: {text}", flush=True)
         else:
-            log.warning(text)
+            log_once(text)
 
     def check_divergence(self, round: int, loss: float) -> None:
         """Warn, once, when the test loss is not finite or has grown past 10× that of the
@@ -632,31 +658,38 @@ class RoundDriver:
     def calibration_check(self) -> str | None:
         """How the ε the noise was calibrated for compares with the accountant's ε of the
         noise actually used (None when noise-multiplier was given directly, or the algorithm
-        adds no noise); the ε of every accountant the ledger asks, for a calibration with no ε
-        target."""
+        adds no noise), which accountant the run's guarantee rests on, and what the ledger's
+        other accountants give for the same noise, and why they differ."""
         cfg = self.config
         epsilon = self.accounting.report()
         if float(cfg["noise-multiplier"]) >= 0 or self.algorithm.noise_free or not epsilon:
             return None
         by_accountant = list(self.accounting.report_by_accountant().items())
-        others = "".join(f"; the {name} accountant gives ε={value:.4g}"
-                         for name, value in by_accountant[1:])
+        others = "; ".join(f"{name} {value:.4g} ({OTHER_ACCOUNTANTS.get(name, 'another bound')})"
+                           for name, value in by_accountant[1:])
+        if others:
+            others = (f". The same noise by the ledger's other accountants: {others}: other "
+                      f"bounds on the same releases, not the run's guarantee")
         spent = max(epsilon.values())
-        head = (f"the {cfg['accountant']} accountant gives ε={spent:.4g} at δ={cfg['delta']:g} "
-                f"after {self.rounds_done} rounds")
+        rounds = int(cfg["num-server-rounds"])
+        head = (f"the {cfg['accountant']} accountant, which the run's guarantee rests on, gives "
+                f"ε={spent:.4g} at δ={cfg['delta']:g} after {self.rounds_done} rounds")
         if not CALIBRATIONS.get(str(cfg["calibration"]), self.algorithm.name).targets_epsilon:
             return f"calibration={cfg['calibration']} (noise set directly): {head}{others}"
         target = float(cfg["epsilon"])
-        if spent > target * 1.01:
-            verdict = ("optimistic: the accountant's ε exceeds the target (the run is less "
-                       "private than the mapping claims)")
+        if self.rounds_done < rounds:
+            verdict = (f"the run stopped after {self.rounds_done} of the {rounds} rounds the "
+                       f"noise was calibrated for ({self.stop_reason or 'stopped'}): ε={spent:.4g} "
+                       f"is what it spent")
+        elif spent > target * 1.01:
+            verdict = ("the mapping is optimistic: the accountant's ε exceeds the target (the "
+                       "run is less private than the mapping claims)")
         elif spent < target * 0.99:
-            verdict = ("conservative: the accountant's ε is below the target (more noise "
-                       "than the target needs)")
+            verdict = ("the mapping is conservative: the accountant's ε is below the target "
+                       "(more noise than the target needs)")
         else:
-            verdict = "matched by the accountant"
-        return (f"calibration={cfg['calibration']} for ε={target:g}: {head}; the mapping is "
-                f"{verdict}{others}")
+            verdict = "the mapping is matched by the accountant"
+        return f"calibration={cfg['calibration']} for ε={target:g}: {head}; {verdict}{others}"
 
     def finish(self) -> dict[str, Any]:
         """Write summary, model and plots; returns the summary."""

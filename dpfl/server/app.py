@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.exit import add_exit_handler
 
 from dpfl.errors import ConfigError
 from dpfl.problem import cached_problem
@@ -40,15 +41,34 @@ class RunFailed(RuntimeError):
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+#: seconds Flower's exit waits for a ServerApp thread to close its results folder
+CLOSE_WAIT = 30.0
+
+
 @contextmanager
-def results_closed_first() -> Iterator[None]:
+def results_closed_first(strategy: AlgorithmStrategy) -> Iterator[None]:
     """SIGINT and SIGTERM, where Python handles them (Flower's exit), raise :class:`Stopped` in
     the round loop, which closes the results folder, and then go to those handlers; a second
-    signal goes straight to them. Only the main thread takes signals: elsewhere this does
-    nothing."""
-    previous = {sig: handler for sig in SIGNALS if callable(handler := signal.getsignal(sig))}
+    signal goes straight to them. Only the main thread takes signals: a ServerApp run in a
+    thread (Flower's simulation runtime runs it so) registers with Flower's exit instead a
+    handler that runs before its kill clock starts: it asks the strategy to stop (its exchange
+    raises :class:`Stopped`, the round loop closes the results folder) and waits for that."""
     if threading.current_thread() is not threading.main_thread():
-        previous = {}
+        closed = threading.Event()
+
+        def stop_then_wait() -> None:
+            strategy.request_stop(signal.SIGINT)
+            closed.wait(timeout=CLOSE_WAIT)
+
+        add_exit_handler(stop_then_wait, run_before_force_exit=True)
+        try:
+            yield
+        except Stopped:
+            pass  # Flower is exiting the process: the folder is closed
+        finally:
+            closed.set()
+        return
+    previous = {sig: handler for sig in SIGNALS if callable(handler := signal.getsignal(sig))}
 
     def stop(signum: int, _frame: object) -> None:
         for sig, handler in previous.items():
@@ -75,7 +95,7 @@ def main(grid: Grid, context: Context) -> None:
         # the run config as given: keys left at "auto" stay so (the driver names their values)
         problem = cached_problem(tuple(sorted(context.run_config.items())))
         strategy = AlgorithmStrategy(problem)
-        with results_closed_first():
+        with results_closed_first(strategy):
             strategy.start(grid=grid, initial_arrays=to_record({"x": problem.x0}),
                            num_rounds=int(config["num-server-rounds"]))
     except (ConfigError, FederationError) as exc:

@@ -53,6 +53,7 @@ from dpfl.algorithms import State
 from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused, Replies, RoundDriver, RowSum, blocks
+from dpfl.rounds.driver import Stopped
 
 log = logging.getLogger("dpfl")
 
@@ -107,6 +108,13 @@ class AlgorithmStrategy(Strategy):
         self.reported: dict[int, dict[str, int]] = {}  # each replying client's counts
         self.noise: dict[int, str] = {}  # where each replying client's noise came from
         self.lineage: Lineage | None = None  # the run's, sent with the discovery query
+        self.stopping: int | None = None  # a signal Flower's exit asked to stop on
+
+    def request_stop(self, signum: int) -> None:
+        """Ask the run to stop (Flower is exiting on ``signum``): the exchange under way, or
+        the next one, raises :class:`~dpfl.rounds.driver.Stopped`, and the round loop closes
+        the results folder."""
+        self.stopping = signum
 
     def summary(self) -> None:
         p = self.problem
@@ -325,6 +333,7 @@ class FlowerTransport:
     def exchange(self, exchange: str, round: int, broadcast: State,
                  participants: list[int]) -> Replies:
         assert self.lineage is not None
+        self.check_stop()
         config = ConfigRecord({"exchange": exchange, "clients": participants,
                                "segments": [s for s, _ in self.lineage.segments],
                                "starts": [r for _, r in self.lineage.segments]})
@@ -338,6 +347,11 @@ class FlowerTransport:
                        unreached=dict(self.strategy.unreached),
                        reported=dict(self.strategy.reported), noise=dict(self.strategy.noise))
 
+    def check_stop(self) -> None:
+        """Raise :class:`Stopped` when Flower's exit asked the strategy to stop."""
+        if self.strategy.stopping is not None:
+            raise Stopped(self.strategy.stopping)
+
     def wait(self, messages: list[Message], what: str) -> list[Message]:
         """Send ``messages`` and collect their replies for up to ``round-timeout`` seconds,
         saying every :data:`PROGRESS_EVERY` seconds how many are missing (as
@@ -348,6 +362,7 @@ class FlowerTransport:
         start = time.monotonic()
         pause, say = 0.05, start + PROGRESS_EVERY
         while waiting:
+            self.check_stop()
             pulled = list(self.grid.pull_messages(waiting))
             replies += pulled
             waiting -= {m.metadata.reply_to_message_id for m in pulled}
