@@ -2,7 +2,8 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-export DPFL_DATA_DIR ?= $(abspath ../shared/data)
+# the test suite (and the benchmarks) read an offline copy of the datasets, never the network
+OFFLINE_DATA := DPFL_DATA_DIR="$${DPFL_DATA_DIR:-$(abspath ../shared/data)}"
 
 .PHONY: run test install bench clean demo-compose
 
@@ -21,10 +22,10 @@ run: install
 	@echo "dpfl and flwr are in $(VENV)/bin: run 'source $(VENV)/bin/activate' to put them on PATH"
 
 test: install
-	$(PY) -m pytest -q
+	$(OFFLINE_DATA) $(PY) -m pytest -q
 
 bench: install
-	$(PY) benchmarks/run_all.py
+	$(OFFLINE_DATA) $(PY) benchmarks/run_all.py
 
 # The same app as a docker-compose federation (docker-compose.yml): build the image, start the
 # SuperLink, three SuperNodes and their SuperExecs, run 3 rounds with `flwr run`, stop it all.

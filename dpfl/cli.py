@@ -107,6 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--confidence", type=float, default=0.95,
                    help="confidence of the lower bound (default: 0.95)")
     p.add_argument("--client", type=int, default=0, help="the client whose data is audited")
+    p = sub.add_parser("check-node", help="check, before starting a SuperNode, that its "
+                       "environment and its node config can serve dpfl runs")
+    p.add_argument("--node-config", default="",
+                   help="the SuperNode's --node-config text, e.g. 'partition-ids=\"0\"'")
     p = sub.add_parser("keys", help="list the run-config keys: default, paper symbol, meaning")
     p.add_argument("algorithm", nargs="?", help="also list this algorithm's own keys and its "
                    "calibrations' (default: every algorithm's key names)")
@@ -280,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
             return export_partition(args)
         if args.command == "keys":
             return keys(args)
+        if args.command == "check-node":
+            from dpfl.client.preflight import check_node
+
+            for line in check_node(args.node_config):
+                print(line)
+            return 0
         if args.command == "audit":
             return audit(args)
         if args.command == "export-app":

@@ -248,8 +248,12 @@ COMMON: tuple[Param, ...] = (
           "'duplicate=3' (prisma-least-squares: each client's records repeated 3 times); "
           "\"auto\" = the algorithm's (e.g. 'num_public=100' for the algorithms that project "
           "onto public records), else none.", per_algorithm=True),
-    Param("data-dir", "", "Folder of the offline datasets; empty = $DPFL_DATA_DIR."),
-    Param("download", False, "Allow torchvision to download a dataset that is not on disk."),
+    Param("data-dir", "", "Folder of the datasets; empty = $DPFL_DATA_DIR, else data/ in "
+          "dpfl's per-user cache folder ($DPFL_CACHE_DIR, default ~/.cache/dpfl on Linux)."),
+    Param("download", False, "Download MNIST, Fashion-MNIST or CIFAR-10 into the data folder "
+          "when it does not hold them (once; the next runs read the files there). MNIST and "
+          "Fashion-MNIST are downloaded on first use into dpfl's per-user cache anyway (no "
+          "data-dir, no $DPFL_DATA_DIR); a folder you name is only read unless this is true."),
     Param("chunk-bytes", 0, "Byte budget for one chunk of per-sample values (activations "
           "autograd keeps, output gradients, per-sample gradients) in per-sample clipping: "
           "chunks shrink so that a step's memory stays near it whatever the batch size; "

@@ -236,7 +236,7 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
     home = (flwr_home or Path(tempfile.mkdtemp(prefix="dpfl-flwr-home-"))).resolve()
     env = simulation_env(home)
     token = env[LAUNCH_ENV] = secrets.token_hex(8)
-    env.setdefault("DPFL_DATA_DIR", data_dir(config))  # the app runs from a copy of the FAB
+    env["DPFL_DATA_DIR"] = data_dir(config)  # the folder resolved here, for the app's processes
     env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     if ray_address is not None:  # read by the simulation runtime's ray.init()
         env["RAY_ADDRESS"] = ray_address.strip()

@@ -5,10 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +15,7 @@ import torch
 from dpfl.algorithms import ALGORITHMS, Algorithm, Cohort, check_schema
 from dpfl.config import parse_options
 from dpfl.datasets import DATASETS, Dataset, load_dataset, partition
-from dpfl.datasets.loading import PROVIDED
+from dpfl.datasets.loading import PROVIDED, data_folder
 from dpfl.errors import ConfigError
 from dpfl.models import MODELS, FlatModel, build_model
 from dpfl.privacy import Query, Release, Target, calibrate
@@ -27,12 +25,9 @@ LOSS_OF_TASK = {"classification": "cross-entropy", "binary": "logistic", "regres
 
 
 def data_dir(config: RunConfig) -> str:
-    """``data-dir``, else ``$DPFL_DATA_DIR``, else a ``shared/data`` folder beside the source
-    checkout (where the Makefile points ``DPFL_DATA_DIR``)."""
-    if config["data-dir"]:
-        return str(config["data-dir"])
-    default = Path(__file__).resolve().parents[2] / "shared" / "data"
-    return os.environ.get("DPFL_DATA_DIR", str(default))
+    """The run's data folder, absolute: ``data-dir``, else ``$DPFL_DATA_DIR``, else ``data`` in
+    dpfl's per-user cache folder (:func:`dpfl.datasets.loading.data_folder`)."""
+    return str(data_folder(str(config["data-dir"]) or None))
 
 
 def resolve_device(config: RunConfig) -> torch.device:
@@ -216,7 +211,8 @@ def options(config: RunConfig, key: str, kind: str, builder: Any) -> dict[str, o
 def dataset_of(config: RunConfig) -> Dataset:
     """The run's dataset (cached in-process); raises ConfigError where it is not available."""
     return load_dataset(str(config["dataset"]), seed=int(config["seed"]),
-                        data_dir=data_dir(config), download=bool(config["download"]),
+                        data_dir=str(config["data-dir"]) or None,
+                        download=bool(config["download"]),
                         **options(config, "dataset-options", "dataset",
                                   DATASETS.get(str(config["dataset"]))))
 

@@ -88,3 +88,28 @@ def test_ctrl_c_on_dpfl_run_exits_130_without_a_traceback(tmp_path):
     summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert summary["stopped_early"].startswith("interrupted in round")
     assert "the run stopped after" in summary["calibration_check"]
+
+
+def test_check_node_says_what_a_supernode_lacks_in_one_line(tmp_path, capsys, monkeypatch):
+    """``dpfl check-node``: ready with the venv's programs on PATH; without them (the
+    environment not activated: a SuperNode would hang, registered, never serving) one line
+    naming the fix, exit status 2; a bad node config names its key."""
+    import os
+    import sys
+    from pathlib import Path
+
+    bin_dir = str(Path(sys.executable).parent)
+    monkeypatch.setenv("PATH", bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    config = f'partition-ids="0,1" state-dir="{tmp_path / "state"}"'
+    assert main(["check-node", "--node-config", config]) == 0
+    out = capsys.readouterr().out
+    assert "clients [0, 1]; noise secure; ε at most 10" in out
+    assert out.splitlines()[-1] == "this node can serve dpfl runs"
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert main(["check-node", "--node-config", config]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "flower-supernode is not on PATH" in err[0]
+    assert f"source {bin_dir}/activate" in err[0]
+    monkeypatch.setenv("PATH", bin_dir + os.pathsep + "/usr/bin:/bin")
+    assert main(["check-node", "--node-config", 'partition-ids="0" secure-noise=true']) == 2
+    assert capsys.readouterr().err.startswith("dpfl: error: node config key 'secure-noise'")

@@ -156,9 +156,22 @@ def test_a_node_can_host_a_cohort_of_clients(tmp_path):
 def test_strategy_refuses_a_federation_that_does_not_match(tmp_path):
     from dpfl.strategies import FederationError
 
-    with pytest.raises(FederationError, match="num-supernodes=4"):
+    with pytest.raises(FederationError) as refused:
         run_flower_code_path(_config(tmp_path, "mismatch"),
                              [{"partition-id": i} for i in range(3)], connect_timeout=0.0)
+    assert str(refused.value).startswith("num-partitions=4, but no SuperNode hosts clients [3] "
+                                         "(the 3 SuperNodes that answered host [0-2])")
+    assert 'num-supernodes=4' in str(refused.value)
+
+
+def test_simulation_is_told_by_flowers_grid_class():
+    """Flower gives no public signal that a grid is its simulation's: the strategy reads the
+    class name in one place (a rename in Flower fails here)."""
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    from dpfl.strategies.algorithm import simulated_grid
+
+    assert simulated_grid(InMemoryGrid.__new__(InMemoryGrid))
 
 def test_max_epsilon_stops_the_flower_code_path_where_the_engine_stops(tmp_path):
     from dpfl.engine import run

@@ -153,11 +153,36 @@ def test_tls_with_supernode_authentication(tmp_path, deployment):
     _deployed_equals_engine(tmp_path, env, CASES["dpsgd-gc"])
     unregistered = deployment.supernode("unregistered", "0", *deployment.node_security(3))
     plaintext = deployment.supernode("plaintext", "0", "--insecure", "--max-retries", "2")
-    assert unregistered.wait(timeout=120) != 0
+    assert unregistered.wait(timeout=120) == 1  # what the guide says: status 1, 305 in its log
+    assert "Exit Code: 305" in (tmp_path / "unregistered.log").read_text()
     assert plaintext.wait(timeout=120) != 0
     link = (tmp_path / "superlink.log").read_text()
     assert link.count("Activated node_id") == 3
     assert "No SuperNode found with the given public key" in link
+
+
+def test_a_federation_missing_a_client_stops_early_in_one_line(tmp_path, deployment):
+    """num-partitions=4 with three SuperNodes hosting clients 0-2: once they have answered and
+    no other SuperNode came for 10 s, one line naming the missing client, no traceback; the
+    run is finished:failed (`flwr run --stream` exits 0 whatever happened, as the guide says)."""
+    env = deployment.start(["0", "1", "2"], policy=TRUSTING)
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--stream", "--run-config",
+         format_overrides({**CASES["dpsgd-gc"], "num-partitions": 4,
+                           "results-dir": str(tmp_path / "results")})],
+        env=env, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    elapsed = time.monotonic() - started
+    out = done.stdout + done.stderr
+    errors = [line for line in out.splitlines() if "dpfl: error:" in line]
+    assert len(errors) == 1, out[-3000:]
+    assert "num-partitions=4, but no SuperNode hosts clients [3] (the 3 SuperNodes that " \
+           "answered host [0-2])" in errors[0]
+    assert "Traceback" not in out
+    assert elapsed < 90, elapsed  # not the 120 s it used to wait
+    listed = subprocess.run([str(BIN / "flwr"), "ls", "local-deployment", "--format", "json"],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert [r["status"] for r in json.loads(listed.stdout)["runs"]] == ["finished:failed"]
 
 
 def test_killed_supernodes_min_clients(tmp_path, deployment):

@@ -2,7 +2,8 @@
 
 Flower's SuperNode starts a fresh ClientApp process for every message it pulls, so whatever
 the ClientApp builds in memory is gone after each reply. A node therefore keeps, under
-``$DPFL_CACHE_DIR/nodes`` (default ``~/.cache/dpfl/nodes``):
+``nodes`` in dpfl's per-user cache folder (``$DPFL_CACHE_DIR``, default ``~/.cache/dpfl`` on
+Linux; :func:`dpfl.datasets.loading.user_cache`):
 
 * ``data-<key>.pt``: its clients' training rows and the public records
   (:meth:`Problem.node_data`), keyed by the run-config keys that decide them
@@ -37,7 +38,7 @@ import torch
 
 import dpfl
 from dpfl.atomic import write_atomically
-from dpfl.datasets.loading import CACHE_DIR_ENV
+from dpfl.datasets.loading import CACHE_DIR_ENV, user_cache
 from dpfl.datasets.site import site_node_data
 from dpfl.errors import ConfigError
 from dpfl.problem import DATA_KEYS, Problem, cached_problem, data_dir
@@ -51,8 +52,8 @@ OUTPUT_KEYS = ("results-dir", "run-name")  # run-config keys that change no node
 
 
 def cache_folder() -> Path:
-    """``$DPFL_CACHE_DIR/nodes``, by default ``~/.cache/dpfl/nodes``."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or "~/.cache/dpfl").expanduser() / "nodes"
+    """``nodes`` in dpfl's per-user cache folder, e.g. ``~/.cache/dpfl/nodes``."""
+    return user_cache() / "nodes"
 
 
 def _fingerprint(folder: str) -> list[tuple[str, int, int]]:

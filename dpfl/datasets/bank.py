@@ -14,7 +14,7 @@ TEST_FRACTION = 0.1
 
 
 @DATASETS.register("bank-marketing")
-def load_bank_marketing(*, seed: int, data_dir: Path | None, download: bool) -> Dataset:
+def load_bank_marketing(*, seed: int, data_dir: Path, download: bool) -> Dataset:
     """``bank_marketing/bank-full.csv``: 45,211 clients, 51 features, did they subscribe?
 
     The 9 categorical attributes are one-hot encoded (44 columns, categories in

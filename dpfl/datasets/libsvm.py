@@ -33,7 +33,7 @@ def _read(path: Path, n_features: int, normalize: bool) -> tuple[torch.Tensor, t
 
 
 def _libsvm_loader(name: str, train_file: str, test_file: str | None, n_features: int) -> Loader:
-    def load(*, data_dir: Path | None, download: bool, normalize: bool = True) -> Dataset:
+    def load(*, data_dir: Path, download: bool, normalize: bool = True) -> Dataset:
         def read(filename: str) -> tuple[torch.Tensor, torch.Tensor]:
             path = local_file(data_dir, f"libsvm/{filename}", dataset=name, download=download)
             return _read(path, n_features, normalize)

@@ -1,5 +1,9 @@
 """The dataset registry and :func:`load_dataset`, which resolves folders and caches loads.
 
+The data folder is ``data_dir`` (run config ``data-dir``), else ``$DPFL_DATA_DIR`` (an offline
+copy), else ``data`` in dpfl's per-user cache folder (:func:`user_cache`), where MNIST and
+Fashion-MNIST are downloaded on first use, and CIFAR-10 when a run asks for it (``download``).
+
 A loader is a function with keyword-only parameters. Those named ``seed``,
 ``data_dir``, ``cache_dir`` and ``download`` are filled in by :func:`load_dataset`
 when the loader declares them; every other parameter is a dataset option the
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -27,6 +32,41 @@ DATASETS: Registry[Loader] = Registry("dataset")
 DATA_DIR_ENV = "DPFL_DATA_DIR"
 CACHE_DIR_ENV = "DPFL_CACHE_DIR"
 PROVIDED = ("seed", "data_dir", "cache_dir", "download")  # options the run config sets
+
+
+def user_cache() -> Path:
+    """dpfl's per-user cache folder: ``$DPFL_CACHE_DIR``, else ``dpfl`` in the platform's user
+    cache directory (``$XDG_CACHE_HOME`` or ``~/.cache`` on Linux, ``~/Library/Caches`` on
+    macOS, ``%LOCALAPPDATA%`` on Windows)."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser().absolute()
+    if sys.platform == "win32":
+        base = os.environ.get("LOCALAPPDATA") or "~/AppData/Local"
+    elif sys.platform == "darwin":
+        base = "~/Library/Caches"
+    else:  # the XDG base directory spec: a relative $XDG_CACHE_HOME is ignored
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        base = xdg if Path(xdg).is_absolute() else "~/.cache"
+    return Path(base).expanduser() / "dpfl"
+
+
+def data_folder(data_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The folder the datasets are read from (and downloaded into): ``data_dir``, else
+    ``$DPFL_DATA_DIR``, else ``data`` in :func:`user_cache`; absolute."""
+    folder = data_dir or os.environ.get(DATA_DIR_ENV)
+    return Path(folder).expanduser().absolute() if folder else user_cache() / "data"
+
+
+#: datasets downloaded on first use into the per-user cache without being asked: small (12 and
+#: 31 MB) and what a first run beyond the bundled digits asks for
+FIRST_USE = ("mnist", "fashion-mnist")
+
+
+def first_use(name: str, data_dir: str | os.PathLike[str] | None) -> bool:
+    """Whether ``name`` is downloaded without ``download=true``: one of :data:`FIRST_USE`, read
+    from dpfl's own per-user cache (no ``data-dir``, no ``$DPFL_DATA_DIR``), a folder that
+    exists for downloads. A folder the user names (an offline copy) is only read."""
+    return name in FIRST_USE and not data_dir and not os.environ.get(DATA_DIR_ENV)
 
 
 def load_dataset(
@@ -48,12 +88,13 @@ def load_dataset(
         problem instances, seeded train/test splits); loaders without randomness
         ignore it.
     data_dir : str | None
-        Folder holding the real datasets (``mnist/``, ``libsvm/``, ...). Defaults
-        to ``$DPFL_DATA_DIR``; unset means no local files.
+        Folder holding the real datasets (``mnist/``, ``libsvm/``, ...); None is
+        :func:`data_folder`'s default (``$DPFL_DATA_DIR``, else the per-user cache).
     download : bool
-        Let torchvision download MNIST, Fashion-MNIST or CIFAR-10 into the cache
-        (``$DPFL_CACHE_DIR``, default ``~/.cache/dpfl``) when they are not in
-        ``data_dir``. Nothing is downloaded otherwise.
+        Let torchvision download MNIST, Fashion-MNIST or CIFAR-10 into the data
+        folder, in an offline copy's layout, when they are not there yet (once; a
+        failed download leaves nothing). Without it only :func:`first_use` downloads
+        (MNIST and Fashion-MNIST into the per-user cache).
     **options
         Dataset-specific options (see each loader's docstring).
 
@@ -69,12 +110,11 @@ def load_dataset(
                 f"not an option of dataset {name!r}",
                 allowed=[_key(p) for p in allowed] or "none",
             )
-    folder = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV)
     provided = {
         "seed": seed,
-        "data_dir": Path(folder).expanduser() if folder else None,
-        "cache_dir": Path(os.environ.get(CACHE_DIR_ENV) or "~/.cache/dpfl").expanduser(),
-        "download": download,
+        "data_dir": data_folder(data_dir),
+        "cache_dir": user_cache(),
+        "download": download or first_use(name, data_dir),
     }
     kwargs = {key: value for key, value in provided.items() if key in accepted} | options
     return _load(name, tuple(sorted(kwargs.items())))
@@ -90,29 +130,20 @@ def _load(name: str, kwargs: tuple[tuple[str, Any], ...]) -> Dataset:
     return DATASETS.get(name)(**dict(kwargs))
 
 
-def local_file(data_dir: Path | None, relative: str, *, dataset: str, download: bool) -> Path:
+def local_file(data_dir: Path, relative: str, *, dataset: str, download: bool) -> Path:
     """``data_dir / relative``, or a ConfigError that names the missing file.
 
     For datasets that only exist as local files: ``download=True`` cannot help.
     """
-    if data_dir is not None and (data_dir / relative).is_file():
-        return data_dir / relative
-    where = (
-        f"{data_dir / relative} does not exist"
-        if data_dir
-        else f"no data folder is set ({DATA_DIR_ENV})"
-    )
+    path = data_dir / relative
+    if path.is_file():
+        return path
+    fix = f"set {DATA_DIR_ENV} (or data-dir) to a folder holding {relative}"
     if download:
-        raise ConfigError(
-            "download",
-            f"dataset {dataset!r} has no download source and {where}; "
-            f"set {DATA_DIR_ENV} to a folder holding {relative}",
-        )
-    raise ConfigError(
-        "dataset",
-        f"{dataset!r} reads {relative} from the data folder, but {where}; "
-        f"set {DATA_DIR_ENV} to a folder holding it",
-    )
+        raise ConfigError("download", f"dataset {dataset!r} has no download source and {path} "
+                          f"does not exist; {fix}")
+    raise ConfigError("dataset", f"{dataset!r} reads {relative} from the data folder, but "
+                      f"{path} does not exist; {fix}")
 
 
 def positive_int(key: str, value: object) -> int:

@@ -1,16 +1,17 @@
 """MNIST, Fashion-MNIST and CIFAR-10 through torchvision's own loaders.
 
 MNIST and Fashion-MNIST: the four original ``*-idx?-ubyte.gz`` files in
-``<data_dir>/mnist`` (``fashion_mnist``) are symlinked into
+``<data_dir>/mnist`` (``fashion_mnist``), each with torchvision's MD5, are symlinked into
 ``<cache_dir>/MNIST/raw`` (``FashionMNIST/raw``), and torchvision is called with
-``download=True``: it verifies each file's MD5, skips the download and
-decompresses next to the links, without network. Only when the files are not in
-the data folder does ``download=True`` let torchvision fetch them into the cache
-(a later ``download=True`` reuses that copy).
+``download=True``: it verifies each file's MD5, skips the download and decompresses next to
+the links, without network.
 
-CIFAR-10: ``<data_dir>/cifar10`` is a torchvision root (holding
-``cifar-10-batches-py``), read in place; otherwise downloaded into the cache on
-request.
+CIFAR-10: ``<data_dir>/cifar10`` is a torchvision root (holding ``cifar-10-batches-py``),
+read in place.
+
+Files that are not in the data folder are downloaded there on request (``download=True``),
+in the same layout, from torchvision's sources (:func:`dpfl.datasets.download.ensure_files`):
+the next run reads them as local files.
 
 Pixels are scaled to [0, 1], then standardised per channel with the usual
 dataset statistics. Tensors are ``[n, channels, height, width]`` float32 with
@@ -27,19 +28,9 @@ import torch
 from filelock import FileLock
 
 from dpfl.datasets.base import Dataset, with_public
-from dpfl.datasets.loading import DATA_DIR_ENV, DATASETS, Loader
+from dpfl.datasets.download import ensure_files, from_mirrors
+from dpfl.datasets.loading import DATASETS, Loader
 from dpfl.errors import ConfigError
-
-
-def _not_found(dataset: str, folder: Path | None, wanted: str) -> ConfigError:
-    where = (
-        f"{folder} does not hold {wanted}" if folder else f"no data folder is set ({DATA_DIR_ENV})"
-    )
-    return ConfigError(
-        "dataset",
-        f"{dataset!r} is not available locally: {where}; "
-        f"set {DATA_DIR_ENV} to a folder holding it, or pass download=true",
-    )
 
 
 def _standardised(
@@ -72,25 +63,27 @@ def _idx_loader(name: str, source_name: str, subdir: str, mean: float, std: floa
     on use: a ClientApp, started for every message, reads its node's cached data instead)."""
 
     @functools.lru_cache(maxsize=2)
-    def read(data_dir: Path | None, cache_dir: Path, download: bool, scaling: str) -> Dataset:
+    def read(data_dir: Path, cache_dir: Path, download: bool, scaling: str) -> Dataset:
         """The whole dataset (one copy per scaling, whatever the run seed)."""
         import torchvision.datasets
+        from torchvision.datasets.utils import check_integrity
 
         source = getattr(torchvision.datasets, source_name)
-        folder = data_dir / subdir if data_dir else None
-        files = [filename for filename, _ in source.resources]
-        local = folder is not None and all((folder / f).is_file() for f in files)
-        if not (local or download):
-            raise _not_found(name, folder, ", ".join(files))
+        folder = data_dir / subdir
+        lock = cache_dir / f"{source.__name__}.lock"
+
+        def missing() -> list[str]:
+            return [f for f, md5 in source.resources if not check_integrity(folder / f, md5)]
+
+        ensure_files(name, folder, missing, from_mirrors(source.mirrors, source.resources),
+                     download=download, lock=lock)
         raw = cache_dir / source.__name__ / "raw"
         raw.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(cache_dir / f"{source.__name__}.lock")):
-            for filename in files:
+        with FileLock(str(lock)):
+            for filename, _ in source.resources:
                 link = raw / filename
-                if local or link.is_symlink():
-                    link.unlink(missing_ok=True)
-                if local:
-                    link.symlink_to((folder / filename).resolve())
+                link.unlink(missing_ok=True)
+                link.symlink_to((folder / filename).resolve())
             splits = [source(str(cache_dir), train=train, download=True) for train in (True, False)]
         statistics = ((mean,), (std,)) if scaling == "standardised" else ((0.0,), (1.0,))
         (train_x, train_y), (test_x, test_y) = [
@@ -101,7 +94,7 @@ def _idx_loader(name: str, source_name: str, subdir: str, mean: float, std: floa
             name, train_x, train_y, test_x, test_y, task="classification", num_classes=10
         )
 
-    def load(*, seed: int, data_dir: Path | None, cache_dir: Path, download: bool,
+    def load(*, seed: int, data_dir: Path, cache_dir: Path, download: bool,
              num_train: int = 0, num_public: int = 0, scaling: str = "standardised") -> Dataset:
         if scaling not in IDX_SCALINGS:
             raise ConfigError("dataset-options", f"{name}'s scaling {scaling!r} is not offered",
@@ -141,7 +134,7 @@ SCALINGS = ("standardised", "symmetric")
 
 
 @DATASETS.register("cifar10")
-def load_cifar10(*, data_dir: Path | None, cache_dir: Path, download: bool,
+def load_cifar10(*, data_dir: Path, cache_dir: Path, download: bool,
                  scaling: str = "standardised") -> Dataset:
     """CIFAR-10 (50,000 train / 10,000 test, [n, 3, 32, 32]).
 
@@ -150,22 +143,23 @@ def load_cifar10(*, data_dir: Path | None, cache_dir: Path, download: bool,
     follows).
     """
     from torchvision.datasets import CIFAR10  # imported on use
+    from torchvision.datasets.utils import download_and_extract_archive
 
     if scaling not in SCALINGS:
         raise ConfigError("dataset-options", f"cifar10's scaling {scaling!r} is not offered",
                           allowed=", ".join(SCALINGS))
-    folder = data_dir / "cifar10" if data_dir else None
-    if folder is not None and (folder / CIFAR10.base_folder).is_dir():
-        root = folder
-    elif download:
-        root = cache_dir
-    else:
-        raise _not_found("cifar10", folder, CIFAR10.base_folder)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache_dir / "CIFAR10.lock")):
-        splits = [
-            CIFAR10(str(root), train=train, download=root == cache_dir) for train in (True, False)
-        ]
+    folder = data_dir / "cifar10"
+
+    def missing() -> list[str]:
+        return [] if (folder / CIFAR10.base_folder).is_dir() else [CIFAR10.base_folder]
+
+    def get(staging: Path, names: list[str]) -> None:  # the archive, unpacked (the .tar.gz goes)
+        download_and_extract_archive(CIFAR10.url, str(staging), filename=CIFAR10.filename,
+                                     md5=CIFAR10.tgz_md5)
+
+    ensure_files("cifar10", folder, missing, get, download=download,
+                 lock=cache_dir / "CIFAR10.lock")
+    splits = [CIFAR10(str(folder), train=train) for train in (True, False)]
     (train_x, train_y), (test_x, test_y) = [
         (
             _standardised(torch.from_numpy(s.data).permute(0, 3, 1, 2),

@@ -2,8 +2,9 @@
 
 Bad input, a federation that does not match the run, and a run stopped by lost clients print
 one line ``dpfl: error: …`` and then raise :class:`RunFailed` with that line, so that Flower
-marks the run ``finished:failed`` (``flwr ls``) rather than completed; Flower logs the exception
-with its traceback after the line. ``dpfl flower`` validates the run config and sizes the
+marks the run ``finished:failed`` (``flwr ls``) rather than completed; Flower logs that the
+ServerApp raised, without the traceback (:class:`Explained`). ``flwr run --stream`` exits 0
+whatever the run's fate: ``flwr ls`` says how it ended. ``dpfl flower`` validates the run config and sizes the
 federation before it submits a run, and exits non-zero on any status but completed.
 
 Flower ends a ServerApp whose SuperLink went away, or whose run was stopped, with a signal, and
@@ -36,6 +37,19 @@ log = logging.getLogger("dpfl")
 
 class RunFailed(RuntimeError):
     """The run stopped on an error already explained by a ``dpfl: error:`` line."""
+
+
+class Explained(logging.Filter):
+    """Flower logs an app's exception with its traceback; a :class:`RunFailed` was explained
+    in one line already, so its record keeps the line and loses the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], RunFailed):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("flwr").addFilter(Explained())
 
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)

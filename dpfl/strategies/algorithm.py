@@ -63,6 +63,26 @@ CHARGED = "charged."
 NODE = "node"
 REFUSED = "refused"
 PROGRESS_EVERY = 30.0  # seconds between the lines of an exchange that waits for replies
+#: seconds discovery waits, once every node online has answered, for another one to come
+SETTLE = 10.0
+
+
+def simulated_grid(grid: Grid) -> bool:
+    """Whether ``grid`` is Flower's simulation grid (its virtual SuperNodes all register at
+    once). Flower gives no public signal; its class name is the one place this is read
+    (tests/test_flower.py fails if Flower renames it)."""
+    return type(grid).__name__ == "InMemoryGrid"
+
+
+def ranges(ids: list[int]) -> str:
+    """``[0-2, 5, 7-9]`` for sorted ``ids``: runs of consecutive ids in short."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return "[" + ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) + "]"
 
 
 class FederationError(RuntimeError):
@@ -125,32 +145,52 @@ class AlgorithmStrategy(Strategy):
     def discover(self, grid: Grid, lineage: Lineage | None = None) -> None:
         """Map client ids to nodes by asking every node which clients it hosts (and, for the
         run's ``lineage``, how often each was charged each release: :attr:`reported`): until
-        every client is found, or ``connect_timeout`` passes, or, in a simulation (whose
-        virtual SuperNodes all register at once), the nodes online have answered and no other
-        node has come for a second."""
+        every client is found, or ``connect_timeout`` passes, or the nodes online have answered
+        and no other node has come for :data:`SETTLE` seconds (one second in a simulation, whose
+        virtual SuperNodes all register at once); saying every :data:`PROGRESS_EVERY` seconds
+        which clients are missing. Raises :class:`FederationError` naming the clients no node
+        hosts (and those hosted beyond ``num-partitions``)."""
         self.lineage = lineage
         self.reported = {}
         wanted = set(range(self.problem.num_clients))
-        deadline = time.monotonic() + self.connect_timeout
-        simulation = type(grid).__name__ == "InMemoryGrid"
+        start = time.monotonic()
+        settle = 1.0 if simulated_grid(grid) else SETTLE
         seen: set[int] = set()
+        came, say = start, start + PROGRESS_EVERY
         while True:
             online = self.ask_new_nodes(grid, strict=True)
-            if wanted <= set(self.node_of) or time.monotonic() > deadline:
+            now = time.monotonic()
+            if wanted <= set(self.node_of) or now - start > self.connect_timeout:
                 break
-            if simulation and online and online == seen:
+            if online != seen:
+                seen, came = online, now
+            elif online and now - came >= settle:
                 break
-            seen = online
+            if now >= say:
+                say += PROGRESS_EVERY
+                self.say(f"waiting for SuperNodes hosting clients "
+                         f"{ranges(sorted(wanted - set(self.node_of)))} ({len(online)} online; "
+                         f"{now - start:.0f} s)")
             time.sleep(1.0)
         missing = sorted(wanted - set(self.node_of))
         extra = sorted(set(self.node_of) - wanted)
         if missing or extra:
+            n = len(wanted)
+            problems = ([f"no SuperNode hosts clients {ranges(missing)}"] if missing else []) + (
+                [f"SuperNodes host clients {ranges(extra)} beyond them"] if extra else [])
             raise FederationError(
-                f"num-partitions={len(wanted)} but the connected nodes host clients "
-                f"{sorted(self.node_of)}; start SuperNodes that host every client once "
-                f"(node config partition-id or partition-ids; simulation: --federation-config "
-                f"\"num-supernodes={len(wanted)}\" for one client per SuperNode, or fewer "
-                f"SuperNodes that each host a block of the clients)")
+                f"num-partitions={n}, but {' and '.join(problems)} (the {len(self.asked)} "
+                f"SuperNodes that answered host {ranges(sorted(self.node_of))}); start "
+                f"SuperNodes that host every client 0-{n - 1} once (node config partition-ids), "
+                f"or set num-partitions to the clients they host (simulation: "
+                f"--federation-config \"num-supernodes={n}\", or fewer SuperNodes that each "
+                f"host a block of the clients)")
+
+    def say(self, line: str) -> None:
+        if self.echo:
+            print(line, flush=True)
+        else:
+            log.info(line)
 
     def ask_new_nodes(self, grid: Grid, *, strict: bool = False) -> set[int]:
         """Ask the online nodes not asked yet which clients they host (a node that restarted
@@ -371,12 +411,8 @@ class FlowerTransport:
                 break
             if now >= say:
                 say += PROGRESS_EVERY
-                line = (f"{what}: waiting for {len(waiting)} of {total} replies "
-                        f"({now - start:.0f} s of round-timeout={timeout:g} s)")
-                if self.strategy.echo:
-                    print(line, flush=True)
-                else:
-                    log.info(line)
+                self.strategy.say(f"{what}: waiting for {len(waiting)} of {total} replies "
+                                  f"({now - start:.0f} s of round-timeout={timeout:g} s)")
             pause = 0.05 if pulled else min(2 * pause, 1.0)
             time.sleep(min(pause, max(start + timeout - now, 0.0)))
         return replies
