@@ -23,7 +23,11 @@ directly (no runtime: no noise, no checks) with its gradient oracle handing back
 gradient. There the target is read on the second row: what lies above that floor is the
 engine's (per-sample work, keyed noise streams, sampling, checks, bookkeeping).
 
-    .venv/bin/python benchmarks/bench_limit.py [--quick] [--rows FILE]
+On the CPU by default; ``--device cuda`` runs the engine and the limit on the GPU (the
+noise is drawn on the CPU from the keyed streams whatever the device, so there the Gaussians
+are part of the engine's price, not the limit's: the limit draws them on the GPU).
+
+    .venv/bin/python benchmarks/bench_limit.py [--quick] [--rows FILE] [--device cuda]
 """
 
 from __future__ import annotations
@@ -41,7 +45,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit, ratios, round_seconds, scratch  # noqa: E402
+from common import (  # noqa: E402
+    Row,
+    arguments,
+    emit,
+    ratios,
+    round_seconds,
+    scratch,
+    synchronize,
+)
 
 from dpfl.algorithms import ClientContext  # noqa: E402
 from dpfl.engine import run  # noqa: E402
@@ -115,12 +127,14 @@ def limit_step(cfg: RunConfig, samples: int, gaussians: int) -> float:
     of ``gaussians`` standard normals."""
     problem = build_problem(cfg)
     module = problem.model.load_into(problem.x0)
-    x = torch.randn(samples, *problem.dataset.train_x.shape[1:])
-    y = torch.randint(0, 10, (samples,))
+    x = torch.randn(samples, *problem.dataset.train_x.shape[1:], device=problem.device)
+    y = torch.randint(0, 10, (samples,), device=problem.device)
+    synchronize()
     start = time.perf_counter()
     F.cross_entropy(module(x), y).backward()
     if gaussians:
-        torch.randn(gaussians)
+        torch.randn(gaussians, device=problem.device)
+    synchronize()
     return time.perf_counter() - start
 
 
@@ -131,7 +145,8 @@ def state_arithmetic(cfg: RunConfig, oracle: str, steps: int = 6) -> float:
     and no runtime around it: its arithmetic on the client state alone."""
     problem = build_problem(cfg)
     algorithm = problem.algorithm
-    gradients = [torch.randn(problem.num_clients, problem.model.d) / 100 for _ in range(steps)]
+    gradients = [torch.randn(problem.num_clients, problem.model.d, device=problem.device) / 100
+                 for _ in range(steps)]
     setattr(algorithm, oracle, lambda *args: gradients.pop())  # fresh, as the oracle's are
     states = {k: torch.randn_like(v) / 100
               for k, v in algorithm.init_client_state(problem.num_clients).items()}
@@ -145,17 +160,19 @@ def state_arithmetic(cfg: RunConfig, oracle: str, steps: int = 6) -> float:
     for _ in range(steps):
         start = time.perf_counter()
         _, states = algorithm.client_step(exchange, states, broadcast, cohort, ctx)
+        synchronize()
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds[steps // 2:])
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n\n")[0])
+    parser = arguments(__doc__.split("\n\n")[0], device=True)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--algorithms", nargs="+", metavar="NAME",
                         help="only the workloads of these algorithms")
     args = parser.parse_args()
     repeats, rounds = (2, 4) if args.quick else (args.repeats or 3, 8)
+    BASE["device"] = args.device
     torch.set_num_threads(1)
     folder = scratch("dpfl-bench-limit-")
     rows = []

@@ -1,4 +1,4 @@
-"""Cost of per-sample clipping relative to a plain training step, on CPU: dpfl and Opacus.
+"""Cost of per-sample clipping relative to a plain training step: dpfl and Opacus.
 
 Four steps on the same shapes (batch 64; MNIST-shaped inputs for the MLP and the Clip21 CNN,
 CIFAR-shaped 3×32×32 for ResNet-20 with GroupNorm), clip radius 1, SGD with learning rate 0.1:
@@ -20,7 +20,10 @@ Opacus modes are compared at one point, at the radius that clips half of the sam
 like for like. Opacus clips with ``C/(‖g‖ + 1e-6)``, dpfl
 with ``C/‖g‖``; the difference is ~1e-6 relative.
 
-    .venv/bin/python benchmarks/bench_per_sample.py [--quick] [--rows FILE]
+On the CPU by default; ``--device cuda`` runs every candidate on the GPU (each timed call
+waits for the GPU's kernels).
+
+    .venv/bin/python benchmarks/bench_per_sample.py [--quick] [--rows FILE] [--device cuda]
 """
 
 from __future__ import annotations
@@ -60,15 +63,18 @@ OPACUS = {"Opacus GradSampleModule": "hooks", "Opacus ghost clipping": "ghost"}
 Step = Callable[[], None]
 
 
+DEVICE = torch.device("cpu")  # --device
+
+
 def _data(name: str, n_clients: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     shape = MODELS[name][0]
-    return (torch.randn(n_clients, BATCH, *shape, generator=gen),
-            torch.randint(0, 10, (n_clients, BATCH), generator=gen))
+    return (torch.randn(n_clients, BATCH, *shape, generator=gen).to(DEVICE),
+            torch.randint(0, 10, (n_clients, BATCH), generator=gen).to(DEVICE))
 
 
 def _module(name: str) -> nn.Module:
-    return build_model(name, input_shape=MODELS[name][0], num_classes=10, seed=0)
+    return build_model(name, input_shape=MODELS[name][0], num_classes=10, seed=0).to(DEVICE)
 
 
 def _opacus(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, clip: float = CLIP
@@ -112,7 +118,7 @@ def _plain_step(name: str, x: torch.Tensor, y: torch.Tensor) -> Step:
 
 def _dpfl_step(name: str, x: torch.Tensor, y: torch.Tensor) -> Step:
     flat_model = FlatModel(_module(name), "cross-entropy")
-    flat = flat_model.initial_params()
+    flat = flat_model.initial_params().to(DEVICE)
     if len(x) > 1:  # clients at their own points, as after local steps
         flat = flat.repeat(len(x), 1)
 
@@ -126,10 +132,16 @@ def _dpfl_step(name: str, x: torch.Tensor, y: torch.Tensor) -> Step:
 def agreement(name: str, mode: str) -> tuple[float, int]:
     """max |Opacus − dpfl| ÷ max |dpfl| of one client's clipped mean at the initial point, at
     the radius that clips half of its samples (both branches of the clip), and how many were
-    clipped."""
+    clipped. On a GPU in full float32: cuDNN convolutions default to TF32 (10-bit mantissas),
+    which would measure the kernels' rounding, not the clipping (the timed steps keep it)."""
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        return _agreement(name, mode)
+
+
+def _agreement(name: str, mode: str) -> tuple[float, int]:
     x, y = _data(name, 1)
     flat_model = FlatModel(_module(name), "cross-entropy")
-    flat = flat_model.initial_params()
+    flat = flat_model.initial_params().to(DEVICE)
     clip = flat_model.clipped_mean(flat, x, y, CLIP)[1].median().item()
     means, norms = flat_model.clipped_mean(flat, x, y, clip)
     ours = means[0]
@@ -160,11 +172,14 @@ def measure(name: str, n_clients: int, repeats: int) -> list[Row]:
 
 
 def main() -> None:
-    args = arguments(__doc__.splitlines()[0]).parse_args()
+    global DEVICE
+    args = arguments(__doc__.splitlines()[0], device=True).parse_args()
+    DEVICE = torch.device(args.device)
     # Opacus' full backward hooks warn that the inputs need no gradient; they need none here
     warnings.filterwarnings("ignore", "Full backward hook is firing")
     warnings.filterwarnings("ignore", "Secure RNG turned off")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {BATCH}",
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {BATCH}, "
+          f"{DEVICE}",
           file=sys.stderr)
     rows: list[Row] = []
     for name, (_, clients, _) in MODELS.items():

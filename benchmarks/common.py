@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 
 @dataclass
 class Row:
@@ -82,8 +84,16 @@ def interleaved(candidates: dict[str, Callable[[], object]], repeats: int,
         for name, fn in candidates.items():
             start = time.perf_counter()
             fn()
+            synchronize()
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued kernels, where a benchmark runs on one (a timer read before
+    that would time the launches, not the work)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def round_seconds(run_folder: Path) -> list[float]:
@@ -100,12 +110,16 @@ def scratch(prefix: str) -> Path:
     return folder
 
 
-def arguments(description: str) -> argparse.ArgumentParser:
-    """A benchmark's parser: ``--rows FILE`` (append the rows there) and ``--quick``."""
+def arguments(description: str, device: bool = False) -> argparse.ArgumentParser:
+    """A benchmark's parser: ``--rows FILE`` (append the rows there), ``--quick``, and with
+    ``device`` ``--device cpu|cuda`` (where its models run)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rows", type=Path, default=None,
                         help="append this benchmark's table rows to FILE (JSON lines)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller sizes")
+    if device:
+        parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                            help="where the models run (default cpu)")
     return parser
 
 

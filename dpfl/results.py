@@ -85,10 +85,11 @@ class ResultsWriter:
                title: str, chance: float | None) -> None:
         """Plot (``summary.png``, named ``title``, ``chance`` the chance accuracy) and model
         first, ``summary.json`` last: its presence marks a finished run (``dpfl reproduce``
-        reuses such runs)."""
+        reuses such runs). The model is saved on the CPU whatever the run's device, so that it
+        loads anywhere."""
         from dpfl.plots import plot_summary
 
         self._rounds_file.close()
         plot_summary(self.rounds, self.path, title=title, chance=chance)
-        torch.save(state_dict, self.path / "model.pt")
+        torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, self.path / "model.pt")
         (self.path / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))

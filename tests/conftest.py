@@ -39,3 +39,32 @@ def small_config(tmp_path):
         return RunConfig(values)
 
     return make
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="the default of the run-config key 'device' in this session: "
+                     "--device cuda runs every test that leaves it unset on the GPU")
+
+
+def pytest_configure(config):
+    device = config.getoption("--device")
+    if device != "cpu":
+        import dataclasses
+
+        from dpfl import config as params
+        from dpfl import runconfig
+
+        common = tuple(dataclasses.replace(p, default=device) if p.key == "device" else p
+                       for p in params.COMMON)
+        params.COMMON = runconfig.COMMON = common
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--device") == "cpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=f"--device {config.getoption('--device')}: "
+                                             f"{marker.args[0]}"))

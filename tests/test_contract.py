@@ -68,16 +68,16 @@ class ContractProbe(Algorithm):
 
     def client_step(self, exchange, states, broadcast, cohort, ctx):
         b = self.hp.batch_size
-        x0 = broadcast["x"]
+        x0 = broadcast["x"].to(ctx.device)
         if exchange == "statistic":
-            xb, yb = cohort.sample(ctx.rng, ctx.round, "statistic", b)
+            xb, yb = (t.to(ctx.device) for t in cohort.sample(ctx.rng, ctx.round, "statistic", b))
             _, norms = self.model.clipped_mean(x0, xb, yb, 1.0)
             return {"s": norms.clamp(max=1.0).square().mean(dim=1, keepdim=True)}, states
         radius = float(broadcast["radius"])
         params = x0.unsqueeze(0).repeat(len(cohort), 1)
-        m = states["m"].clone()
+        m = states["m"].to(ctx.device)
         for k in range(LOCAL_STEPS):
-            xb, yb = cohort.sample(ctx.rng, ctx.round, f"batch-{k}", b)
+            xb, yb = (t.to(ctx.device) for t in cohort.sample(ctx.rng, ctx.round, f"batch-{k}", b))
             g, _ = self.model.clipped_mean(params, xb, yb, radius)
             g = ctx.privatize("train", g, radius=radius / b, step=k)
             m = 0.5 * m + g

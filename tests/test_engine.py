@@ -57,6 +57,7 @@ def test_training_reduces_the_test_loss(small_config):
     assert summary["test_accuracy"] > 0.6
 
 
+@pytest.mark.cpu_only("a reference by hand on the CPU (test_cuda compares GPU runs with CPU runs)")
 def test_eval_train_reports_the_full_objective_and_its_gradient_norm(small_config):
     from dpfl.problem import build_problem
 

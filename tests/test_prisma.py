@@ -234,6 +234,7 @@ def _storm_reference(problem, rounds, seed=0):
     return x
 
 
+@pytest.mark.cpu_only("a reference by hand on the CPU (test_cuda compares GPU runs with CPU runs)")
 def test_the_noise_free_recursion_is_storm(tmp_path, small_config):
     values = {**PRISMA, "algorithm": "non-prisma", "server-clip": 0.5, "clip-diff": 2.0}
     _, model = _run(tmp_path, "storm", values)

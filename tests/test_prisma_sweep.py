@@ -38,6 +38,7 @@ def _engine_iterate(config):
 
 @pytest.mark.parametrize("method, point", [("prisma", PRISMA), ("dpsgd-gc", DPSGD),
                                            ("prisma", {**PRISMA, "clip": 0.5})])
+@pytest.mark.cpu_only("the float64 simulator runs on the CPU")
 def test_the_simulator_follows_the_engine_to_float32_rounding(tmp_path, method, point):
     """Same seed, same draws: the float64 simulator and the float32 engine reach the same x^T
     (PriSMA eq. (20) with C2 = 1 and C3 active, DPSGD-GC, and C1 clipping most samples)."""

@@ -16,6 +16,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 
+@pytest.mark.cpu_only("the option changes the default of key device")
 def test_pyproject_lists_every_key_with_its_default():
     flwr_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"][
         "config"]

@@ -52,7 +52,8 @@ def test_a_simulated_supernode_hosts_its_block_of_the_run_s_clients():
     assert hosted({"partition-id": 1, "num-partitions": 3}, 10) == [3, 4, 5]
     assert hosted({"partition-id": 2}, 10) == [2]  # a deployed node naming its client
     assert hosted({"partition-ids": "5,1", "partition-id": 0}, 10) == [1, 5]
-    with pytest.raises(ConfigError, match='at most 2 SuperNodes: flwr run --federation-config "num-supernodes=2"'):
+    with pytest.raises(ConfigError, match='at most 2 SuperNodes: flwr run --federation-config '
+                       '"num-supernodes=2"'):
         hosted({"partition-id": 0, "num-partitions": 3}, 2)
 
 

@@ -164,7 +164,11 @@ def top_eigenspace(gradients: Tensor, k: int) -> tuple[Tensor, int]:
     """``([d, k], rank)``: the top-k eigenvectors of Σ_j g_j g_jᵀ for the rows g_j of
     ``gradients`` (``[m, d]``), through the m×m Gram matrix GGᵀ = QΛQᵀ: V = GᵀQΛ^{-1/2} (in
     float64), by decreasing eigenvalue; directions with singular value at most 1e-6 of the
-    largest are dropped and the columns beyond the rank are zero."""
+    largest are dropped and the columns beyond the rank are zero.
+
+    An eigenvector is defined up to its sign, and LAPACK (CPU) and cuSOLVER (GPU) choose
+    differently; the noise is drawn in these coordinates, so each column's sign is fixed by
+    the convention that its largest entry is positive: the same basis on every device."""
     g = gradients.double()
     eigenvalues, q = torch.linalg.eigh(g @ g.t())
     eigenvalues, q = eigenvalues.flip(0), q.flip(1)
@@ -173,7 +177,9 @@ def top_eigenspace(gradients: Tensor, k: int) -> tuple[Tensor, int]:
     rank = min(k, keep)
     v = gradients.new_zeros(gradients.shape[1], k)
     if rank:
-        v[:, :rank] = (g.t() @ (q[:, :rank] / eigenvalues[:rank].sqrt())).to(v.dtype)
+        top_k = g.t() @ (q[:, :rank] / eigenvalues[:rank].sqrt())
+        top_k *= top_k.gather(0, top_k.abs().argmax(dim=0, keepdim=True)).sign()
+        v[:, :rank] = top_k.to(v.dtype)
     return v, rank
 
 

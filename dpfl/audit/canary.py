@@ -56,7 +56,7 @@ def craft(source: Problem, rows: np.ndarray, radius: float) -> Canary:
     model, x0 = source.model, source.x0.to(source.device)
     if ds.task == "classification":
         with torch.no_grad():
-            logits = model.load_into(x0.cpu())(canary.unsqueeze(0))[0]
+            logits = model.load_into(x0)(canary.unsqueeze(0).to(x0))[0]
         label = torch.tensor(int(logits.argmin()), dtype=y.dtype)
     else:
         label = y[0].clone()

@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 import math
+import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -47,6 +49,13 @@ DATA_KEYS = ("dataset", "dataset-options", "data-dir", "download", "seed")
 # The summary fields an archive keeps: what experiments and reports read of a finished run.
 ARCHIVED = ("rounds_completed", "stopped_early", "test_loss", "test_accuracy", "epsilon_max",
             "wall_seconds", "seconds_per_round", "calibration_check", "derived")
+
+
+def worker_pool(count: int) -> ProcessPoolExecutor:
+    """``count`` worker processes for runs: forked (quick to start), or spawned once this
+    process has used CUDA, which a forked child can neither re-initialise nor share."""
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    return ProcessPoolExecutor(max_workers=count, mp_context=multiprocessing.get_context(method))
 
 
 def run_key(values: dict[str, Value]) -> str:
@@ -281,7 +290,7 @@ class Lab:
                 progress.done(record(c))
                 self.write_archive()
         else:
-            with ProcessPoolExecutor(max_workers=self.workers) as pool:
+            with worker_pool(self.workers) as pool:
                 futures = {pool.submit(_run_one, v): c for c, v in zip(todo, prepared,
                                                                        strict=True)}
                 for future in as_completed(futures):
@@ -318,7 +327,7 @@ class Lab:
             for group in groups:
                 record(group, _simulate(simulate, group))
         else:
-            with ProcessPoolExecutor(max_workers=self.workers) as pool:
+            with worker_pool(self.workers) as pool:
                 futures = {pool.submit(_simulate, simulate, g): i for i, g in enumerate(groups)}
                 for future in as_completed(futures):
                     record(groups[futures[future]], future.result())

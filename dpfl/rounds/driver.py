@@ -538,7 +538,7 @@ class RoundDriver:
                 params, x[start:start + EVAL_BATCH].unsqueeze(0),
                 y[start:start + EVAL_BATCH].unsqueeze(0))])
         mean = squares.mean()
-        levels = torch.tensor(QUANTILES, dtype=squares.dtype)
+        levels = torch.tensor(QUANTILES, dtype=squares.dtype, device=squares.device)
         return {f"{q:g}": float(v / mean) if mean > 0 else math.nan
                 for q, v in zip(QUANTILES, torch.quantile(squares, levels).tolist())}
 

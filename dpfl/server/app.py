@@ -4,8 +4,9 @@ Bad input, a federation that does not match the run, and a run stopped by lost c
 one line ``dpfl: error: …`` and then raise :class:`RunFailed` with that line, so that Flower
 marks the run ``finished:failed`` (``flwr ls``) rather than completed; Flower logs that the
 ServerApp raised, without the traceback (:class:`Explained`). ``flwr run --stream`` exits 0
-whatever the run's fate: ``flwr ls`` says how it ended. ``dpfl flower`` validates the run config and sizes the
-federation before it submits a run, and exits non-zero on any status but completed.
+whatever the run's fate: ``flwr ls`` says how it ended. ``dpfl flower`` validates the run
+config and sizes the federation before it submits a run, and exits non-zero on any status but
+completed.
 
 Flower ends a ServerApp whose SuperLink went away, or whose run was stopped, with a signal, and
 its handler kills the process 5 s after it starts exiting; the ServerApp therefore takes the
