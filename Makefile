@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # the test suite (and the benchmarks) read an offline copy of the datasets, never the network
 OFFLINE_DATA := DPFL_DATA_DIR="$${DPFL_DATA_DIR:-$(abspath ../shared/data)}"
 
-.PHONY: run test install bench clean demo-compose
+.PHONY: run test test-fast install bench clean demo-compose
 
 # the dependencies at the versions constraints.txt pins (docs/install.md)
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -21,8 +21,16 @@ run: install
 	$(PY) -m dpfl flower
 	@echo "dpfl and flwr are in $(VENV)/bin: run 'source $(VENV)/bin/activate' to put them on PATH"
 
+# The whole suite: in parallel (pytest-xdist, JOBS workers, one a core by default), then the
+# tests that must run alone (marker serial). test-fast: the inner loop, without real Flower
+# processes, Docker, the serial tests and the reproductions' smoke runs.
+JOBS ?= auto
 test: install
-	$(OFFLINE_DATA) $(PY) -m pytest -q
+	$(OFFLINE_DATA) $(PY) -m pytest -q -n $(JOBS) -m "not serial"
+	$(OFFLINE_DATA) $(PY) -m pytest -q -m serial
+
+test-fast: install
+	$(OFFLINE_DATA) $(PY) -m pytest -q -n $(JOBS) -m "not flower and not serial and not smoke"
 
 bench: install
 	$(OFFLINE_DATA) $(PY) benchmarks/run_all.py

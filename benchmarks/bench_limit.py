@@ -49,6 +49,7 @@ from common import (  # noqa: E402
     Row,
     arguments,
     emit,
+    parse,
     ratios,
     round_seconds,
     scratch,
@@ -170,7 +171,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--algorithms", nargs="+", metavar="NAME",
                         help="only the workloads of these algorithms")
-    args = parser.parse_args()
+    args = parse(parser)
     repeats, rounds = (2, 4) if args.quick else (args.repeats or 3, 8)
     BASE["device"] = args.device
     torch.set_num_threads(1)

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit  # noqa: E402
+from common import Row, arguments, emit, parse  # noqa: E402
 
 from dpfl.models import FlatModel, build_model  # noqa: E402
 
@@ -149,17 +149,13 @@ def rows_of(point: Point, figures: dict[str, float]) -> list[Row]:
 
 
 def main() -> None:
-    parser = arguments(__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                        help="where the step runs (cuda: max_memory_allocated)")
+    parser = arguments(__doc__.splitlines()[0], device=True)  # cuda: max_memory_allocated
     parser.add_argument("--point", default=None, help=argparse.SUPPRESS)  # one point, in a child
-    args = parser.parse_args()
+    args = parse(parser)
     if args.point is not None:
         model, batch, clients, budget, device = json.loads(args.point)
         print(json.dumps(measure(Point(model, batch, clients, budget), device)))
         return
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.exit(2, "bench_memory.py: --device cuda, but torch sees no CUDA device\n")
     rows: list[Row] = []
     seen: set[str] = set()
     for point in points(args.quick):

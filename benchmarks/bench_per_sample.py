@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit, interleaved, ratios  # noqa: E402
+from common import Row, arguments, emit, interleaved, parse, ratios  # noqa: E402
 
 from dpfl.models import FlatModel, build_model  # noqa: E402
 
@@ -173,7 +173,7 @@ def measure(name: str, n_clients: int, repeats: int) -> list[Row]:
 
 def main() -> None:
     global DEVICE
-    args = arguments(__doc__.splitlines()[0], device=True).parse_args()
+    args = parse(arguments(__doc__.splitlines()[0], device=True))
     DEVICE = torch.device(args.device)
     # Opacus' full backward hooks warn that the inputs need no gradient; they need none here
     warnings.filterwarnings("ignore", "Full backward hook is firing")

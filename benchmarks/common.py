@@ -123,6 +123,14 @@ def arguments(description: str, device: bool = False) -> argparse.ArgumentParser
     return parser
 
 
+def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser``'s arguments; ``--device cuda`` without a CUDA device exits in one line."""
+    args = parser.parse_args()
+    if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: --device cuda, but torch sees no CUDA device\n")
+    return args
+
+
 def emit(rows: Sequence[Row], path: Path | None) -> None:
     """Print ``rows`` as Markdown, and append them to ``path`` (JSON lines) when given."""
     print(HEADER)

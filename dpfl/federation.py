@@ -45,14 +45,22 @@ def stop(process: subprocess.Popen) -> None:
         return
 
 
+class FederationError(RuntimeError):
+    """A local federation did not come up, or did not go down."""
+
+
 def wait_for(done: Callable[[], bool], message: str, watched: list[subprocess.Popen],
              timeout: float = 120) -> None:
-    """Poll ``done`` until it holds; AssertionError with ``message`` after ``timeout`` seconds
-    or as soon as one of ``watched`` exits."""
+    """Poll ``done`` until it holds; :class:`FederationError` with ``message`` after
+    ``timeout`` seconds, or as soon as one of ``watched`` exits."""
     deadline = time.monotonic() + timeout
     while not done():
-        assert time.monotonic() < deadline, message
-        assert all(p.poll() is None for p in watched), "a Flower process exited"
+        if time.monotonic() >= deadline:
+            raise FederationError(f"{message} after {timeout:g} s")
+        exited = [p for p in watched if p.poll() is not None]
+        if exited:
+            raise FederationError(f"{message}: {exited[0].args[0]} exited with status "
+                                  f"{exited[0].returncode}")
         time.sleep(0.5)
 
 
@@ -145,7 +153,9 @@ class LocalFederation:
     def close(self) -> None:
         for process in reversed(self.started):
             stop(process)
-        assert all(p.poll() is not None for p in self.started)
+        alive = [p.pid for p in self.started if p.poll() is None]
+        if alive:
+            raise FederationError(f"processes {alive} outlived their SIGKILL")
 
     def __enter__(self) -> LocalFederation:
         return self

@@ -278,6 +278,7 @@ def test_flower_code_path_equals_engine_with_two_exchanges_a_round(tmp_path):
 
 # ---- the reproductions ---------------------------------------------------------------------------
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("task", ["t1", "t2", "t3"])
 def test_the_smoke_reproduction_reports_tables_2_to_4_and_figures(tmp_path, task):
     """Each task's pipeline end to end on reduced sizes: both methods on a small grid at level 3,

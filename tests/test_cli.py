@@ -58,9 +58,12 @@ def _interrupted(command: list[str], tmp_path, env: dict | None = None):
 
     from tests.conftest import ROOT
 
+    # as from a terminal: SIGINT handled by default, even where the suite itself was started in
+    # the background of a script (which starts it, and what it starts, with SIGINT ignored)
     proc = subprocess.Popen([sys.executable, "-m", "dpfl", *command], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     try:
         assert proc.stdout is not None

@@ -33,7 +33,8 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.flower
+# fixed ports (the docs' own) and `ray stop`, which stops every Ray node of the machine
+pytestmark = [pytest.mark.flower, pytest.mark.serial]
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r'^```(\w+) recipe="([\w-]+)"\n(.*?)^```', re.S | re.M)

@@ -136,6 +136,7 @@ def test_the_cost_estimate_grows_with_rounds_records_and_configurations():
     assert estimate_seconds([big]) > 3 * estimate_seconds([one])
 
 
+@pytest.mark.smoke
 def test_the_smoke_reproduction_reports_figure_1(tmp_path, capsys):
     assert cli.main(["reproduce", "prisma", "least-squares", "--smoke",
                      "--results-dir", str(tmp_path)]) == 0
@@ -149,6 +150,7 @@ def test_the_smoke_reproduction_reports_figure_1(tmp_path, capsys):
         assert sum(1 for _ in f) > 100
 
 
+@pytest.mark.smoke
 def test_the_smoke_table_1_runs_on_synthetic_cifar_shaped_data(tmp_path):
     """§5.2's pipeline end to end (the DP-FTRL CNN, both methods, tuning, trials, the paper's
     numbers beside ours) on synthetic CIFAR-shaped images: CIFAR-10 and a GPU are for the full

@@ -431,6 +431,7 @@ def test_the_centralized_protocol_gives_the_papers_epsilon():
     assert problem.model.d == 26_010 and problem.algorithm.hp.lr_milestones == "40,60"
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", ["centralized-mnist", "federated-mnist", "noniid"])
 def test_the_smoke_reproduction_reports_accuracy_epsilon_and_orderings(tmp_path, name):
     from dpfl.cli import main

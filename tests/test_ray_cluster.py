@@ -164,6 +164,7 @@ def _actor_nodes(address: str) -> list[tuple[str, str, str]]:
 
 @pytest.mark.flower
 @needs_ray
+@pytest.mark.serial  # another test's ray.init() would attach to this `ray start` cluster
 def test_clients_run_on_every_node_of_a_ray_cluster_and_equal_the_engine(tmp_path, cluster,
                                                                          capsys):
     nodes, caches = cluster

@@ -37,6 +37,7 @@ def smoke(tmp_path_factory):
     return get
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", ["logreg", "mnist-dp", "partial", "noise-mapping"])
 def test_smoke_reproduction_writes_a_report(name, smoke):
     folder = smoke(name)
@@ -47,6 +48,7 @@ def test_smoke_reproduction_writes_a_report(name, smoke):
     assert list(folder.glob("*.png"))
 
 
+@pytest.mark.smoke
 def test_a_selected_cell_reruns_alone_with_its_dpfl_run_line(smoke, tmp_path):
     """The report's command for a Table 1 cell gives that seed's accuracy again."""
     cells = json.loads((smoke("mnist-dp") / "cells.json").read_text())
@@ -58,6 +60,7 @@ def test_a_selected_cell_reruns_alone_with_its_dpfl_run_line(smoke, tmp_path):
     assert 100 * summary["test_accuracy"] == pytest.approx(cell["runs"][0], abs=1e-9)
 
 
+@pytest.mark.smoke
 def test_a_report_regenerates_from_its_archive_without_running_again(smoke, tmp_path):
     """``runs.jsonl.gz`` beside a report is enough to write the same report elsewhere (what
     the committed reports/ rely on): no run starts, tables, cells and archive are the same."""
@@ -77,6 +80,7 @@ def test_a_report_regenerates_from_its_archive_without_running_again(smoke, tmp_
     assert (folder / "runs.jsonl.gz").read_bytes() == (first / "runs.jsonl.gz").read_bytes()
 
 
+@pytest.mark.smoke
 def test_logreg_regenerates_from_its_archive_running_only_its_curves_again(smoke, tmp_path):
     """E1's metric is archived (derived from each run's rounds); only Fig. I.1's curves, the
     selected points at seed 0, need rounds.jsonl and run again."""
@@ -161,6 +165,7 @@ def test_an_interrupted_sweep_leaves_an_archive_of_the_runs_it_finished(tmp_path
     assert [s["test_accuracy"] for s in resumed] == [0, 1, 2, 3]
 
 
+@pytest.mark.smoke
 def test_an_edited_archive_is_refused_naming_reuse(smoke, tmp_path, capsys):
     import gzip
 
@@ -182,6 +187,7 @@ def test_an_edited_archive_is_refused_naming_reuse(smoke, tmp_path, capsys):
         assert not out.exists()
 
 
+@pytest.mark.smoke
 def test_partial_runs_e3s_selected_points_with_24_clients_and_s_sampled(smoke, tmp_path):
     """E4 takes each (model, method, ε)'s point from E3's selection: given E3's archive it
     runs only its own seed runs, n = 24 and fraction s/24, at exactly E3's selected point."""
@@ -382,6 +388,7 @@ def test_survivors_rank_within_step_sizes_and_hedge_towards_smaller_steps():
                       "beta-hat": 0.1}) == 1e-3
 
 
+@pytest.mark.smoke
 def test_noise_mapping_compares_the_two_readings_of_t(smoke):
     """T' = epochs gives √(rounds/epochs) = √37 times less noise than T' = rounds."""
     import re
@@ -456,6 +463,7 @@ def test_e1_goes_past_the_gamma_grid_while_its_edge_wins(metric, expected, label
     assert all(c["seed"] in (0, 1) for c in lab.ran)
 
 
+@pytest.mark.smoke
 def test_mnist_dp_epochs_calibrates_every_run_with_t_counted_in_epochs(smoke):
     """Selection proxies (noise-multiplier set) and seed runs (practice calibration with
     practice-horizon="epochs") all use σ_ω/τ = (1/ε)√(T ln(1/δ)) at T = 1 epoch, not 37
