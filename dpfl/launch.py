@@ -57,7 +57,12 @@ def launched(token: str) -> list[int]:
     """PIDs of the processes whose environment holds ``DPFL_LAUNCH=token``: every process
     a launch started and whatever they started (the SuperLink, its SuperExec, the simulation
     and Ray's processes), even those that left the launch's process tree."""
-    mark = f"{LAUNCH_ENV}={token}".encode()
+    return marked(LAUNCH_ENV, token)
+
+
+def marked(variable: str, value: str) -> list[int]:
+    """PIDs of the processes, this one aside, whose environment holds ``variable=value``."""
+    mark = f"{variable}={value}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():

@@ -121,24 +121,16 @@ def test_ctrl_c_stops_dpfl_flower_and_every_process_it_started(tmp_path):
     import os
     import time
     import uuid
-    from pathlib import Path
 
+    from dpfl.launch import marked
     from tests.test_cli import _interrupted
 
-    mark = f"DPFL_TEST_MARK={uuid.uuid4().hex}".encode()
+    token = uuid.uuid4().hex
 
     def left() -> list[int]:
-        found = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if mark in (entry / "environ").read_bytes().split(b"\0"):
-                        found.append(int(entry.name))
-                except OSError:
-                    continue
-        return found
+        return marked("DPFL_TEST_MARK", token)
 
-    env = {**os.environ, mark.decode().split("=")[0]: mark.decode().split("=")[1]}
+    env = {**os.environ, "DPFL_TEST_MARK": token}
     code, out, err = _interrupted(["flower", "-c", f'num-server-rounds=300 num-partitions=4 '
                                    f'results-dir="{tmp_path}" run-name="cut"'], tmp_path, env)
     assert code == 130, err
