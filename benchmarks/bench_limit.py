@@ -98,9 +98,9 @@ def counting() -> Iterator[dict[str, int]]:
             counts["samples"] += x.shape[0]
         return forward(self, params, x)
 
-    def counted_normal(self, clients, round, purpose, shape, std, **kwargs):
+    def counted_normal(self, clients, server_round, purpose, shape, std, **kwargs):
         counts["gaussians"] += len(clients) * math.prod(shape)
-        return normal(self, clients, round, purpose, shape, std, **kwargs)
+        return normal(self, clients, server_round, purpose, shape, std, **kwargs)
 
     FlatModel._forward_with, Randomness.normal = counted_forward, counted_normal  # type: ignore
     try:
@@ -154,7 +154,7 @@ def state_arithmetic(cfg: RunConfig, oracle: str, steps: int = 6) -> float:
     exchange = algorithm.round_exchanges(2)[0].name
     broadcast = algorithm.broadcast(exchange, algorithm.init_server_state(problem.x0), 2)
     cohort = problem.full_cohort()
-    ctx = ClientContext(round=2, rng=Randomness(0), clients=list(cohort.ids),
+    ctx = ClientContext(server_round=2, rng=Randomness(0), clients=list(cohort.ids),
                         releases=[{r.name: r for r in problem.releases(c)} for c in cohort.ids],
                         device=problem.device)
     seconds = []

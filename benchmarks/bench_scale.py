@@ -6,11 +6,11 @@ batch 16, every client in every round, one torch thread. Every client holds 24 r
 first 24·C records of MNIST's 60,000 training images taken in order and repeated as often as
 needed (distinct images up to C = 2,500; at C = 10,000 each image is held 4 times, by 4
 different clients), split in contiguous blocks of 24; the rounds timed do not evaluate (1,000
-test images evaluate the initial model once). A round is the round driver's whole round on
-the engine (``RoundDriver.play_round``): the participants, the clients' batched steps and noise in
-blocks of :data:`dpfl.rounds.transport.BLOCK` clients, the blocked sum, the server step, every
-client's ledger and the round's record. The sizes alternate (:func:`common.interleaved`) after
-one warm-up round each.
+test images evaluate the initial model once). A round is the round loop's whole round on
+the engine (from one exchange request of ``RoundLoop.run`` to the next): the participants, the
+clients' batched steps and noise in blocks of :data:`dpfl.rounds.transport.BLOCK` clients, the
+blocked sum, the server step, every client's ledger and the round's record. The sizes
+alternate (:func:`common.interleaved`) after one warm-up round each.
 
 From the medians it fits ``seconds = fixed + C·per-client`` (least squares) and compares the
 per-client cost with the arithmetic one client cannot avoid: a plain, non-private forward and
@@ -39,7 +39,8 @@ from common import Row, arguments, emit, interleaved, scratch  # noqa: E402
 from dpfl.datasets.base import Dataset  # noqa: E402
 from dpfl.engine.runner import EngineTransport  # noqa: E402
 from dpfl.problem import Problem, assemble, dataset_of  # noqa: E402
-from dpfl.rounds import RoundDriver, transport  # noqa: E402
+from dpfl.rounds import RoundLoop, transport  # noqa: E402
+from dpfl.rounds.driver import advance  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
 
 SECTION = "scale"
@@ -68,13 +69,14 @@ class Rounds:
     """The rounds of one engine run, one per call."""
 
     def __init__(self, problem: Problem) -> None:
-        self.driver = RoundDriver(problem, EngineTransport(problem), "engine", echo=False)
-        self.driver.open()
-        self.round = 0
+        self.transport = EngineTransport(problem)
+        self.rounds = RoundLoop(problem, "engine", echo=False).run()
+        self.request = advance(self.rounds, self.transport)  # round 1's exchange
 
     def __call__(self) -> None:
-        self.round += 1
-        self.driver.play_round(self.round)
+        """One round: its exchange, server step and record, up to the next round's exchange."""
+        replies = self.request.sent_over(self.transport)
+        self.request = advance(self.rounds, self.transport, replies)
 
 
 def arithmetic(problem: Problem, clients: int) -> float:

@@ -13,7 +13,7 @@ writing it keeps the previous one.
 from its checkpoint. The configuration must be the checkpoint's, but for the keys that say
 where the run is written and how it waits (:data:`FREE`) and ``num-server-rounds``, which may
 change (to at least the rounds the checkpoint holds) when the calibrated noise does not depend
-on it (the round driver compares the releases).
+on it (the round loop compares the releases).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ FREE = ("resume", "results-dir", "run-name", *CHANGEABLE)
 @dataclass(frozen=True)
 class Lineage:
     """The segments of a run: its start and each resume, as ``(id, round it started after)``,
-    oldest first; the first id names the run. A client's state written after ``round`` by a
+    oldest first; the first id names the run. A client's state written after ``server_round`` by a
     segment belongs to the run's history when that segment ran that round before the next
     segment took over (:meth:`holds`): what an interrupted attempt wrote after the checkpoint
     its successor resumed from does not."""
@@ -60,9 +60,9 @@ class Lineage:
     def fresh(cls) -> Lineage:
         return cls(((secrets.token_hex(8), 0),))
 
-    def resumed(self, round: int) -> Lineage:
-        """The lineage of a resume from the checkpoint of ``round``."""
-        return Lineage((*self.segments, (secrets.token_hex(8), round)))
+    def resumed(self, server_round: int) -> Lineage:
+        """The lineage of a resume from the checkpoint of ``server_round``."""
+        return Lineage((*self.segments, (secrets.token_hex(8), server_round)))
 
     @property
     def run(self) -> str:
@@ -77,10 +77,10 @@ class Lineage:
         """The round the current segment started after (0 for a fresh run)."""
         return self.segments[-1][1]
 
-    def holds(self, round: int, segment: str) -> bool:
-        """Whether state written after ``round`` by ``segment`` is part of this run."""
+    def holds(self, server_round: int, segment: str) -> bool:
+        """Whether state written after ``server_round`` by ``segment`` is part of this run."""
         ends = [start for _, start in self.segments[1:]] + [math.inf]
-        return any(name == segment and start < round <= end
+        return any(name == segment and start < server_round <= end
                    for (name, start), end in zip(self.segments, ends, strict=True))
 
 

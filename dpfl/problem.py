@@ -61,7 +61,7 @@ class Problem:
     hosted: tuple[int, ...] | None = None
     source: str = ""
     _releases: dict[int, list[Release]] = field(default_factory=dict)
-    _server: dict[str, list[Release]] = field(default_factory=dict)
+    _server_releases: list[Release] | None = None
     _cohorts: dict[tuple[int, ...], Cohort] = field(default_factory=dict)
 
     @property
@@ -109,10 +109,10 @@ class Problem:
     def server_releases(self) -> list[Release]:
         """The calibrated mechanisms of the server's own noise in one round (client-level: its
         "records" are the clients)."""
-        if "server" not in self._server:
-            self._server["server"] = self._calibrate(self.algorithm.server_queries(),
-                                                     self.num_clients)
-        return self._server["server"]
+        if self._server_releases is None:
+            self._server_releases = self._calibrate(self.algorithm.server_queries(),
+                                                    self.num_clients)
+        return self._server_releases
 
     def node_data(self, clients: list[int]) -> dict[str, Any]:
         """What a node hosting ``clients`` keeps of the run's data, as plain tensors and lists
@@ -153,14 +153,15 @@ class Problem:
         """The releases calibrated so far, as JSON-ready records (:meth:`restore_calibrations`
         takes them back): per client data size, and the server's."""
         saved = {str(size): releases for size, releases in self._releases.items()}
-        return {key: [dataclasses.asdict(r) for r in releases]
-                for key, releases in {**saved, **self._server}.items()}
+        if self._server_releases is not None:
+            saved["server"] = self._server_releases
+        return {key: [dataclasses.asdict(r) for r in releases] for key, releases in saved.items()}
 
     def restore_calibrations(self, saved: dict[str, list[dict[str, Any]]]) -> None:
         for key, records in saved.items():
             releases = [Release(**r) for r in records]
             if key == "server":
-                self._server[key] = releases
+                self._server_releases = releases
             else:
                 self._releases[int(key)] = releases
 

@@ -40,6 +40,10 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.key} {name!r} is registered twice")
         self._entries[name] = obj
 
+    def remove(self, name: str) -> None:
+        """Unregister ``name`` (a plugin, or a test's probe, that is done)."""
+        del self._entries[name]
+
     def get(self, name: str) -> T:
         try:
             return self._entries[name]

@@ -91,17 +91,17 @@ def test_the_statistic_is_the_mean_of_clipped_squared_norms_plus_noise_of_its_de
     cohort = noisy.full_cohort()
     broadcast = {"x": noisy.x0}
     draws, noise = [], []
-    for round in range(1, 26):
+    for server_round in range(1, 26):
         s = {name: ClientRuntime(p.algorithm, p.releases, Randomness(3)).step(
-            "statistic", round, broadcast, {}, cohort)[0]["s"][:, 0]
+            "statistic", server_round, broadcast, {}, cohort)[0]["s"][:, 0]
             for name, p in (("noisy", noisy), ("clean", clean))}
-        xb, yb = cohort.sample(Randomness(3), round, "statistic", 10)
+        xb, yb = cohort.sample(Randomness(3), server_round, "statistic", 10)
         norms = torch.linalg.vector_norm(noisy.model.per_sample_gradients(noisy.x0, xb, yb),
                                          dim=2)
         assert torch.allclose(s["clean"], norms.square().clamp(max=0.36).mean(dim=1),
                               rtol=1e-5)
         noise.append(s["noisy"] - s["clean"])
-        draws.append(Randomness(3).normal(ids, round, "statistic-noise", (1,),
+        draws.append(Randomness(3).normal(ids, server_round, "statistic-noise", (1,),
                                           torch.full((40,), 0.05 * 0.36))[:, 0])
     noise, draws = torch.cat(noise), torch.cat(draws)
     assert torch.allclose(noise, draws, atol=1e-6)

@@ -27,7 +27,6 @@ class ProbeHyperparameters:
     learning_rate: float = hyperparameter(LEARNING_RATE)
 
 
-@ALGORITHMS.register_class
 class ContractProbe(Algorithm):
     """A noisy statistic sets the clip radius, then momentum SGD with noisy local steps, and
     the server adds noise of its own to the average update.
@@ -56,11 +55,12 @@ class ContractProbe(Algorithm):
     def init_server_state(self, x0):
         return {"x": x0.clone(), "radius": torch.ones(1)}
 
-    def participants(self, round, clients, rng):
-        order = torch.randperm(len(clients), generator=rng.generator(SERVER, round, "clients"))
+    def participants(self, server_round, clients, rng):
+        order = torch.randperm(len(clients),
+                               generator=rng.generator(SERVER, server_round, "clients"))
         return sorted(clients[i] for i in order[: len(clients) // 2].tolist())
 
-    def broadcast(self, exchange, state, round):
+    def broadcast(self, exchange, state, server_round):
         return {"x": state["x"]} if exchange == "statistic" else dict(state)
 
     def init_client_state(self, num_clients):
@@ -70,14 +70,16 @@ class ContractProbe(Algorithm):
         b = self.hp.batch_size
         x0 = broadcast["x"].to(ctx.device)
         if exchange == "statistic":
-            xb, yb = (t.to(ctx.device) for t in cohort.sample(ctx.rng, ctx.round, "statistic", b))
+            xb, yb = (t.to(ctx.device)
+                      for t in cohort.sample(ctx.rng, ctx.server_round, "statistic", b))
             _, norms = self.model.clipped_mean(x0, xb, yb, 1.0)
             return {"s": norms.clamp(max=1.0).square().mean(dim=1, keepdim=True)}, states
         radius = float(broadcast["radius"])
         params = x0.unsqueeze(0).repeat(len(cohort), 1)
         m = states["m"].to(ctx.device)
         for k in range(LOCAL_STEPS):
-            xb, yb = (t.to(ctx.device) for t in cohort.sample(ctx.rng, ctx.round, f"batch-{k}", b))
+            xb, yb = (t.to(ctx.device)
+                      for t in cohort.sample(ctx.rng, ctx.server_round, f"batch-{k}", b))
             g, _ = self.model.clipped_mean(params, xb, yb, radius)
             g = ctx.privatize("train", g, radius=radius / b, step=k)
             m = 0.5 * m + g
@@ -91,6 +93,15 @@ class ContractProbe(Algorithm):
             return {"x": state["x"], "radius": radius.reshape(1)}
         step = ctx.privatize("model", mean["delta"])
         return {"x": state["x"] - step, "radius": state["radius"]}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _registered():
+    """The probe is an algorithm only while this module's tests run: registered at import, it
+    would join every other test's list of algorithms, depending on which files are collected."""
+    ALGORITHMS.add(ContractProbe.name, ContractProbe)
+    yield
+    ALGORITHMS.remove(ContractProbe.name)
 
 
 def _config(tmp_path, name, **extra):
@@ -272,12 +283,12 @@ def test_exchanges_of_one_round_may_not_share_a_noise_stream(tmp_path):
     """Two queries of different exchanges may share a stream only if no round runs both: the
     probe's statistic and train exchanges run in every round."""
     from dpfl.problem import build_problem
-    from dpfl.rounds import RoundDriver
+    from dpfl.rounds import RoundLoop
 
     problem = build_problem(RunConfig(_config(tmp_path, "streams")))
     problem.algorithm = _probe(queries=lambda self, n: [
         Query("statistic", "statistic", 1 / 8, "replace-one", sample_rate=8 / n),
         Query("train", "train", None, "replace-one", sample_rate=8 / n, steps=LOCAL_STEPS)])
-    driver = RoundDriver(problem, transport=None, runtime="engine", echo=False)
+    loop = RoundLoop(problem, runtime="engine", echo=False)
     with pytest.raises(TypeError, match="round 1's exchanges share a noise stream"):
-        driver.play(1, [0, 1, 2, 3])
+        next(loop.play(1, [0, 1, 2, 3]))

@@ -69,7 +69,7 @@ def test_eval_train_reports_the_full_objective_and_its_gradient_norm(small_confi
     saved = torch.load(summary["results"] + "/model.pt")
     flat = torch.cat([saved[k].reshape(-1) for k in saved])
     x = flat.clone().requires_grad_()
-    loss = problem.model._losses(x, ds.train_x, ds.train_y).mean()
+    loss = problem.model.flat.point_losses(x, ds.train_x, ds.train_y).mean()
     (grad,) = torch.autograd.grad(loss, x)
     assert summary["grad_norm"] == pytest.approx(float(grad.norm()), rel=1e-4)
     assert summary["train_loss_full"] == pytest.approx(float(loss.detach()), rel=1e-5)
@@ -134,11 +134,12 @@ def test_a_sweeps_runs_log_a_warning_they_share_once(small_config, caplog):
     process, not once per run; each run's summary keeps it."""
     import logging
 
-    from dpfl.rounds import driver
+    from dpfl.rounds import monitor
+    from dpfl.rounds.statements import NON_PRIVATE
 
-    driver._LOGGED.discard(driver.NON_PRIVATE)
+    monitor._LOGGED.discard(NON_PRIVATE)
     with caplog.at_level(logging.WARNING, logger="dpfl"):
         summaries = [run(small_config(seed=seed, non_private_diagnostics=True, run_name=f"s{seed}"),
                          echo=False) for seed in (1, 2, 3)]
-    assert sum(driver.NON_PRIVATE in message for message in caplog.messages) == 1
-    assert all(s["privacy"]["note"] == driver.NON_PRIVATE for s in summaries)
+    assert sum(NON_PRIVATE in message for message in caplog.messages) == 1
+    assert all(s["privacy"]["note"] == NON_PRIVATE for s in summaries)

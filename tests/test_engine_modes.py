@@ -16,7 +16,7 @@ import torch
 from dpfl.engine import run
 from dpfl.errors import ConfigError
 from dpfl.problem import build_problem
-from dpfl.rounds import RoundDriver
+from dpfl.rounds import RoundLoop
 from dpfl.runconfig import check_runtime
 
 
@@ -65,4 +65,4 @@ def test_flower_refuses_fast_mode(small_config):
     with pytest.raises(ConfigError, match="'engine-mode'.*allowed: exact"):
         check_runtime(config, "flower")
     with pytest.raises(ConfigError, match="engine-mode"):
-        RoundDriver(build_problem(config), transport=None, runtime="flower")
+        RoundLoop(build_problem(config), runtime="flower")

@@ -37,10 +37,10 @@ def faulty_grid(*, fail: dict[int, set[int]] | None = None,
     fail, drop, offline = fail or {}, drop or {}, offline or {}
 
     class Faulty(InProcessGrid):
-        round = 0
+        server_round = 0
 
         def get_node_ids(self):
-            upcoming = self.round + 1  # asked before the round's messages go out
+            upcoming = self.server_round + 1  # asked before the round's messages go out
             ids = []
             for node, context in list(self.contexts.items()):
                 home = context.node_config["partition-id"] + 1
@@ -63,16 +63,16 @@ def faulty_grid(*, fail: dict[int, set[int]] | None = None,
             for message in messages:
                 node = message.metadata.dst_node_id
                 if message.metadata.message_type == "train":
-                    self.round = int(message.content["config"]["round"])
+                    self.server_round = int(message.content["config"]["round"])
                 home = self.contexts[node].node_config["partition-id"] + 1
                 if message.metadata.message_type == "train" \
-                        and self.round in fail.get(home, set()):
+                        and self.server_round in fail.get(home, set()):
                     replies.append(Message(error=Error(code=0, reason="ClientApp crashed"),
                                            reply_to=message))
                     continue
                 reply = self.app(message, self.contexts[node])
                 if message.metadata.message_type == "train" \
-                        and self.round in drop.get(home, set()):
+                        and self.server_round in drop.get(home, set()):
                     continue
                 replies.append(reply)
             return replies

@@ -147,7 +147,7 @@ def test_cross_entropy_is_per_sample():
     ("least-squares", "squared", 1, {}, 0.0),  # PriSMA eq. 22
 ])
 def test_linear_models_closed_form_gradients_equal_autograd(model, loss, classes, options, reg):
-    """Linear models skip autograd in batch_gradients (FlatModel._linear_gradient); the same
+    """Linear models skip autograd in batch_gradients (ClosedFormLinear.gradient); the same
     module behind an Identity takes the autograd path and must agree."""
     from dpfl.models import FlatModel
 
@@ -155,7 +155,7 @@ def test_linear_models_closed_form_gradients_equal_autograd(model, loss, classes
     module = build_model(model, input_shape=(7,), num_classes=classes, seed=0, **options)
     closed = FlatModel(module, loss, nonconvex_reg=reg)
     auto = FlatModel(torch.nn.Sequential(torch.nn.Identity(), *module), loss, nonconvex_reg=reg)
-    assert closed._linear is not None and auto._linear is None
+    assert closed.linear is not None and auto.linear is None
     x = torch.randn(3, 5, 7)
     if loss == "cross-entropy":
         y = torch.randint(0, classes, (3, 5))

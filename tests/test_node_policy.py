@@ -64,14 +64,14 @@ class Node:
                                node_config={"partition-id": 0, **node_config},
                                state=RecordDict(), run_config=self.config.as_dict())
 
-    def send(self, round: int, x: torch.Tensor | None = None, exchange: str = "train"
+    def send(self, server_round: int, x: torch.Tensor | None = None, exchange: str = "train"
              ) -> RecordDict:
         algorithm = self.problem.algorithm
         state = algorithm.init_server_state(self.problem.x0 if x is None else x)
-        state = algorithm.begin_round(state, ServerContext(round, Randomness(0), [0], 3))
+        state = algorithm.begin_round(state, ServerContext(server_round, Randomness(0), [0], 3))
         message = Message(RecordDict({
-            "broadcast": to_record(algorithm.broadcast(exchange, state, round)),
-            "config": ConfigRecord({"exchange": exchange, "round": round, "clients": [0],
+            "broadcast": to_record(algorithm.broadcast(exchange, state, server_round)),
+            "config": ConfigRecord({"exchange": exchange, "round": server_round, "clients": [0],
                                     "segments": ["run"], "starts": [0]})}), 1,
             MessageType.TRAIN)
         return client_app(message, self.context).content
@@ -79,18 +79,18 @@ class Node:
     def upload(self, reply: RecordDict) -> torch.Tensor:
         return torch.from_numpy(reply["client.0"]["c"].numpy()).double()
 
-    def seeded_noise(self, round: int, rng: Randomness) -> torch.Tensor:
+    def seeded_noise(self, server_round: int, rng: Randomness) -> torch.Tensor:
         """The noise ``rng`` draws for client 0's upload of ``round``: what a server that knows
         the randomness regenerates."""
         (release,) = self.problem.releases(0)
         zeros = torch.zeros(1, self.problem.model.d)
-        return add_noise(zeros, [0], stds([release]), rng=rng, round=round,
+        return add_noise(zeros, [0], stds([release]), rng=rng, server_round=server_round,
                          stream=release.stream)[0].double()
 
-    def clean(self, round: int) -> torch.Tensor:
+    def clean(self, server_round: int) -> torch.Tensor:
         """Client 0's un-noised upload of ``round`` at the initial model."""
         quiet = Node({**self.config.as_dict(), "noise-multiplier": 0.0}, **TRUSTING)
-        return quiet.upload(quiet.send(round))
+        return quiet.upload(quiet.send(server_round))
 
 
 # ---- item 6: the server cannot strip a real node's noise ---------------------------------------
@@ -252,22 +252,22 @@ def test_a_reply_carries_nothing_derived_from_a_clients_record_count(tmp_path):
     other.problem = dataclasses.replace(other.problem, dataset=dataclasses.replace(
         ds, train_x=extra[0], train_y=extra[1]), partitions=parts, _cohorts={}, _releases={})
     assert len(other.problem.cohort([0]).y) == len(one.problem.cohort([0]).y) + 1
-    for round in (1, 2):
-        ours, theirs = (reply(node, round) for node in (one, other))
+    for server_round in (1, 2):
+        ours, theirs = (reply(node, server_round) for node in (one, other))
         assert list(ours) == list(theirs)
         for name in ours:
             if name != "client.0":
                 assert dict(ours[name]) == dict(theirs[name]), name
 
 
-def reply(node: Node, round: int) -> RecordDict:
+def reply(node: Node, server_round: int) -> RecordDict:
     from dpfl.client.app import reply as answer
 
     algorithm = node.problem.algorithm
     state = algorithm.init_server_state(node.problem.x0)
     message = Message(RecordDict({
-        "broadcast": to_record(algorithm.broadcast("train", state, round)),
-        "config": ConfigRecord({"exchange": "train", "round": round, "clients": [0]})}), 1,
+        "broadcast": to_record(algorithm.broadcast("train", state, server_round)),
+        "config": ConfigRecord({"exchange": "train", "round": server_round, "clients": [0]})}), 1,
         MessageType.TRAIN)
     return answer(message, node.context, node.problem).content
 

@@ -200,7 +200,7 @@ def test_no_tape_outlives_its_group(method, pair):
     forward pass, no earlier tape is alive but the other point's of the same chunk (``pair``)."""
     flat_model, flat, x, y = _setup("clip21-cnn", clients=2, batch=8)
     flat_model.chunk_size = 4  # groups of one 4-sample chunk: four of them
-    record, alive, calls = flat_model._record, [], []
+    record, alive, calls = flat_model.tapes.record, [], []
 
     def tracked(*args, **kwargs):
         calls.append(sum(ref() is not None for ref in alive))
@@ -208,7 +208,7 @@ def test_no_tape_outlives_its_group(method, pair):
         alive.append(weakref.ref(tape[0][2]))  # the first layer's output gradients
         return tape
 
-    flat_model._record = tracked
+    flat_model.tapes.record = tracked
     if method == "clipped_mean":
         flat_model.clipped_mean(flat, x, y, 0.1)
     else:

@@ -18,11 +18,11 @@ from dpfl.problem import build_problem
 from dpfl.rounds import ClientRuntime
 
 
-def _step(problem, ids, round=1, seed=0):
+def _step(problem, ids, server_round=1, seed=0):
     """One exchange of ``ids`` through the client runtime: the noised uploads."""
     cohort = problem.full_cohort().select(ids)
     runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(seed))
-    return runtime.step("train", round, {"x": problem.x0}, {}, cohort)
+    return runtime.step("train", server_round, {"x": problem.x0}, {}, cohort)
 
 
 def test_dpsgd_gc_is_a_preset_of_per_sample_clip_sgd(small_config):
@@ -225,8 +225,8 @@ def _storm_reference(problem, rounds, seed=0):
 
     x = x_prev = problem.x0.double()
     v = None
-    for round in range(1, rounds + 1):
-        xb, yb = cohort.sample(rng, round, "batch", hp.batch_size)
+    for server_round in range(1, rounds + 1):
+        xb, yb = cohort.sample(rng, server_round, "batch", hp.batch_size)
         g = clipped_mean(x, xb, yb)
         v = g if v is None else hp.gamma * g + (1 - hp.gamma) * (v + g - clipped_mean(x_prev, xb,
                                                                                        yb))
@@ -285,8 +285,8 @@ def test_the_ledger_is_never_below_an_independent_opacus_recomputation(tmp_path,
         by_name = {r["name"]: r for r in releases}
         assert {r["relation"] for r in releases} == {relation}
         accountant = RDPAccountant()
-        for round in range(1, PRISMA["num-server-rounds"] + 1):
-            r = by_name["init" if round == 1 else "momentum"]
+        for server_round in range(1, PRISMA["num-server-rounds"] + 1):
+            r = by_name["init" if server_round == 1 else "momentum"]
             accountant.step(noise_multiplier=r["noise_multiplier"], sample_rate=r["sample_rate"])
         ledger = summary["epsilon"][int(client)]
         assert ledger >= accountant.get_epsilon(1e-5) * (1 - 1e-9)

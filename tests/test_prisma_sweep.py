@@ -15,7 +15,7 @@ from dpfl.experiments import least_squares
 from dpfl.experiments.lab import ARCHIVE, Lab
 from dpfl.experiments.prisma import config_of, estimate_seconds, neighbours
 from dpfl.problem import build_problem
-from dpfl.rounds.driver import RoundDriver
+from dpfl.rounds import RoundLoop, drive
 from dpfl.runconfig import RunConfig
 
 PRISMA = {"learning-rate": 0.1, "clip": 5.0, "gamma": 0.05, "clip-diff": 0.01,
@@ -31,9 +31,9 @@ def _config(method, point, tmp_path, *, size=2000, seed=3, **changes):
 
 def _engine_iterate(config):
     problem = build_problem(config)
-    driver = RoundDriver(problem, EngineTransport(problem), "engine", echo=False)
-    driver.run()
-    return driver.algorithm.global_params(driver.state).double()
+    loop = RoundLoop(problem, "engine", echo=False)
+    drive(loop, EngineTransport(problem))
+    return loop.algorithm.global_params(loop.state).double()
 
 
 @pytest.mark.parametrize("method, point", [("prisma", PRISMA), ("dpsgd-gc", DPSGD),

@@ -206,8 +206,8 @@ STD = torch.tensor([1.0, 2.0, 0.5, 3.0])
 CLIENTS = [3, 5, 8, 9]
 
 
-def _noise(pooled: bool, round: int = 1) -> torch.Tensor:
-    return add_noise(torch.zeros(4, D), CLIENTS, STD, rng=Randomness(7), round=round,
+def _noise(pooled: bool, server_round: int = 1) -> torch.Tensor:
+    return add_noise(torch.zeros(4, D), CLIENTS, STD, rng=Randomness(7), server_round=server_round,
                      stream="noise", pooled=pooled)
 
 
@@ -216,7 +216,7 @@ def test_exact_noise_is_per_client_with_each_clients_std():
     for row, std in zip(noise, STD, strict=True):
         assert row.std().item() == pytest.approx(std.item(), rel=0.01)
     assert torch.equal(noise, _noise(pooled=False))  # keyed streams
-    alone = add_noise(torch.zeros(1, D), [5], STD[1:2], rng=Randomness(7), round=1,
+    alone = add_noise(torch.zeros(1, D), [5], STD[1:2], rng=Randomness(7), server_round=1,
                       stream="noise")
     assert torch.equal(alone[0], noise[1])  # a client draws the same alone or in a cohort
 
@@ -230,7 +230,7 @@ def test_pooled_noise_has_the_law_of_the_sum_of_independent_draws():
     exact_total = _noise(pooled=False).sum(dim=0)
     assert total.std().item() == pytest.approx(exact_total.std().item(), rel=0.02)
     assert not torch.equal(total, exact_total)  # other numbers, same law
-    assert not torch.equal(pooled, _noise(pooled=True, round=2))
+    assert not torch.equal(pooled, _noise(pooled=True, server_round=2))
 
 
 # ---- accounting: the server's mirror of every client's ledger ---------------------------------

@@ -130,15 +130,15 @@ def _replies(problem, shift=None):
     context: Context = grid.contexts[1]
     out = []
     algorithm = problem.algorithm
-    for round in (1, 2):
+    for server_round in (1, 2):
         state = algorithm.begin_round(algorithm.init_server_state(problem.x0), ServerContext(
-            round, Randomness(0), [0], problem.num_clients))
-        if round == 2 and shift is not None:
+            server_round, Randomness(0), [0], problem.num_clients))
+        if server_round == 2 and shift is not None:
             state = {**state, "x": state["x"] + shift}
-        for exchange in algorithm.round_exchanges(round):
-            broadcast = algorithm.broadcast(exchange.name, state, round)
+        for exchange in algorithm.round_exchanges(server_round):
+            broadcast = algorithm.broadcast(exchange.name, state, server_round)
             msg = Message(RecordDict({"broadcast": to_record(broadcast), "config": ConfigRecord(
-                {"exchange": exchange.name, "round": round, "clients": [0]})}), 1,
+                {"exchange": exchange.name, "round": server_round, "clients": [0]})}), 1,
                 MessageType.TRAIN)
             out.append(reply(msg, context, problem).content)
     return out

@@ -92,11 +92,11 @@ def test_a_k_above_the_rank_leaves_zero_columns_that_project_nothing():
 
 # ---- one step --------------------------------------------------------------------------------
 
-def _step(problem, rng_seed=0, round=1):
+def _step(problem, rng_seed=0, server_round=1):
     runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(rng_seed))
     broadcast = {"x": problem.x0, "radius": torch.tensor([problem.algorithm.hp.clip])}
     states = problem.algorithm.init_client_state(problem.num_clients)
-    return runtime.step("train", round, broadcast, states, problem.full_cohort())[0]["x"]
+    return runtime.step("train", server_round, broadcast, states, problem.full_cohort())[0]["x"]
 
 
 def _by_hand(problem, after_clipping=False):
@@ -202,14 +202,14 @@ def test_a_client_recomputes_its_subspace_every_beta_steps_and_at_each_round_sta
     algorithm, calls = problem.algorithm, []
     original = algorithm.public_subspace
 
-    def spy(point, rng, owner, round, index):
-        calls.append((owner, round, index))
-        return original(point, rng, owner, round, index)
+    def spy(point, rng, owner, server_round, index):
+        calls.append((owner, server_round, index))
+        return original(point, rng, owner, server_round, index)
 
     algorithm.public_subspace = spy
-    for round in (1, 2):
+    for server_round in (1, 2):
         ClientRuntime(algorithm, problem.releases, Randomness(0)).step(
-            "train", round, {"x": problem.x0, "radius": torch.tensor([0.5])}, {},
+            "train", server_round, {"x": problem.x0, "radius": torch.tensor([0.5])}, {},
             problem.full_cohort())
     assert calls == [(c, r, i) for r in (1, 2) for i in (0, 1, 2) for c in (0, 1)]
 
@@ -258,10 +258,10 @@ def test_fedpcdp_uploads_k_numbers_and_the_server_restores_the_update_losslessly
     assert _rounds(fed)[0]["downlink_bytes"] == (d + 1 + d * 12) * 4  # x, the clip, V
 
 
-def _server_ctx(problem, round=1):
+def _server_ctx(problem, server_round=1):
     from dpfl.algorithms import ServerContext
 
-    return ServerContext(round, Randomness(3), list(range(problem.num_clients)),
+    return ServerContext(server_round, Randomness(3), list(range(problem.num_clients)),
                          problem.num_clients, num_rounds=3, client_releases=problem.releases)
 
 
@@ -296,8 +296,8 @@ def test_poisson_batches_take_each_record_with_probability_b_over_n(tmp_path):
     cohort = problem.full_cohort()
     n = cohort.sizes[0]
     counts = torch.zeros(n)
-    for round in range(300):
-        picks = Randomness(0).bernoulli_rows([0], [n], round, "batch-0", [60 / n])[0]
+    for server_round in range(300):
+        picks = Randomness(0).bernoulli_rows([0], [n], server_round, "batch-0", [60 / n])[0]
         counts[picks] += 1
     assert counts.sum().item() / 300 == pytest.approx(60, rel=0.03)
     assert counts.mean().item() / 300 == pytest.approx(60 / n, rel=0.03)

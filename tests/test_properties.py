@@ -145,14 +145,14 @@ def test_per_sample_clipping_bounds_each_records_contribution(name, batch, scale
 
 # ---- a client's inf and NaN stay on its node; the server's stop the run -----------------------
 
-def poisoned(cls, round: int, client: int, value: float):
+def poisoned(cls, server_round: int, client: int, value: float):
     """``cls.client_step`` that fills ``client``'s row of its first upload in ``round`` with
     ``value``."""
     step = cls.client_step
 
     def client_step(self, exchange, states, broadcast, cohort, ctx):
         messages, states = step(self, exchange, states, broadcast, cohort, ctx)
-        if ctx.round == round and client in cohort.ids:
+        if ctx.server_round == server_round and client in cohort.ids:
             first = sorted(messages)[0]
             messages = {**messages, first: messages[first].clone()}
             messages[first][cohort.ids.index(client)] = value
@@ -373,7 +373,7 @@ QUERIES = st.builds(lambda radius, relation: Query("q", "train", radius, relatio
        st.integers(50, 3000), QUERIES, st.just(0.0) | st.floats(1e-3, 1e2),
        st.integers(1, 10**6), st.integers(0, 2**31))
 def test_each_client_draws_noise_of_its_releases_declared_std(clients, dim, query, multiplier,
-                                                              round, seed):
+                                                              server_round, seed):
     """std = noise multiplier × sensitivity; ``noise-multiplier`` (std over the radius) gives
     the same release both ways; each client's draw has that std."""
     release = Release.from_opacus(query, multiplier)
@@ -383,7 +383,7 @@ def test_each_client_draws_noise_of_its_releases_declared_std(clients, dim, quer
     assert math.isclose(stds([release] * len(clients))[0], declared, rel_tol=1e-6)
     values = torch.zeros(len(clients), dim)
     noisy = add_noise(values, clients, stds([release] * len(clients)), rng=Randomness(seed),
-                      round=round, stream="noise")
+                      server_round=server_round, stream="noise")
     if declared == 0:
         assert torch.equal(noisy, values)
         return
@@ -397,7 +397,7 @@ def test_pooled_noise_gives_the_sum_the_std_of_the_clients_draws(std, dim, seed)
     """The engine's fast mode: one draw of std √(Σσ_i²) for the participants' sum."""
     std_t = torch.tensor(std, dtype=torch.float32)
     values = torch.zeros(len(std), dim)
-    noisy = add_noise(values, list(range(len(std))), std_t, rng=Randomness(seed), round=1,
+    noisy = add_noise(values, list(range(len(std))), std_t, rng=Randomness(seed), server_round=1,
                       stream="noise", pooled=True)
     total = math.sqrt(sum(float(np.float32(s)) ** 2 for s in std))
     if total == 0:
@@ -426,7 +426,7 @@ def test_a_server_step_that_overflows_stops_the_run_and_keeps_the_last_finite_mo
 
     def overflowing(self, exchange, state, sums, ctx):
         state = step(self, exchange, state, sums, ctx)
-        return {**state, "x": state["x"] * math.inf} if ctx.round == 2 else state
+        return {**state, "x": state["x"] * math.inf} if ctx.server_round == 2 else state
 
     monkeypatch.setattr(cls, "server_step", overflowing)
     with pytest.raises(NonFiniteError, match="round 2, exchange 'train': the server's step"):

@@ -73,11 +73,11 @@ def test_the_clipping_norm_follows_flowers_client_side_adaptive_clipping(tmp_pat
     state = algorithm.init_server_state(problem.x0)
     cohort = problem.full_cohort()
     ours, theirs = [], []
-    for round in range(1, 7):
-        uploads = runtime.step("train", round, algorithm.broadcast("train", state, round), {},
-                               cohort)[0]
+    for server_round in range(1, 7):
+        broadcast = algorithm.broadcast("train", state, server_round)
+        uploads = runtime.step("train", server_round, broadcast, {}, cohort)[0]
         sums = {k: v.sum(dim=0) for k, v in uploads.items()}
-        ctx = RecordingContext(round, Randomness(2), list(range(10)), 10,
+        ctx = RecordingContext(server_round, Randomness(2), list(range(10)), 10,
                                releases={r.name: r for r in problem.server_releases()})
         x = state["x"]
         state = algorithm.server_step("train", state, sums, ctx)
@@ -85,7 +85,7 @@ def test_the_clipping_norm_follows_flowers_client_side_adaptive_clipping(tmp_pat
         monkeypatch.setattr(np.random, "normal", lambda loc=0.0, scale=1.0, size=None:
                             float(noisy_count.sum()) if size is None
                             else np.zeros(size))
-        flower.aggregate_train(round, _replies(x, uploads))
+        flower.aggregate_train(server_round, _replies(x, uploads))
         monkeypatch.undo()
         ours.append(float(state["clip"][0]))
         theirs.append(flower.clipping_norm)

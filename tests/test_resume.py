@@ -121,7 +121,7 @@ def test_rounds_extend_when_the_noise_does_not_depend_on_them(tmp_path, capsys):
     assert "raise num-server-rounds" not in again and more.count("\n") == again.count("\n") == 1
 
 
-def killed_in(round: int, after_nodes: int) -> type[InProcessGrid]:
+def killed_in(server_round: int, after_nodes: int) -> type[InProcessGrid]:
     """A grid whose server process dies in ``round``: the messages of the round reach the
     first ``after_nodes`` nodes (whose clients compute and write their state), then the
     exchange fails."""
@@ -130,7 +130,7 @@ def killed_in(round: int, after_nodes: int) -> type[InProcessGrid]:
         def send_and_receive(self, messages, *, timeout=None):
             messages = list(messages)
             if messages and messages[0].metadata.message_type == "train" \
-                    and int(messages[0].content["config"]["round"]) == round:
+                    and int(messages[0].content["config"]["round"]) == server_round:
                 super().send_and_receive(messages[:after_nodes])
                 raise KeyboardInterrupt
             return super().send_and_receive(messages)
@@ -226,15 +226,15 @@ def test_a_secure_engine_run_resumed_charges_the_rounds_after_its_checkpoint(tmp
 
     values = {**STATEFUL, "fraction-train": 1.0, "num-server-rounds": 4, "secure-noise": True,
               "results-dir": str(tmp_path), "run-name": "engine"}
-    exchange = runner.EngineTransport.exchange
+    exchange = runner.EngineTransport.send_and_receive
 
-    def dies_in_round_4(self, name, round, *args):
-        if round == 4:
+    def dies_in_round_4(self, name, server_round, *args):
+        if server_round == 4:
             raise KeyboardInterrupt
-        return exchange(self, name, round, *args)
+        return exchange(self, name, server_round, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(runner.EngineTransport, "exchange", dies_in_round_4)
+        patch.setattr(runner.EngineTransport, "send_and_receive", dies_in_round_4)
         with pytest.raises(KeyboardInterrupt):
             run(RunConfig(values), echo=False)
     resumed = run(RunConfig({**values, "resume": True}), echo=False)

@@ -24,11 +24,7 @@ def secure_run(name: str, tmp_path, run_name: str, **keys) -> dict:
                echo=False)
 
 
-# the registered algorithms (not the probes other test modules register)
-REGISTERED = [name for name in ALGORITHMS.names() if not name.startswith("test-")]
-
-
-@pytest.mark.parametrize("name", REGISTERED)
+@pytest.mark.parametrize("name", ALGORITHMS.names())
 def test_every_algorithm_runs_with_no_seeded_draw(name, tmp_path, monkeypatch):
     """A secure Randomness has no seeded stream (``key`` raises): a run that completes drew
     nothing from one. The CSPRNG is also counted, so a noisy algorithm is seen to use it."""

@@ -172,9 +172,9 @@ class LocalDPSGDHyperparameters:
     lr_milestones: ClassVar[str] = ""
     adaptive: ClassVar[bool] = False
 
-    def learning_rate_at(self, round: int) -> float:
-        """η divided by 10 for each of ``lr-milestones`` before ``round``."""
-        passed = sum(m < round for m in parse_milestones(self.lr_milestones))
+    def learning_rate_at(self, server_round: int) -> float:
+        """η divided by 10 for each of ``lr-milestones`` before ``server_round``."""
+        passed = sum(m < server_round for m in parse_milestones(self.lr_milestones))
         return self.learning_rate / 10 ** passed
 
 
@@ -265,7 +265,7 @@ class AdaptDPFedAvg(Algorithm):
     def init_server_state(self, x0: Tensor) -> State:
         return {"x": x0.clone(), "radius": torch.tensor([self.hp.clip], dtype=torch.float32)}
 
-    def broadcast(self, exchange: str, state: State, round: int) -> State:
+    def broadcast(self, exchange: str, state: State, server_round: int) -> State:
         if exchange == "statistic":
             return {"x": state["x"]}
         return {"x": state["x"], "radius": state["radius"]}
@@ -282,8 +282,8 @@ class AdaptDPFedAvg(Algorithm):
             x = clip_by_norm(x, self.hp.projection_radius)
         return {"x": x, "radius": state["radius"]}
 
-    def participants(self, round: int, clients: list[int], rng: Randomness) -> list[int]:
-        return sample_clients(self.hp.fraction_train, round, clients, rng)
+    def participants(self, server_round: int, clients: list[int], rng: Randomness) -> list[int]:
+        return sample_clients(self.hp.fraction_train, server_round, clients, rng)
 
     def radius(self, mean: float, ctx: ServerContext) -> float:
         """C_r = min(√(max(2τ(mean + ν̃), 0)), Ĝ) (Algorithm 1 line 9)."""
@@ -333,7 +333,7 @@ class AdaptDPFedAvg(Algorithm):
         state."""
         hp = self.hp
         radius = float(broadcast["radius"][0])
-        lr = hp.learning_rate_at(ctx.round)
+        lr = hp.learning_rate_at(ctx.server_round)
         params = x.unsqueeze(0).repeat(len(cohort), 1)
         velocity = states["momentum"].to(ctx.device) if hp.momentum else None
         clipped = torch.zeros(len(cohort), device=ctx.device)

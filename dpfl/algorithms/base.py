@@ -2,7 +2,7 @@
 
 An algorithm is written once, over flat parameter vectors with a leading client axis, from a
 frozen dataclass of its hyperparameters (``Hyperparameters``), and driven unchanged by every
-runtime: the round driver over the Flower transport (one client, or a cohort, per ClientApp
+runtime: the round loop over the Flower transport (one client, or a cohort, per ClientApp
 call) and over the in-process engine (all clients at once).
 
 * ``exchanges`` declares every exchange: what the server broadcasts and what every client
@@ -110,7 +110,7 @@ class Cohort:
         return Cohort([self.ids[p] for p in positions], self.x, self.y,
                       [self.indices[p] for p in positions])
 
-    def sample(self, rng: Randomness, round: int, purpose: str,
+    def sample(self, rng: Randomness, server_round: int, purpose: str,
                batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A mini-batch of ``batch_size`` rows per client, uniformly without replacement
         from its own data (fresh every call): ``x [C, b, ...]``, ``y [C, b]``.
@@ -121,18 +121,19 @@ class Cohort:
                 rows = torch.stack(self.indices)
                 self._whole = (self.x[rows], self.y[rows])
             return self._whole
-        picks = rng.sample_without_replacement(self.ids, self.sizes, round, purpose, batch_size)
+        picks = rng.sample_without_replacement(self.ids, self.sizes, server_round, purpose,
+                                               batch_size)
         rows = torch.cat([idx[p] for idx, p in zip(self.indices, picks, strict=True)])
         shape = (len(self), batch_size)
         return (self.x.index_select(0, rows).view(*shape, *self.x.shape[1:]),
                 self.y.index_select(0, rows).view(*shape, *self.y.shape[1:]))
 
 
-    def poisson(self, rng: Randomness, round: int, purpose: str,
+    def poisson(self, rng: Randomness, server_round: int, purpose: str,
                 rates: Sequence[float]) -> list[Batch]:
         """Poisson sampling: each of client ``ids[i]``'s records independently with probability
         ``rates[i]``; one ``(x [n_i, ...], y [n_i])`` per client, in stored order."""
-        picks = rng.bernoulli_rows(self.ids, self.sizes, round, purpose, rates)
+        picks = rng.bernoulli_rows(self.ids, self.sizes, server_round, purpose, rates)
         return [(self.x[idx[p]], self.y[idx[p]])
                 for idx, p in zip(self.indices, picks, strict=True)]
 
@@ -149,8 +150,10 @@ class Cohort:
         releases = [rel[release] for rel in ctx.releases]
         if releases[0].relation == "add-remove":
             rates = [r.sample_rate for r in releases]
-            return Batches(batch_size, rows=self.poisson(ctx.rng, ctx.round, purpose, rates))
-        return Batches(batch_size, stacked=self.sample(ctx.rng, ctx.round, purpose, batch_size))
+            return Batches(batch_size,
+                           rows=self.poisson(ctx.rng, ctx.server_round, purpose, rates))
+        return Batches(batch_size,
+                       stacked=self.sample(ctx.rng, ctx.server_round, purpose, batch_size))
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,7 @@ class ClientContext:
     cohort's releases (``releases[i]``: client ``clients[i]``'s, by query name), the device,
     and whether non-private diagnostics are collected."""
 
-    round: int
+    server_round: int
     rng: Randomness
     clients: list[int]
     releases: list[dict[str, Release]]
@@ -237,7 +240,7 @@ class ClientContext:
         stream = releases[0].stream if step is None else f"{releases[0].stream}-{step}"
         self.drawn[name] += 1
         return add_noise(values, self.clients, stds(releases, radius).to(values.device),
-                         rng=self.rng, round=self.round, stream=stream)
+                         rng=self.rng, server_round=self.server_round, stream=stream)
 
     @property
     def diagnosing(self) -> bool:
@@ -257,7 +260,7 @@ class ServerContext:
     rounds and every client's releases (public: calibrated from the clients' data sizes), for
     a server step that debiases a noisy statistic."""
 
-    round: int
+    server_round: int
     rng: Randomness
     participants: list[int]
     num_clients: int
@@ -276,7 +279,7 @@ class ServerContext:
         ``(seed, server, round, <stream>)``), charged to the server's ledger."""
         release = self.releases[name]
         noisy = add_noise(values.unsqueeze(0), [SERVER], stds([release], radius),
-                          rng=self.rng, round=self.round, stream=release.stream)[0]
+                          rng=self.rng, server_round=self.server_round, stream=release.stream)[0]
         self.charge(release)
         return noisy
 
@@ -315,10 +318,10 @@ class Algorithm(ABC):
     def exchange(self, name: str) -> Exchange:
         return next(e for e in self.exchanges if e.name == name)
 
-    def round_exchanges(self, round: int) -> tuple[Exchange, ...]:
-        """The exchanges ``round`` runs, in order (every declared one by default; an algorithm
-        whose first round differs, e.g. an initialisation, overrides this). A release is charged
-        in the rounds whose exchanges carry it."""
+    def round_exchanges(self, server_round: int) -> tuple[Exchange, ...]:
+        """The exchanges round ``server_round`` runs, in order (every declared one by default; an
+        algorithm whose first round differs, e.g. an initialisation, overrides this). A release
+        is charged in the rounds whose exchanges carry it."""
         return self.exchanges
 
     # ---- privacy -------------------------------------------------------------------------
@@ -347,8 +350,8 @@ class Algorithm(ABC):
     def init_server_state(self, x0: torch.Tensor) -> State:
         return {"x": x0.clone()}
 
-    def participants(self, round: int, clients: list[int], rng: Randomness) -> list[int]:
-        """The clients taking part in ``round`` (all of them by default)."""
+    def participants(self, server_round: int, clients: list[int], rng: Randomness) -> list[int]:
+        """The clients taking part in ``server_round`` (all of them by default)."""
         return list(clients)
 
     def begin_round(self, state: State, ctx: ServerContext) -> State:
@@ -357,7 +360,7 @@ class Algorithm(ABC):
         default."""
         return state
 
-    def broadcast(self, exchange: str, state: State, round: int) -> State:
+    def broadcast(self, exchange: str, state: State, server_round: int) -> State:
         return {"x": state["x"]}
 
     @abstractmethod
@@ -383,14 +386,14 @@ class Algorithm(ABC):
         """Un-noised uploads ``[C, ...]`` and new client states ``[C, ...]``."""
 
 
-def sample_clients(fraction: float, round: int, clients: list[int],
+def sample_clients(fraction: float, server_round: int, clients: list[int],
                    rng: Randomness) -> list[int]:
     """s = round(fraction·n) of ``clients`` (at least 1), uniformly without replacement from the
-    server's stream of ``round``, sorted; all of them when s = n."""
+    server's stream of ``server_round``, sorted; all of them when s = n."""
     s = max(1, math.floor(fraction * len(clients) + 0.5))
     if s >= len(clients):
         return list(clients)
-    order = rng.permutation(SERVER, round, "participants", len(clients))
+    order = rng.permutation(SERVER, server_round, "participants", len(clients))
     return sorted(clients[i] for i in order[:s].tolist())
 
 
@@ -399,7 +402,7 @@ def check_schema(algorithm: Algorithm, queries: list[Query]) -> None:
     ``queries`` of one client, ``server_queries``): every upload is covered by a client-side
     query of its exchange; one the runtime noises has one step and a fixed radius; no two
     client queries share a name, and no two of one exchange a noise stream (queries of
-    exchanges that run in the same round must not share one either: the round driver checks
+    exchanges that run in the same round must not share one either: the round loop checks
     that for the rounds it runs)."""
     if any(q.side != "client" for q in queries) or any(
             q.side != "server" for q in algorithm.server_queries()):

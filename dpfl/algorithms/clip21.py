@@ -262,10 +262,10 @@ class Clip21Family(Algorithm):
         return [Query(name, "train", radius=self.radius(), relation=self.relation)]
 
     # ---- partial participation (Alg. 4) ------------------------------------------------------
-    def participants(self, round: int, clients: list[int], rng: Randomness) -> list[int]:
+    def participants(self, server_round: int, clients: list[int], rng: Randomness) -> list[int]:
         """s = round(fraction-train·n) clients (at least 1), uniformly without replacement from
         the server's stream, sorted; all clients when fraction-train = 1."""
-        return sample_clients(self.hp.fraction_train, round, clients, rng)
+        return sample_clients(self.hp.fraction_train, server_round, clients, rng)
 
     def average(self, total: Tensor, ctx: ServerContext) -> Tensor:
         """(1/s)·Σ_{i∈S} c_i as printed (Alg. 4 line 15), or (1/n)·Σ with pp-scaling = 'n'."""
@@ -276,7 +276,7 @@ class Clip21Family(Algorithm):
 
     # ---- gradient oracles --------------------------------------------------------------------
     def batch(self, cohort: Cohort, ctx: ClientContext) -> tuple[Tensor, Tensor]:
-        xb, yb = cohort.sample(ctx.rng, ctx.round, "batch", self.hp.batch_size)
+        xb, yb = cohort.sample(ctx.rng, ctx.server_round, "batch", self.hp.batch_size)
         return xb.to(ctx.device), yb.to(ctx.device)
 
     def losses(self, cohort: Cohort, ctx: ClientContext) -> Tensor | None:
@@ -294,7 +294,7 @@ class Clip21Family(Algorithm):
         if losses is not None:
             ctx.diagnose("train-loss", losses.mean(dim=1))
         if (sigma := self.hp.gradient_noise) > 0:  # the Gaussian-added oracle
-            grads = grads + ctx.rng.normal(cohort.ids, ctx.round, "oracle", (self.model.d,),
+            grads = grads + ctx.rng.normal(cohort.ids, ctx.server_round, "oracle", (self.model.d,),
                                            torch.full((len(cohort),), sigma), device=ctx.device)
         return grads
 

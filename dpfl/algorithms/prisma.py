@@ -217,8 +217,8 @@ class Prisma(Algorithm):
     def relation(self) -> str:  # type: ignore[override]
         return self.hp.relation
 
-    def round_exchanges(self, round: int) -> tuple[Exchange, ...]:
-        return self.exchanges[:1] if round == 1 else self.exchanges[1:]
+    def round_exchanges(self, server_round: int) -> tuple[Exchange, ...]:
+        return self.exchanges[:1] if server_round == 1 else self.exchanges[1:]
 
     def momentum_radius(self) -> float:
         """The norm bound of one record's term of q_i^t = γ·clip_C1(∇f_ij(x^t)) + (1 − γ)·
@@ -241,7 +241,7 @@ class Prisma(Algorithm):
     def init_server_state(self, x0: Tensor) -> State:
         return {"x": x0.clone(), "x_prev": x0.clone()}
 
-    def broadcast(self, exchange: str, state: State, round: int) -> State:
+    def broadcast(self, exchange: str, state: State, server_round: int) -> State:
         if exchange == "init":
             return {"x": state["x"]}
         return {"x": state["x"], "x_prev": state["x_prev"]}

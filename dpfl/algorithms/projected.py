@@ -271,10 +271,10 @@ class DPSGD(DPFedAvg):
         return self.hp.public_batch_size or len(self.public[1])
 
     # ---- subspaces -------------------------------------------------------------------------
-    def public_subspace(self, point: Tensor, rng: Randomness, owner: int, round: int,
+    def public_subspace(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
                         index: int) -> Basis:
         """The top-k eigenspace of the public gradients at ``point`` (``[d]``): public batch
-        ``index`` of ``owner``'s ``round`` (RBS: B_pub records drawn from stream
+        ``index`` of ``owner``'s ``server_round`` (RBS: B_pub records drawn from stream
         ``public-<index>``, or all m; IBS: block ``index`` of the public set shuffled once)."""
         assert self.public is not None
         hp = self.hp
@@ -285,7 +285,7 @@ class DPSGD(DPFedAvg):
                 self.public_order = rng.permutation(SERVER, 0, "public-blocks", m)
             rows = self.public_order[index * b:(index + 1) * b].sort().values
         elif b < m:
-            rows = rng.permutation(owner, round, f"public-{index}", m)[:b].sort().values
+            rows = rng.permutation(owner, server_round, f"public-{index}", m)[:b].sort().values
         else:
             rows = None
         xs, ys = (px, py) if rows is None else (px[rows], py[rows])
@@ -304,17 +304,18 @@ class DPSGD(DPFedAvg):
                 hp.projection_dim)
         return Basis(v)
 
-    def random_subspace(self, rng: Randomness, client: int, round: int, index: int,
+    def random_subspace(self, rng: Randomness, client: int, server_round: int, index: int,
                         device: torch.device) -> Subspace:
         """RPDP-SGD's orthonormalised Gaussian d×k' basis, or RSDP-SGD's mask, from the
-        client's stream ``subspace-<index>`` of ``round`` (public randomness)."""
+        client's stream ``subspace-<index>`` of ``server_round`` (public randomness)."""
         hp, d = self.hp, self.model.d
         stream = f"subspace-{index}"
         if hp.projection == "sparse":
             keep = max(1, round_half_up((1 - hp.sparsity) * d))
-            return Coordinates(rng.permutation(client, round, stream, d)[:keep].sort().values
+            return Coordinates(rng.permutation(client, server_round, stream, d)[:keep].sort().values
                                .to(device), d)
-        gaussian = rng.normal([client], round, stream, (d, hp.projection_dim), torch.ones(1))[0]
+        gaussian = rng.normal([client], server_round, stream, (d, hp.projection_dim),
+                              torch.ones(1))[0]
         return Basis(torch.linalg.qr(gaussian).Q.to(device))
 
     def subspaces(self, params: Tensor, cohort: Cohort, k: int, ctx: ClientContext,
@@ -327,11 +328,11 @@ class DPSGD(DPFedAvg):
         index = k // hp.projection_interval
         if hp.projection == "public":
             per_round = math.ceil(hp.local_steps / hp.projection_interval)
-            return [self.public_subspace(params[i], ctx.rng, c, ctx.round,
-                                         (ctx.round - 1) * per_round + index
+            return [self.public_subspace(params[i], ctx.rng, c, ctx.server_round,
+                                         (ctx.server_round - 1) * per_round + index
                                          if hp.public_batching == "ibs" else index)
                     for i, c in enumerate(cohort.ids)]
-        return [self.random_subspace(ctx.rng, c, ctx.round, index, ctx.device)
+        return [self.random_subspace(ctx.rng, c, ctx.server_round, index, ctx.device)
                 for c in cohort.ids]
 
     # ---- client ----------------------------------------------------------------------------
@@ -449,13 +450,13 @@ class FedPCDP(DPSGD):
         """Algorithm 3 (the virtual client): V_k^r at the global model, from the public records,
         every β rounds (the lost condition of its line 5 read as this interval)."""
         beta = self.hp.projection_interval
-        if (ctx.round - 1) % beta:
+        if (ctx.server_round - 1) % beta:
             return state
-        index = (ctx.round - 1) // beta
-        space = self.public_subspace(state["x"], ctx.rng, SERVER, ctx.round, index)
+        index = (ctx.server_round - 1) // beta
+        space = self.public_subspace(state["x"], ctx.rng, SERVER, ctx.server_round, index)
         return {**state, "basis": space.v}
 
-    def broadcast(self, exchange: str, state: State, round: int) -> State:
+    def broadcast(self, exchange: str, state: State, server_round: int) -> State:
         return {"x": state["x"], "radius": state["radius"], "basis": state["basis"]}
 
     def step_subspaces(self, params: Tensor, cohort: Cohort, k: int, broadcast: State,

@@ -170,7 +170,7 @@ class QuantileDPFedAvg(Algorithm):
     def init_server_state(self, x0: Tensor) -> State:
         return {"x": x0.clone(), "clip": torch.tensor([self.hp.clip], dtype=torch.float64)}
 
-    def broadcast(self, exchange: str, state: State, round: int) -> State:
+    def broadcast(self, exchange: str, state: State, server_round: int) -> State:
         return dict(state)
 
     def server_step(self, exchange: str, state: State, sums: State,
@@ -196,7 +196,7 @@ class QuantileDPFedAvg(Algorithm):
         clip = float(broadcast["clip"][0])
         params = x.unsqueeze(0).repeat(len(cohort), 1)
         for k in range(hp.local_steps):
-            xb, yb = cohort.sample(ctx.rng, ctx.round, f"batch-{k}", hp.batch_size)
+            xb, yb = cohort.sample(ctx.rng, ctx.server_round, f"batch-{k}", hp.batch_size)
             params = params - hp.learning_rate * self.model.batch_gradients(
                 params, xb.to(ctx.device), yb.to(ctx.device))
         deltas = (params - x).cpu().numpy().copy()

@@ -42,7 +42,7 @@ class DPSCAFFOLD(DPFedAvg):
     def init_server_state(self, x0: Tensor) -> State:
         return {**super().init_server_state(x0), "c": torch.zeros_like(x0)}
 
-    def broadcast(self, exchange: str, state: State, round: int) -> State:
+    def broadcast(self, exchange: str, state: State, server_round: int) -> State:
         return {"x": state["x"], "radius": state["radius"], "c": state["c"]}
 
     def init_client_state(self, num_clients: int) -> State:

@@ -164,15 +164,16 @@ def play(problem: Problem, rng: Randomness, rounds: int, server_clients: list[in
     state = algorithm.init_server_state(problem.x0.to(device))
     server_releases = {r.name: r for r in problem.server_releases()}
     first = server_clients[0]
-    for round in range(1, rounds + 1):
-        ctx = ServerContext(round=round, rng=rng, participants=server_clients,
+    for server_round in range(1, rounds + 1):
+        ctx = ServerContext(server_round=server_round, rng=rng, participants=server_clients,
                             num_clients=problem.num_clients, releases=server_releases,
                             num_rounds=rounds, client_releases=problem.releases)
         state = algorithm.begin_round(state, ctx)
         unit = scorer.direction(algorithm.global_params(state).to(device))
-        for exchange in algorithm.round_exchanges(round):
-            broadcast = algorithm.broadcast(exchange.name, state, round)
-            uploads, states, _ = runtime.step(exchange.name, round, broadcast, states, cohort)
+        for exchange in algorithm.round_exchanges(server_round):
+            broadcast = algorithm.broadcast(exchange.name, state, server_round)
+            uploads, states, _ = runtime.step(exchange.name, server_round, broadcast, states,
+                                              cohort)
             sums = sum_rows({k: v[first:] for k, v in uploads.items()}, device)
             state = algorithm.server_step(exchange.name, state, sums, ctx)
             scorer.observe(unit, broadcast, uploads, state)
@@ -224,8 +225,8 @@ def ledger_epsilon(problem: Problem, clients: list[int], rounds: int) -> float:
         delta=float(cfg["delta"]),
         central=tuple(r for r in problem.server_releases()
                       if r.name in algorithm.central_releases()))
-    for round in range(1, rounds + 1):
-        for exchange in algorithm.round_exchanges(round):
+    for server_round in range(1, rounds + 1):
+        for exchange in algorithm.round_exchanges(server_round):
             accounting.charge(clients, exchange.name)
     return max(accounting.epsilon(c) for c in clients)
 

@@ -84,13 +84,13 @@ def initial_chain(context: str, client: int, source: str) -> str:
     return _sha("dpfl-chain", context, client, source)
 
 
-def input_digest(*, context: str, client: int, chain: str, round: int, exchange: str,
+def input_digest(*, context: str, client: int, chain: str, server_round: int, exchange: str,
                  broadcast: str, releases: list[Release], device: str) -> str:
     """Everything that decides a client's reply to one exchange besides its keyed streams: the
     provenance of its state (``chain``: the digests of every exchange the state went through,
     from its data on), the exchange, the broadcast, the releases' calibration, dpfl's version,
     the device and torch's thread count. Equal digests give equal replies bit for bit."""
-    return _sha(context, client, chain, round, exchange, broadcast,
+    return _sha(context, client, chain, server_round, exchange, broadcast,
                 [r.event for r in releases], dpfl.__version__, device, torch.get_num_threads())
 
 
@@ -104,13 +104,13 @@ class NodeLedger:
     answered: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # ---- spending ----------------------------------------------------------------------
-    def charge(self, run: str, round: int, releases: Iterable[Release], every: int) -> None:
-        """Record one round of each of ``releases`` in round ``round`` of run ``run``
+    def charge(self, run: str, server_round: int, releases: Iterable[Release], every: int) -> None:
+        """Record one round of each of ``releases`` in round ``server_round`` of run ``run``
         (``every``: its checkpoint-every, which says how far back a resume may go)."""
         record = self.runs.setdefault(run, {"total": {}, "recent": [], "floor": 0})
         for release in releases:
             record["total"][release.name] = record["total"].get(release.name, 0) + 1
-            record["recent"].append([round, release.name])
+            record["recent"].append([server_round, release.name])
             z, q, steps = release.event
             if self.events and self.events[-1][:3] == [release.relation, z, q]:
                 self.events[-1][3] += steps
@@ -121,15 +121,15 @@ class NodeLedger:
             record["floor"] = floor
             record["recent"] = [[r, name] for r, name in record["recent"] if r > floor]
 
-    def counts(self, run: str, round: int) -> dict[str, int]:
+    def counts(self, run: str, server_round: int) -> dict[str, int]:
         """How many times each release was charged in run ``run`` in its rounds up to
-        ``round`` (no earlier than the rounds a resume may repeat)."""
+        ``server_round`` (no earlier than the rounds a resume may repeat)."""
         record = self.runs.get(run)
         if record is None:
             return {}
         counts = dict(record["total"])
         for r, name in record["recent"]:
-            if r > round:
+            if r > server_round:
                 counts[name] -= 1
         return {name: n for name, n in counts.items() if n}
 
@@ -145,24 +145,24 @@ class NodeLedger:
         return ledger.epsilon(delta)
 
     # ---- the replay guard ----------------------------------------------------------------
-    def answered_with(self, context: str, round: int, exchange: str) -> str | None:
+    def answered_with(self, context: str, server_round: int, exchange: str) -> str | None:
         """The input digest ``(round, exchange)`` was answered with under ``context``; ``""``
         when it is older than the guard's window (to be refused); None when never answered."""
         guard = self.answered.get(context)
         if guard is None:
             return None
-        digest = guard["inputs"].get(f"{round}/{exchange}")
-        if digest is None and round <= guard["floor"]:
+        digest = guard["inputs"].get(f"{server_round}/{exchange}")
+        if digest is None and server_round <= guard["floor"]:
             return ""
         return digest
 
-    def remember(self, context: str, round: int, exchange: str, digest: str,
+    def remember(self, context: str, server_round: int, exchange: str, digest: str,
                  every: int) -> None:
         """Keep ``digest`` for ``(round, exchange)``, and only the rounds a resume may repeat:
         those after the checkpoint before the last one (``every`` = checkpoint-every; with no
         checkpoints, the last round)."""
         guard = self.answered.setdefault(context, {"floor": 0, "inputs": {}})
-        guard["inputs"][f"{round}/{exchange}"] = digest
+        guard["inputs"][f"{server_round}/{exchange}"] = digest
         floor = _floor(max(int(key.split("/")[0]) for key in guard["inputs"]), every)
         if floor > guard["floor"]:
             guard["floor"] = floor

@@ -139,11 +139,11 @@ class AlgorithmClient(NumPyClient):
         return self.policy.refusal(self.problem.config, algorithm.relation) or \
             self.policy.weak_noise(multipliers)
 
-    def counts(self, round: int) -> dict[int, dict[str, int]]:
+    def counts(self, server_round: int) -> dict[int, dict[str, int]]:
         """How many times each client has been charged each release in this run's rounds up
-        to ``round`` (what the server reconciles its own ledger with)."""
+        to ``server_round`` (what the server reconciles its own ledger with)."""
         with self.store.open(self.clients, write=False) as ledgers:
-            return {c: ledgers[c].counts(self.run, round) for c in self.clients}
+            return {c: ledgers[c].counts(self.run, server_round) for c in self.clients}
 
     # ---- persistent per-client state ---------------------------------------------------
     def _load(self) -> tuple[State, list[str]]:
@@ -169,7 +169,7 @@ class AlgorithmClient(NumPyClient):
                 rows[k].append(saved[k] if saved else fresh[k][i])
         return {k: torch.stack(v) for k, v in rows.items()}, chains
 
-    def _save(self, round: int, states: State, chains: list[str]) -> None:
+    def _save(self, server_round: int, states: State, chains: list[str]) -> None:
         for i, c in enumerate(self.clients):
             own = {k: v[i].clone() for k, v in states.items()}  # this client's rows only
             if states:
@@ -177,7 +177,7 @@ class AlgorithmClient(NumPyClient):
                     {k: Array(v.numpy()) for k, v in own.items()})
             self.state[f"dpfl.chain.{c}"] = ConfigRecord({"digest": chains[i]})
             if self.files is not None:
-                self.files.save(c, round, own, chains[i])
+                self.files.save(c, server_round, own, chains[i])
 
     # ---- NumPyClient ---------------------------------------------------------------------
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int,
@@ -189,7 +189,7 @@ class AlgorithmClient(NumPyClient):
         only, each client's diagnostics as ``{"<name>.<client>": value}``; ``charged`` then
         holds each client's counts of this run's releases. Raises :class:`Refused`."""
         algorithm = self.problem.algorithm
-        exchange, round = str(config["exchange"]), int(config["round"])
+        exchange, server_round = str(config["exchange"]), int(config["round"])
         spec = algorithm.exchange(exchange)
         broadcast = {k: torch.from_numpy(np.asarray(a))
                      for k, a in zip(spec.broadcast, parameters, strict=True)}
@@ -199,47 +199,48 @@ class AlgorithmClient(NumPyClient):
         guarded = self.noise != "secure"  # the same noise for the same request
         seen = broadcast_digest(broadcast.items()) if guarded else ""
         with self.store.open(self.clients) as ledgers:
-            digests = [input_digest(context=self.context, client=c, chain=chain, round=round,
-                                    exchange=exchange, broadcast=seen,
+            digests = [input_digest(context=self.context, client=c, chain=chain,
+                                    server_round=server_round, exchange=exchange, broadcast=seen,
                                     releases=self._releases(c, exchange),
                                     device=str(self.problem.device)) if guarded else chain
                        for c, chain in zip(self.clients, chains, strict=True)]
             new = [c for c, digest in zip(self.clients, digests, strict=True)
-                   if not guarded or self.check_replay(ledgers[c], round, exchange, digest)]
-            self.check_budget(ledgers, new, exchange, round)
+                   if not guarded or self.check_replay(ledgers[c], server_round, exchange, digest)]
+            self.check_budget(ledgers, new, exchange, server_round)
             uploads, states, diagnostics = self.runtime.step(
-                exchange, round, broadcast, states, self.problem.cohort(self.clients))
+                exchange, server_round, broadcast, states, self.problem.cohort(self.clients))
             every = int(self.problem.config["checkpoint-every"])
             for c, digest in zip(self.clients, digests, strict=True):
                 if c in new:
-                    ledgers[c].charge(self.run, round, self._releases(c, exchange), every)
+                    ledgers[c].charge(self.run, server_round, self._releases(c, exchange), every)
                     if guarded:
-                        ledgers[c].remember(self.context, round, exchange, digest, every)
-            self._save(round, states, digests)
-            self.charged = {c: ledgers[c].counts(self.run, round) for c in self.clients}
+                        ledgers[c].remember(self.context, server_round, exchange, digest, every)
+            self._save(server_round, states, digests)
+            self.charged = {c: ledgers[c].counts(self.run, server_round) for c in self.clients}
         metrics = {f"{k}.{c}": float(v[i]) for k, v in diagnostics.items()
                    for i, c in enumerate(self.clients)}
         return [uploads[k].numpy() for k in spec.uploads], len(self.clients), metrics
 
-    def check_replay(self, ledger: NodeLedger, round: int, exchange: str, digest: str) -> bool:
+    def check_replay(self, ledger: NodeLedger, server_round: int, exchange: str,
+                     digest: str) -> bool:
         """Whether answering ``(round, exchange)`` with inputs ``digest`` is a new release
         (True) or repeats an answer bit for bit (False, nothing new is released); raises
         :class:`Refused` when it would repeat the noise of an answer to other inputs."""
-        before = ledger.answered_with(self.context, round, exchange)
+        before = ledger.answered_with(self.context, server_round, exchange)
         if before is None:
             return True
         if before == digest:
             return False
-        raise Refused(self.clients, f"replay: round {round}, exchange {exchange!r} was "
+        raise Refused(self.clients, f"replay: round {server_round}, exchange {exchange!r} was "
                       f"answered before with other inputs, and its noise would repeat "
                       f"(noise={self.noise}); a node answers a round once")
 
     def check_budget(self, ledgers: dict[int, NodeLedger], clients: list[int], exchange: str,
-                     round: int) -> None:
-        """Refuse round ``round`` at its first exchange when its releases would take one of
+                     server_round: int) -> None:
+        """Refuse round ``server_round`` at its first exchange when its releases would take one of
         ``clients`` past the node's ε cap, by the node's ledger (its accountant and δ)."""
         policy = self.policy
-        today = [e.name for e in self.problem.algorithm.round_exchanges(round)]
+        today = [e.name for e in self.problem.algorithm.round_exchanges(server_round)]
         if math.isinf(policy.max_epsilon) or exchange != today[0]:
             return
         spent = [c for c in clients if ledgers[c].epsilon(
@@ -247,7 +248,7 @@ class AlgorithmClient(NumPyClient):
             [r for r in self._releases(c) if r.exchange in today]) > policy.max_epsilon]
         if spent:
             raise Refused(spent, f"node policy max-epsilon={policy.max_epsilon:g}: round "
-                          f"{round} would take ε past it (δ={policy.delta:g}, "
+                          f"{server_round} would take ε past it (δ={policy.delta:g}, "
                           f"{policy.accountant})")
 
     def _releases(self, client: int, exchange: str | None = None) -> list[Release]:

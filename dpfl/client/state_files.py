@@ -73,9 +73,9 @@ class StateFiles:
         others (an interrupted attempt's) are deleted."""
         kept = []
         for path in (self.folder / f"client-{client}").glob("*.pt"):
-            round, _, segment = path.stem.partition("-")
-            if round.isdigit() and self.lineage.holds(int(round), segment):
-                kept.append((int(round), path))
+            server_round, _, segment = path.stem.partition("-")
+            if server_round.isdigit() and self.lineage.holds(int(server_round), segment):
+                kept.append((int(server_round), path))
             else:
                 path.unlink(missing_ok=True)
         return sorted(kept)
@@ -91,19 +91,20 @@ class StateFiles:
                 continue
         return None
 
-    def save(self, client: int, round: int, state: State, chain: str) -> None:
-        """Write the client's state and its provenance digest after ``round`` (when the run
+    def save(self, client: int, server_round: int, state: State, chain: str) -> None:
+        """Write the client's state and its provenance digest after ``server_round`` (when the run
         checkpoints), then drop the files no resume can start from."""
         if not self.every:
             return
-        path = self.folder / f"client-{client}" / f"{round:06d}-{self.lineage.current}.pt"
+        path = self.folder / f"client-{client}" / f"{server_round:06d}-{self.lineage.current}.pt"
         try:
             write_atomically(path, lambda p: torch.save({"state": state, "chain": chain}, p))
         except OSError as error:
             _warn_unwritable(self.folder, str(error))
             return
         entries = self._entries(client)
-        last = round // self.every * self.every  # the latest checkpoint round, and the one before
+        # the latest checkpoint round, and the one before
+        last = server_round // self.every * self.every
         needed = {entries[-1][1]}
         for start in (last, last - self.every, self.lineage.start):
             older = [p for r, p in entries if r <= start]

@@ -1,7 +1,7 @@
 """Many runs of one algorithm as one batched computation: :func:`run_many`.
 
 A sweep runs the same federation again and again with another seed, or another server step
-size. :func:`run_many` runs such runs together: each keeps its own round driver (its problem,
+size. :func:`run_many` runs such runs together: each keeps its own round loop (its problem,
 ledger, evaluation and results folder, exactly as ``dpfl run`` writes them), and their client
 steps are folded into one ``client_step`` call whose client axis holds every run's
 participants, R·M *virtual clients*. Virtual client ``v`` is client ``c`` of run ``r``: it
@@ -17,13 +17,13 @@ the same run done alone **bit for bit** (model, ledger ε, every round record bu
 ``seconds``; tests/test_many_runs.py). With ``engine-mode="fast"`` each run's pooled noise is
 drawn for its own participants, from its own stream, as alone.
 
-How the drivers meet. The round driver is a synchronous loop; rather than a second copy of it,
-each run's driver runs in a thread of its own and its transport (:class:`FoldedRun`) waits at
-the fold until every live run has asked for its exchange; the last one to ask runs the folded
-step and hands every run its replies. One thread runs at a time (they take turns on one lock),
-so a batch uses one core, as one run does. An exchange whose folded step fails (a client's
-upload is inf or NaN, say) is done again run by run, so that the failure reaches only the run
-it belongs to, with the message it would have alone.
+How the loops meet. Each run's round loop is a generator of requests
+(:class:`~dpfl.rounds.RoundLoop`); :func:`run_fold` advances every live run to its next
+exchange request (answering its other requests from its own clients, :class:`FoldedRun`), runs
+the requests of one exchange as one folded step, sends every run its replies, and again, until
+every run has ended. No threads: one core, as one run uses. An exchange whose folded step fails
+(a client's upload is inf or NaN, say) is done again run by run, so that the failure reaches
+only the run it belongs to, with the message it would have alone.
 
 What may differ between the runs of one batch: :data:`FREE_KEYS` and the algorithm's
 ``server_keys`` (keys only its server step reads, e.g. the Clip21 family's ``learning-rate``).
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,11 +52,19 @@ from dpfl.engine.runner import EngineTransport
 from dpfl.errors import ConfigError
 from dpfl.privacy import Randomness, Release, add_noise, stds
 from dpfl.problem import Problem, build_problem
-from dpfl.rounds import ClientRuntime, Replies, RoundDriver, per_client, sum_rows
+from dpfl.rounds import (
+    ClientRuntime,
+    Replies,
+    RoundLoop,
+    Rounds,
+    per_client,
+    sum_rows,
+)
+from dpfl.rounds.driver import Finished, advance
 from dpfl.runconfig import ALGORITHMS, RunConfig
 
 #: run-config keys the runs of one batch may differ in, whatever the algorithm: the seed, where
-#: the results go, and what only the driver or the calibration reads (each run keeps its own
+#: the results go, and what only the round loop or the calibration reads (each run keeps its own
 #: releases; their sensitivities must agree, which is checked)
 FREE_KEYS = ("seed", "run-name", "results-dir", "num-server-rounds", "eval-every", "epsilon",
              "delta", "noise-multiplier", "max-epsilon", "checkpoint-every")
@@ -91,9 +98,9 @@ class FoldRandomness(Randomness):
         super().__init__(streams[0][0].seed, secure=streams[0][0].secure)
         self.streams = list(streams)
 
-    def key(self, client: int, round: int, purpose: str) -> int:
+    def key(self, client: int, server_round: int, purpose: str) -> int:
         rng, own = self.streams[client]
-        return rng.key(own, round, purpose)
+        return rng.key(own, server_round, purpose)
 
 
 @dataclass
@@ -102,28 +109,23 @@ class Request:
 
     run: FoldedRun
     exchange: str
-    round: int
+    server_round: int
     broadcast: State
     participants: list[int]
 
+    def alone(self) -> Replies:
+        """The exchange as ``dpfl run`` does it."""
+        return self.run.send_and_receive(self.exchange, self.server_round, self.broadcast,
+                                         self.participants)
+
 
 class FoldedRun(EngineTransport):
-    """One run's transport: its clients' states, as the engine keeps them, and its exchanges
-    done in the fold's batched call (alone on :meth:`alone`)."""
+    """One run's transport: its clients' states, as the engine keeps them (its exchanges are
+    done in the fold's batched call, or alone: :meth:`Request.alone`)."""
 
-    def __init__(self, problem: Problem, fold: Fold, index: int) -> None:
+    def __init__(self, problem: Problem, index: int) -> None:
         super().__init__(problem, pooled_noise=problem.config["engine-mode"] == "fast")
-        self.fold = fold
         self.index = index
-
-    def exchange(self, exchange: str, round: int, broadcast: State,
-                 participants: list[int]) -> Replies:
-        return self.fold.exchange(Request(self, exchange, round, broadcast, participants))
-
-    def alone(self, request: Request) -> Replies:
-        """The exchange of ``request`` as ``dpfl run`` does it."""
-        return super().exchange(request.exchange, request.round, request.broadcast,
-                                request.participants)
 
     def keep(self, participants: list[int], rows: State) -> None:
         """Store the participants' new states ``rows`` (idle clients keep theirs)."""
@@ -136,15 +138,11 @@ class FoldedRun(EngineTransport):
 
 
 class Fold:
-    """The meeting point of the runs' drivers and their batched client steps."""
+    """The meeting point of the runs' round loops and their batched client steps."""
 
     def __init__(self, problems: Sequence[Problem]) -> None:
         self.problems = list(problems)
-        self.runs = [FoldedRun(p, self, i) for i, p in enumerate(problems)]
-        self.turn = threading.Condition(threading.Lock())
-        self.live = set(range(len(problems)))
-        self.pending: list[Request] = []
-        self.answers: dict[int, Replies | BaseException] = {}
+        self.runs = [FoldedRun(p, i) for i, p in enumerate(problems)]
         self.folded_calls = 0  # client_step calls made for several runs at once
         self.alone_calls = 0  # exchanges done again run by run (a folded step failed)
         self.x, self.y, self.indices = self._data()
@@ -171,57 +169,30 @@ class Fold:
         return (torch.cat([x for x, _ in sets]), torch.cat([y for _, y in sets]), indices)
 
     # ---- the meeting ---------------------------------------------------------------------
-    def drive(self, driver: Any, index: int, out: list[Any]) -> None:
-        """Thread body: run driver ``driver()`` (built here, in turn, so that automatic
-        results folders get distinct names) to its end; ``out[index]`` its summary or the
-        exception it ended with."""
-        with self.turn:
-            try:
-                out[index] = driver().run()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller of run_many
-                out[index] = exc
-            finally:
-                self.live.discard(index)
-                if self.pending and len(self.pending) == len(self.live):
-                    self.serve()
-
-    def exchange(self, request: Request) -> Replies:
-        """Wait (the turn lock is held) until every live run has asked, then answer."""
-        self.pending.append(request)
-        if len(self.pending) == len(self.live):
-            self.serve()
-        while request.run.index not in self.answers:
-            self.turn.wait()
-        answer = self.answers.pop(request.run.index)
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
-
-    def serve(self) -> None:
+    def serve(self, pending: list[Request]) -> dict[int, Replies | Exception]:
         """Answer every pending request: one folded step per exchange (runs alone where it
-        fails), then wake the runs."""
-        pending, self.pending = self.pending, []
+        fails); each run's replies, or the exception its exchange raised."""
         groups: dict[tuple[str, int], list[Request]] = {}
         for request in pending:
-            groups.setdefault((request.exchange, request.round), []).append(request)
+            groups.setdefault((request.exchange, request.server_round), []).append(request)
+        answers: dict[int, Replies | Exception] = {}
         for group in groups.values():
             try:
-                self.answers.update(self.folded(group))
+                answers.update(self.folded(group))
             except Exception:  # noqa: BLE001 - each run meets its own failure, alone
                 for request in group:
                     self.alone_calls += 1
                     try:
-                        self.answers[request.run.index] = request.run.alone(request)
+                        answers[request.run.index] = request.alone()
                     except Exception as exc:  # noqa: BLE001
-                        self.answers[request.run.index] = exc
-        self.turn.notify_all()
+                        answers[request.run.index] = exc
+        return answers
 
     # ---- the folded step -----------------------------------------------------------------
     def folded(self, group: list[Request]) -> dict[int, Replies]:
         """One ``client_step`` for the participants of every run in ``group``."""
         if len(group) == 1:
-            request = group[0]
-            return {request.run.index: request.run.alone(request)}
+            return {group[0].run.index: group[0].alone()}
         self.folded_calls += 1
         table = [(request.run.index, c) for request in group for c in request.participants]
         first = group[0]
@@ -233,7 +204,7 @@ class Fold:
             device=first.run.problem.device, diagnostics=first.run.clients.diagnostics)
         states = {k: torch.cat([request.run.states[k][request.participants]
                                 for request in group]) for k in first.run.states}
-        uploads, rows, diagnostics = runtime.step(first.exchange, first.round,
+        uploads, rows, diagnostics = runtime.step(first.exchange, first.server_round,
                                                   self.broadcast(group, table), states,
                                                   self.cohort(table))
         spec = first.run.problem.algorithm.exchange(first.exchange)
@@ -249,8 +220,8 @@ class Fold:
                         releases = [{r.name: r for r in run.problem.releases(c)}[upload.release]
                                     for c in ids]
                         own[key] = add_noise(own[key], ids, stds(releases), rng=run.clients.rng,
-                                             round=request.round, stream=releases[0].stream,
-                                             pooled=True)
+                                             server_round=request.server_round,
+                                             stream=releases[0].stream, pooled=True)
             run.keep(ids, {k: v[part] for k, v in rows.items()})
             answers[run.index] = Replies(sum_rows(own, run.problem.device),
                                          per_client(ids, {k: v[part]
@@ -376,15 +347,36 @@ def run_fold(batch: Fold, *, echo: bool = False) -> list[dict[str, Any]]:
     and its ``summary.json``; its rounds' ``seconds`` are the batch's. Raises the first run's
     failure, in order, after every run has ended."""
     out: list[Any] = [None] * len(batch.runs)
-    threads = [threading.Thread(
-        target=batch.drive, daemon=True, name=f"dpfl-run-{i}",
-        args=(lambda run=run: RoundDriver(run.problem, run, "engine", echo=echo), i, out))
-        for i, run in enumerate(batch.runs)]
+    loops: dict[int, Rounds] = {}
+    waiting: dict[int, Request] = {}
+
+    def step(index: int, answer: Any = None, error: BaseException | None = None) -> None:
+        """Take run ``index`` to its next exchange (waiting) or its end (``out``)."""
+        run = batch.runs[index]
+        try:
+            if index not in loops:  # built in turn: automatic results folders get distinct names
+                loops[index] = RoundLoop(run.problem, "engine", echo=echo).run()
+            done = advance(loops[index], run, answer, error)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of run_many
+            out[index] = exc
+            return
+        if isinstance(done, Finished):
+            out[index] = done.summary
+        else:
+            waiting[index] = Request(run, done.exchange, done.server_round, done.broadcast,
+                                     done.participants)
+
     started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    for index in range(len(batch.runs)):
+        step(index)
+    while waiting:
+        pending = list(waiting.values())
+        waiting.clear()
+        for index, answer in sorted(batch.serve(pending).items()):
+            if isinstance(answer, BaseException):
+                step(index, error=answer)
+            else:
+                step(index, answer)
     for result in out:
         if isinstance(result, BaseException):
             raise result

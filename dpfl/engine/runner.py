@@ -1,6 +1,6 @@
 """The in-process engine: every client batched in this process, same math and seeds as Flower.
 
-:class:`EngineTransport` is the round driver's in-process transport: it keeps every client's
+:class:`EngineTransport` is the round loop's in-process transport: it keeps every client's
 state and runs an exchange for all participants in one batched ``client_step`` through the same
 client runtime the Flower client uses, so a seed gives the same model here and under
 ``flwr run``. ``engine-mode="fast"`` (sweeps) draws the noise of the participants' sum once
@@ -18,7 +18,8 @@ from dpfl.algorithms import Cohort, State
 from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem, build_problem
 from dpfl.rounds.client import ClientRuntime
-from dpfl.rounds.driver import RoundDriver
+from dpfl.rounds.driver import drive
+from dpfl.rounds.loop import RoundLoop
 from dpfl.rounds.transport import Replies, RowSum, blocks, per_client
 from dpfl.runconfig import RunConfig
 
@@ -43,7 +44,7 @@ class EngineTransport:
     def client_states(self) -> State:
         return self.states
 
-    def exchange(self, exchange: str, round: int, broadcast: State,
+    def send_and_receive(self, exchange: str, server_round: int, broadcast: State,
                  participants: list[int]) -> Replies:
         """One exchange for ``participants``, a block of :data:`~dpfl.rounds.transport.BLOCK`
         clients at a time: each block's uploads are summed (the one reduction,
@@ -57,7 +58,7 @@ class EngineTransport:
             cohort = self.block_cohort(part) if everyone else self.cohort.select(ids)
             positions: slice | torch.Tensor = part if everyone else torch.tensor(ids)
             given = {k: v[positions] for k, v in self.states.items()}
-            uploads, rows, diagnosed = self.clients.step(exchange, round, broadcast, given,
+            uploads, rows, diagnosed = self.clients.step(exchange, server_round, broadcast, given,
                                                          cohort)
             whole = everyone and part == slice(0, self.problem.num_clients)
             for k, v in rows.items():  # idle clients keep their state
@@ -81,4 +82,4 @@ def run(config: RunConfig, *, echo: bool = True) -> dict[str, Any]:
     """Run ``config`` to the end (or to ``max-epsilon``); returns the summary."""
     problem = build_problem(config)
     transport = EngineTransport(problem, pooled_noise=config["engine-mode"] == "fast")
-    return RoundDriver(problem, transport, "engine", echo=echo).run()
+    return drive(RoundLoop(problem, "engine", echo=echo), transport)

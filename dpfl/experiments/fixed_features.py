@@ -142,7 +142,7 @@ class FeatureSweep:
         algorithm = ALGORITHMS.get(str(config["algorithm"]))(
             config.hyperparameters, self.problem.model, num_clients=self.problem.num_clients)
         return dataclasses.replace(self.problem, config=config, algorithm=algorithm,
-                                   _releases={}, _server={}, _cohorts={})
+                                   _releases={}, _server_releases=None, _cohorts={})
 
     def run(self, configs: list[RunConfig]) -> list[dict[str, Any]]:
         base = self.base
@@ -170,37 +170,38 @@ class FeatureSweep:
         x = self.theta0.expand(s, *self.theta0.shape).clone()  # [S, classes, F]
         records: list[list[dict[str, Any]]] = [[] for _ in configs]
         started = time.perf_counter()
-        for round in range(1, rounds + 1):
+        for server_round in range(1, rounds + 1):
             if any(adaptive):
-                radius = self.radii(round, x, problems, statistic, adaptive, radius, rng,
+                radius = self.radii(server_round, x, problems, statistic, adaptive, radius, rng,
                                     clients, sizes, indices)
             local = x.unsqueeze(1).expand(s, n_clients, *x.shape[1:]).clone()
             std = torch.stack([stds(t, float(r) / b).double()
                                for t, r in zip(train, radius.tolist(), strict=True)])  # [S, P]
             for k in range(k_steps):
-                picks = rng.sample_without_replacement(clients, sizes, round, f"batch-{k}", b)
+                picks = rng.sample_without_replacement(clients, sizes, server_round,
+                                                       f"batch-{k}", b)
                 rows = torch.stack([idx[p] for idx, p in zip(indices, picks, strict=True)])
                 grad, _ = self.clipped_mean(local, rows, radius.clamp_min(1e-300))
                 grad = torch.where(radius.view(-1, 1, 1, 1) > 0, grad, torch.zeros_like(grad))
                 if bool((std > 0).any()):
-                    z = rng.normal(clients, round, f"noise-{k}", (self.problem.model.d,),
+                    z = rng.normal(clients, server_round, f"noise-{k}", (self.problem.model.d,),
                                    torch.ones(n_clients)).double()
                     grad = grad + std.view(s, n_clients, 1, 1) * self.unflatten(z).unsqueeze(0)
                 local = local - lr.view(-1, 1, 1, 1) * grad
             x = local.mean(dim=1)
-            if round % every == 0 or round == rounds:
+            if server_round % every == 0 or server_round == rounds:
                 train_loss, _ = self.loss(x, self.train_phi, self.train_y)
                 test_loss, accuracy = self.loss(x, self.test_phi, self.test_y)
                 for i in range(s):
                     records[i].append({
-                        "round": round, "train_loss_full": float(train_loss[i]),
+                        "round": server_round, "train_loss_full": float(train_loss[i]),
                         "test_loss": float(test_loss[i]),
                         "test_accuracy": None if accuracy is None else float(accuracy[i]),
                         "clip": float(radius[i])})
         wall = time.perf_counter() - started
         return [self.summary(p, rec, wall / s) for p, rec in zip(problems, records, strict=True)]
 
-    def radii(self, round: int, x: Tensor, problems: list[Problem], statistic: list[Any],
+    def radii(self, server_round: int, x: Tensor, problems: list[Problem], statistic: list[Any],
               adaptive: list[bool], radius: Tensor, rng: Randomness, clients: list[int],
               sizes: list[int], indices: list[Tensor]) -> Tensor:
         """C_r of the adaptive configurations (Algorithm 1 line 9, by the algorithm's own
@@ -211,20 +212,20 @@ class FeatureSweep:
         if bc >= min(sizes):
             rows = torch.stack(indices)
         else:
-            picks = rng.sample_without_replacement(clients, sizes, round, "statistic", bc)
+            picks = rng.sample_without_replacement(clients, sizes, server_round, "statistic", bc)
             rows = torch.stack([idx[p] for idx, p in zip(indices, picks, strict=True)])
         theta = x[index].unsqueeze(1).expand(len(index), len(clients), *x.shape[1:])
         clip = torch.tensor([problems[i].algorithm.hp.clip for i in index],
                             dtype=torch.float32).double()
         _, norms = self.clipped_mean(theta, rows, clip)
         means = norms.square().minimum(clip.view(-1, 1, 1).square()).mean(dim=2)  # [A, P]
-        z = rng.normal(clients, round, "statistic-noise", (1,), torch.ones(len(clients)))
+        z = rng.normal(clients, server_round, "statistic-noise", (1,), torch.ones(len(clients)))
         out = radius.clone()
         for j, i in enumerate(index):
             std = stds(statistic[i]).double()
             sums = (means[j].float() + (std * z[:, 0].double()).float()).sum()
             problem = problems[i]
-            ctx = ServerContext(round, rng, clients, len(clients),
+            ctx = ServerContext(server_round, rng, clients, len(clients),
                                 num_rounds=int(problem.config["num-server-rounds"]),
                                 client_releases=problem.releases)
             state = problem.algorithm.server_step(

@@ -145,8 +145,9 @@ class LeastSquaresSweep:
         self.base = base
         self.problem = build_problem(base)
         model = self.problem.model
-        if model._linear is None or model._linear.bias is not None or model.d != \
-                model._linear.weight.numel() or self.problem.dataset.task != "regression":
+        layer = None if model.linear is None else model.linear.layer
+        if layer is None or layer.bias is not None or model.d != layer.weight.numel() \
+                or self.problem.dataset.task != "regression":
             raise ValueError("the sweep simulates a bias-free linear least-squares model")
         if model.d >= 16:
             raise ValueError("the sweep simulates d < 16: from 16 values on, torch draws float64 "
@@ -177,7 +178,7 @@ class LeastSquaresSweep:
         algorithm = ALGORITHMS.get(str(config["algorithm"]))(
             config.hyperparameters, self.problem.model, num_clients=self.problem.num_clients)
         return dataclasses.replace(self.problem, config=config, algorithm=algorithm,
-                                   _releases={}, _server={}, _cohorts={})
+                                   _releases={}, _server_releases=None, _cohorts={})
 
     def gradient(self, x: Tensor) -> Tensor:
         """``[K, d]`` full gradients ∇F of the training objective."""
@@ -186,15 +187,15 @@ class LeastSquaresSweep:
     def _reg(self, x: Tensor) -> Tensor:
         return self.reg * x / (1 + x.square()).square()
 
-    def draws(self, round: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Round ``round``'s batch ``a [M, b, d]``, ``y [M, b]``, its ‖a_j‖² ``[M, b]`` and
+    def draws(self, server_round: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Round ``server_round``'s batch ``a [M, b, d]``, ``y [M, b]``, its ‖a_j‖² ``[M, b]`` and
         standard normals ``[M, d]`` (the engine's draws for every client)."""
         clients = list(range(len(self.indices)))
         picks = self.rng.sample_without_replacement(
-            clients, [len(i) for i in self.indices], round, "batch", self.batch_size)
+            clients, [len(i) for i in self.indices], server_round, "batch", self.batch_size)
         rows = (torch.stack(picks) + self.offsets[:, None]).reshape(-1)
-        z = self.rng.normal(clients, round, "noise", (self.a.shape[1],), torch.ones(len(clients)),
-                            dtype=torch.float64)
+        z = self.rng.normal(clients, server_round, "noise", (self.a.shape[1],),
+                            torch.ones(len(clients)), dtype=torch.float64)
         shape = (len(clients), self.batch_size)
         return (self.client_a.index_select(0, rows).view(*shape, -1),
                 self.client_y.index_select(0, rows).view(shape),

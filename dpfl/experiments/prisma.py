@@ -235,8 +235,8 @@ def accountant_epsilon(config: Config) -> float:
     problem = build_problem(RunConfig(config))
     ledger = PrivacyLedger(accountant=str(config.get("accountant", "rdp")),
                            relation=str(config["relation"]))
-    for round in range(1, int(config["num-server-rounds"]) + 1):
-        for exchange in problem.algorithm.round_exchanges(round):
+    for server_round in range(1, int(config["num-server-rounds"]) + 1):
+        for exchange in problem.algorithm.round_exchanges(server_round):
             for release in problem.releases(0):
                 if release.exchange == exchange.name:
                     ledger.record(release)

@@ -22,7 +22,7 @@ says which relation it holds.
 
 :class:`Accounting` keeps every client's ledger as the server sees it (the public releases of the
 rounds each client took part in) and, for an algorithm with server-side noise, the ledger of the
-server's own releases: the round driver stops a run on it before a round would exceed
+server's own releases: the round loop stops a run on it before a round would exceed
 ``max-epsilon``.
 """
 
@@ -197,10 +197,10 @@ class Accounting:
     def epsilon(self, client: int) -> float:
         return self.clients[client].epsilon(self.delta)
 
-    def refusal(self, round: int, participants: Iterable[int],
+    def refusal(self, server_round: int, participants: Iterable[int],
                 exchanges: Iterable[str]) -> str | None:
-        """Why ``round``, which runs ``exchanges``, must not run (a participant's ε would pass
-        ``limit``), or None."""
+        """Why round ``server_round``, which runs ``exchanges``, must not run (a participant's ε
+        would pass ``limit``), or None."""
         if self.limit <= 0:
             return None
         names = set(exchanges)
@@ -208,7 +208,7 @@ class Accounting:
             [r for r in self.client_releases(c) if r.exchange in names], self.delta)
             for c in participants), default=0.0)
         if worst > self.limit:
-            return f"max-epsilon: round {round} would take ε to {worst:.4g} > {self.limit:g}"
+            return f"max-epsilon: round {server_round} would take ε to {worst:.4g} > {self.limit:g}"
         return None
 
     def report(self) -> dict[int, float]:

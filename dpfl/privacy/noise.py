@@ -10,7 +10,8 @@ from dpfl.privacy.randomness import Randomness
 
 
 def add_noise(values: torch.Tensor, clients: Sequence[int], std: torch.Tensor, *,
-              rng: Randomness, round: int, stream: str, pooled: bool = False) -> torch.Tensor:
+              rng: Randomness, server_round: int, stream: str,
+              pooled: bool = False) -> torch.Tensor:
     """``values [C, ...]`` plus Gaussian noise of std ``std[i]`` on row i (a new tensor).
 
     Exact (the default): row i gets client ``clients[i]``'s own draw, from stream ``(seed,
@@ -25,11 +26,11 @@ def add_noise(values: torch.Tensor, clients: Sequence[int], std: torch.Tensor, *
         return values
     if pooled:
         total = std.double().square().sum().sqrt().reshape(1)
-        draw = rng.normal(list(clients[:1]), round, f"{stream}-pooled", values.shape[1:], total,
-                          dtype=values.dtype)
+        draw = rng.normal(list(clients[:1]), server_round, f"{stream}-pooled", values.shape[1:],
+                          total, dtype=values.dtype)
         out = values.clone()
         out[0].add_(draw[0].to(values.device))
         return out
-    noise = rng.normal(list(clients), round, stream, values.shape[1:], std, dtype=values.dtype,
-                       device=values.device)
+    noise = rng.normal(list(clients), server_round, stream, values.shape[1:], std,
+                       dtype=values.dtype, device=values.device)
     return noise.add_(values)  # values + noise, in the noise's fresh memory

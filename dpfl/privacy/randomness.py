@@ -82,27 +82,27 @@ class Randomness:
         """One of :data:`MODES`."""
         return "secure" if self.secure else "keyed" if self._secret is not None else "seeded"
 
-    def key(self, client: int, round: int, purpose: str) -> int:
+    def key(self, client: int, server_round: int, purpose: str) -> int:
         """The 63-bit seed of stream (client, round, purpose) (seeded or keyed randomness)."""
         if self.secure:
             raise RuntimeError("secure randomness has no seeded streams: draw through "
                                "Randomness' methods")
         if self._secret is None:
-            text = f"dpfl/{self.seed}/{client}/{round}/{purpose}".encode()
+            text = f"dpfl/{self.seed}/{client}/{server_round}/{purpose}".encode()
             digest = hashlib.sha256(text).digest()
         else:
-            text = f"dpfl/{self.seed}/{self.context}/{client}/{round}/{purpose}".encode()
+            text = f"dpfl/{self.seed}/{self.context}/{client}/{server_round}/{purpose}".encode()
             digest = hmac.new(self._secret, text, hashlib.sha256).digest()
         return int.from_bytes(digest[:8], "little") >> 1
 
-    def generator(self, client: int, round: int, purpose: str,
+    def generator(self, client: int, server_round: int, purpose: str,
                   device: torch.device | str = "cpu") -> torch.Generator:
         """The seeded generator of stream (client, round, purpose)."""
         gen = torch.Generator(device=device)
-        gen.manual_seed(self.key(client, round, purpose))
+        gen.manual_seed(self.key(client, server_round, purpose))
         return gen
 
-    def normal(self, clients: Sequence[int], round: int, purpose: str, shape: Sequence[int],
+    def normal(self, clients: Sequence[int], server_round: int, purpose: str, shape: Sequence[int],
                std: torch.Tensor, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> torch.Tensor:
         """Gaussian noise ``[C, *shape]``, row ``i`` from client ``clients[i]``'s stream
@@ -119,27 +119,27 @@ class Randomness:
         # torch.randn(shape, generator) times the std rounded to ``dtype``
         stds = scale.to(dtype=dtype, device="cpu").reshape(-1).tolist()
         for row, client, s in zip(noise, clients, stds, strict=True):
-            row.normal_(0.0, s, generator=self.generator(client, round, purpose))
+            row.normal_(0.0, s, generator=self.generator(client, server_round, purpose))
         return noise.to(device)
 
-    def permutation(self, client: int, round: int, purpose: str, n: int) -> torch.Tensor:
+    def permutation(self, client: int, server_round: int, purpose: str, n: int) -> torch.Tensor:
         """A uniformly random permutation of ``range(n)`` (int64) from the stream."""
         if self.secure:
             order = list(range(n))
             _SYSTEM.shuffle(order)
             return torch.tensor(order, dtype=torch.long)
-        return torch.randperm(n, generator=self.generator(client, round, purpose))
+        return torch.randperm(n, generator=self.generator(client, server_round, purpose))
 
     def sample_without_replacement(self, clients: Sequence[int], sizes: Sequence[int],
-                                   round: int, purpose: str, k: int) -> list[torch.Tensor]:
+                                   server_round: int, purpose: str, k: int) -> list[torch.Tensor]:
         """For each client, ``k`` distinct positions drawn uniformly from ``range(size)``."""
         if self.secure:
             return [torch.tensor(_SYSTEM.sample(range(size), k), dtype=torch.long)
                     for size in sizes]
-        return [self.permutation(client, round, purpose, size)[:k]
+        return [self.permutation(client, server_round, purpose, size)[:k]
                 for client, size in zip(clients, sizes, strict=True)]
 
-    def bernoulli_rows(self, clients: Sequence[int], sizes: Sequence[int], round: int,
+    def bernoulli_rows(self, clients: Sequence[int], sizes: Sequence[int], server_round: int,
                        purpose: str, rates: Sequence[float]) -> list[torch.Tensor]:
         """For each client, the positions in ``range(size)`` kept by independent coin flips of
         probability ``rates[i]`` (Poisson sampling), increasing. Record j's coin is the j-th
@@ -148,7 +148,7 @@ class Randomness:
         out = []
         for client, size, rate in zip(clients, sizes, rates, strict=True):
             coins = (secure_uniform(size) if self.secure else
-                     torch.rand(size, generator=self.generator(client, round, purpose),
+                     torch.rand(size, generator=self.generator(client, server_round, purpose),
                                 dtype=torch.float64))
             out.append(torch.nonzero(coins < rate).flatten())
         return out

@@ -23,7 +23,7 @@ import torch
 
 from dpfl.algorithms import Algorithm, ClientContext, Cohort, State
 from dpfl.errors import NonFiniteError
-from dpfl.models.functional import non_finite_rows, zero_rows
+from dpfl.models.rows import non_finite_rows, zero_rows
 from dpfl.privacy import Randomness, Release, add_noise, stds
 from dpfl.problem import Problem
 
@@ -59,19 +59,19 @@ class ClientRuntime:
                    device=problem.device, pooled_noise=pooled_noise,
                    diagnostics=bool(cfg["non-private-diagnostics"]))
 
-    def step(self, exchange: str, round: int, broadcast: State, states: State,
+    def step(self, exchange: str, server_round: int, broadcast: State, states: State,
              cohort: Cohort) -> tuple[State, State, dict[str, torch.Tensor]]:
         """Noised uploads ``[C, ...]``, new states ``[C, ...]`` and (non-private mode only)
         diagnostics ``{name: [C]}`` of one exchange for ``cohort``."""
         algorithm = self.algorithm
         for key, value in broadcast.items():
             if not finite(value):
-                raise NonFiniteError(f"round {round}, exchange {exchange!r}: the server's "
+                raise NonFiniteError(f"round {server_round}, exchange {exchange!r}: the server's "
                                      f"broadcast {key!r} is not finite (inf or NaN): the server "
                                      f"step before it overflowed{LEVERS}")
         algorithm.model.take_dropped()  # drops counted outside a step are not this step's
         releases = [{r.name: r for r in self.releases(c)} for c in cohort.ids]
-        ctx = ClientContext(round=round, rng=self.rng, clients=list(cohort.ids),
+        ctx = ClientContext(server_round=server_round, rng=self.rng, clients=list(cohort.ids),
                             releases=releases, device=self.device,
                             diagnostics={} if self.diagnostics else None)
         messages, states = algorithm.client_step(exchange, states, broadcast, cohort, ctx)
@@ -79,7 +79,7 @@ class ClientRuntime:
         if set(messages) != set(spec.uploads):
             raise TypeError(f"{algorithm.name}: exchange {exchange!r} returned {sorted(messages)}"
                             f", declared {sorted(spec.uploads)}")
-        messages = zero_non_finite(messages, cohort.ids, round, exchange,
+        messages = zero_non_finite(messages, cohort.ids, server_round, exchange,
                                    dropped=algorithm.model.take_dropped())
         noised = {u.release for u in spec.uploads.values() if not u.sent_as_returned}
         for name, release in releases[0].items():
@@ -95,7 +95,8 @@ class ClientRuntime:
                 continue
             own = [rel[upload.release] for rel in releases]
             uploads[key] = add_noise(messages[key], cohort.ids, stds(own), rng=self.rng,
-                                     round=round, stream=own[0].stream, pooled=self.pooled_noise)
+                                     server_round=server_round, stream=own[0].stream,
+                                     pooled=self.pooled_noise)
         return uploads, states, ctx.diagnostics or {}
 
 
@@ -104,7 +105,7 @@ def finite(values: torch.Tensor) -> bool:
     return non_finite_rows(values.reshape(1, -1)) is None
 
 
-def zero_non_finite(messages: State, clients: list[int], round: int, exchange: str, *,
+def zero_non_finite(messages: State, clients: list[int], server_round: int, exchange: str, *,
                     dropped: int) -> State:
     """``messages`` (``[C, ...]``, rows in ``clients`` order) with each upload row that holds
     inf or NaN replaced by zeros, out of place (an upload may be the client's state; one sum
@@ -128,6 +129,6 @@ def zero_non_finite(messages: State, clients: list[int], round: int, exchange: s
     if dropped or zeroed:
         done = [f"clients {clients} dropped {dropped} record(s) whose gradient or loss was not "
                 f"finite (they contribute zero)"] if dropped else []
-        log.warning("round %d, exchange %r: %s; logged on this node only%s", round, exchange,
+        log.warning("round %d, exchange %r: %s; logged on this node only%s", server_round, exchange,
                     "; ".join(done + zeroed), LEVERS)
     return out

@@ -1,4 +1,5 @@
-"""What the round driver needs from a transport, and the one reduction every transport uses."""
+"""What the round loop asks of a transport (its requests, the :class:`Transport` that answers
+them), and the one reduction every transport uses."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class Transport(Protocol):
         attempt released after its checkpoint."""
         ...
 
-    def exchange(self, exchange: str, round: int, broadcast: State,
+    def send_and_receive(self, exchange: str, server_round: int, broadcast: State,
                  participants: list[int]) -> Replies:
         """Send ``broadcast`` to ``participants`` (increasing id) and return their replies;
         raises :class:`ClientRefused` when a node refuses the exchange."""
@@ -56,6 +57,44 @@ class Transport(Protocol):
         """The client states a server checkpoint keeps: every client's in the engine, none
         under Flower (each client keeps its own on its node)."""
         ...
+
+
+@dataclass(frozen=True)
+class ExchangeRequest:
+    """Send ``broadcast`` to ``participants`` (increasing id) for exchange ``exchange`` of round
+    ``server_round``; answered with their :class:`Replies`."""
+
+    exchange: str
+    server_round: int
+    broadcast: State
+    participants: list[int]
+
+    def sent_over(self, transport: Transport) -> Replies:
+        return transport.send_and_receive(self.exchange, self.server_round, self.broadcast,
+                                  self.participants)
+
+
+@dataclass(frozen=True)
+class Begin:
+    """The run starts (:meth:`Transport.begin`); answered with the clients' reported counts."""
+
+    lineage: Lineage
+    states: State | None
+
+    def sent_over(self, transport: Transport) -> dict[int, dict[str, int]]:
+        return transport.begin(self.lineage, self.states)
+
+
+@dataclass(frozen=True)
+class ClientStates:
+    """The client states a checkpoint keeps (:meth:`Transport.client_states`)."""
+
+    def sent_over(self, transport: Transport) -> State:
+        return transport.client_states()
+
+
+#: what the round loop yields: each request is answered by :meth:`sent_over` a transport
+Request = ExchangeRequest | Begin | ClientStates
 
 
 class ClientsLost(RuntimeError):

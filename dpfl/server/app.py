@@ -27,7 +27,7 @@ from flwr.supercore.exit import add_exit_handler
 
 from dpfl.errors import ConfigError
 from dpfl.problem import cached_problem
-from dpfl.rounds.driver import Stopped
+from dpfl.rounds import Stopped
 from dpfl.runconfig import RunConfig, check_runtime
 from dpfl.strategies import AlgorithmStrategy, FederationError
 from dpfl.strategies.algorithm import to_record
@@ -107,7 +107,7 @@ def main(grid: Grid, context: Context) -> None:
     try:
         config = RunConfig(context.run_config)
         check_runtime(config, "flower")
-        # the run config as given: keys left at "auto" stay so (the driver names their values)
+        # the run config as given: keys left at "auto" stay so (the round loop names their values)
         problem = cached_problem(tuple(sorted(context.run_config.items())))
         strategy = AlgorithmStrategy(problem)
         with results_closed_first(strategy):

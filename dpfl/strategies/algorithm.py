@@ -4,9 +4,9 @@ It is the server side of the Flower transport, and thin: ``configure_train`` tur
 exchange's broadcast into one message per node hosting participants, ``aggregate_train`` sums
 the participants' uploads (block by block: the one reduction the engine uses too,
 :class:`~dpfl.rounds.RowSum`) and collects the diagnostics of the non-private mode. ``start``
-asks every node which clients it hosts, then hands the round driver
-(:class:`~dpfl.rounds.RoundDriver`) a :class:`FlowerTransport` over these two methods: the
-driver runs the rounds, their exchanges (one message round-trip each), the budget stop and
+asks every node which clients it hosts, then drives the round loop
+(:class:`~dpfl.rounds.RoundLoop`) over a :class:`FlowerTransport` of these two methods: the
+loop runs the rounds, their exchanges (one message round-trip each), the budget stop and
 the central evaluation, exactly as it does for the engine.
 
 Messages (records keyed natively; nothing is sent that is not read):
@@ -52,8 +52,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from dpfl.algorithms import State
 from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem
-from dpfl.rounds import ClientRefused, Replies, RoundDriver, RowSum, blocks
-from dpfl.rounds.driver import Stopped
+from dpfl.rounds import ClientRefused, Replies, RoundLoop, RowSum, Stopped, blocks, drive
 
 log = logging.getLogger("dpfl")
 
@@ -132,7 +131,7 @@ class AlgorithmStrategy(Strategy):
 
     def request_stop(self, signum: int) -> None:
         """Ask the run to stop (Flower is exiting on ``signum``): the exchange under way, or
-        the next one, raises :class:`~dpfl.rounds.driver.Stopped`, and the round loop closes
+        the next one, raises :class:`~dpfl.rounds.Stopped`, and the round loop closes
         the results folder."""
         self.stopping = signum
 
@@ -322,10 +321,10 @@ class AlgorithmStrategy(Strategy):
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None
               ) -> Result:
-        """Discover the nodes, then run the round driver over them from ``initial_arrays``
+        """Discover the nodes, then run the round loop over them from ``initial_arrays``
         (``x``). ``num_rounds`` must be the run config's ``num-server-rounds``; ``timeout``
         (seconds an exchange waits for replies) is its ``round-timeout`` unless given;
-        evaluation is the driver's (central), so ``evaluate_fn`` and the configs are not
+        evaluation is the loop's (central), so ``evaluate_fn`` and the configs are not
         used."""
         if num_rounds != int(self.problem.config["num-server-rounds"]):
             raise FederationError(f"num_rounds={num_rounds} but num-server-rounds="
@@ -333,16 +332,16 @@ class AlgorithmStrategy(Strategy):
         if timeout is not None:
             self.round_timeout = timeout
         self.summary()
-        driver = RoundDriver(self.problem, FlowerTransport(self, grid), "flower",
-                             echo=self.echo, x0=from_record(initial_arrays)["x"])
-        self.discover(grid, driver.lineage)
-        driver.run()
-        if driver.stop_reason.startswith("min-clients"):
-            raise FederationError(f"stopped after round {driver.rounds_done} ({driver.path}): "
-                                  f"{driver.stop_reason}")
+        loop = RoundLoop(self.problem, "flower", echo=self.echo,
+                         x0=from_record(initial_arrays)["x"])
+        self.discover(grid, loop.checkpointer.lineage)
+        drive(loop, FlowerTransport(self, grid))
+        if loop.stop_reason.startswith("min-clients"):
+            raise FederationError(f"stopped after round {loop.rounds_done} ({loop.path}): "
+                                  f"{loop.stop_reason}")
         result = Result()
-        result.arrays = to_record({"x": self.problem.algorithm.global_params(driver.state)})
-        for record in driver.records:
+        result.arrays = to_record({"x": self.problem.algorithm.global_params(loop.state)})
+        for record in loop.records:
             if "test_loss" in record:
                 result.evaluate_metrics_serverapp[record["round"]] = MetricRecord(
                     {k: record[k] for k in ("test_loss", "test_accuracy")
@@ -351,7 +350,7 @@ class AlgorithmStrategy(Strategy):
 
 
 class FlowerTransport:
-    """The round driver's transport over a Flower ``Grid``, through the strategy's
+    """The round loop's transport over a Flower ``Grid``, through the strategy's
     ``configure_train`` and ``aggregate_train``."""
 
     def __init__(self, strategy: AlgorithmStrategy, grid: Grid) -> None:
@@ -370,16 +369,17 @@ class FlowerTransport:
     def client_states(self) -> State:
         return {}
 
-    def exchange(self, exchange: str, round: int, broadcast: State,
+    def send_and_receive(self, exchange: str, server_round: int, broadcast: State,
                  participants: list[int]) -> Replies:
         assert self.lineage is not None
         self.check_stop()
         config = ConfigRecord({"exchange": exchange, "clients": participants,
                                "segments": [s for s, _ in self.lineage.segments],
                                "starts": [r for _, r in self.lineage.segments]})
-        messages = self.strategy.configure_train(round, to_record(broadcast), config, self.grid)
-        replies = self.wait(list(messages), f"round {round}, exchange {exchange!r}")
-        sums, _ = self.strategy.aggregate_train(round, replies)
+        messages = self.strategy.configure_train(server_round, to_record(broadcast), config,
+                                                 self.grid)
+        replies = self.wait(list(messages), f"round {server_round}, exchange {exchange!r}")
+        sums, _ = self.strategy.aggregate_train(server_round, replies)
         device = self.strategy.problem.device
         return Replies(None if sums is None else
                        {k: v.to(device) for k, v in from_record(sums).items()},

@@ -1,0 +1,122 @@
+"""A torch module's trainable parameters as one flat vector: where each parameter and layer
+sits in it, the module called at a flat point, and its losses there."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+
+from dpfl.models import grad_sample
+from dpfl.models.losses import LOSSES
+from dpfl.models.rows import Layer, aligned
+
+
+class FlatParameters:
+    """The trainable parameters of ``module`` (copied, never modified) in
+    ``named_parameters()`` order, concatenated: a point is ``[d]``, or ``[C, d]`` per client.
+    ``loss`` (a name in ``LOSSES``) and the nonconvex regulariser ``nonconvex_reg`` make the
+    per-sample loss (:mod:`dpfl.models.functional`)."""
+
+    def __init__(self, module: nn.Module, loss: str, nonconvex_reg: float = 0.0) -> None:
+        self.loss = LOSSES.get(loss)
+        self.nonconvex_reg = float(nonconvex_reg)
+        self.template = copy.deepcopy(module)
+        self.module = copy.deepcopy(module)
+
+        # Trainable parameters in named_parameters() order, as (owner module, attribute name).
+        self.slots: list[tuple[nn.Module, str]] = []
+        self.shapes: list[torch.Size] = []
+        self.numels: list[int] = []
+        where: dict[str, slice] = {}
+        owners = dict(self.module.named_modules())
+        for name, p in self.module.named_parameters():
+            if p.requires_grad:
+                where[name] = slice(sum(self.numels), sum(self.numels) + p.numel())
+                prefix, _, attr = name.rpartition(".")
+                self.slots.append((owners[prefix], attr))
+                self.shapes.append(p.shape)
+                self.numels.append(p.numel())
+        self.d = sum(self.numels)
+
+        self.layers: list[Layer] = []
+        for prefix, m in self.module.named_modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                raise TypeError("per-sample gradients: BatchNorm mixes samples; use GroupNorm")
+            own = [(n, p) for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            grad_sample.check_supported(m)
+            if any(n not in ("weight", "bias") for n, _ in own):
+                raise TypeError(f"per-sample gradients: unexpected parameter in {type(m).__name__}")
+            full = [f"{prefix}.{n}" if prefix else n for n, _ in own]
+            self.layers.append(Layer(
+                module=m,
+                trainable=(getattr(m, "weight", None) is not None and m.weight.requires_grad,
+                           getattr(m, "bias", None) is not None and m.bias.requires_grad),
+                slices=tuple(where[f] for f in full),
+                shapes=tuple(p.shape for _, p in own),
+            ))
+
+    def initial_params(self) -> Tensor:
+        """The module's initial trainable parameters, flattened: ``[d]`` float32."""
+        trainable = [p for p in self.template.parameters() if p.requires_grad]
+        return torch.cat([p.detach().reshape(-1) for p in trainable]).to(torch.float32)
+
+    def load_into(self, flat: Tensor) -> nn.Module:
+        """A copy of the module holding ``flat`` (``[d]``) as its trainable parameters."""
+        module = copy.deepcopy(self.template)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for p, v in zip(trainable, flat.detach().split(self.numels)):
+                p.copy_(v.view_as(p))
+        return module
+
+    def point(self, flat: Tensor, c: int) -> Tensor:
+        """Client ``c``'s point of ``flat`` (``[d]``: everyone's), on aligned memory."""
+        return aligned(flat if flat.dim() == 1 else flat[c])
+
+    def params(self, point: Tensor) -> list[Tensor]:
+        """The trainable parameters as views of ``point``, in their shapes."""
+        return [v.view(shape) for v, shape in zip(point.split(self.numels), self.shapes)]
+
+    def forward(self, point: Tensor, x: Tensor) -> Tensor:
+        """The private module's output with its trainable parameters replaced by views of
+        ``point`` (a cheaper ``torch.func.functional_call``; the originals are put back)."""
+        return self.forward_with(self.params(point), x)
+
+    def forward_with(self, params: list[Tensor], x: Tensor) -> Tensor:
+        """The private module's output with its trainable parameters replaced by ``params``."""
+        originals = [module._parameters[attr] for module, attr in self.slots]
+        try:
+            for (module, attr), param in zip(self.slots, params):
+                module._parameters[attr] = param  # type: ignore[assignment]
+            return self.module(x)
+        finally:
+            for (module, attr), original in zip(self.slots, originals):
+                module._parameters[attr] = original
+
+    def point_losses(self, point: Tensor, x: Tensor, y: Tensor) -> Tensor:
+        """Per-sample losses at ``point``, regulariser included."""
+        losses = self.loss.per_sample(self.forward(point, x), y)
+        return losses + self.reg_value(point) if self.nonconvex_reg else losses
+
+    def reg_value(self, point: Tensor) -> Tensor:
+        sq = point.square()
+        return 0.5 * self.nonconvex_reg * (sq / (1 + sq)).sum()
+
+    def reg_grad(self, point: Tensor) -> Tensor:
+        return self.nonconvex_reg * point / (1 + point.square()).square()
+
+    def linear_layer(self) -> nn.Linear | None:
+        """The ``Linear`` layer of a linear model (``Linear`` or ``Sequential(Flatten,
+        Linear)``), which :class:`~dpfl.models.linear.ClosedFormLinear` differentiates by hand
+        when the loss has a closed-form output gradient; else None."""
+        module = self.module
+        layers = list(module) if isinstance(module, nn.Sequential) else [module]
+        if (isinstance(layers[-1], nn.Linear) and all(type(m) is nn.Flatten for m in layers[:-1])
+                and layers[-1].weight.requires_grad
+                and (layers[-1].bias is None or layers[-1].bias.requires_grad)):
+            return layers[-1]
+        return None

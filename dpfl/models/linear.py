@@ -1,0 +1,140 @@
+"""The closed-form path of a linear model: per-sample and mean-loss gradients without autograd.
+
+For ``o = aWᵀ + b`` and a loss whose output gradient ``δ_j = ∂loss_j/∂o_j`` has a closed form,
+``∇W_j = δ_j a_jᵀ`` and ``∇b_j = δ_j``: the rows are products, which matters for the thousands
+of tiny rounds of a logistic-regression sweep. A client's samples form one chunk (unless a byte
+budget says otherwise), and the clipped sums are one matrix-vector product per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from dpfl.models.flat import FlatParameters
+from dpfl.models.rows import Dropped, aligned, chunks, non_finite_rows
+from dpfl.privacy.clipping import clip_factors
+
+
+class ClosedFormLinear:
+    """The per-sample gradients of the linear model ``flat`` (its ``layer``), in closed form;
+    non-finite records are zeroed and counted in ``dropped``."""
+
+    def __init__(self, flat: FlatParameters, layer: nn.Linear, dropped: Dropped) -> None:
+        assert flat.loss.output_grad is not None, "a closed form needs the output gradient"
+        self.flat = flat
+        self.layer = layer
+        self.dropped = dropped
+
+    def outputs(self, point: Tensor, x: Tensor) -> tuple[Tensor, Tensor, bool]:
+        """``(a, o, has bias)`` at ``point``: the flattened inputs ``a`` and the outputs
+        ``o = aWᵀ + b``."""
+        a = x.reshape(len(x), -1)
+        weight = point[: self.layer.weight.numel()].view(self.layer.weight.shape)
+        bias = point[self.layer.weight.numel():] if self.layer.bias is not None else None
+        return a, torch.nn.functional.linear(a, weight, bias), bias is not None
+
+    def per_sample(self, point: Tensor, x: Tensor, y: Tensor,
+                   losses_out: Tensor | None = None) -> Tensor:
+        """``[n, d]``: the per-sample loss gradients (without the regulariser), in the
+        parameters' flat order (weight row-major, then bias); the per-sample losses go to
+        ``losses_out`` if given."""
+        loss = self.flat.loss
+        a, outputs, has_bias = self.outputs(point, x)
+        if losses_out is not None:
+            losses_out.copy_(loss.per_sample(outputs, y))
+        delta = loss.output_grad(outputs, y).reshape(len(a), -1)
+        weight = (delta.unsqueeze(2) * a.unsqueeze(1)).reshape(len(a), -1)
+        return torch.cat([weight, delta], dim=1) if has_bias else weight
+
+    def gradient(self, point: Tensor, x: Tensor, y: Tensor, out: Tensor,
+                 losses_out: Tensor | None) -> None:
+        """The mean-loss gradient into ``out``: with ``δ = ∂loss_j/∂o_j / n``, ``∇W = δᵀa``,
+        ``∇b = Σ_j δ_j``, plus the regulariser's gradient."""
+        loss, numel = self.flat.loss, self.layer.weight.numel()
+        a, outputs, has_bias = self.outputs(point, x)
+        if losses_out is not None:
+            losses_out.copy_(loss.per_sample(outputs, y))
+        delta = loss.output_grad(outputs, y).reshape(len(a), -1) / len(a)
+        torch.mm(delta.t(), a, out=out[:numel].view(self.layer.weight.shape))
+        if has_bias:
+            torch.sum(delta, dim=0, out=out[numel:])
+        if self.flat.nonconvex_reg:
+            out += self.flat.reg_grad(point)
+
+    def rows(self, flat: Tensor, x: Tensor, y: Tensor, size: int,
+             losses: Tensor | None = None) -> Iterator[tuple[int, int, Tensor]]:
+        """``(client, start, [n, d])``: every sample's gradient, regulariser included, in
+        chunks of ``size`` (a row may be inf or NaN); losses to ``losses [C, b]`` if given."""
+        for c in range(x.shape[0]):
+            point = self.flat.point(flat, c)
+            reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
+            for start, xs, ys in chunks(x, y, c, size):
+                rows = self.per_sample(point, xs, ys, None if losses is None
+                                       else losses[c, start:start + len(xs)])
+                if reg is not None:
+                    rows += reg
+                yield c, start, rows
+
+    def clipped_mean(self, flat: Tensor, x: Tensor, y: Tensor, radii: list[float], size: int,
+                     out: Tensor, norms: Tensor, losses: Tensor | None,
+                     offset: Tensor | None) -> None:
+        """:meth:`~dpfl.models.FlatModel.clipped_mean` into ``out`` and ``norms``: the rows of
+        a chunk (n·d memory) clipped and summed by one matrix-vector product."""
+        b = x.shape[1]
+        for c in range(x.shape[0]):
+            point = self.flat.point(flat, c)
+            reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
+            if offset is not None:
+                reg = aligned(offset[c]) if reg is None else reg + offset[c]
+            row = out[c]
+            for start, xs, ys in chunks(x, y, c, size):
+                n = len(xs)
+                rows = self.per_sample(
+                    point, xs, ys, None if losses is None else losses[c, start:start + n])
+                if reg is not None:
+                    rows += reg
+                norms[c, start:start + n] = torch.linalg.vector_norm(rows, dim=1)
+                if (bad := non_finite_rows(norms[c, start:start + n])) is not None:
+                    self.dropped.drop(bad, rows, norms[c, start:start + n])
+                w = clip_factors(norms[c, start:start + n], radii[c]).div_(b)
+                if start == 0:
+                    torch.mv(rows.t(), w, out=row)
+                else:
+                    row.addmv_(rows.t(), w)
+
+    def clipped_difference_mean(self, flat: Tensor, flat_before: Tensor, x: Tensor, y: Tensor,
+                                size: int, out: Tensor, weights: partial) -> None:
+        """:meth:`~dpfl.models.FlatModel.clipped_difference_mean` into ``out``, from both
+        points' rows of each chunk (``weights``: :func:`~dpfl.models.rows.difference_weights`
+        with the clips bound)."""
+        for c in range(x.shape[0]):
+            point, before = self.flat.point(flat, c), self.flat.point(flat_before, c)
+            reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
+            reg_before = self.flat.reg_grad(before) if self.flat.nonconvex_reg else None
+            row = out[c]
+            for start, xs, ys in chunks(x, y, c, size):
+                rows = self.per_sample(point, xs, ys)
+                rows_before = self.per_sample(before, xs, ys)
+                if reg is not None and reg_before is not None:  # both or neither
+                    rows += reg
+                    rows_before += reg_before
+                sq, sq_before = rows.square().sum(dim=1), rows_before.square().sum(dim=1)
+                w, w_before = weights(sq, sq_before, (rows * rows_before).sum(dim=1))
+                if (bad := non_finite_rows(sq, sq_before)) is not None:
+                    self.dropped.drop(bad, rows, rows_before, w, w_before)
+                if start == 0:
+                    torch.mv(rows.t(), w, out=row)
+                else:
+                    row.addmv_(rows.t(), w)
+                row.addmv_(rows_before.t(), w_before)
+
+    def sample_bytes(self, x: Tensor) -> int:
+        """Bytes one sample of ``x [C, b, ...]`` adds to a chunk: its row, its input, and the
+        output and its gradient."""
+        features = math.prod(x.shape[2:])
+        return x.element_size() * (self.flat.d + features + 2 * self.layer.out_features)

@@ -1,0 +1,297 @@
+"""The per-sample gradient engine: per-sample gradients from the tapes of one forward and one
+backward pass (:mod:`dpfl.models.functional` explains the method), clipped and summed without
+forming the ``[b, d]`` matrix where a layer has ghost norms."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from dpfl.models import grad_sample
+from dpfl.models.flat import FlatParameters
+from dpfl.models.rows import (
+    Chunk,
+    Dropped,
+    InputSquares,
+    Layer,
+    aligned,
+    chunks,
+    non_finite_rows,
+    sample_radii,
+    zero_rows,
+)
+from dpfl.privacy.clipping import clip_factors
+
+#: one chunk's record: (layer, its input a, its output gradient δ) per trainable layer
+Tape = list[tuple[Layer, Tensor, Tensor]]
+#: each layer's materialised per-sample gradients, None for a layer with ghost norms
+Materialised = list[list[Tensor] | None]
+
+
+class TapeEngine:
+    """Per-sample gradients of ``flat``'s module by tapes: forward hooks on its trainable
+    layers record each layer's input while :meth:`record` runs; non-finite records are zeroed
+    and counted in ``dropped``."""
+
+    def __init__(self, flat: FlatParameters, dropped: Dropped) -> None:
+        self.flat = flat
+        self.dropped = dropped
+        self.tape: Tape | None = None
+        for layer in flat.layers:
+            layer.module.register_forward_hook(partial(self.capture, layer))
+
+    def capture(self, layer: Layer, module: nn.Module, inputs: tuple[Tensor, ...],
+                output: Tensor) -> Tensor | None:
+        """Forward hook: put (layer, input, output) on the tape while one is being recorded."""
+        tape = self.tape
+        if tape is None:
+            return None
+        if any(entry[0] is layer for entry in tape):
+            name = type(module).__name__
+            raise RuntimeError(f"per-sample gradients: {name} is called twice in one forward")
+        if not output.requires_grad:
+            # Nothing below this layer is trainable: start the graph here.
+            output = output.detach().requires_grad_()
+        tape.append((layer, inputs[0].detach(), output))
+        return output
+
+    def record(self, params: list[Tensor], x: Tensor, y: Tensor,
+               losses_out: Tensor | None = None) -> Tape:
+        """One forward and backward pass at ``params`` (views of a detached point): (layer,
+        input, output gradient) per trainable layer; the per-sample losses are copied into
+        ``losses_out`` when given."""
+        self.tape = []
+        try:
+            with torch.enable_grad():
+                losses = self.flat.loss.per_sample(self.flat.forward_with(params, x), y)
+            tape = self.tape
+        finally:
+            self.tape = None
+        if losses_out is not None:
+            losses_out.copy_(losses.detach())
+        if not tape:
+            return []
+        outputs = [out for _, _, out in tape]
+        grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
+        return [
+            (layer, a, torch.zeros_like(out) if g is None else g)
+            for (layer, a, out), g in zip(tape, grads)
+        ]
+
+    def rows(self, flat: Tensor, x: Tensor, y: Tensor, size: int,
+             losses: Tensor | None = None) -> Iterator[tuple[int, int, Tensor]]:
+        """``(client, start, [n, d])``: every sample's gradient, regulariser included,
+        materialised in fresh memory, in chunks of ``size`` (a row may be inf or NaN); losses
+        to ``losses [C, b]`` if given."""
+        for c in range(x.shape[0]):
+            point = self.flat.point(flat, c)
+            params = self.flat.params(point.detach())
+            reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
+            for start, xs, ys in chunks(x, y, c, size):
+                losses_out = None if losses is None else losses[c, start:start + len(xs)]
+                rows = x.new_zeros(len(xs), self.flat.d)
+                for layer, a, g in self.record(params, xs, ys, losses_out):
+                    grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
+                    for p, where in zip(grads, layer.slices):
+                        rows[:, where] = p
+                if reg is not None:
+                    rows += reg
+                yield c, start, rows
+
+    def clipped_mean(self, flat: Tensor, x: Tensor, y: Tensor, radii: list[float], size: int,
+                     out: Tensor, norms: Tensor, losses: Tensor | None,
+                     offset: Tensor | None) -> None:
+        """:meth:`~dpfl.models.FlatModel.clipped_mean` into ``out`` and ``norms``, group by
+        group: pass 1 records the tapes and the squared norms, pass 2 adds the weighted sums."""
+        b = x.shape[1]
+        for group in self.groups(flat, x, y, size, offset=offset):
+            sq = x.new_zeros(sum(chunk.n for chunk in group))
+            tapes = []
+            for chunk in group:  # pass 1: the tapes and the squared norms
+                tape = self.record(chunk.params, chunk.x, chunk.y, None if losses is None else
+                                   losses[chunk.client, chunk.start:chunk.start + chunk.n])
+                tapes.append((tape, self.squares(tape, chunk.reg, chunk.of(sq))[1]))
+            norm = sq.clamp_min_(0).sqrt_()
+            w = clip_factors(norm, sample_radii(radii, group)).div_(b)  # 1/b where ‖g_j‖ ≤ C
+            if (bad := non_finite_rows(norm)) is not None:  # weight 0 (the regulariser's share
+                self.dropped.drop(bad, norm, w)  # too), norm reported 0, and no NaN in the GEMMs
+                tapes = [zeroed(chunk.of(bad), *pair) for chunk, pair in zip(group, tapes)]
+            for chunk, (tape, materialised) in zip(group, tapes):  # pass 2: the weighted sums
+                norms[chunk.client, chunk.start:chunk.start + chunk.n] = chunk.of(norm)
+                self.add_weighted(tape, materialised, chunk.reg, aligned(chunk.of(w)),
+                                  out[chunk.client], first=chunk.start == 0)
+            del tapes, tape, materialised  # no tape lives into the next group's passes
+
+    def clipped_difference_mean(self, flat: Tensor, flat_before: Tensor, x: Tensor, y: Tensor,
+                                size: int, out: Tensor, weights: partial) -> None:
+        """:meth:`~dpfl.models.FlatModel.clipped_difference_mean` into ``out``, group by group,
+        from both points' tapes of each chunk (``weights``:
+        :func:`~dpfl.models.rows.difference_weights` with the clips bound)."""
+        for group in self.groups(flat, x, y, size, before=flat_before):
+            sq, sq_before, dots = x.new_zeros(3, sum(chunk.n for chunk in group))
+            tapes = []
+            for chunk in group:  # pass 1: both tapes, the squared norms and the cross terms
+                tape, tape_before = self.record(chunk.params, chunk.x, chunk.y), \
+                    self.record(chunk.params_before, chunk.x, chunk.y)
+                inputs = InputSquares()
+                grads = self.squares(tape, chunk.reg, chunk.of(sq), inputs)[1]
+                grads_before = self.squares(tape_before, chunk.reg_before, chunk.of(sq_before),
+                                            inputs)[1]
+                pair_dots(tape, grads, chunk.reg, tape_before, grads_before, chunk.reg_before,
+                          chunk.of(dots), inputs)
+                tapes.append((tape, grads, tape_before, grads_before))
+            w, w_before = weights(sq, sq_before, dots)
+            if (bad := non_finite_rows(sq, sq_before)) is not None:
+                self.dropped.drop(bad, w, w_before)
+                tapes = [(*zeroed(chunk.of(bad), *pair[:2]), *zeroed(chunk.of(bad), *pair[2:]))
+                         for chunk, pair in zip(group, tapes)]
+            for chunk, (tape, grads, tape_before, grads_before) in zip(group, tapes):  # pass 2
+                row = out[chunk.client]
+                self.add_weighted(tape, grads, chunk.reg, aligned(chunk.of(w)), row,
+                                  first=chunk.start == 0)
+                self.add_weighted(tape_before, grads_before, chunk.reg_before,
+                                  aligned(chunk.of(w_before)), row, first=False)
+            del tapes, tape, grads, tape_before, grads_before  # as in clipped_mean
+
+    def squares(self, tape: Tape, reg: Tensor | None, sq: Tensor,
+                inputs: InputSquares | None = None) -> tuple[Tensor, Materialised]:
+        """``sq`` plus ‖g_j + reg‖² of one chunk's per-sample gradients ``[n]`` (ghost norms
+        where a layer has them), and each layer's materialised per-sample gradients (None for
+        a ghost layer); ``inputs`` shares the layers' ‖a_j‖² between tapes of the same chunk."""
+        materialised: Materialised = []
+        for layer, a, g in tape:
+            if grad_sample.has_ghost(layer.module, a):
+                sq += grad_sample.ghost_sq_norms(a, g, layer.trainable,
+                                                 None if inputs is None else inputs.of(a))
+                if reg is not None:
+                    sq += 2 * grad_sample.ghost_dots(a, g, layer.trainable, layer.parts(reg))
+                materialised.append(None)
+            else:
+                grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
+                for p, where in zip(grads, layer.slices):
+                    sq += p.square().sum(dim=1)
+                    if reg is not None:
+                        sq += 2 * torch.mv(p, reg[where])
+                materialised.append(grads)
+        if reg is not None:
+            sq += reg.square().sum()
+        return sq, materialised
+
+    def add_weighted(self, tape: Tape, materialised: Materialised, reg: Tensor | None,
+                     w: Tensor, row: Tensor, first: bool) -> None:
+        """``row`` (overwritten if ``first``) plus Σ_j w_j (g_j + reg) over one chunk: one
+        weighted GEMM per layer."""
+        beta = 0.0 if first else 1.0
+        for (layer, a, g), grads in zip(tape, materialised):
+            targets = [row[s].view(shape) for s, shape in zip(layer.slices, layer.shapes)]
+            if grads is None:
+                grad_sample.ghost_add_weighted_sum(a, g, layer.trainable, w, targets, beta)
+            else:
+                for target, p in zip(targets, grads):
+                    target.view(-1).addmv_(p.t(), w, beta=beta)
+        if first:
+            for layer in set(self.flat.layers) - {layer for layer, _, _ in tape}:  # unused
+                for where in layer.slices:
+                    row[where] = 0
+        if reg is not None:
+            row.add_(reg, alpha=w.sum().item())
+
+    def groups(self, flat: Tensor, x: Tensor, y: Tensor, size: int, *,
+               offset: Tensor | None = None, before: Tensor | None = None
+               ) -> Iterator[list[Chunk]]:
+        """Every client's chunks, client by client, gathered into groups of consecutive chunks
+        of at most ``size`` samples in all: a group holds one chunk's per-sample values, and its
+        per-sample scalar arithmetic (norms, clip factors) is one pass for the group instead of
+        one per client. That arithmetic is elementwise and correctly rounded, so no value
+        depends on the grouping. ``offset [C, d]`` is added to every per-sample gradient of
+        client c (with the regulariser's); ``before`` is a second point (``[d]`` or ``[C, d]``)
+        each chunk is also taken at."""
+        group: list[Chunk] = []
+        held = 0
+        points: dict[str, tuple[list[Tensor], Tensor | None]] = {}
+        for c in range(x.shape[0]):
+            for name, where in (("now", flat), ("before", before)):
+                if where is not None and (where.dim() > 1 or name not in points):
+                    point = self.flat.point(where, c)
+                    reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
+                    points[name] = (self.flat.params(point.detach()), reg)
+            params, reg = points["now"]
+            if offset is not None:
+                reg = aligned(offset[c]) if reg is None else reg + offset[c]
+            params_before, reg_before = points.get("before", (None, None))
+            for start, xs, ys in chunks(x, y, c, size):
+                if group and held + len(xs) > size:
+                    yield group
+                    group, held = [], 0
+                group.append(Chunk(c, start, len(xs), held, xs, ys, params, reg,
+                                   params_before, reg_before))
+                held += len(xs)
+        if group:
+            yield group
+
+    def sample_bytes(self, flat: Tensor, x: Tensor, y: Tensor, *, rows: bool) -> int:
+        """Bytes of per-sample values one sample of ``x [C, b, ...]`` adds to a chunk, counted
+        by one pass on one sample: the distinct tensors autograd saves with a leading axis of 1
+        (the parameters' views are not), the layers' output gradients, and the per-sample
+        gradients materialised — every layer's that has no ghost norm, or the whole ``d`` when
+        ``rows``."""
+        saved: dict[int, int] = {}
+
+        def pack(t: Tensor) -> Tensor:
+            if t.dim() and t.shape[0] == 1:
+                saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), t.nbytes)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            tape = self.record(self.flat.params(self.flat.point(flat, 0).detach()),
+                               aligned(x[0, :1]), aligned(y[0, :1]))
+        count = self.flat.d if rows else sum(
+            sum(s.numel() for s in layer.shapes)
+            for layer, a, _ in tape if not grad_sample.has_ghost(layer.module, a))
+        values = sum(saved.values()) + sum(g.nbytes for _, _, g in tape)
+        return values + x.element_size() * count
+
+
+def zeroed(bad: Tensor, tape: Tape, materialised: Materialised) -> tuple[Tape, Materialised]:
+    """A chunk's tape and materialised per-sample gradients with the samples ``bad`` zeroed,
+    out of place (the first input is a view of the client's data): a weight of 0 does not
+    remove a NaN from a GEMM."""
+    if not bool(bad.any()):
+        return tape, materialised
+    return ([(layer, zero_rows(a, bad), zero_rows(g, bad)) for layer, a, g in tape],
+            [None if grads is None else [zero_rows(p, bad) for p in grads]
+             for grads in materialised])
+
+
+def pair_dots(now: Tape, now_grads: Materialised, reg: Tensor | None, before: Tape,
+              before_grads: Materialised, reg_before: Tensor | None, dots: Tensor,
+              inputs: InputSquares) -> None:
+    """⟨g_j + reg, g̃_j + reg_before⟩ ``[n]`` of the same samples' per-sample gradients at two
+    points: for a Linear layer (g_j = δ_j a_jᵀ) ⟨δ_j a_jᵀ, δ̃_j ã_jᵀ⟩ = (δ_j·δ̃_j)(a_j·ã_j),
+    plus δ_j·δ̃_j for the bias; else the materialised rows' dot products. Added to ``dots`` in
+    place."""
+    for (layer, a, g), grads, (_, a2, g2), grads2 in zip(now, now_grads, before, before_grads,
+                                                        strict=True):
+        if grads is None or grads2 is None:  # the same layer on the same samples: both ghost
+            deltas = (g * g2).sum(dim=1)
+            if layer.trainable[0]:  # a layer whose input does not depend on the point: ‖a_j‖²
+                dots += deltas * (inputs.of(a) if InputSquares.same(a, a2)
+                                  else (a * a2).sum(dim=1))
+            if layer.trainable[1]:
+                dots += deltas
+            if reg_before is not None:
+                dots += grad_sample.ghost_dots(a, g, layer.trainable, layer.parts(reg_before))
+            if reg is not None:
+                dots += grad_sample.ghost_dots(a2, g2, layer.trainable, layer.parts(reg))
+            continue
+        for p, p2, where in zip(grads, grads2, layer.slices, strict=True):  # type: ignore
+            dots += (p * p2).sum(dim=1)
+            if reg_before is not None:
+                dots += torch.mv(p, reg_before[where])
+            if reg is not None:
+                dots += torch.mv(p2, reg[where])
+    if reg is not None and reg_before is not None:
+        dots += torch.dot(reg, reg_before)
