@@ -18,13 +18,13 @@ from dpfl.errors import ConfigError
 from dpfl.privacy import Randomness
 from dpfl.privacy.subsampled_rdp import (
     epsilon_from_rdp,
-    implied_epsilon,
     noise_size,
     subsampled_rdp,
 )
 from dpfl.problem import build_problem
 from dpfl.rounds import ClientRuntime
 from dpfl.runconfig import RunConfig
+from tests.test_subsampled_rdp import implied_epsilon
 
 QUADRATIC = {"algorithm": "adaptdp-fedavg", "dataset": "quadratic", "model": "least-squares",
              "num-partitions": 2, "num-server-rounds": 4, "batch-size": 50, "local-steps": 3,

@@ -16,7 +16,9 @@ import dpfl.algorithms.base
 import dpfl.algorithms.clip21
 import dpfl.algorithms.prisma
 import dpfl.algorithms.projected
-import dpfl.models.functional
+import dpfl.models.linear
+import dpfl.models.rows
+import dpfl.models.tape
 import dpfl.rounds.client
 from dpfl.algorithms import ALGORITHMS
 from dpfl.audit import audit, full_batch
@@ -101,7 +103,8 @@ def test_the_audit_never_refutes_an_algorithms_ledger(name):
 
 def skip_clipping(monkeypatch) -> None:
     """The broken variant: every clip in the algorithms is the identity."""
-    for module in (dpfl.models.functional, dpfl.algorithms.clip21, dpfl.algorithms.projected):
+    for module in (dpfl.models.tape, dpfl.models.linear, dpfl.models.rows, dpfl.algorithms.clip21,
+                   dpfl.algorithms.projected):
         monkeypatch.setattr(module, "clip_factors", lambda norms, clip: torch.ones_like(norms))
     for module in (dpfl.algorithms.prisma, dpfl.algorithms.adaptive):
         monkeypatch.setattr(module, "clip_by_norm", lambda vectors, clip: vectors)

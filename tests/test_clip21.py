@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 
 def _manual(alg, cohort, multiplier):
     """Releases of ``alg`` for ``cohort``'s clients at a given ``noise-multiplier``."""
-    return lambda c: [Release.from_opacus(q, multiplier)
+    return lambda c: [Release.of(q, q.multiplier_of(multiplier))
                       for q in alg.queries(cohort.sizes[cohort.ids.index(c)])]
 
 

@@ -22,7 +22,6 @@ from flwr.app import ArrayRecord
 from dpfl.cli import main
 from dpfl.datasets.loading import DATASETS, _load
 from dpfl.models import FlatModel, build_model
-from dpfl.privacy import RELATIONS
 from dpfl.problem import build_problem
 from dpfl.rounds.client import ClientRuntime
 from dpfl.runconfig import RunConfig
@@ -139,7 +138,7 @@ def _bounds(problem) -> dict[str, float]:
     algorithm = problem.algorithm
     uploads = {key: upload for e in algorithm.exchanges for key, upload in e.uploads.items()}
     releases = {r.name: r for r in [*problem.releases(0), *problem.server_releases()]}
-    return {key: RELATIONS["replace-one"] * (releases[u.release].radius or algorithm.hp.clip)
+    return {key: 2.0 * (releases[u.release].radius or algorithm.hp.clip)  # replace-one: 2r
             if u.central else _bound(problem, releases[u.release], u, key)
             for key, u in uploads.items()}
 

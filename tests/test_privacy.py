@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -14,7 +15,9 @@ from dpfl.privacy import (
     PrivacyLedger,
     Query,
     Randomness,
+    Relation,
     Release,
+    Side,
     accountant_noise_multiplier,
     add_noise,
     clip_by_norm,
@@ -142,14 +145,29 @@ def test_prv_ledger_matches_opacus_prv_accountant():
 @pytest.mark.parametrize("relation, factor", [("replace-one", 2.0), ("add-remove", 1.0)])
 def test_a_release_converts_between_its_multiplier_the_opacus_one_and_the_std(relation, factor):
     """std = noise multiplier · sensitivity = Opacus multiplier · radius, sensitivity =
-    factor · radius (replacing a record moves a sum by 2r, adding one by r)."""
+    factor · radius (replacing a record moves a sum by 2r, adding one by r); the multiplier of
+    the same std under the other relation; the relation and side are enums spelled as in the
+    run config and the JSON."""
     query = Query("q", "train", radius=0.25, relation=relation, sample_rate=0.1)
-    release = Release.from_opacus(query, 3.0)  # the run-config key noise-multiplier = 3
-    assert release.noise_multiplier == 3.0 / factor and release.opacus_multiplier == 3.0
+    release = Release.of(query, query.multiplier_of(3.0))  # the key noise-multiplier = 3
+    assert release.noise_multiplier == 3.0 / factor
     assert query.sensitivity() == factor * 0.25
+    assert release.std() == pytest.approx(3.0 * 0.25) and release.std(1.0) == pytest.approx(3.0)
     assert stds([release]).item() == pytest.approx(3.0 * 0.25)
+    other, other_factor = {"replace-one": ("add-remove", 1.0),
+                           "add-remove": ("replace-one", 2.0)}[relation]
+    assert Relation(other).multiplier(release.noise_multiplier, of=relation) == pytest.approx(
+        3.0 * 0.25 / (other_factor * 0.25))
+    assert release.relation is Relation(relation) and release.side is Side.CLIENT
+    assert f'"relation": "{relation}"' in json.dumps(dataclasses.asdict(release))
     assert stds([release], radius=0.5).item() == pytest.approx(3.0 * 0.5)  # a per-round radius
     assert release.event == (3.0 / factor, 0.1, 1)
+
+
+@pytest.mark.parametrize("key, value", [("relation", "replace"), ("side", "node")])
+def test_a_query_refuses_an_unknown_relation_or_side_naming_the_allowed(key, value):
+    with pytest.raises(ValueError, match=f"{key} '{value}' is not one of .*"):
+        Query("q", "train", radius=1.0, **{"relation": "add-remove", key: value})
 
 
 def test_a_query_without_a_fixed_radius_needs_the_rounds_radius():

@@ -22,7 +22,7 @@ from dpfl.algorithms import ALGORITHMS, ServerContext
 from dpfl.algorithms.adaptive import SAMPLING
 from dpfl.algorithms.prisma import RELATION, Prisma
 from dpfl.client.app import reply
-from dpfl.privacy import RELATIONS, Randomness
+from dpfl.privacy import Randomness
 from dpfl.problem import build_problem
 from dpfl.runconfig import RunConfig
 from dpfl.strategies.algorithm import to_record
@@ -144,6 +144,10 @@ def _replies(problem, shift=None):
     return out
 
 
+#: how far one replaced (added) record moves a sum of vectors of norm at most r, over r
+FACTORS = {"replace-one": 2.0, "add-remove": 1.0}
+
+
 def _bound(problem, release, upload, key, relation="replace-one") -> float:
     """How far one replaced (``relation="add-remove"``: added) record can move an upload under
     the same noise: twice (once) its release's radius (a replacement is a removal and an
@@ -151,10 +155,10 @@ def _bound(problem, release, upload, key, relation="replace-one") -> float:
     (K = 1 here), η times the step's 2C/b (C/b) at the initial radius C = clip, and for
     SCAFFOLD's control-variate change (x − y)/(Kη) − c, the step's 2C/b (C/b) itself."""
     if release.radius is not None:
-        return RELATIONS[relation] * release.radius
+        return FACTORS[relation] * release.radius
     hp = problem.algorithm.hp
     assert upload.post_processing and hp.local_steps == 1
-    step = RELATIONS[relation] * hp.clip / hp.batch_size
+    step = FACTORS[relation] * hp.clip / hp.batch_size
     return step if key == "dc" else hp.learning_rate * step
 
 

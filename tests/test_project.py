@@ -1,8 +1,10 @@
 """The project surface: every run-config key is in pyproject.toml and documented in
-docs/configuration.md, and every relative link in the documentation points to a file."""
+docs/configuration.md, every relative link in the documentation points to a file, the core
+imports nothing from Flower, and no class is over about 300 lines."""
 
 from __future__ import annotations
 
+import ast
 import re
 import tomllib
 
@@ -57,3 +59,32 @@ def test_torchvision_imports_and_runs_an_op():
     boxes = torch.tensor([[0.0, 0.0, 2.0, 2.0], [0.5, 0.5, 2.0, 2.0], [5.0, 5.0, 6.0, 6.0]])
     keep = torchvision.ops.nms(boxes, torch.tensor([0.9, 0.8, 0.7]), iou_threshold=0.5)
     assert keep.tolist() == [0, 2]
+
+
+#: the Flower-free core: Flower's runtimes drive it through a transport, never the other way
+FLOWER_FREE = ("algorithms", "privacy", "models", "rounds", "datasets", "engine")
+MAX_CLASS_LINES = 320  # "small modules named for what they hold": no class much over 300
+
+
+def _sources():
+    return sorted((ROOT / "dpfl").rglob("*.py"))
+
+
+def test_the_core_imports_nothing_from_flower():
+    offenders = []
+    for path in _sources():
+        if path.relative_to(ROOT / "dpfl").parts[0] not in FLOWER_FREE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names
+                          if name == "flwr" or name.startswith("flwr.")]
+    assert not offenders
+
+
+def test_no_class_is_over_about_300_lines():
+    sizes = {f"{path.relative_to(ROOT)}:{node.name}": node.end_lineno - node.lineno + 1
+             for path in _sources() for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.ClassDef)}
+    assert sizes and {k: v for k, v in sizes.items() if v > MAX_CLASS_LINES} == {}

@@ -39,7 +39,6 @@ from dpfl.datasets.base import Dataset
 from dpfl.errors import ConfigError, NonFiniteError
 from dpfl.privacy import Query, Randomness, Release, add_noise, stds
 from dpfl.privacy.clipping import clip_by_norm, clip_factors
-from dpfl.privacy.release import RELATIONS
 from dpfl.rounds.client import LEVERS
 from dpfl.runconfig import RunConfig, all_params
 
@@ -364,8 +363,10 @@ def within_chi_square(noise: torch.Tensor, std: float) -> bool:
     return bool(low <= statistic <= high)
 
 
+#: a sum of vectors of norm at most r moves by 2r when one is replaced, r when one is added
+FACTORS = {"replace-one": 2.0, "add-remove": 1.0}
 QUERIES = st.builds(lambda radius, relation: Query("q", "train", radius, relation),
-                    st.floats(1e-3, 1e3), st.sampled_from(sorted(RELATIONS)))
+                    st.floats(1e-3, 1e3), st.sampled_from(sorted(FACTORS)))
 
 
 @examples(60)
@@ -376,10 +377,11 @@ def test_each_client_draws_noise_of_its_releases_declared_std(clients, dim, quer
                                                               server_round, seed):
     """std = noise multiplier × sensitivity; ``noise-multiplier`` (std over the radius) gives
     the same release both ways; each client's draw has that std."""
-    release = Release.from_opacus(query, multiplier)
-    declared = release.noise_multiplier * release.sensitivity()
+    release = Release.of(query, query.multiplier_of(multiplier))
+    declared = release.std()
     assert math.isclose(declared, multiplier * query.radius, rel_tol=1e-12)
-    assert math.isclose(release.opacus_multiplier, multiplier, rel_tol=1e-12)
+    assert math.isclose(release.noise_multiplier * FACTORS[query.relation], multiplier,
+                        rel_tol=1e-12)
     assert math.isclose(stds([release] * len(clients))[0], declared, rel_tol=1e-6)
     values = torch.zeros(len(clients), dim)
     noisy = add_noise(values, clients, stds([release] * len(clients)), rng=Randomness(seed),

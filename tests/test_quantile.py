@@ -1,10 +1,12 @@
-"""dp-fedavg-quantile: client-level DP-FedAvg with Andrew et al.'s quantile clipping on
-Flower's own classes — the clipping-norm trajectory equals Flower's
+"""dp-fedavg-quantile: client-level DP-FedAvg with Andrew et al.'s quantile clipping as Flower
+runs it — the paper's three formulas equal Flower's functions bit for bit, the clipping-norm
+trajectory equals Flower's
 ``DifferentialPrivacyClientSideAdaptiveClipping`` fed the same replies, the server's noise has
 the declared std, the ledger composes both central releases, and Flower = engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -12,11 +14,21 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import DifferentialPrivacyClientSideAdaptiveClipping, FedAvg
-from flwr.supercore.differential_privacy import KEY_NORM_BIT
+from flwr.supercore.differential_privacy import (
+    KEY_NORM_BIT,
+    adaptive_clip_inputs_inplace,
+    compute_adaptive_noise_params,
+)
 from flwr.supercore.task_identity import TaskIdentity
 from opacus.accountants import RDPAccountant
 
 from dpfl.algorithms import ServerContext
+from dpfl.algorithms.quantile import (
+    QuantileHyperparameters,
+    clip_update,
+    geometric_update,
+    update_multiplier,
+)
 from dpfl.engine import run
 from dpfl.errors import ConfigError
 from dpfl.privacy import Randomness
@@ -34,6 +46,32 @@ def _config(tmp_path, name="run", **changes):
     values = {**VALUES, "results-dir": str(tmp_path), "run-name": name}
     values.update({k.replace("_", "-"): v for k, v in changes.items()})
     return RunConfig(values)
+
+
+def test_the_papers_formulas_equal_flowers_functions_bit_for_bit():
+    """Theorem 1's noise split, Algorithm 1's clip and its geometric update, written from the
+    paper, against Flower 1.41's ``compute_adaptive_noise_params``,
+    ``adaptive_clip_inputs_inplace`` and the strategy wrapper's update, on random inputs."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        z = float(rng.uniform(0.01, 5.0))
+        sigma_b = float(rng.uniform(z / 2 * 1.001, 20.0))
+        assert compute_adaptive_noise_params(z, 10, sigma_b) == (
+            sigma_b, update_multiplier(z, sigma_b))
+        update = (rng.standard_normal(int(rng.integers(1, 3000))) * rng.uniform(1e-3, 10.0))
+        update, clip = update.astype(np.float32), float(rng.uniform(0.01, 30.0))
+        ours, theirs = update.copy(), update.copy()
+        assert clip_update(ours, clip) == adaptive_clip_inputs_inplace([theirs], clip)
+        assert ours.tobytes() == theirs.tobytes()
+        hp = dataclasses.replace(QuantileHyperparameters(),
+                                 target_quantile=float(rng.uniform(0.0, 1.0)),
+                                 clip_learning_rate=float(rng.uniform(0.01, 1.0)))
+        flower = DifferentialPrivacyClientSideAdaptiveClipping(
+            FedAvg(), noise_multiplier=0.0, num_sampled_clients=10, initial_clipping_norm=clip,
+            target_clipped_quantile=hp.target_quantile, clip_norm_lr=hp.clip_learning_rate)
+        fraction = float(rng.uniform(-0.5, 1.5))  # the noisy fraction leaves [0, 1]
+        flower._geometric_update(fraction)
+        assert geometric_update(clip, fraction, hp) == flower.clipping_norm
 
 
 class RecordingContext(ServerContext):

@@ -11,13 +11,34 @@ import pytest
 from opacus.accountants.analysis.rdp import compute_rdp
 
 from dpfl.privacy.subsampled_rdp import (
+    MAX_ORDER,
     epsilon_from_rdp,
     gaussian_kappa,
-    implied_epsilon,
     noise_size,
     order,
     subsampled_rdp,
 )
+
+
+def implied_epsilon(*, sigma: float, delta: float, batch_size: int, num_samples: int,
+                    steps: int, share: float) -> float:
+    """§5.1's reverse map (the paper's experiments fix σ first; dpfl calibrates forwards
+    only): the smallest ε whose calibration ``noise_size`` admits σ, i.e. with
+    steps·𝒮(κ(σ), b/n)(α*(ε)) ≤ share·ε (monotone in ε: α* falls and the right side grows),
+    by bisection in log space over [1e-8, 1e14] to a relative 1e-12."""
+    kappa = gaussian_kappa(sigma, batch_size)
+
+    def ok(epsilon: float) -> bool:
+        alpha = order(epsilon, delta)
+        return alpha <= MAX_ORDER and \
+            steps * subsampled_rdp(kappa, batch_size / num_samples, alpha) <= share * epsilon
+
+    lo, hi = math.log(1e-8), math.log(1e14)
+    assert not ok(math.exp(lo)) and ok(math.exp(hi))
+    while hi - lo > 1e-12:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if ok(math.exp(mid)) else (mid, hi)
+    return math.exp(hi)
 
 # (task, R, K, n_p, DP-FedAvg σ_p) → (ε implied by eq. (3), α*, AdaptDP σ_p, σ_p^C by eq. (1)),
 # with b = b^C = 100 and δ = 1e-4: values computed independently of this code for our

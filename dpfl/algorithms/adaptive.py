@@ -90,7 +90,7 @@ from dpfl.config import (
     open_unit,
     positive,
 )
-from dpfl.privacy import CALIBRATIONS, Query, Randomness, Target, clip_by_norm
+from dpfl.privacy import CALIBRATIONS, Query, Randomness, Relation, Target, clip_by_norm
 from dpfl.privacy.subsampled_rdp import noise_size
 
 # beyond it a round never ends, and the ledgers' accountants stall on the compositions
@@ -240,9 +240,9 @@ class AdaptDPFedAvg(Algorithm):
     epsilon_share: ClassVar[float] = 1 / 4
 
     @property
-    def relation(self) -> str:  # type: ignore[override]
+    def relation(self) -> Relation:  # type: ignore[override]
         """Replace-one for fixed-size batches (the paper's), add/remove for Poisson sampling."""
-        return "add-remove" if self.hp.sampling == "poisson" else "replace-one"
+        return Relation.ADD_REMOVE if self.hp.sampling == "poisson" else Relation.REPLACE_ONE
 
     def batch_of(self, release: str) -> int:
         """The records per client behind one step of ``release``."""
@@ -296,7 +296,7 @@ class AdaptDPFedAvg(Algorithm):
         (Proposition 2: √2·√(mean_p (σ_p^C)²/P)·Ĝ²·√log(2PR/u), with std_p = σ_p^C·Ĝ²)."""
         p = len(ctx.participants)
         releases = [ctx.client_release(c, "statistic") for c in ctx.participants]
-        variance = sum((r.noise_multiplier * r.sensitivity()) ** 2 for r in releases) / p ** 2
+        variance = sum(r.std() ** 2 for r in releases) / p ** 2
         u = self.hp.failure_probability
         return math.sqrt(2 * math.log(2 * p * ctx.num_rounds / u) * variance)
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from dpfl.config import Value
-from dpfl.privacy import RELATIONS, SERVER, Query, Randomness, Release, add_noise, stds
+from dpfl.privacy import SERVER, Query, Randomness, Relation, Release, Side, add_noise, stds
 
 if TYPE_CHECKING:
     from dpfl.models import FlatModel
@@ -148,7 +148,7 @@ class Cohort:
         moving a clipped mean by 2C/b instead of C/b. q is public, never a function of the
         client's actual record count, which add/remove neighbours differ in."""
         releases = [rel[release] for rel in ctx.releases]
-        if releases[0].relation == "add-remove":
+        if releases[0].relation is Relation.ADD_REMOVE:
             rates = [r.sample_rate for r in releases]
             return Batches(batch_size,
                            rows=self.poisson(ctx.rng, ctx.server_round, purpose, rates))
@@ -291,7 +291,7 @@ class Algorithm(ABC):
     Hyperparameters: ClassVar[type]
     exchanges: ClassVar[tuple[Exchange, ...]]
     protection: ClassVar[str]
-    relation: ClassVar[str] = "replace-one"
+    relation: ClassVar[Relation] = Relation.REPLACE_ONE
     noise_free: ClassVar[bool] = False  # an ablation without noise (ε = ∞): no calibration keys
     # accountants whose ε the ledger reports beside the run's own (the paper's among them)
     reported_accountants: ClassVar[tuple[str, ...]] = ()
@@ -333,7 +333,7 @@ class Algorithm(ABC):
         """The noise multiplier (std / sensitivity) of each of ``queries`` when the run sets
         ``noise-multiplier`` (std / radius, Opacus' convention) directly: the same std over
         radius for every query by default."""
-        return [multiplier / RELATIONS[q.relation] for q in queries]
+        return [q.multiplier_of(multiplier) for q in queries]
 
     @classmethod
     def central_releases(cls) -> dict[str, str]:
@@ -404,8 +404,8 @@ def check_schema(algorithm: Algorithm, queries: list[Query]) -> None:
     client queries share a name, and no two of one exchange a noise stream (queries of
     exchanges that run in the same round must not share one either: the round loop checks
     that for the rounds it runs)."""
-    if any(q.side != "client" for q in queries) or any(
-            q.side != "server" for q in algorithm.server_queries()):
+    if any(q.side is not Side.CLIENT for q in queries) or any(
+            q.side is not Side.SERVER for q in algorithm.server_queries()):
         raise TypeError(f"{algorithm.name}: queries() are client-side, server_queries() "
                         f"server-side")
     names = [q.name for q in queries]

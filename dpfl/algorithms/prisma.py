@@ -29,7 +29,8 @@ Privacy. Replace-one neighbours (the paper's) or add/remove (``relation``). Each
 one subsampled Gaussian query at rate b/N: at t = 0 the clipped mean (radius C1/b), at t ≥ 1 the
 momentum increment q_i^t (radius (γC1 + (1 − γ)C3)/b, eq. (21); eq. (4): (γC1 + (1 − γ)LηC2)/b,
 eq. (9)); everything else v_i carries is post-processing of earlier releases. The sensitivity is
-RELATIONS[relation] × radius. Under add/remove the batch is a Poisson sample at the release's
+the relation's factor (2 for replace-one, 1 for add/remove) × radius. Under add/remove the batch
+is a Poisson sample at the release's
 rate q = b/N (N = ``min-client-records`` where set, else the client's partition size; public,
 never the client's actual record count): with a fixed-size batch an added record would push
 another out, moving the mean by 2·radius, and Opacus' accountant analyses Poisson sampling.
@@ -78,7 +79,7 @@ from dpfl.config import (
     unit_interval,
 )
 from dpfl.errors import ConfigError
-from dpfl.privacy import CALIBRATIONS, RELATIONS, Query, Target, clip_by_norm
+from dpfl.privacy import CALIBRATIONS, Query, Relation, Target, clip_by_norm
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ RELATION = Param("relation", "replace-one", "The neighbouring relation protected
                  "or removed: Poisson sampling, each record with probability b/n, n = "
                  "min-client-records where set, else the client's partition size, the mean "
                  "still divided by b; Opacus' analysis, half the noise for the same ε).",
-                 choices=tuple(RELATIONS))
+                 choices=tuple(r.value for r in Relation))
 GAMMA = Param("gamma", 0.5, "PriSMA: weight of the fresh clipped gradient in the recursive "
               "momentum (eqs. (4), (20)); 1 = no momentum.", check=unit_interval, symbol="γ")
 SERVER_CLIP = Param("server-clip", math.inf, "PriSMA: the server clips the mean of the messages "
@@ -125,8 +126,8 @@ class DPSGDGC(ClipSGD):
                   "batches under replace-one, Poisson batches under add/remove)")
 
     @property
-    def relation(self) -> str:  # type: ignore[override]
-        return self.hp.relation
+    def relation(self) -> Relation:  # type: ignore[override]
+        return Relation(self.hp.relation)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def paper_calibration(algorithm: Any, query: Query, target: Target, options: Non
     z = prisma_paper_calibration(epsilon=target.epsilon, delta=target.delta,
                                  batch_size=algorithm.hp.batch_size,
                                  num_samples=target.num_samples, rounds=target.rounds)
-    return z.noise_multiplier * RELATIONS["replace-one"] / RELATIONS[query.relation]
+    return query.relation.multiplier(z.noise_multiplier, of=Relation.REPLACE_ONE)
 
 
 # ---- PriSMA -------------------------------------------------------------------------------------
@@ -214,8 +215,8 @@ class Prisma(Algorithm):
     server_keys = ("learning-rate", "server-clip")  # eq. (4)'s radius, checked equal
 
     @property
-    def relation(self) -> str:  # type: ignore[override]
-        return self.hp.relation
+    def relation(self) -> Relation:  # type: ignore[override]
+        return Relation(self.hp.relation)
 
     def round_exchanges(self, server_round: int) -> tuple[Exchange, ...]:
         return self.exchanges[:1] if server_round == 1 else self.exchanges[1:]

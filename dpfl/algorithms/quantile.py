@@ -1,26 +1,27 @@
-"""Client-level DP-FedAvg with quantile-based adaptive clipping, on Flower's own classes.
+"""Client-level DP-FedAvg with quantile-based adaptive clipping, as Flower runs it.
 
 Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with Adaptive Clipping",
 NeurIPS 2021 (arXiv:1905.03871), Algorithm 1, as Flower implements it in
 ``DifferentialPrivacyClientSideAdaptiveClipping`` (server) with ``adaptiveclipping_mod``
-(client): the row the adaptive-clipping experiments compare against. Central DP: the server is
+(client): the row the adaptive-clipping experiments compare against. The three formulas are
+written here from the paper (dpfl's algorithms import nothing from Flower) and checked against
+Flower's functions bit for bit (tests/test_quantile.py). Central DP: the server is
 trusted to add the noise, and the unit protected is a client's whole update (add/remove one
 client).
 
 Each round (one ``train`` exchange, every client): the server broadcasts the model x and the
 clipping norm C; client i runs K local SGD steps (no per-sample clipping, no local noise) on
-fresh batches, clips its update Δ_i = x_K − x at C with Flower's ``adaptive_clip_inputs_inplace``
-and sends the clipped update and the bit b_i = 1[‖Δ_i‖ ≤ C], both un-noised. The server adds
-Gaussian noise to both sums and steps::
+fresh batches, clips its update Δ_i = x_K − x at C (:func:`clip_update`, Flower's
+``adaptive_clip_inputs_inplace``) and sends the clipped update and the bit b_i = 1[‖Δ_i‖ ≤ C],
+both un-noised. The server adds Gaussian noise to both sums and steps::
 
     x ← x + (Σ_i clip_C(Δ_i) + N(0, (z_Δ C)² I)) / P
-    C ← C · exp(−η_C ((Σ_i b_i + N(0, σ_b²)) / P − γ))      (Flower's ``_geometric_update``)
+    C ← C · exp(−η_C ((Σ_i b_i + N(0, σ_b²)) / P − γ))      (:func:`geometric_update`)
 
-The noise split is Flower's ``compute_adaptive_noise_params``: σ_b = P/20 unless
-``clipped-count-stddev`` is given, and z_Δ = (z^−2 − (2σ_b)^−2)^−1/2 for the run's effective
-multiplier z (``noise-multiplier``, or calibrated). The geometric update is Flower's own, on an
-instance of Flower's class. Three deliberate differences from Flower 1.41's classes, measured in
-docs/algorithms.md:
+The noise split is Theorem 1's, as Flower's ``compute_adaptive_noise_params`` applies it: σ_b =
+P/20 unless ``clipped-count-stddev`` is given, and z_Δ = (z^−2 − (2σ_b)^−2)^−1/2 for the run's
+effective multiplier z (``noise-multiplier``, or calibrated; :func:`update_multiplier`). Three
+deliberate differences from Flower 1.41's classes, measured in docs/algorithms.md:
 
 * the bit is Andrew et al.'s b_i = 1[‖Δ_i‖ ≤ C]; Flower's mod and server-side class send
   1[‖Δ_i‖ > C] into the same update, which then moves C away from the target quantile;
@@ -40,17 +41,11 @@ which costs more than z (docs/privacy.md has the numbers).
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.serverapp.strategy import DifferentialPrivacyClientSideAdaptiveClipping, FedAvg
-from flwr.supercore.differential_privacy import (
-    adaptive_clip_inputs_inplace,
-    compute_adaptive_noise_params,
-)
 from torch import Tensor
 
 from dpfl.algorithms.adaptive import LOCAL_STEPS
@@ -73,7 +68,7 @@ from dpfl.config import (
     positive,
 )
 from dpfl.errors import ConfigError
-from dpfl.privacy import CALIBRATIONS, Query, Target
+from dpfl.privacy import CALIBRATIONS, Query, Relation, Target
 from dpfl.privacy.calibration import accountant_noise_multiplier
 from dpfl.privacy.ledger import PrivacyLedger
 
@@ -103,6 +98,29 @@ class QuantileHyperparameters:
     clipped_count_stddev: float = hyperparameter(COUNT_STDDEV)  # σ_b
 
 
+def update_multiplier(multiplier: float, count_stddev: float) -> float:
+    """z_Δ = (z^−2 − (2σ_b)^−2)^−1/2: the update's noise multiplier that, beside the count's
+    noise σ_b, makes the pair of releases as private as one release of multiplier z (Theorem 1,
+    for centred bits; z < 2σ_b)."""
+    return (multiplier ** (-2) - (2 * count_stddev) ** (-2)) ** -0.5
+
+
+def clip_update(update: np.ndarray, clip: float) -> bool:
+    """Scale ``update`` in place to ℓ2 norm at most ``clip`` (Algorithm 1's
+    Δ·min(1, C/‖Δ‖), the norm computed as Flower's ``get_norm``: the square root of the squared
+    float32 norm); whether it was scaled (the norm exceeded C)."""
+    norm = float(np.sqrt(np.linalg.norm(update.flat) ** 2))
+    factor = min(1, clip / norm)
+    update *= factor
+    return factor < 1
+
+
+def geometric_update(clip: float, fraction: float, hp: QuantileHyperparameters) -> float:
+    """Algorithm 1's geometric update C · exp(−η_C (b̃ − γ)) of the clipping norm, b̃ the noisy
+    fraction of unclipped updates."""
+    return clip * math.exp(-hp.clip_learning_rate * (fraction - hp.target_quantile))
+
+
 @ALGORITHMS.register_class
 class QuantileDPFedAvg(Algorithm):
     """DP-FedAvg with quantile-based adaptive clipping (client-level central DP; see the
@@ -114,7 +132,7 @@ class QuantileDPFedAvg(Algorithm):
     protection = ("client-level central DP (add/remove one client): clients clip their update "
                   "at an adaptive norm, the trusted server adds Gaussian noise to the sum of "
                   "updates and to the count of unclipped ones")
-    relation = "add-remove"
+    relation = Relation.ADD_REMOVE
     exchanges = (Exchange("train", ("x", "clip"),
                           {"delta": Upload("model", central=True),
                            "unclipped": Upload("count", central=True)}),)
@@ -136,35 +154,26 @@ class QuantileDPFedAvg(Algorithm):
         count, model = self.noise_split(multiplier)
         return [model if q.name == "model" else count for q in queries]
 
-    count_floor = 0.0  # σ_b's lower bound under the default, set by calibration
-
     @property
     def count_stddev(self) -> float:
-        """σ_b of a noisy run: ``clipped-count-stddev``, or Flower's default P/20 (at least
-        :attr:`count_floor`)."""
+        """σ_b as configured: ``clipped-count-stddev``, or Flower's default P/20 (which the
+        ``accountant`` calibration may raise: :func:`quantile_noise_multiplier`)."""
         given = self.hp.clipped_count_stddev
-        return max(self.num_clients / 20, self.count_floor) if given < 0 else given
+        return self.num_clients / 20 if given < 0 else given
 
-    def noise_split(self, multiplier: float) -> tuple[float, float]:
-        """(σ_b, z_Δ) for the effective multiplier z, as Flower computes them."""
-        try:
-            return compute_adaptive_noise_params(multiplier, self.num_clients,
-                                                 self.count_stddev)
-        except ValueError:
-            sigma_b = self.count_stddev
+    def noise_split(self, multiplier: float, count_stddev: float | None = None
+                    ) -> tuple[float, float]:
+        """(σ_b, z_Δ) for the effective multiplier z and the count noise σ_b
+        (:attr:`count_stddev` when None), as Flower computes them."""
+        sigma_b = self.count_stddev if count_stddev is None else count_stddev
+        if multiplier <= 0:
+            return sigma_b, 0.0
+        if multiplier >= 2 * sigma_b:
             raise ConfigError("clipped-count-stddev", f"the count noise σ_b = {sigma_b:g} "
                               f"leaves no room for the effective noise multiplier "
                               f"{multiplier:g}, which must stay below 2σ_b",
-                              allowed=f"> {multiplier / 2:g}") from None
-
-    @functools.cached_property
-    def flower(self) -> DifferentialPrivacyClientSideAdaptiveClipping:
-        """Flower's strategy wrapper, used for its clipping-norm update."""
-        hp = self.hp
-        return DifferentialPrivacyClientSideAdaptiveClipping(
-            FedAvg(), noise_multiplier=0.0, num_sampled_clients=self.num_clients,
-            initial_clipping_norm=hp.clip, target_clipped_quantile=hp.target_quantile,
-            clip_norm_lr=hp.clip_learning_rate)
+                              allowed=f"> {multiplier / 2:g}")
+        return sigma_b, update_multiplier(multiplier, sigma_b)
 
     # ---- server --------------------------------------------------------------------------
     def init_server_state(self, x0: Tensor) -> State:
@@ -179,11 +188,8 @@ class QuantileDPFedAvg(Algorithm):
         p = len(ctx.participants)
         update = ctx.privatize("model", sums["delta"], radius=clip)
         count = float(ctx.privatize("count", sums["unclipped"].double()).sum())
-        flower = self.flower
-        flower.clipping_norm = clip
-        flower._geometric_update(count / p)  # Flower's rule: C·exp(−η_C(fraction − γ))
-        return {"x": state["x"] + update / p,
-                "clip": torch.tensor([flower.clipping_norm], dtype=torch.float64)}
+        clip = geometric_update(clip, count / p, self.hp)
+        return {"x": state["x"] + update / p, "clip": torch.tensor([clip], dtype=torch.float64)}
 
     def clip_radius(self, state: State) -> float:
         return float(state["clip"][0])
@@ -207,7 +213,7 @@ class QuantileDPFedAvg(Algorithm):
             if not np.isfinite(row).all():
                 continue
             if np.any(row):  # Flower's clip divides by the norm
-                bit[0] = not adaptive_clip_inputs_inplace([row], clip)
+                bit[0] = not clip_update(row, clip)
         return {"delta": torch.from_numpy(deltas), "unclipped": torch.from_numpy(unclipped)}, {}
 
 
@@ -217,43 +223,39 @@ def accountant_calibration(algorithm: QuantileDPFedAvg, query: Query, target: Ta
     """The smallest effective multiplier z whose pair of releases under Flower's split,
     (z_Δ(z), σ_b) every round, meets the target by the Opacus accountant; the query's part of
     it."""
-    z = quantile_noise_multiplier(algorithm, target)
-    return algorithm.noise_multipliers([query], z)[0]
+    sigma_b, z = quantile_noise_multiplier(algorithm, target)
+    count, model = algorithm.noise_split(z, sigma_b)
+    return model if query.name == "model" else count
 
 
 @functools.lru_cache(maxsize=64)
 def _epsilon(accountant: str, model: float, count: float, rounds: int, delta: float) -> float:
-    ledger = PrivacyLedger(accountant, "add-remove",
+    ledger = PrivacyLedger(accountant, Relation.ADD_REMOVE,
                            [(model, 1.0, rounds), (count, 1.0, rounds)])
     return ledger.epsilon(delta)
 
 
-def quantile_noise_multiplier(algorithm: QuantileDPFedAvg, target: Target) -> float:
-    """Bisection on z in (0, 2σ_b) (in log space, to 1e-6 relative): ε of R rounds of both
-    releases is decreasing in z. Under the default σ_b, a target that P/20 cannot reach (the
-    count alone would spend it: a small federation) raises σ_b to 2z₁, z₁ the multiplier of
-    one release a round for the target: the count then spends about a quarter of the budget's
-    RDP, and z_Δ is at most √(4/3) z."""
+def quantile_noise_multiplier(algorithm: QuantileDPFedAvg, target: Target
+                              ) -> tuple[float, float]:
+    """(σ_b, z): bisection on z in (0, 2σ_b) (in log space, to 1e-6 relative): ε of R rounds
+    of both releases is decreasing in z. Under the default σ_b, a target that P/20 cannot reach
+    (the count alone would spend it: a small federation) raises σ_b to 2z₁, z₁ the multiplier
+    of one release a round for the target: the count then spends about a quarter of the
+    budget's RDP, and z_Δ is at most √(4/3) z."""
     sigma_b = algorithm.count_stddev
     if sigma_b <= 0:
         raise ConfigError("clipped-count-stddev", "a noisy run needs noise on the count",
                           allowed="-1 (clients/20) or > 0")
 
     def epsilon(log_z: float) -> float:
-        flower = logging.getLogger("flwr")
-        level, flower.level = flower.level, logging.ERROR  # its "significant noise" warning
-        try:
-            count, model = algorithm.noise_split(math.exp(log_z))
-        finally:
-            flower.level = level
+        count, model = algorithm.noise_split(math.exp(log_z), sigma_b)
         return _epsilon(target.accountant, model, count, target.rounds, target.delta)
 
     high = math.log(2 * sigma_b * (1 - 1e-9))
     if epsilon(high) > target.epsilon and algorithm.hp.clipped_count_stddev < 0:
-        algorithm.count_floor = 2 * accountant_noise_multiplier(
+        sigma_b = max(sigma_b, 2 * accountant_noise_multiplier(
             epsilon=target.epsilon, delta=target.delta, sample_rate=1.0, steps=target.rounds,
-            accountant=target.accountant)
-        sigma_b = algorithm.count_stddev
+            accountant=target.accountant))
         high = math.log(2 * sigma_b * (1 - 1e-9))
     low = math.log(1e-6)
     if epsilon(high) > target.epsilon:
@@ -263,4 +265,4 @@ def quantile_noise_multiplier(algorithm: QuantileDPFedAvg, target: Target) -> fl
     while high - low > 1e-6:
         mid = (low + high) / 2
         low, high = (low, mid) if epsilon(mid) <= target.epsilon else (mid, high)
-    return math.exp(high)
+    return sigma_b, math.exp(high)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dpfl.datasets.base import Dataset
+from dpfl.privacy import Relation
 from dpfl.problem import Problem, assemble
 
 SCALE_OVER_CLIP = 1000.0  # the canary's gradient norm at x⁰ over the largest clip radius
@@ -87,7 +88,7 @@ def record_trials(source: Problem, client: int, trials: int, radius: float
     x = torch.cat([ds.train_x[torch.from_numpy(rows)], canary.x.unsqueeze(0)])
     y = torch.cat([ds.train_y[torch.from_numpy(rows)], canary.y.reshape(1)])
     data = np.arange(n, dtype=np.int64)
-    if source.algorithm.relation == "replace-one":
+    if source.algorithm.relation is Relation.REPLACE_ONE:
         neighbour = np.concatenate([[n], np.arange(1, n)]).astype(np.int64)
     else:
         neighbour = np.arange(n + 1, dtype=np.int64)

@@ -48,7 +48,7 @@ from flwr.app import ConfigRecord, RecordDict
 
 import dpfl
 from dpfl.atomic import write_atomically
-from dpfl.privacy import RELATIONS, PrivacyLedger, Release
+from dpfl.privacy import PrivacyLedger, Relation, Release
 
 log = logging.getLogger("dpfl")
 
@@ -140,7 +140,7 @@ class NodeLedger:
         relations = {relation for relation, *_ in events}
         common = relations.pop() if len(relations) == 1 else "replace-one"
         ledger = PrivacyLedger(accountant, common)
-        ledger.history = [(z * RELATIONS[relation] / RELATIONS[common], q, int(steps))
+        ledger.history = [(Relation(common).multiplier(z, of=relation), q, int(steps))
                           for relation, z, q, steps in events]
         return ledger.epsilon(delta)
 

@@ -63,7 +63,7 @@ from typing import Any
 
 from dpfl.algorithms import ALGORITHMS
 from dpfl.errors import ConfigError, did_you_mean
-from dpfl.privacy import RELATIONS, Randomness
+from dpfl.privacy import Randomness, Relation
 from dpfl.privacy.randomness import MODES
 
 log = logging.getLogger("dpfl")
@@ -138,6 +138,9 @@ def _number(config: Mapping[str, Any], key: str, default: float, *, low: float,
     return number
 
 
+RELATION_NAMES = tuple(r.value for r in Relation)
+
+
 def _names(config: Mapping[str, Any], key: str, default: Iterable[str],
            known: Iterable[str]) -> frozenset[str]:
     known = sorted(known)
@@ -204,7 +207,7 @@ class NodePolicy:
             accountant=accountant,
             min_noise_multiplier=_number(node_config, "min-noise-multiplier", 0.0, low=0.0),
             diagnostics=_flag(node_config, "diagnostics", trust),
-            relations=_names(node_config, "relations", RELATIONS, RELATIONS),
+            relations=_names(node_config, "relations", RELATION_NAMES, RELATION_NAMES),
             algorithms=_names(node_config, "algorithms",
                               ALGORITHMS.names() if trust else local_algorithms(),
                               ALGORITHMS.names()),

@@ -10,17 +10,18 @@ from dpfl.privacy.clipping import clip_by_norm, clip_factors
 from dpfl.privacy.ledger import Accounting, PrivacyLedger
 from dpfl.privacy.noise import add_noise
 from dpfl.privacy.randomness import SERVER, Randomness
-from dpfl.privacy.release import RELATIONS, Query, Release, stds
+from dpfl.privacy.release import Query, Relation, Release, Side, stds
 
 __all__ = [
     "CALIBRATIONS",
-    "RELATIONS",
     "SERVER",
     "Accounting",
     "PrivacyLedger",
     "Query",
     "Randomness",
+    "Relation",
     "Release",
+    "Side",
     "Target",
     "accountant_noise_multiplier",
     "add_noise",

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpfl.privacy import independent, rdp
-from dpfl.privacy.release import Release
+from dpfl.privacy.release import Release, Side
 from dpfl.privacy.subsampled_rdp import epsilon_of_history
 
 Event = tuple[float, float, int]  # (noise_multiplier, sample_rate, steps)
@@ -166,7 +166,7 @@ class Accounting:
     def client_releases(self, client: int, exchange: str | None = None) -> list[Release]:
         """The releases a client is charged for (its own, and the central ones)."""
         return [r for r in [*self.releases(client), *self.central]
-                if (r.side == "client" or r in self.central) and exchange in (None, r.exchange)]
+                if (r.side is Side.CLIENT or r in self.central) and exchange in (None, r.exchange)]
 
     def charge(self, clients: Iterable[int], exchange: str) -> None:
         for c in clients:

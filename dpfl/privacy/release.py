@@ -8,12 +8,13 @@ multiplier. Three numbers describe the same noise, and only this module converts
 
 * the **noise multiplier** of a release, ``std / sensitivity``: what an accountant composes
   (Opacus' ``noise_multiplier`` under add/remove neighbours, the replace-one multiplier
-  otherwise);
+  otherwise); :meth:`Relation.multiplier` re-expresses it under the other relation;
 * the **Opacus multiplier** of the run-config key ``noise-multiplier``, ``std / radius``: the
-  noise std on a sum of clipped vectors over the clip radius, whatever the relation;
-* the **std** actually drawn, ``noise multiplier · sensitivity``.
+  noise std on a sum of clipped vectors over the clip radius, whatever the relation — the
+  add/remove multiplier, whose sensitivity is the radius (:meth:`Query.multiplier_of`);
+* the **std** actually drawn, ``noise multiplier · sensitivity`` (:meth:`Release.std`).
 
-The sensitivity is ``radius`` times :data:`RELATIONS` of the relation: replacing one record
+The sensitivity is ``radius`` times the relation's :attr:`Relation.factor`: replacing one record
 moves a sum of vectors of norm at most ``r`` by up to ``2r``, adding or removing one by ``r``.
 """
 
@@ -21,11 +22,35 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
-RELATIONS: dict[str, float] = {"replace-one": 2.0, "add-remove": 1.0}
-SIDES = ("client", "server")
+
+class Relation(StrEnum):
+    """The neighbouring relation (dp-accounting's ``NeighboringRelation``): which datasets are
+    neighbours. A member is its run-config and JSON spelling."""
+
+    REPLACE_ONE = "replace-one"  # one record replaced by another
+    ADD_REMOVE = "add-remove"  # one record added or removed
+
+    @property
+    def factor(self) -> float:
+        """The sensitivity of a sum of vectors of norm at most r, over r."""
+        return 2.0 if self is Relation.REPLACE_ONE else 1.0
+
+    def multiplier(self, multiplier: float, of: Relation | str) -> float:
+        """The noise multiplier under this relation of the noise whose multiplier under ``of``
+        is ``multiplier`` (the same std over another sensitivity)."""
+        return multiplier * Relation(of).factor / self.factor
+
+
+class Side(StrEnum):
+    """Who draws a release's noise: the client before anything leaves it (local DP), or the
+    server in its step (central noise)."""
+
+    CLIENT = "client"
+    SERVER = "server"
 
 
 @dataclass(frozen=True)
@@ -44,8 +69,9 @@ class Query:
         client-level clipping): τ for a clipped client vector, C/b for a mean of b per-sample
         gradients clipped at C. None when it changes every round (a radius the server sends):
         it is then given to each draw, and only the noise multiplier is fixed.
-    relation : str
-        The neighbouring relation, a key of :data:`RELATIONS`.
+    relation : Relation
+        The neighbouring relation (its spelling, ``"replace-one"`` or ``"add-remove"``, is
+        taken too).
     sample_rate : float
         Probability that a given record takes part in one composition (b/m for a fixed-size
         batch of b out of m records; 1 when every record is used, e.g. any client-level
@@ -55,7 +81,7 @@ class Query:
     stream : str
         The random stream its noise is drawn from: streams are keyed by (seed, client, round,
         stream), so two queries of one algorithm must not share one.
-    side : str
+    side : Side
         ``"client"`` (local DP: drawn by the client before anything leaves it) or ``"server"``
         (central noise, drawn by the server in ``server_step``).
     """
@@ -63,17 +89,18 @@ class Query:
     name: str
     exchange: str
     radius: float | None
-    relation: str
+    relation: Relation
     sample_rate: float = 1.0
     steps: int = 1
     stream: str = "noise"
-    side: str = "client"
+    side: Side = Side.CLIENT
 
     def __post_init__(self) -> None:
-        if self.relation not in RELATIONS:
-            raise ValueError(f"relation {self.relation!r} is not one of {sorted(RELATIONS)}")
-        if self.side not in SIDES:
-            raise ValueError(f"side {self.side!r} is not one of {SIDES}")
+        for key, kind in (("relation", Relation), ("side", Side)):
+            value = getattr(self, key)
+            if value not in tuple(kind):
+                raise ValueError(f"{key} {value!r} is not one of {[m.value for m in kind]}")
+            object.__setattr__(self, key, kind(value))
         if not 0 < self.sample_rate <= 1 or self.steps < 1:
             raise ValueError(f"query {self.name!r}: sample rate in (0, 1] and steps >= 1")
 
@@ -83,7 +110,13 @@ class Query:
         r = self.radius if radius is None else radius
         if r is None:
             raise ValueError(f"query {self.name!r} has no fixed radius: pass the round's")
-        return RELATIONS[self.relation] * r
+        return self.relation.factor * r
+
+    def multiplier_of(self, opacus_multiplier: float) -> float:
+        """The noise multiplier (std / sensitivity) of the noise of std ``opacus_multiplier ·
+        radius`` (the run-config key ``noise-multiplier``, Opacus' convention): its add/remove
+        multiplier, under this query's relation."""
+        return self.relation.multiplier(opacus_multiplier, of=Relation.ADD_REMOVE)
 
 
 @dataclass(frozen=True)
@@ -96,16 +129,10 @@ class Release(Query):
     def of(cls, query: Query, noise_multiplier: float) -> Release:
         return cls(**dataclasses.asdict(query), noise_multiplier=float(noise_multiplier))
 
-    @classmethod
-    def from_opacus(cls, query: Query, multiplier: float) -> Release:
-        """The release whose noise std is ``multiplier · radius`` (the run-config key
-        ``noise-multiplier``, Opacus' convention)."""
-        return cls.of(query, multiplier / RELATIONS[query.relation])
-
-    @property
-    def opacus_multiplier(self) -> float:
-        """std / radius: the value of ``noise-multiplier`` that gives this noise."""
-        return self.noise_multiplier * RELATIONS[self.relation]
+    def std(self, radius: float | None = None) -> float:
+        """The noise std: the noise multiplier times the sensitivity for ``radius`` (the
+        release's own when None)."""
+        return self.noise_multiplier * self.sensitivity(radius)
 
     @property
     def event(self) -> tuple[float, float, int]:

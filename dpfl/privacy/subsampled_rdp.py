@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import numpy as np
 
-#: bisection range of the noise size (log space) and of ε
+#: bisection range of the noise size (log space)
 SIGMA_RANGE = (1e-8, 1e8)
-EPSILON_RANGE = (1e-8, 1e14)
 #: the largest order evaluated (a sum of α terms): an ε whose α* exceeds it (ε below
 #: 2 log(1/δ)/10⁵, e.g. 1.8e-4 at δ = 1e-4) is not certified
 MAX_ORDER = 100_000
@@ -72,26 +72,27 @@ def order(epsilon: float, delta: float) -> int:
     return 1 + math.ceil(2 * math.log(1 / delta) / epsilon)
 
 
-def epsilon_from_rdp(rdp: float, alpha: int, delta: float) -> float:
-    """Lemma 3 (Mironov, Prop. 3): (α, ρ)-RDP is (ρ + log(1/δ)/(α − 1), δ)-DP."""
+def epsilon_from_rdp(rdp: Any, alpha: Any, delta: float) -> Any:
+    """Lemma 3 (Mironov, Prop. 3): (α, ρ)-RDP is (ρ + log(1/δ)/(α − 1), δ)-DP (numbers, or
+    arrays of orders and their RDP)."""
     return rdp + math.log(1 / delta) / (alpha - 1)
 
 
-def _bisect(ok, low: float, high: float, *, increasing: bool) -> float:
-    """The boundary of the monotone predicate ``ok`` on [low, high], in log space, to a relative
-    1e-12 (``increasing``: ok holds above the boundary)."""
+def _bisect(ok, low: float, high: float) -> float:
+    """The smallest value of [low, high] where the predicate ``ok``, false below a boundary and
+    true above it, holds: bisection in log space, to a relative 1e-12."""
     lo, hi = math.log(low), math.log(high)
-    if ok(math.exp(lo if increasing else hi)):
-        return math.exp(lo if increasing else hi)
-    if not ok(math.exp(hi if increasing else lo)):
+    if ok(math.exp(lo)):
+        return math.exp(lo)
+    if not ok(math.exp(hi)):
         raise ValueError("no value in range satisfies the privacy condition")
     while hi - lo > 1e-12:
         mid = (lo + hi) / 2
-        if ok(math.exp(mid)) == increasing:
+        if ok(math.exp(mid)):
             hi = mid
         else:
             lo = mid
-    return math.exp(hi if increasing else lo)
+    return math.exp(hi)
 
 
 def noise_size(*, epsilon: float, delta: float, batch_size: int, num_samples: int, steps: int,
@@ -108,7 +109,7 @@ def noise_size(*, epsilon: float, delta: float, batch_size: int, num_samples: in
         return steps * subsampled_rdp(gaussian_kappa(sigma, batch_size), rate, alpha) \
             <= share * epsilon
 
-    return _bisect(ok, *SIGMA_RANGE, increasing=True)
+    return _bisect(ok, *SIGMA_RANGE)
 
 
 def rdp_of_event(noise_multiplier: float, sample_rate: float, alpha: int) -> float:
@@ -140,21 +141,4 @@ def epsilon_of_history(history: tuple[tuple[float, float, int], ...], delta: flo
     if any(z <= 0 for z, _, _ in history):
         return math.inf
     rdp = sum(steps * _rdp_curve(z, q, orders) for z, q, steps in history)
-    alphas = np.asarray(orders, dtype=np.float64)
-    return float(np.min(rdp + math.log(1 / delta) / (alphas - 1)))
-
-
-def implied_epsilon(*, sigma: float, delta: float, batch_size: int, num_samples: int,
-                    steps: int, share: float) -> float:
-    """The reverse map (§5.1: the experiments fix σ first): the smallest ε whose calibration
-    ``noise_size`` admits σ, i.e. with steps·𝒮(κ(σ), b/n)(α*(ε)) ≤ share·ε (monotone in ε:
-    α* falls and the right side grows)."""
-    rate = batch_size / num_samples
-    kappa = gaussian_kappa(sigma, batch_size)
-
-    def ok(epsilon: float) -> bool:
-        alpha = order(epsilon, delta)
-        return alpha <= MAX_ORDER and \
-            steps * subsampled_rdp(kappa, rate, alpha) <= share * epsilon
-
-    return _bisect(ok, *EPSILON_RANGE, increasing=True)
+    return float(np.min(epsilon_from_rdp(rdp, np.asarray(orders, dtype=np.float64), delta)))

@@ -24,7 +24,7 @@ import torch
 from dpfl.algorithms import Algorithm, ClientContext, Cohort, State
 from dpfl.errors import NonFiniteError
 from dpfl.models.rows import non_finite_rows, zero_rows
-from dpfl.privacy import Randomness, Release, add_noise, stds
+from dpfl.privacy import Randomness, Release, Side, add_noise, stds
 from dpfl.problem import Problem
 
 LEVERS = " (lower learning-rate or clip, or check the data for inf and NaN)"
@@ -84,7 +84,7 @@ class ClientRuntime:
         noised = {u.release for u in spec.uploads.values() if not u.sent_as_returned}
         for name, release in releases[0].items():
             wanted = 0 if name in noised else release.steps
-            if release.side == "client" and release.exchange == exchange \
+            if release.side is Side.CLIENT and release.exchange == exchange \
                     and ctx.drawn[name] != wanted:
                 raise RuntimeError(f"{algorithm.name}: release {name!r} declares {wanted} "
                                    f"in-step draws, the step made {ctx.drawn[name]}")

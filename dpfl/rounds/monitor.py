@@ -88,7 +88,7 @@ class RunMonitor:
                     or name not in sums):
                 continue
             radius = release.radius if release.radius is not None else clip
-            std = release.noise_multiplier * release.sensitivity(radius)
+            std = release.std(radius)
             norm = std * math.sqrt(sums[name].numel())
             # K noisy steps add K clipped signals but only √K noises
             ratio = norm / clip / math.sqrt(release.steps * participants)
