@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from collections import Counter
@@ -155,7 +154,7 @@ class Problem:
         saved = {str(size): releases for size, releases in self._releases.items()}
         if self._server_releases is not None:
             saved["server"] = self._server_releases
-        return {key: [dataclasses.asdict(r) for r in releases] for key, releases in saved.items()}
+        return {key: [r.record() for r in releases] for key, releases in saved.items()}
 
     def restore_calibrations(self, saved: dict[str, list[dict[str, Any]]]) -> None:
         for key, records in saved.items():

@@ -160,6 +160,9 @@ def test_a_release_converts_between_its_multiplier_the_opacus_one_and_the_std(re
         3.0 * 0.25 / (other_factor * 0.25))
     assert release.relation is Relation(relation) and release.side is Side.CLIENT
     assert f'"relation": "{relation}"' in json.dumps(dataclasses.asdict(release))
+    record = release.record()  # what checkpoints keep: they load plain types only
+    assert type(record["relation"]) is str and type(record["side"]) is str
+    assert Release(**record) == release
     assert stds([release], radius=0.5).item() == pytest.approx(3.0 * 0.5)  # a per-round radius
     assert release.event == (3.0 / factor, 0.1, 1)
 

@@ -222,7 +222,7 @@ class NodePolicy:
             return (f"node policy algorithms: {name!r} is not accepted (allowed: "
                     f"{', '.join(sorted(self.algorithms))})")
         if relation not in self.relations:
-            return (f"node policy relations: relation {relation!r} is not accepted (allowed: "
+            return (f"node policy relations: relation {str(relation)!r} is not accepted (allowed: "
                     f"{', '.join(sorted(self.relations))})")
         if config["non-private-diagnostics"] and not self.diagnostics:
             return ("node policy diagnostics=false: exact, un-noised statistics "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import torch
 
@@ -111,6 +112,12 @@ class Query:
         if r is None:
             raise ValueError(f"query {self.name!r} has no fixed radius: pass the round's")
         return self.relation.factor * r
+
+    def record(self) -> dict[str, Any]:
+        """The fields as plain values, the relation and side by their spelling: what results
+        folders, checkpoints and node caches keep (checkpoints load only plain types)."""
+        return {**dataclasses.asdict(self), "relation": self.relation.value,
+                "side": self.side.value}
 
     def multiplier_of(self, opacus_multiplier: float) -> float:
         """The noise multiplier (std / sensitivity) of the noise of std ``opacus_multiplier ·

@@ -85,10 +85,10 @@ def means(diagnostics: dict[int, dict[str, float]]) -> dict[str, float]:
 def releases_of(problem: Problem) -> dict[str, Any]:
     """Every client's releases (and the server's), as the results folder and checkpoints keep
     them."""
-    out: dict[str, Any] = {str(c): [dataclasses.asdict(r) for r in problem.releases(c)]
+    out: dict[str, Any] = {str(c): [r.record() for r in problem.releases(c)]
                            for c in range(problem.num_clients)}
     if server := problem.server_releases():
-        out["server"] = [dataclasses.asdict(r) for r in server]
+        out["server"] = [r.record() for r in server]
     return out
 
 
