@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -166,20 +167,21 @@ def test_a_federation_missing_a_client_stops_early_in_one_line(tmp_path, deploym
     no other SuperNode came for 10 s, one line naming the missing client, no traceback; the
     run is finished:failed (`flwr run --stream` exits 0 whatever happened, as the guide says)."""
     env = deployment.start(["0", "1", "2"], policy=TRUSTING)
-    started = time.monotonic()
     done = subprocess.run(
         [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--stream", "--run-config",
          format_overrides({**CASES["dpsgd-gc"], "num-partitions": 4,
                            "results-dir": str(tmp_path / "results")})],
         env=env, cwd=ROOT, timeout=300, capture_output=True, text=True)
-    elapsed = time.monotonic() - started
     out = done.stdout + done.stderr
     errors = [line for line in out.splitlines() if "dpfl: error:" in line]
     assert len(errors) == 1, out[-3000:]
-    assert "num-partitions=4, but no SuperNode hosts clients [3] (the 3 SuperNodes that " \
-           "answered host [0-2])" in errors[0]
+    found = re.search(r"num-partitions=4, but no SuperNode hosts clients \[3\] \(the 3 "
+                      r"SuperNodes that answered in (\d+) s host \[0-2\]\)", errors[0])
+    assert found, errors[0]
     assert "Traceback" not in out
-    assert elapsed < 90, elapsed  # not the 120 s it used to wait
+    # the server's own clock, not this test's (which counts packaging and process starts):
+    # once the three have answered, 10 s without a fourth ends discovery, not the 120 s timeout
+    assert int(found.group(1)) < 60, errors[0]
     listed = subprocess.run([str(BIN / "flwr"), "ls", "local-deployment", "--format", "json"],
                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert [r["status"] for r in json.loads(listed.stdout)["runs"]] == ["finished:failed"]

@@ -110,7 +110,7 @@ def test_a_federation_of_the_wrong_size_fails_the_run_at_once(tmp_path, capfd):
             'of at least 3, or at most 2 SuperNodes: flwr run --federation-config '
             '"num-supernodes=2", dpfl flower --num-supernodes 2)') in out
     assert "Traceback" not in out + err
-    assert elapsed < 90, elapsed
+    assert elapsed < 120, elapsed  # waiting out the 120 s node timeout would take longer
     assert started_processes(tmp_path / "home") == []
 
 

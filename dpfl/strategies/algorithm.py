@@ -179,7 +179,8 @@ class AlgorithmStrategy(Strategy):
                 [f"SuperNodes host clients {ranges(extra)} beyond them"] if extra else [])
             raise FederationError(
                 f"num-partitions={n}, but {' and '.join(problems)} (the {len(self.asked)} "
-                f"SuperNodes that answered host {ranges(sorted(self.node_of))}); start "
+                f"SuperNodes that answered in {time.monotonic() - start:.0f} s host "
+                f"{ranges(sorted(self.node_of))}); start "
                 f"SuperNodes that host every client 0-{n - 1} once (node config partition-ids), "
                 f"or set num-partitions to the clients they host (simulation: "
                 f"--federation-config \"num-supernodes={n}\", or fewer SuperNodes that each "
