@@ -22,6 +22,10 @@ if "DPFL_CACHE_DIR" not in os.environ:
 if "DPFL_STATE_DIR" not in os.environ:
     os.environ["DPFL_STATE_DIR"] = tempfile.mkdtemp(prefix="dpfl-test-state-")
     atexit.register(shutil.rmtree, os.environ["DPFL_STATE_DIR"], ignore_errors=True)
+# each pytest-xdist worker, and every process it starts, gets its share of the cores: torch's
+# default (a thread a core in every worker) oversubscribes them and was a quarter slower
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 # Flower's usage telemetry is off in every process the tests start (and in the compose
 # containers): the tests send traffic only to loopback and to what they start
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
