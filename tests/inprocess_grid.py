@@ -15,7 +15,6 @@ from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-
 #: what Flower's simulation gives its virtual nodes (dpfl.client.policy.simulated): a policy that
 #: trusts the server; a node config that sets ``trust-server`` keeps its own
 SIMULATED = {"trust-server": True}
@@ -92,3 +91,16 @@ def run_flower_code_path(values: dict, node_configs: list[dict], *,
     strategy.start(grid=grid, initial_arrays=to_record({"x": problem.x0}),
                    num_rounds=int(config["num-server-rounds"]))
     return grid, problem
+
+
+def train_message(broadcast: dict, exchange: str, server_round: int, clients: list[int],
+                  lineage=None, node: int = 1) -> Message:
+    """The server's ``train`` request (:class:`dpfl.wire.TrainRequest`) of ``exchange`` for
+    ``clients`` on ``node``, broadcasting the tensors ``broadcast``."""
+    from flwr.app import MessageType
+
+    from dpfl.wire import TrainRequest
+
+    arrays = {k: v.detach().cpu().numpy() for k, v in broadcast.items()}
+    return Message(TrainRequest(exchange, server_round, list(clients), arrays, lineage).encode(),
+                   node, MessageType.TRAIN)

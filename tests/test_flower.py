@@ -88,7 +88,7 @@ def test_a_federation_of_the_wrong_size_fails_the_run_at_once(tmp_path, capfd):
 
     from dpfl.config import format_overrides
     from dpfl.flower_app import app_folder
-    from dpfl.launch import BIN, final_status, simulation_env, stream, stop
+    from dpfl.launch import BIN, final_status, simulation_env, stop, stream
 
     overrides = {**CASES["dpsgd-gc"], "num-partitions": 2, "results-dir": str(tmp_path)}
     home = tmp_path / "home"

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import Context, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from dpfl.algorithms import ServerContext
+from dpfl.checkpoint import Lineage
 from dpfl.client.app import app as client_app
 from dpfl.client.node_ledger import NodeLedger, stream_context
 from dpfl.client.policy import NodeConfigError, NodePolicy, simulated
@@ -30,8 +31,7 @@ from dpfl.privacy import Randomness, add_noise, stds
 from dpfl.problem import build_problem
 from dpfl.runconfig import RunConfig
 from dpfl.strategies import FederationError
-from dpfl.strategies.algorithm import to_record
-from tests.inprocess_grid import run_flower_code_path
+from tests.inprocess_grid import run_flower_code_path, train_message
 
 # a batch of a client's whole data is drawn by no randomness: the clean upload is the same
 # whatever a node's noise source
@@ -69,11 +69,8 @@ class Node:
         algorithm = self.problem.algorithm
         state = algorithm.init_server_state(self.problem.x0 if x is None else x)
         state = algorithm.begin_round(state, ServerContext(server_round, Randomness(0), [0], 3))
-        message = Message(RecordDict({
-            "broadcast": to_record(algorithm.broadcast(exchange, state, server_round)),
-            "config": ConfigRecord({"exchange": exchange, "round": server_round, "clients": [0],
-                                    "segments": ["run"], "starts": [0]})}), 1,
-            MessageType.TRAIN)
+        message = train_message(algorithm.broadcast(exchange, state, server_round), exchange,
+                                server_round, [0], Lineage((("run", 0),)))
         return client_app(message, self.context).content
 
     def upload(self, reply: RecordDict) -> torch.Tensor:
@@ -265,10 +262,8 @@ def reply(node: Node, server_round: int) -> RecordDict:
 
     algorithm = node.problem.algorithm
     state = algorithm.init_server_state(node.problem.x0)
-    message = Message(RecordDict({
-        "broadcast": to_record(algorithm.broadcast("train", state, server_round)),
-        "config": ConfigRecord({"exchange": "train", "round": server_round, "clients": [0]})}), 1,
-        MessageType.TRAIN)
+    message = train_message(algorithm.broadcast("train", state, server_round), "train",
+                            server_round, [0])
     return answer(message, node.context, node.problem).content
 
 

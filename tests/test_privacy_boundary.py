@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType
 
 from dpfl.algorithms import ALGORITHMS, ServerContext
 from dpfl.algorithms.adaptive import SAMPLING
@@ -25,8 +25,7 @@ from dpfl.client.app import reply
 from dpfl.privacy import Randomness
 from dpfl.problem import build_problem
 from dpfl.runconfig import RunConfig
-from dpfl.strategies.algorithm import to_record
-from tests.inprocess_grid import InProcessGrid, run_flower_code_path
+from tests.inprocess_grid import InProcessGrid, run_flower_code_path, train_message
 
 OWN = sorted(name for name in ALGORITHMS.names()
              if ALGORITHMS.get(name).__module__.startswith("dpfl.algorithms")
@@ -79,8 +78,8 @@ def test_every_record_a_client_sends_is_an_upload_covered_by_a_noised_release(tm
     for message in grid.replies:
         content = message.content
         if message.metadata.message_type == f"{MessageType.QUERY}.clients":
-            # which partitions the node hosts, where its noise comes from, its counts: public
-            assert set(content) == {"hosted", "node", *(
+            # which partitions the node hosts, their counts: public
+            assert set(content) == {"hosted", *(
                 f"charged.{c}" for c in content["hosted"]["clients"])}
             assert set(content["hosted"]) == {"clients"}
             continue
@@ -137,9 +136,7 @@ def _replies(problem, shift=None):
             state = {**state, "x": state["x"] + shift}
         for exchange in algorithm.round_exchanges(server_round):
             broadcast = algorithm.broadcast(exchange.name, state, server_round)
-            msg = Message(RecordDict({"broadcast": to_record(broadcast), "config": ConfigRecord(
-                {"exchange": exchange.name, "round": server_round, "clients": [0]})}), 1,
-                MessageType.TRAIN)
+            msg = train_message(broadcast, exchange.name, server_round, [0])
             out.append(reply(msg, context, problem).content)
     return out
 
@@ -319,10 +316,7 @@ def test_adding_a_client_moves_the_central_sums_by_at_most_their_radius(tmp_path
         clients = list(range(run.num_clients))
         grid = InProcessGrid(None, config.as_dict(),
                              [{"partition-ids": ",".join(map(str, clients))}])
-        msg = Message(RecordDict({"broadcast": to_record(algorithm.broadcast("train", state, 1)),
-                                  "config": ConfigRecord({"exchange": "train", "round": 1,
-                                                          "clients": clients})}),
-                      1, MessageType.TRAIN)
+        msg = train_message(algorithm.broadcast("train", state, 1), "train", 1, clients)
         content = reply(msg, grid.contexts[1], run).content
         sums = {key: sum(_array(content[f"client.{c}"][key]) for c in clients)
                 for key in ("delta", "unclipped")}

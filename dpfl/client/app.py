@@ -1,33 +1,28 @@
 """The dpfl ``ClientApp``: Message API handlers driving ``AlgorithmClient``.
 
-Replies (records keyed natively):
-
-* to ``query.clients``: ``hosted`` (``clients``: the client ids this node hosts), ``node``
-  (``noise``: where its clients' noise comes from, :data:`dpfl.privacy.randomness.MODES`) and
-  ``charged.<id>`` per client (its counts of the run's releases, by release name); or
-  ``hosted`` with ``refused``, why the node takes no part;
-* to ``train``: per participating client ``c`` an ArrayRecord ``client.<c>`` holding its
-  declared uploads, noised by its releases, a ConfigRecord ``charged.<c>`` with its counts of
-  the run's releases (nothing derived from its data or its size: the number of exchanges the
-  server sent it, for the server to reconcile its ledger with) and, under non-private-diagnostics
-  only, a MetricRecord ``diagnostics.<c>``; and ``node``; or a ConfigRecord ``refused``
-  (``clients``, ``reason``: the node policy key that refuses, :mod:`dpfl.client.policy`), which
-  the node also logs.
+It answers the server's two requests (:mod:`dpfl.wire`): ``query.clients``
+(:class:`~dpfl.wire.ClientsQuery`) with the clients the node hosts and their counts of the run's
+releases (:class:`~dpfl.wire.Hosted`), and ``train`` (:class:`~dpfl.wire.TrainRequest`) with
+its participating clients' noised uploads (:class:`~dpfl.wire.TrainReply`); either with a
+refusal (:class:`~dpfl.rounds.ClientRefused`: the node-policy key that refuses, which the node
+also logs).
 """
 
 from __future__ import annotations
 
 import logging
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from dpfl.checkpoint import Lineage
 from dpfl.client.cache import node_problem
-from dpfl.client.numpy_client import AlgorithmClient, Refused, node_clients
+from dpfl.client.numpy_client import AlgorithmClient, node_clients
 from dpfl.client.state_files import StateFiles, state_folder
 from dpfl.errors import ConfigError
 from dpfl.problem import Problem
+from dpfl.rounds import ClientRefused
+from dpfl.wire import ClientsQuery, Hosted, TrainReply, TrainRequest, encode_refusal
 
 app = ClientApp()
 log = logging.getLogger("dpfl")
@@ -39,53 +34,40 @@ def _problem(context: Context) -> Problem:
                         str(context.node_config.get("data-path", "")))
 
 
-def _lineage(config: ConfigRecord) -> Lineage | None:
-    """The run's lineage, as the server sends it (``segments``, ``starts``; None from a server
-    that sends none)."""
-    if "segments" not in config:
-        return None
-    return Lineage(tuple(zip((str(s) for s in config["segments"]),
-                             (int(r) for r in config["starts"]), strict=True)))
-
-
-def _client(config: ConfigRecord, context: Context, problem: Problem,
+def _client(lineage: Lineage | None, context: Context, problem: Problem,
             clients: list[int]) -> AlgorithmClient:
-    """The node's clients ``clients`` for the exchange ``config`` describes: the run's state
-    files on this node, named by its lineage, and the run's name in the node's ledger."""
-    lineage = _lineage(config)
+    """The node's clients ``clients`` in the run of ``lineage``: the run's state files on this
+    node, named by its lineage, and the run's name in the node's ledger (None: a server that
+    sends no lineage)."""
     files = None if lineage is None else StateFiles(
         state_folder(context.node_config), lineage, int(problem.config["checkpoint-every"]))
     return AlgorithmClient(problem, context, clients, files,
                            run="" if lineage is None else lineage.run)
 
 
-def _refused(msg: Message, clients: list[int], reason: str) -> Message:
-    log.warning("dpfl: this node refuses clients %s: %s", clients, reason)
-    return Message(RecordDict({"refused": ConfigRecord({"clients": clients, "reason": reason})}),
-                   reply_to=msg)
+def _refused(msg: Message, refused: ClientRefused, what: str) -> Message:
+    log.warning("dpfl: this node %s: %s", what, refused.reason)
+    return Message(encode_refusal(refused), reply_to=msg)
 
 
 @app.query("clients")
 def hosted(msg: Message, context: Context) -> Message:
     """Tell the server which clients this node hosts and, for the run's lineage the query
-    carries, how often each has been charged each release; or (``refused``) why it hosts
-    none."""
-    config = msg.content["config"] if "config" in msg.content else ConfigRecord()
+    carries, how often each has been charged each release; or why it hosts none."""
+    lineage = ClientsQuery.decode(msg.content).lineage
+    clients: list[int] = []
     try:
         clients = node_clients(context)
-        client = _client(config, context, _problem(context), clients)
+        client = _client(lineage, context, _problem(context), clients)
         if reason := client.refusal():
-            raise Refused(clients, reason)
-        content = RecordDict({"hosted": ConfigRecord({"clients": clients}),
-                              "node": ConfigRecord({"noise": client.noise})})
-        lineage = _lineage(config)  # a resumed run's: up to its checkpoint
-        for c, counts in client.counts(0 if lineage is None else lineage.start).items():
-            content[f"charged.{c}"] = ConfigRecord(counts)
-    except (ConfigError, Refused) as error:  # the server stops the run with it, in one line
-        reason = error.reason if isinstance(error, Refused) else str(error)
-        log.warning("dpfl: this node takes no part in the run: %s", reason)
-        content = RecordDict({"hosted": ConfigRecord({"clients": [], "refused": reason})})
-    return Message(content, reply_to=msg)
+            raise ClientRefused(clients, reason)
+        # a resumed run's counts: up to its checkpoint
+        counts = client.counts(0 if lineage is None else lineage.start)
+    except ClientRefused as refused:  # the server stops the run with it, in one line
+        return _refused(msg, refused, "takes no part in the run")
+    except ConfigError as error:
+        return _refused(msg, ClientRefused(clients, str(error)), "takes no part in the run")
+    return Message(Hosted(clients, counts).encode(), reply_to=msg)
 
 
 @app.train()
@@ -95,29 +77,25 @@ def train(msg: Message, context: Context) -> Message:
 
 
 def reply(msg: Message, context: Context, problem: Problem) -> Message:
-    """The node's reply to one exchange (see the module docstring)."""
-    config = msg.content["config"]
+    """The node's :class:`~dpfl.wire.TrainReply` to one exchange, or its refusal."""
+    request = TrainRequest.decode(msg.content)
     hosted = set(node_clients(context))
-    clients = [int(c) for c in config["clients"] if int(c) in hosted]
-    spec = problem.algorithm.exchange(str(config["exchange"]))
-    arrays = msg.content["broadcast"]
-    if tuple(arrays) != spec.broadcast:
+    clients = [c for c in request.clients if c in hosted]
+    spec = problem.algorithm.exchange(request.exchange)
+    if tuple(request.broadcast) != spec.broadcast:
         raise ValueError(f"exchange {spec.name!r} broadcasts {spec.broadcast}, got "
-                         f"{tuple(arrays)}")
+                         f"{tuple(request.broadcast)}")
     try:
-        client = _client(config, context, problem, clients)
-        uploads, _, metrics = client.fit([arrays[k].numpy() for k in spec.broadcast],
-                                         {"exchange": spec.name, "round": int(config["round"])})
-    except Refused as refused:
-        return _refused(msg, refused.clients, refused.reason)
+        client = _client(request.lineage, context, problem, clients)
+        uploads, _, metrics = client.fit(list(request.broadcast.values()),
+                                         {"exchange": spec.name, "round": request.server_round})
+    except ClientRefused as refused:
+        return _refused(msg, refused, f"refuses clients {refused.clients}")
     except ConfigError as error:  # the node's own config, or the run's on this node's data
-        return _refused(msg, clients, str(error))
-    content = RecordDict({"node": ConfigRecord({"noise": client.noise})})
-    for i, c in enumerate(clients):
-        content[f"client.{c}"] = ArrayRecord(
-            {k: Array(u[i]) for k, u in zip(spec.uploads, uploads, strict=True)})
-        content[f"charged.{c}"] = ConfigRecord(client.charged[c])
-        if metrics:
-            content[f"diagnostics.{c}"] = MetricRecord(
-                {k.rsplit(".", 1)[0]: v for k, v in metrics.items() if k.endswith(f".{c}")})
-    return Message(content, reply_to=msg)
+        return _refused(msg, ClientRefused(clients, str(error)), f"refuses clients {clients}")
+    return Message(TrainReply(
+        {c: {k: u[i] for k, u in zip(spec.uploads, uploads, strict=True)}
+         for i, c in enumerate(clients)},
+        {c: client.charged[c] for c in clients}, client.noise,
+        {c: {k.rsplit(".", 1)[0]: v for k, v in metrics.items() if k.endswith(f".{c}")}
+         for c in clients} if metrics else {}).encode(), reply_to=msg)

@@ -3,12 +3,13 @@
 Its ``fit`` runs one exchange of the configured algorithm for the node's participating clients
 (one partition in simulation, or a cohort, in one batched call), under the node's own policy
 (:mod:`dpfl.client.policy`): it draws their noise and batches where the policy says, refuses
-(:class:`Refused`) what the policy does not accept, a round that would take a client past the
-node's ε cap by the node's own ledger, and a repeated round it would answer with the same noise
-but other inputs (:mod:`dpfl.client.node_ledger`), and charges every release in that ledger
-before the reply leaves. Each client's algorithm state lives in the node's ``Context.state``, so
-that it survives the ClientApp being rebuilt every round, and, when the run checkpoints, in
-files on the node's disk that a resumed run starts from (:mod:`dpfl.client.state_files`).
+(:class:`~dpfl.rounds.ClientRefused`) what the policy does not accept, a round that would take
+a client past the node's ε cap by the node's own ledger, and a repeated round it would answer
+with the same noise but other inputs (:mod:`dpfl.client.node_ledger`), and charges every
+release in that ledger before the reply leaves. Each client's algorithm state lives in the
+node's ``Context.state``, so that it survives the ClientApp being rebuilt every round, and, when
+the run checkpoints, in files on the node's disk that a resumed run starts from
+(:mod:`dpfl.client.state_files`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dpfl.client.state_files import StateFiles
 from dpfl.errors import ConfigError
 from dpfl.privacy import Release
 from dpfl.problem import Problem
-from dpfl.rounds import ClientRuntime
+from dpfl.rounds import ClientRefused, ClientRuntime
 
 log = logging.getLogger("dpfl")
 
@@ -69,16 +70,6 @@ def node_block(node: int, nodes: int, clients: int) -> list[int]:
                           f"SuperNodes: flwr run --federation-config \"num-supernodes="
                           f"{clients}\", dpfl flower --num-supernodes {clients}")
     return list(range(node * clients // nodes, (node + 1) * clients // nodes))
-
-
-class Refused(RuntimeError):
-    """The node refuses an exchange for ``clients``: ``reason`` names the policy key that
-    refuses it (one line, nothing computed from the data)."""
-
-    def __init__(self, clients: list[int], reason: str) -> None:
-        super().__init__(f"clients {clients} refuse: {reason}")
-        self.clients = clients
-        self.reason = reason
 
 
 class AlgorithmClient(NumPyClient):
@@ -187,14 +178,15 @@ class AlgorithmClient(NumPyClient):
         over ``clients`` ``[C, ...]`` and noised, the number of clients (Flower's example count:
         dpfl weights clients equally and does not send it) and, under non-private-diagnostics
         only, each client's diagnostics as ``{"<name>.<client>": value}``; ``charged`` then
-        holds each client's counts of this run's releases. Raises :class:`Refused`."""
+        holds each client's counts of this run's releases. Raises
+        :class:`~dpfl.rounds.ClientRefused`."""
         algorithm = self.problem.algorithm
         exchange, server_round = str(config["exchange"]), int(config["round"])
         spec = algorithm.exchange(exchange)
         broadcast = {k: torch.from_numpy(np.asarray(a))
                      for k, a in zip(spec.broadcast, parameters, strict=True)}
         if reason := self.refusal():
-            raise Refused(self.clients, reason)
+            raise ClientRefused(self.clients, reason)
         states, chains = self._load()
         guarded = self.noise != "secure"  # the same noise for the same request
         seen = broadcast_digest(broadcast.items()) if guarded else ""
@@ -225,15 +217,16 @@ class AlgorithmClient(NumPyClient):
                      digest: str) -> bool:
         """Whether answering ``(round, exchange)`` with inputs ``digest`` is a new release
         (True) or repeats an answer bit for bit (False, nothing new is released); raises
-        :class:`Refused` when it would repeat the noise of an answer to other inputs."""
+        :class:`~dpfl.rounds.ClientRefused` when it would repeat the noise of an answer to
+        other inputs."""
         before = ledger.answered_with(self.context, server_round, exchange)
         if before is None:
             return True
         if before == digest:
             return False
-        raise Refused(self.clients, f"replay: round {server_round}, exchange {exchange!r} was "
-                      f"answered before with other inputs, and its noise would repeat "
-                      f"(noise={self.noise}); a node answers a round once")
+        raise ClientRefused(self.clients, f"replay: round {server_round}, exchange "
+                            f"{exchange!r} was answered before with other inputs, and its noise "
+                            f"would repeat (noise={self.noise}); a node answers a round once")
 
     def check_budget(self, ledgers: dict[int, NodeLedger], clients: list[int], exchange: str,
                      server_round: int) -> None:
@@ -247,9 +240,9 @@ class AlgorithmClient(NumPyClient):
             policy.accountant, policy.delta,
             [r for r in self._releases(c) if r.exchange in today]) > policy.max_epsilon]
         if spent:
-            raise Refused(spent, f"node policy max-epsilon={policy.max_epsilon:g}: round "
-                          f"{server_round} would take ε past it (δ={policy.delta:g}, "
-                          f"{policy.accountant})")
+            raise ClientRefused(spent, f"node policy max-epsilon={policy.max_epsilon:g}: "
+                                f"round {server_round} would take ε past it "
+                                f"(δ={policy.delta:g}, {policy.accountant})")
 
     def _releases(self, client: int, exchange: str | None = None) -> list[Release]:
         """What the client is charged for: its own releases, and the server's that cover its

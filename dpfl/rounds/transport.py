@@ -103,8 +103,10 @@ class ClientsLost(RuntimeError):
 
 class ClientRefused(RuntimeError):
     """Nodes refused an exchange for ``clients``, by their own policy (``reason``: the policy
-    key, e.g. its ε cap). ``released`` are the participants that did not refuse: they may have
-    noised and sent their uploads, so they are charged for the exchange."""
+    key, e.g. its ε cap): what a node raises and sends (:func:`dpfl.wire.encode_refusal`), and
+    what the server's transport raises to the loop. ``released`` (server side) are the
+    participants that did not refuse: they may have noised and sent their uploads, so they are
+    charged for the exchange."""
 
     def __init__(self, clients: list[int], reason: str = "their privacy budget is spent",
                  released: list[int] | None = None) -> None:

@@ -1,28 +1,16 @@
 """``AlgorithmStrategy``: the Flower strategy that runs any registered algorithm.
 
 It is the server side of the Flower transport, and thin: ``configure_train`` turns one
-exchange's broadcast into one message per node hosting participants, ``aggregate_train`` sums
-the participants' uploads (block by block: the one reduction the engine uses too,
-:class:`~dpfl.rounds.RowSum`) and collects the diagnostics of the non-private mode. ``start``
+exchange's broadcast into one message per node hosting participants (:meth:`dispatch`),
+``aggregate_train`` sums the participants' uploads (block by block: the one reduction the
+engine uses too, :class:`~dpfl.rounds.RowSum`) and reads what else the replies hold
+(:meth:`collect`: the loop's :class:`~dpfl.rounds.Replies`). ``start``
 asks every node which clients it hosts, then drives the round loop
 (:class:`~dpfl.rounds.RoundLoop`) over a :class:`FlowerTransport` of these two methods: the
 loop runs the rounds, their exchanges (one message round-trip each), the budget stop and
 the central evaluation, exactly as it does for the engine.
 
-Messages (records keyed natively; nothing is sent that is not read):
-
-* server → node (``query.clients``): ``config`` (the run's lineage, ``segments``, ``starts``);
-  node → server: ``hosted`` (``clients``, or ``refused``), ``node`` (``noise``) and one
-  ``charged.<id>`` per client (its counts of the run's releases);
-* server → node (``train``): ``broadcast`` (ArrayRecord: the exchange's declared arrays) and
-  ``config`` (ConfigRecord: ``exchange``, ``round``, ``clients``: the participants the node
-  hosts; ``segments``, ``starts``: the run's lineage, which names its clients' state files);
-* node → server: one ArrayRecord ``client.<id>`` per participant holding its noised uploads, one
-  ConfigRecord ``charged.<id>`` with its counts of the run's releases (by name: nothing derived
-  from its data), ``diagnostics.<id>`` MetricRecords under non-private-diagnostics only, and
-  ``node`` (``noise``: where its clients' noise came from); or a ConfigRecord ``refused``
-  (``clients``, ``reason``) when the node's policy refuses the exchange
-  (:mod:`dpfl.client.policy`).
+The messages both ends exchange are :mod:`dpfl.wire`'s.
 
 An exchange waits for its replies up to ``round-timeout`` seconds, saying every
 :data:`PROGRESS_EVERY` seconds how many are missing; the replies that have not come by then are
@@ -34,18 +22,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import (
-    Array,
-    ArrayRecord,
-    ConfigRecord,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
@@ -53,14 +34,10 @@ from dpfl.algorithms import State
 from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused, Replies, RoundLoop, RowSum, Stopped, blocks, drive
+from dpfl.wire import CLIENTS_QUERY, ClientsQuery, Hosted, TrainReply, TrainRequest
 
 log = logging.getLogger("dpfl")
 
-CLIENT = "client."
-DIAGNOSTICS = "diagnostics."
-CHARGED = "charged."
-NODE = "node"
-REFUSED = "refused"
 PROGRESS_EVERY = 30.0  # seconds between the lines of an exchange that waits for replies
 #: seconds discovery waits, once every node online has answered, for another one to come
 SETTLE = 10.0
@@ -86,6 +63,18 @@ def ranges(ids: list[int]) -> str:
 
 class FederationError(RuntimeError):
     """The federation does not match the run configuration, or a client failed."""
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One exchange as sent: its ``messages`` (one a node), the participants sent it
+    (``pending``, increasing id), each node's share of them (``clients_of``), and those not
+    sent it, with why (``unreached``: their node is offline)."""
+
+    messages: list[Message]
+    pending: list[int]
+    clients_of: dict[int, list[int]]
+    unreached: dict[int, str]
 
 
 def to_record(arrays: State) -> ArrayRecord:
@@ -119,14 +108,9 @@ class AlgorithmStrategy(Strategy):
         self.echo = echo
         self.node_of: dict[int, int] = {}
         self.asked: set[int] = set()  # nodes that said which clients they host
-        self.pending: list[int] = []  # the participants sent the exchange under way
-        self.lost: dict[int, str] = {}  # participants of that exchange without a reply, and why
-        self.unreached: dict[int, str] = {}  # participants not sent it: their node is offline
-        self.clients_of: dict[int, list[int]] = {}  # node -> the participants it was sent
-        self.diagnostics: dict[int, dict[str, float]] = {}
-        self.reported: dict[int, dict[str, int]] = {}  # each replying client's counts
-        self.noise: dict[int, str] = {}  # where each replying client's noise came from
+        self.reported: dict[int, dict[str, int]] = {}  # the counts the nodes reported at discovery
         self.lineage: Lineage | None = None  # the run's, sent with the discovery query
+        self.dispatched: Dispatch | None = None  # configure_train's, for aggregate_train
         self.stopping: int | None = None  # a signal Flower's exit asked to stop on
 
     def request_stop(self, signum: int) -> None:
@@ -199,108 +183,117 @@ class AlgorithmStrategy(Strategy):
         node that refuses to host any client (more SuperNodes than clients), or is left
         unused."""
         online = set(grid.get_node_ids())
-        lineage = ConfigRecord() if self.lineage is None else ConfigRecord(
-            {"segments": [s for s, _ in self.lineage.segments],
-             "starts": [r for _, r in self.lineage.segments]})
-        asked = [Message(RecordDict({"config": lineage}), n, f"{MessageType.QUERY}.clients")
+        asked = [Message(ClientsQuery(self.lineage).encode(), n, CLIENTS_QUERY)
                  for n in sorted(online - self.asked)]
         for reply in grid.send_and_receive(asked, timeout=self.connect_timeout) if asked else []:
             if reply.has_error():
                 if strict:
                     self._raise_on_error(reply)
                 continue
-            hosted = reply.content["hosted"]
-            if "refused" in hosted and strict:
-                raise FederationError(f"node {reply.metadata.src_node_id} hosts no client: "
-                                      f"{hosted['refused']}")
+            hosted = Hosted.decode(reply.content)
+            if isinstance(hosted, ClientRefused):
+                if strict:
+                    raise FederationError(f"node {reply.metadata.src_node_id} hosts no client: "
+                                          f"{hosted.reason}")
+                continue
             self.asked.add(reply.metadata.src_node_id)
-            for c in hosted["clients"]:
-                self.node_of[int(c)] = reply.metadata.src_node_id
-            self.read_node(reply.content, hosted["clients"])
+            for c in hosted.clients:
+                self.node_of[c] = reply.metadata.src_node_id
+            self.reported.update(hosted.charged)
         return online
 
-    def read_node(self, content: RecordDict, clients: Iterable[int]) -> None:
-        """A node's ``charged.<id>`` counts into :attr:`reported`, and its ``noise`` into
-        :attr:`noise` for ``clients``."""
-        for name, record in content.items():
-            if name.startswith(CHARGED):
-                self.reported[int(name[len(CHARGED):])] = {k: int(v) for k, v in record.items()}
-        if NODE in content:
-            for c in clients:
-                self.noise[int(c)] = str(content[NODE]["noise"])
-
     # ---- one exchange ----------------------------------------------------------------------
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        """One message per node hosting some of ``config["clients"]``: the exchange's
-        broadcast ``arrays`` and the node's share of the participants. Participants whose node
-        is offline are left out (``self.unreached``)."""
+    def dispatch(self, grid: Grid, exchange: str, server_round: int, broadcast: State,
+                 participants: list[int]) -> Dispatch:
+        """One :class:`~dpfl.wire.TrainRequest` per node hosting some of ``participants``: the
+        exchange's ``broadcast`` and the node's share of the participants. Participants whose
+        node is offline are not sent it (:attr:`Dispatch.unreached`)."""
         online = self.ask_new_nodes(grid)
-        self.unreached = {int(c): f"node {self.node_of[int(c)]} offline"
-                          for c in config["clients"] if self.node_of[int(c)] not in online}
-        self.pending = [int(c) for c in config["clients"] if int(c) not in self.unreached]
-        by_node = self.clients_of = {}
-        for c in self.pending:
-            by_node.setdefault(self.node_of[c], []).append(c)
-        lineage = {k: config[k] for k in ("segments", "starts") if k in config}
-        return [Message(RecordDict({"broadcast": arrays, "config": ConfigRecord({
-                    "exchange": config["exchange"], "round": server_round, "clients": ids,
-                    **lineage})}), node, MessageType.TRAIN)
-                for node, ids in sorted(by_node.items())]
+        unreached = {c: f"node {self.node_of[c]} offline" for c in participants
+                     if self.node_of[c] not in online}
+        pending = [c for c in participants if c not in unreached]
+        clients_of: dict[int, list[int]] = {}
+        for c in pending:
+            clients_of.setdefault(self.node_of[c], []).append(c)
+        arrays = {k: v.detach().cpu().numpy() for k, v in broadcast.items()}
+        messages = [Message(TrainRequest(exchange, server_round, ids, arrays,
+                                         self.lineage).encode(), node, MessageType.TRAIN)
+                    for node, ids in sorted(clients_of.items())]
+        return Dispatch(messages, pending, clients_of, unreached)
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Each upload summed over the participants that replied, in increasing client id
-        (``None`` when none did); diagnostics by client in ``self.diagnostics``, their counts of
-        the run's releases in ``self.reported``, where their noise came from in
-        ``self.noise``, the participants without a reply in ``self.lost``. Raises
-        :class:`~dpfl.rounds.ClientRefused` when a node refused the exchange: its clients sent
-        nothing, every other participant may have (``released``)."""
+    def collect(self, dispatch: Dispatch, replies: Iterable[Message]) -> Replies:
+        """What the replies to ``dispatch`` hold: each upload summed over the participants
+        that replied, in increasing client id (``None`` when none did), their diagnostics,
+        counts of the run's releases and noise sources, and why each participant without a
+        reply has none. Raises :class:`~dpfl.rounds.ClientRefused` when a node refused the
+        exchange: its clients sent nothing, every other participant may have (``released``)."""
         uploads: dict[int, State] = {}
-        self.diagnostics, self.lost, self.reported, self.noise = {}, {}, {}, {}
-        refused: dict[int, tuple[list[int], str]] = {}  # node -> its refusing clients, why
+        diagnostics: dict[int, dict[str, float]] = {}
+        reported: dict[int, dict[str, int]] = {}
+        noise: dict[int, str] = {}
+        refused: dict[int, ClientRefused] = {}  # node -> its refusal
         failed: dict[int, str] = {}  # node -> its error
         unattributed: list[str] = []  # errors the SuperLink sent in a node's stead
-        for reply in replies:
-            if reply.has_error():
-                node = reply.metadata.src_node_id
-                if node in self.clients_of:
-                    failed[node] = reply.error.reason
+        for message in replies:
+            node = message.metadata.src_node_id
+            if message.has_error():
+                if node in dispatch.clients_of:
+                    failed[node] = message.error.reason
                 else:
-                    unattributed.append(reply.error.reason)
+                    unattributed.append(message.error.reason)
                 continue
-            content = reply.content
-            if REFUSED in content:
-                refused[reply.metadata.src_node_id] = (
-                    [int(c) for c in content[REFUSED]["clients"]],
-                    str(content[REFUSED].get("reason", "refused")))
+            reply = TrainReply.decode(message.content)
+            if isinstance(reply, ClientRefused):
+                refused[node] = reply
                 continue
-            for name, record in content.items():
-                if name.startswith(CLIENT):
-                    uploads[int(name[len(CLIENT):])] = from_record(record)
-                elif name.startswith(DIAGNOSTICS):
-                    self.diagnostics[int(name[len(DIAGNOSTICS):])] = dict(record)
-            self.read_node(content, self.clients_of.get(reply.metadata.src_node_id, []))
+            for c, arrays in reply.uploads.items():
+                uploads[c] = {k: torch.from_numpy(a.copy()) for k, a in arrays.items()}
+            diagnostics.update(reply.diagnostics)
+            reported.update(reply.charged)
+            noise.update({c: reply.noise for c in dispatch.clients_of.get(node, [])})
         if refused:
-            silent = {c for node in refused for c in self.clients_of.get(node, [])}
-            raise ClientRefused(sorted(c for clients, _ in refused.values() for c in clients),
-                                "; ".join(dict.fromkeys(why for _, why in refused.values())),
-                                released=[c for c in self.pending if c not in silent])
-        for c in self.pending:
+            silent = {c for node in refused for c in dispatch.clients_of.get(node, [])}
+            raise ClientRefused(sorted(c for r in refused.values() for c in r.clients),
+                                "; ".join(dict.fromkeys(r.reason for r in refused.values())),
+                                released=[c for c in dispatch.pending if c not in silent])
+        lost = {}
+        for c in dispatch.pending:
             if c not in uploads:
                 node = self.node_of[c]
                 why = failed.get(node) or (unattributed[0] if unattributed else
                                            f"no reply within round-timeout="
                                            f"{self.round_timeout:g} s")
-                self.lost[c] = f"node {node}: {why}"
-        if not uploads:
-            return None, None
-        ids = sorted(uploads)
-        total = RowSum(self.problem.device)
-        for part in blocks(len(ids)):
-            total.add({k: torch.stack([uploads[c][k] for c in ids[part]])
-                       for k in uploads[ids[0]]})
-        return to_record(total.sums), None
+                lost[c] = f"node {node}: {why}"
+        sums = None
+        if uploads:
+            ids = sorted(uploads)
+            total = RowSum(self.problem.device)
+            for part in blocks(len(ids)):
+                total.add({k: torch.stack([uploads[c][k] for c in ids[part]])
+                           for k in uploads[ids[0]]})
+            sums = total.sums
+        return Replies(sums, diagnostics, lost=lost, unreached=dict(dispatch.unreached),
+                       reported=reported, noise=noise)
+
+    # ---- Flower's Strategy interface: the transport calls dispatch and collect itself ------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """:meth:`dispatch` of the exchange ``config["exchange"]`` to ``config["clients"]``."""
+        self.dispatched = self.dispatch(grid, str(config["exchange"]), server_round,
+                                        from_record(arrays), [int(c) for c in config["clients"]])
+        return self.dispatched.messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The uploads summed over the participants that replied to the last
+        :meth:`configure_train` (:meth:`collect`; ``None`` when none did) and, under
+        non-private-diagnostics, the participants' diagnostics as ``<name>.<client>``."""
+        if self.dispatched is None:
+            raise RuntimeError("aggregate_train before configure_train")
+        collected = self.collect(self.dispatched, replies)
+        metrics = MetricRecord({f"{k}.{c}": v for c, values in collected.diagnostics.items()
+                                for k, v in values.items()}) if collected.diagnostics else None
+        return (None if collected.sums is None else to_record(collected.sums)), metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -352,19 +345,18 @@ class AlgorithmStrategy(Strategy):
 
 class FlowerTransport:
     """The round loop's transport over a Flower ``Grid``, through the strategy's
-    ``configure_train`` and ``aggregate_train``."""
+    :meth:`~AlgorithmStrategy.dispatch` and :meth:`~AlgorithmStrategy.collect`."""
 
     def __init__(self, strategy: AlgorithmStrategy, grid: Grid) -> None:
         self.strategy = strategy
         self.grid = grid
-        self.lineage: Lineage | None = None
 
     def begin(self, lineage: Lineage, states: State | None) -> dict[int, dict[str, int]]:
         """The lineage every message carries; the clients keep their own states. Returns the
         counts the nodes reported when they were discovered."""
         if states:
             raise ValueError("a Flower run's checkpoint holds no client state")
-        self.lineage = lineage
+        self.strategy.lineage = lineage
         return dict(self.strategy.reported)
 
     def client_states(self) -> State:
@@ -372,21 +364,11 @@ class FlowerTransport:
 
     def send_and_receive(self, exchange: str, server_round: int, broadcast: State,
                  participants: list[int]) -> Replies:
-        assert self.lineage is not None
         self.check_stop()
-        config = ConfigRecord({"exchange": exchange, "clients": participants,
-                               "segments": [s for s, _ in self.lineage.segments],
-                               "starts": [r for _, r in self.lineage.segments]})
-        messages = self.strategy.configure_train(server_round, to_record(broadcast), config,
-                                                 self.grid)
-        replies = self.wait(list(messages), f"round {server_round}, exchange {exchange!r}")
-        sums, _ = self.strategy.aggregate_train(server_round, replies)
-        device = self.strategy.problem.device
-        return Replies(None if sums is None else
-                       {k: v.to(device) for k, v in from_record(sums).items()},
-                       self.strategy.diagnostics, lost=dict(self.strategy.lost),
-                       unreached=dict(self.strategy.unreached),
-                       reported=dict(self.strategy.reported), noise=dict(self.strategy.noise))
+        dispatch = self.strategy.dispatch(self.grid, exchange, server_round, broadcast,
+                                          participants)
+        replies = self.wait(dispatch.messages, f"round {server_round}, exchange {exchange!r}")
+        return self.strategy.collect(dispatch, replies)
 
     def check_stop(self) -> None:
         """Raise :class:`Stopped` when Flower's exit asked the strategy to stop."""
