@@ -21,16 +21,17 @@ run: install
 	$(PY) -m dpfl flower
 	@echo "dpfl and flwr are in $(VENV)/bin: run 'source $(VENV)/bin/activate' to put them on PATH"
 
-# The whole suite: in parallel (pytest-xdist, JOBS workers, one a core by default), then the
+# The whole suite: in parallel (pytest-xdist, JOBS workers, one a core by default; a module
+# marked xdist_group runs on one worker, which builds its shared fixtures once), then the
 # tests that must run alone (marker serial). test-fast: the inner loop, without real Flower
 # processes, Docker, the serial tests and the reproductions' smoke runs.
 JOBS ?= auto
 test: install
-	$(OFFLINE_DATA) $(PY) -m pytest -q -n $(JOBS) -m "not serial"
+	$(OFFLINE_DATA) $(PY) -m pytest -q -n $(JOBS) --dist loadgroup -m "not serial"
 	$(OFFLINE_DATA) $(PY) -m pytest -q -m serial
 
 test-fast: install
-	$(OFFLINE_DATA) $(PY) -m pytest -q -n $(JOBS) -m "not flower and not serial and not smoke"
+	$(OFFLINE_DATA) $(PY) -m pytest -q -n $(JOBS) --dist loadgroup -m "not flower and not serial and not smoke"
 
 bench: install
 	$(OFFLINE_DATA) $(PY) benchmarks/run_all.py

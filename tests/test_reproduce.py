@@ -17,6 +17,10 @@ from dpfl.experiments.lab import read_archive
 from dpfl.experiments.selection import command
 from dpfl.runconfig import RunConfig
 
+# one worker runs the module (make test: --dist loadgroup), so that each smoke reproduction the
+# module-scoped fixture builds is built once, not once a worker
+pytestmark = pytest.mark.xdist_group("reproduce-clip21")
+
 # an experiment's run gives every key the algorithm tunes (the lab refuses "auto" for them)
 POINT = {"algorithm": "clip-sgd", "learning-rate": 0.1, "clip": 0.1}
 
