@@ -35,6 +35,7 @@ from dpfl.federation import BIN, free_port
 from dpfl.flower_app import app_folder
 from dpfl.problem import build_problem, data_dir
 from dpfl.ray_cluster import check_cluster, client_resources
+from dpfl.results import CLOSE_WAIT
 from dpfl.runconfig import RunConfig, check_runtime
 
 
@@ -262,8 +263,9 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
                           + f" (Flower's log: {log})", file=sys.stderr)
                     code = 1
         return code
-    finally:  # done, failed or interrupted (Ctrl-C): nothing it started outlives it
-        stop([p for p in started_processes(home) if p not in before])
+    finally:  # done, failed or interrupted (Ctrl-C): nothing it started outlives it, and an
+        # interrupted ServerApp has the time its exit allows it to close its results folder
+        stop([p for p in started_processes(home) if p not in before], grace=CLOSE_WAIT + 5)
         stop_launched(token)
         if flwr_home is None:
             shutil.rmtree(home, ignore_errors=True)

@@ -19,6 +19,11 @@ import torch
 from dpfl.errors import ConfigError
 from dpfl.runconfig import RunConfig
 
+#: seconds an interrupted ServerApp gets to close its results folder (plot, model, summary)
+#: before the processes around it are killed: Flower's exit waits this long for it, and
+#: ``dpfl flower`` waits this long (and a little more) before it kills what it started
+CLOSE_WAIT = 30.0
+
 
 def jsonable(value: Any) -> Any:
     """Floats that JSON can hold: ±inf and NaN become None."""

@@ -27,6 +27,7 @@ from flwr.supercore.exit import add_exit_handler
 
 from dpfl.errors import ConfigError
 from dpfl.problem import cached_problem
+from dpfl.results import CLOSE_WAIT
 from dpfl.rounds import Stopped
 from dpfl.runconfig import RunConfig, check_runtime
 from dpfl.strategies import AlgorithmStrategy, FederationError
@@ -55,9 +56,6 @@ logging.getLogger("flwr").addFilter(Explained())
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-
-#: seconds Flower's exit waits for a ServerApp thread to close its results folder
-CLOSE_WAIT = 30.0
 
 
 @contextmanager
