@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpfl.rounds.loop import RoundLoop, Rounds
-from dpfl.rounds.transport import ExchangeRequest, Transport
+from dpfl.rounds.transport import ExchangeRequest, Request, Transport
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,15 @@ class Finished:
     """A round loop's end: the run's summary."""
 
     summary: dict[str, Any]
+
+
+def answered(request: Request, transport: Transport) -> tuple[Any, BaseException | None]:
+    """``request`` sent over ``transport``: its answer, or what sending it raised (for the
+    round loop, which re-raises it after closing its results folder)."""
+    try:
+        return request.sent_over(transport), None
+    except BaseException as exc:  # noqa: BLE001 - raised in the loop, which re-raises it
+        return None, exc
 
 
 def advance(rounds: Rounds, transport: Transport, answer: Any = None,
@@ -30,10 +39,7 @@ def advance(rounds: Rounds, transport: Transport, answer: Any = None,
             return Finished(done.value)
         if isinstance(request, ExchangeRequest):
             return request
-        try:
-            answer, error = request.sent_over(transport), None
-        except BaseException as exc:  # noqa: BLE001 - raised in the loop, which re-raises it
-            answer, error = None, exc
+        answer, error = answered(request, transport)
 
 
 def drive(loop: RoundLoop, transport: Transport) -> dict[str, Any]:
@@ -43,9 +49,5 @@ def drive(loop: RoundLoop, transport: Transport) -> dict[str, Any]:
     rounds = loop.run()
     step = advance(rounds, transport)
     while isinstance(step, ExchangeRequest):
-        try:
-            answer, error = step.sent_over(transport), None
-        except BaseException as exc:  # noqa: BLE001 - raised in the loop, which re-raises it
-            answer, error = None, exc
-        step = advance(rounds, transport, answer, error)
+        step = advance(rounds, transport, *answered(step, transport))
     return step.summary
