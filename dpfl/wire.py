@@ -63,7 +63,8 @@ def _lineage(config: ConfigRecord) -> Lineage | None:
                              (int(r) for r in config["starts"]), strict=True)))
 
 
-def _arrays(arrays: Arrays) -> ArrayRecord:
+def array_record(arrays: Arrays) -> ArrayRecord:
+    """``arrays`` as an ArrayRecord, keys and order kept."""
     return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
 
 
@@ -137,7 +138,7 @@ class TrainRequest:
     lineage: Lineage | None = None
 
     def encode(self) -> RecordDict:
-        return RecordDict({"broadcast": _arrays(self.broadcast), "config": ConfigRecord({
+        return RecordDict({"broadcast": array_record(self.broadcast), "config": ConfigRecord({
             "exchange": self.exchange, "round": self.server_round,
             "clients": list(self.clients), **_lineage_record(self.lineage)})})
 
@@ -163,7 +164,7 @@ class TrainReply:
     def encode(self) -> RecordDict:
         content = RecordDict({NODE: ConfigRecord({"noise": self.noise})})
         for c, uploads in self.uploads.items():
-            content[f"{CLIENT}{c}"] = _arrays(uploads)
+            content[f"{CLIENT}{c}"] = array_record(uploads)
             content[f"{CHARGED}{c}"] = ConfigRecord(self.charged[c])
             if c in self.diagnostics:
                 content[f"{DIAGNOSTICS}{c}"] = MetricRecord(self.diagnostics[c])

@@ -24,9 +24,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
@@ -34,7 +33,14 @@ from dpfl.algorithms import State
 from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused, Replies, RoundLoop, RowSum, Stopped, blocks, drive
-from dpfl.wire import CLIENTS_QUERY, ClientsQuery, Hosted, TrainReply, TrainRequest
+from dpfl.wire import (
+    CLIENTS_QUERY,
+    ClientsQuery,
+    Hosted,
+    TrainReply,
+    TrainRequest,
+    array_record,
+)
 
 log = logging.getLogger("dpfl")
 
@@ -72,15 +78,17 @@ class Dispatch:
     sent it, with why (``unreached``: their node is offline)."""
 
     messages: list[Message]
-    pending: list[int]
     clients_of: dict[int, list[int]]
     unreached: dict[int, str]
+
+    @property
+    def pending(self) -> list[int]:
+        return sorted(c for clients in self.clients_of.values() for c in clients)
 
 
 def to_record(arrays: State) -> ArrayRecord:
     """Tensors as an ArrayRecord, keys and order kept."""
-    return ArrayRecord({k: Array(np.ascontiguousarray(v.detach().cpu().numpy()))
-                        for k, v in arrays.items()})
+    return array_record({k: v.detach().cpu().numpy() for k, v in arrays.items()})
 
 
 def from_record(record: ArrayRecord) -> State:
@@ -219,7 +227,7 @@ class AlgorithmStrategy(Strategy):
         messages = [Message(TrainRequest(exchange, server_round, ids, arrays,
                                          self.lineage).encode(), node, MessageType.TRAIN)
                     for node, ids in sorted(clients_of.items())]
-        return Dispatch(messages, pending, clients_of, unreached)
+        return Dispatch(messages, clients_of, unreached)
 
     def collect(self, dispatch: Dispatch, replies: Iterable[Message]) -> Replies:
         """What the replies to ``dispatch`` hold: each upload summed over the participants
