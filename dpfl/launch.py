@@ -75,6 +75,12 @@ def marked(variable: str, value: str) -> list[int]:
     return found
 
 
+def simulations(token: str) -> list[int]:
+    """PIDs of launch ``token``'s Flower simulation processes (each runs a ServerApp)."""
+    cmds = _cmdlines()
+    return [pid for pid in launched(token) if "flwr-simulation" in cmds.get(pid, "")]
+
+
 def stop_launched(token: str, settle: float = 2.0) -> None:
     """Stop every process of launch ``token`` (:func:`launched`), again until none is left
     for ``settle`` seconds: a dying Ray node can still start an agent or two."""
@@ -97,14 +103,24 @@ def started_processes(flwr_home: Path) -> list[int]:
     return links + execs
 
 
-def stop(pids: list[int], grace: float = 10.0) -> None:
+def running(pid: int) -> bool:
+    """Whether ``pid`` is alive: it exists and is not a zombie waiting for its parent."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
+def stop(pids: list[int], grace: float = 10.0, signum: int = signal.SIGTERM) -> None:
+    """Send ``signum`` to ``pids``; SIGKILL those still :func:`running` ``grace`` seconds on."""
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signum)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+    while time.monotonic() < deadline and any(running(p) for p in pids):
         time.sleep(0.2)
     for pid in pids:
         try:
@@ -263,9 +279,13 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
                           + f" (Flower's log: {log})", file=sys.stderr)
                     code = 1
         return code
-    finally:  # done, failed or interrupted (Ctrl-C): nothing it started outlives it, and an
-        # interrupted ServerApp has the time its exit allows it to close its results folder
-        stop([p for p in started_processes(home) if p not in before], grace=CLOSE_WAIT + 5)
+    finally:  # done, failed or interrupted (Ctrl-C): nothing it started outlives it. The
+        # simulation (the ServerApp's process) is not in the terminal's process group, and the
+        # SIGINT Flower's parent monitor raises when its SuperExec stops reaches a thread that
+        # is not the main one: it is interrupted here, and closes its results folder in the time
+        # Flower's exit allows, before the rest is stopped
+        stop(simulations(token), grace=CLOSE_WAIT + 5, signum=signal.SIGINT)
+        stop([p for p in started_processes(home) if p not in before])
         stop_launched(token)
         if flwr_home is None:
             shutil.rmtree(home, ignore_errors=True)

@@ -24,6 +24,7 @@ from dpfl.engine import run
 from dpfl.federation import BIN, LocalFederation, wait_for
 from dpfl.federation import stop as stop_process
 from dpfl.runconfig import RunConfig
+from dpfl.strategies.algorithm import CONNECT_TIMEOUT
 
 pytestmark = pytest.mark.flower
 
@@ -180,8 +181,10 @@ def test_a_federation_missing_a_client_stops_early_in_one_line(tmp_path, deploym
     assert found, errors[0]
     assert "Traceback" not in out
     # the server's own clock, not this test's (which counts packaging and process starts):
-    # once the three have answered, 10 s without a fourth ends discovery, not the 120 s timeout
-    assert int(found.group(1)) < 60, errors[0]
+    # once the three have answered, 10 s without a fourth ends discovery, before the 120 s
+    # timeout (the three answering can take a minute on a loaded machine: a ClientApp process
+    # per node starts to answer)
+    assert int(found.group(1)) < CONNECT_TIMEOUT, errors[0]
     listed = subprocess.run([str(BIN / "flwr"), "ls", "local-deployment", "--format", "json"],
                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert [r["status"] for r in json.loads(listed.stdout)["runs"]] == ["finished:failed"]

@@ -47,6 +47,8 @@ log = logging.getLogger("dpfl")
 PROGRESS_EVERY = 30.0  # seconds between the lines of an exchange that waits for replies
 #: seconds discovery waits, once every node online has answered, for another one to come
 SETTLE = 10.0
+#: seconds discovery waits, at most, for the nodes hosting every client
+CONNECT_TIMEOUT = 120.0
 
 
 def simulated_grid(grid: Grid) -> bool:
@@ -108,7 +110,7 @@ class AlgorithmStrategy(Strategy):
         Print one line per round.
     """
 
-    def __init__(self, problem: Problem, connect_timeout: float = 120.0,
+    def __init__(self, problem: Problem, connect_timeout: float = CONNECT_TIMEOUT,
                  echo: bool = True) -> None:
         self.problem = problem
         self.connect_timeout = connect_timeout
