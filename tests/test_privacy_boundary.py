@@ -19,8 +19,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType
 
 from dpfl.algorithms import ALGORITHMS, ServerContext
-from dpfl.algorithms.adaptive import SAMPLING
+from dpfl.algorithms.local_dpsgd import SAMPLING
 from dpfl.algorithms.prisma import RELATION, Prisma
+from dpfl.algorithms.projected import PublicEigenspace
 from dpfl.client.app import reply
 from dpfl.privacy import Randomness
 from dpfl.problem import build_problem
@@ -48,7 +49,8 @@ PUBLIC = {"dataset-options": "num_public=3", "batch-size": 478}
 
 def base(name: str) -> dict:
     """BASE, with public records for an algorithm that projects onto them."""
-    public = getattr(ALGORITHMS.get(name).Hyperparameters, "projection", None) == "public"
+    projection = getattr(ALGORITHMS.get(name), "projection", None)
+    public = projection is not None and projection.source is PublicEigenspace
     return {**BASE, **(PUBLIC if public else {})}
 
 

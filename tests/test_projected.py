@@ -191,7 +191,7 @@ def test_random_sparsification_drops_its_fraction_and_adds_no_noise_there(tmp_pa
 def test_a_random_subspace_is_orthonormal_and_the_step_lies_in_it(tmp_path):
     problem = build_problem(_config(tmp_path, algorithm="rpdp-sgd", local_steps=1,
                                     dataset_options=""))
-    space = problem.algorithm.random_subspace(Randomness(0), 0, 1, 0, torch.device("cpu"))
+    space = problem.algorithm.source.subspace(problem.x0, Randomness(0), 0, 1, 0)
     assert torch.allclose(space.v.t() @ space.v, torch.eye(12), atol=1e-5)
     step = _step(problem)[0] - problem.x0
     assert torch.allclose(space.lift(space.coords(step)), step, atol=1e-6)
@@ -200,13 +200,13 @@ def test_a_random_subspace_is_orthonormal_and_the_step_lies_in_it(tmp_path):
 def test_a_client_recomputes_its_subspace_every_beta_steps_and_at_each_round_start(tmp_path):
     problem = build_problem(_config(tmp_path, local_steps=5, projection_interval=2))
     algorithm, calls = problem.algorithm, []
-    original = algorithm.public_subspace
+    original = algorithm.source.at
 
     def spy(point, rng, owner, server_round, index):
         calls.append((owner, server_round, index))
         return original(point, rng, owner, server_round, index)
 
-    algorithm.public_subspace = spy
+    algorithm.source.at = spy
     for server_round in (1, 2):
         ClientRuntime(algorithm, problem.releases, Randomness(0)).step(
             "train", server_round, {"x": problem.x0, "radius": torch.tensor([0.5])}, {},

@@ -35,13 +35,12 @@ def test_the_local_steps_are_corrected_by_c_minus_c_i_and_c_i_follows_option_ii(
     broadcast = {"x": x, "radius": torch.tensor([0.5]), "c": b}
     uploads, states, _ = ClientRuntime(scaffold.algorithm, scaffold.releases, Randomness(2)).step(
         "train", 1, broadcast, {"c": a}, scaffold.full_cohort())
-    algorithm, cohort = plain.algorithm, plain.full_cohort()
+    local, cohort = plain.algorithm.local, plain.full_cohort()
     releases = [{r.name: r for r in plain.releases(c)} for c in range(3)]
     ctx = ClientContext(1, Randomness(2), [0, 1, 2], releases, torch.device("cpu"))
     params = x.unsqueeze(0).repeat(3, 1)
     for k in range(3):
-        g, _ = algorithm.noisy_gradient(params, x, algorithm.batches(cohort, k, ctx), 0.5, k,
-                                        ctx)
+        g, _ = local.noisy_gradient(params, x, local.batches(cohort, k, ctx), 0.5, k, ctx)
         params = params - 0.5 * (g + b - a)
     assert torch.allclose(uploads["dy"], params - x, atol=1e-6)
     y = x + uploads["dy"]

@@ -66,37 +66,26 @@ import torch
 from torch import Tensor
 
 from dpfl.algorithms.base import (
-    Algorithm,
-    Batches,
     ClientContext,
     Cohort,
     Exchange,
     ServerContext,
     State,
     Upload,
-    sample_clients,
+)
+from dpfl.algorithms.local_dpsgd import (
+    LR_MILESTONES,
+    MOMENTUM,
+    PROXIMAL_MU,
+    FederatedDPSGD,
+    FederatedHyperparameters,
+    LocalDPSGDHyperparameters,
 )
 from dpfl.algorithms.registry import ALGORITHMS
-from dpfl.config import (
-    BATCH_SIZE,
-    CLIP,
-    FRACTION_TRAIN,
-    LEARNING_RATE,
-    Param,
-    all_of,
-    at_least,
-    at_most,
-    hyperparameter,
-    open_unit,
-    positive,
-)
-from dpfl.privacy import CALIBRATIONS, Query, Randomness, Relation, Target, clip_by_norm
+from dpfl.config import Param, at_least, hyperparameter, open_unit, positive
+from dpfl.privacy import CALIBRATIONS, Query, Target, clip_by_norm
 from dpfl.privacy.subsampled_rdp import noise_size
 
-# beyond it a round never ends, and the ledgers' accountants stall on the compositions
-MAX_LOCAL_STEPS = 1_000_000
-LOCAL_STEPS = Param("local-steps", 1, "Local DP-SGD steps per round, each on a fresh batch.",
-                    check=all_of(at_least(1), at_most(MAX_LOCAL_STEPS)), symbol="K")
 TAU = Param("tau", 1.0, "AdaptDP-FedAvg: bias of the radius, C_r = min(√(2τ(mean + ν̃)), Ĝ) "
             "(Algorithm 1 line 9).", check=positive, symbol="τ")
 STATISTIC_BATCH = Param("statistic-batch-size", 0, "AdaptDP-FedAvg: records per client behind "
@@ -112,80 +101,9 @@ PROJECTION = Param("projection-radius", math.inf, "AdaptDP-FedAvg: project the a
 NOISE_SIZE = Param("noise-size", 0.01, "calibration='noise-size': σ_p, the training noise std "
                    "relative to the clip radius on a batch mean (the paper's Table 1 unit).",
                    check=positive, symbol="σ_p")
-SAMPLING = Param("sampling", "fixed", "How each local step draws its batch: 'fixed' (b records "
-                 "uniformly without replacement; replace-one neighbours) or 'poisson' (each record "
-                 "with probability b/n, n = min-client-records where set, else the client's "
-                 "partition size, the sum divided by the expected b; add/remove neighbours, "
-                 "Opacus' analysis).", choices=("fixed", "poisson"))
-SERVER_LEARNING_RATE = Param("server-learning-rate", 1.0, "Global step size: the server moves "
-                             "by this times the mean update, x ← x − γ_g·mean_i(x − x_i); 1 = "
-                             "the average of the local models.", check=positive, symbol="γ_g")
-PROXIMAL_MU = Param("proximal-mu", 0.0, "FedProx's proximal weight: each per-sample gradient "
-                    "gets μ(x_k − x) added before clipping (the local loss plus (μ/2)‖x_k − x‖², "
-                    "Li et al. 2020); 0 = FedAvg.", check=at_least(0.0), symbol="μ")
-MOMENTUM = Param("momentum", 0.0, "Heavy-ball momentum of the local SGD on the noisy gradient, "
-                 "PyTorch's form m ← βm + g̃, w ← w − γm, the buffer kept in client state "
-                 "across rounds; 0 = the paper's plain SGD (Alg. 1; the first author's public "
-                 "code defaults to 0.9).", check=lambda v: None if 0 <= v < 1
-                 else f"must be in [0, 1), got {v}", symbol="β_m")
-
-
-def milestones_problem(text: str) -> str | None:
-    try:
-        parse_milestones(text)
-    except ValueError:
-        return f"expected increasing positive round numbers separated by commas, got {text!r}"
-    return None
-
-
-def parse_milestones(text: str) -> tuple[int, ...]:
-    rounds = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
-    if any(r < 1 for r in rounds) or list(rounds) != sorted(set(rounds)):
-        raise ValueError(text)
-    return rounds
-
-
-LR_MILESTONES = Param("lr-milestones", "", "Rounds after which the learning rate is divided by "
-                      "10 again, e.g. '40,60' (the first author's public code: half and three "
-                      "quarters of the epochs); empty = a constant learning rate.",
-                      check=milestones_problem)
-
 STATISTIC_NOISE_SIZE = Param("statistic-noise-size", 0.005, "calibration='noise-size': σ_p^C, "
                              "the statistic's noise std relative to Ĝ² (AdaptDP-FedAvg).",
                              check=positive, symbol="σ_p^C")
-
-
-@dataclass(frozen=True)
-class LocalDPSGDHyperparameters:
-    """What K local DP-SGD steps read. The constants are those of AdaptDP-FedAvg (and of
-    DP-FedAvg's defaults): fixed-size batches, every client, the server averages."""
-
-    batch_size: int = hyperparameter(BATCH_SIZE)  # b
-    learning_rate: float = hyperparameter(LEARNING_RATE)  # η (γ_l)
-    clip: float = hyperparameter(CLIP)  # C (DP-FedAvg), Ĝ (AdaptDP-FedAvg)
-    local_steps: int = hyperparameter(LOCAL_STEPS)  # K
-    sampling: ClassVar[str] = "fixed"
-    fraction_train: ClassVar[float] = 1.0
-    server_learning_rate: ClassVar[float] = 1.0
-    proximal_mu: ClassVar[float] = 0.0
-    momentum: ClassVar[float] = 0.0
-    lr_milestones: ClassVar[str] = ""
-    adaptive: ClassVar[bool] = False
-
-    def learning_rate_at(self, server_round: int) -> float:
-        """η divided by 10 for each of ``lr-milestones`` before ``server_round``."""
-        passed = sum(m < server_round for m in parse_milestones(self.lr_milestones))
-        return self.learning_rate / 10 ** passed
-
-
-@dataclass(frozen=True)
-class FederatedHyperparameters(LocalDPSGDHyperparameters):
-    """Local DP-SGD inside a federation that samples batches and clients and has a server
-    step size."""
-
-    sampling: str = hyperparameter(SAMPLING)
-    fraction_train: float = hyperparameter(FRACTION_TRAIN)  # S/N
-    server_learning_rate: float = hyperparameter(SERVER_LEARNING_RATE)  # γ_g
 
 
 @dataclass(frozen=True)
@@ -202,7 +120,6 @@ class AdaptDPFedAvgHyperparameters(LocalDPSGDHyperparameters):
     failure_probability: float = hyperparameter(FAILURE)  # u
     debias: bool = hyperparameter(DEBIAS)
     projection_radius: float = hyperparameter(PROJECTION)  # B
-    adaptive: ClassVar[bool] = True
 
     @property
     def statistic_batch(self) -> int:
@@ -218,31 +135,19 @@ class NoiseSizeOptions:
 
 
 @ALGORITHMS.register_class
-class AdaptDPFedAvg(Algorithm):
+class AdaptDPFedAvg(FederatedDPSGD[AdaptDPFedAvgHyperparameters]):
     """AdaptDP-FedAvg (Algorithm 1): a noisy statistic sets the round's radius C_r, then K local
     DP-SGD steps clipped at C_r. See the module docstring."""
 
     name = "adaptdp-fedavg"
     Hyperparameters = AdaptDPFedAvgHyperparameters
     protection = ("record-level local DP per client: the radius statistic and K local DP-SGD "
-                  "steps per round, each noised on the client; replace-one neighbours with "
-                  "fixed-size sampling without replacement, or add/remove with "
-                  "sampling='poisson'")
-
-    @property
-    def reported_accountants(self) -> tuple[str, ...]:  # type: ignore[override]
-        """The adaptive-clipping paper's ``rdp-wor`` for its fixed-size sampling; under Poisson
-        sampling the classical RDP conversion (the PCDP paper's) and PRV."""
-        return ("rdp-classical", "prv") if self.hp.sampling == "poisson" else ("rdp-wor",)
+                  "steps per round, each noised on the client; replace-one neighbours "
+                  "(fixed-size sampling without replacement)")
     exchanges = (Exchange("statistic", ("x",), {"s": Upload("statistic")}),
-                 Exchange("train", ("x", "radius"), {"x": Upload("train", post_processing=True)}))
-    #: the share of ε each release gets in the paper's calibration (eqs. (1), (3))
+                 *FederatedDPSGD.exchanges)
+    #: the share of ε each release gets in the paper's calibration (eq. (1))
     epsilon_share: ClassVar[float] = 1 / 4
-
-    @property
-    def relation(self) -> Relation:  # type: ignore[override]
-        """Replace-one for fixed-size batches (the paper's), add/remove for Poisson sampling."""
-        return Relation.ADD_REMOVE if self.hp.sampling == "poisson" else Relation.REPLACE_ONE
 
     def batch_of(self, release: str) -> int:
         """The records per client behind one step of ``release``."""
@@ -250,25 +155,19 @@ class AdaptDPFedAvg(Algorithm):
 
     def queries(self, num_samples: int) -> list[Query]:
         """Per round: the statistic (radius Ĝ²/b^C, rate b^C/n_p, stream ``statistic-noise``;
-        Proposition 1 with Δ^C = 2/b^C) if adaptive, and K training steps (radius C_r/b, sent by
-        the server each round, rate b/n_p)."""
+        Proposition 1 with Δ^C = 2/b^C), and K training steps (radius C_r/b, sent by the server
+        each round, rate b/n_p)."""
         hp = self.hp
-        train = Query("train", "train", radius=None, relation=self.relation,
-                      sample_rate=hp.batch_size / num_samples, steps=hp.local_steps)
-        if not hp.adaptive:
-            return [train]
         b = hp.statistic_batch
         return [Query("statistic", "statistic", radius=hp.clip ** 2 / b, relation=self.relation,
-                      sample_rate=min(1.0, b / num_samples), stream="statistic-noise"), train]
+                      sample_rate=min(1.0, b / num_samples), stream="statistic-noise"),
+                *super().queries(num_samples)]
 
     # ---- server --------------------------------------------------------------------------
-    def init_server_state(self, x0: Tensor) -> State:
-        return {"x": x0.clone(), "radius": torch.tensor([self.hp.clip], dtype=torch.float32)}
-
     def broadcast(self, exchange: str, state: State, server_round: int) -> State:
         if exchange == "statistic":
             return {"x": state["x"]}
-        return {"x": state["x"], "radius": state["radius"]}
+        return super().broadcast(exchange, state, server_round)
 
     def server_step(self, exchange: str, state: State, sums: State,
                     ctx: ServerContext) -> State:
@@ -276,14 +175,10 @@ class AdaptDPFedAvg(Algorithm):
             mean = float(sums["s"].double().sum()) / len(ctx.participants)
             return {"x": state["x"], "radius": torch.tensor([self.radius(mean, ctx)],
                                                             dtype=torch.float32)}
-        x = torch.lerp(state["x"], sums["x"] / len(ctx.participants),
-                       self.hp.server_learning_rate)  # the mean itself at γ_g = 1
-        if self.hp.adaptive and math.isfinite(self.hp.projection_radius):
+        x = self.average(state, sums, ctx)
+        if math.isfinite(self.hp.projection_radius):
             x = clip_by_norm(x, self.hp.projection_radius)
         return {"x": x, "radius": state["radius"]}
-
-    def participants(self, server_round: int, clients: list[int], rng: Randomness) -> list[int]:
-        return sample_clients(self.hp.fraction_train, server_round, clients, rng)
 
     def radius(self, mean: float, ctx: ServerContext) -> float:
         """C_r = min(√(max(2τ(mean + ν̃), 0)), Ĝ) (Algorithm 1 line 9)."""
@@ -300,109 +195,35 @@ class AdaptDPFedAvg(Algorithm):
         u = self.hp.failure_probability
         return math.sqrt(2 * math.log(2 * p * ctx.num_rounds / u) * variance)
 
-    def clip_radius(self, state: State) -> float:
-        return float(state["radius"][0])
-
     # ---- client --------------------------------------------------------------------------
     def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
                     ctx: ClientContext) -> tuple[State, State]:
-        hp = self.hp
-        x = broadcast["x"].to(ctx.device)
-        if exchange == "statistic":
-            batches = cohort.draw(ctx, "statistic", "statistic", hp.statistic_batch)
-            s, = batches.means(self.statistic, x, empty=(torch.zeros(1, dtype=torch.float64),),
-                               device=ctx.device)
-            return {"s": s.float().cpu()}, states
-        params, states = self.local_steps(x, cohort, states, broadcast, ctx)
-        return {"x": params.cpu()}, states
+        if exchange != "statistic":
+            return super().client_step(exchange, states, broadcast, cohort, ctx)
+        batches = cohort.draw(ctx, "statistic", "statistic", self.hp.statistic_batch)
+        s, = batches.means(self.statistic, broadcast["x"].to(ctx.device),
+                           empty=(torch.zeros(1, dtype=torch.float64),), device=ctx.device)
+        return {"s": s.float().cpu()}, states
 
     def statistic(self, xb: Tensor, yb: Tensor, x: Tensor) -> tuple[Tensor]:
         """``[C, 1]``: the mean of min(‖∇ℓ_z(x)‖², Ĝ²) over each client's batch (float64)."""
         _, norms = self.model.clipped_mean(x, xb, yb, self.hp.clip)
         return (norms.double().square().clamp(max=self.hp.clip ** 2).mean(dim=1, keepdim=True),)
 
-    def init_client_state(self, num_clients: int) -> State:
-        """The momentum buffers, when there is momentum."""
-        return {"momentum": torch.zeros(num_clients, self.model.d)} if self.hp.momentum else {}
-
-    def local_steps(self, x: Tensor, cohort: Cohort, states: State, broadcast: State,
-                    ctx: ClientContext) -> tuple[Tensor, State]:
-        """K local steps from ``x`` for every client at the broadcast radius, on
-        :meth:`step_gradient`: plain SGD at the round's learning rate, or heavy-ball
-        (PyTorch's m ← βm + g̃, w ← w − γm) with ``momentum``, whose buffers persist in client
-        state."""
-        hp = self.hp
-        radius = float(broadcast["radius"][0])
-        lr = hp.learning_rate_at(ctx.server_round)
-        params = x.unsqueeze(0).repeat(len(cohort), 1)
-        velocity = states["momentum"].to(ctx.device) if hp.momentum else None
-        clipped = torch.zeros(len(cohort), device=ctx.device)
-        memo: dict[str, object] = {}  # what the steps of one round share (a subspace)
-        for k in range(hp.local_steps):
-            g, fraction = self.step_gradient(params, x, cohort, k, radius, broadcast, ctx, memo)
-            clipped += fraction
-            if velocity is not None:
-                velocity = hp.momentum * velocity + g
-                g = velocity
-            params = params - lr * g
-        ctx.diagnose("clipped-fraction", clipped / hp.local_steps)
-        return params, ({"momentum": velocity.cpu()} if velocity is not None else states)
-
-    def step_gradient(self, params: Tensor, x: Tensor, cohort: Cohort, k: int, radius: float,
-                      broadcast: State, ctx: ClientContext, memo: dict[str, object]
-                      ) -> tuple[Tensor, Tensor]:
-        """The noisy gradient of local step ``k`` and the fraction clipped (DP-SGD's; a
-        projected step overrides it)."""
-        return self.noisy_gradient(params, x, self.batches(cohort, k, ctx), radius, k, ctx)
-
-    def batches(self, cohort: Cohort, k: int, ctx: ClientContext) -> Batches:
-        """Each client's batch of local step ``k``, from stream ``batch-<k>``: b records
-        without replacement, or (``sampling="poisson"``, add/remove) each record with the
-        release's probability b/n (:meth:`Cohort.draw`)."""
-        return cohort.draw(ctx, f"batch-{k}", "train", self.hp.batch_size)
-
-    def noisy_gradient(self, params: Tensor, x: Tensor, batches: Batches, radius: float,
-                       k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
-        """``[C, d]``: (1/b) Σ_j clip_C(∇ℓ_j(x_k) + μ(x_k − x)) plus the release's noise
-        (std σ·C/b), and the fraction of the batch clipped ``[C]``. C_r = 0 takes no step."""
-        hp = self.hp
-        clipped = torch.zeros(len(params), device=ctx.device)
-        if radius > 0:
-            offset = hp.proximal_mu * (params - x) if hp.proximal_mu else None
-            g, clipped = self.clipped_means(params, batches, radius, ctx, offset=offset)
-        else:  # nothing to add, and the noise std is 0 too
-            g = torch.zeros_like(params)
-        return ctx.privatize("train", g, radius=radius / hp.batch_size, step=k), clipped
-
-    def clipped_means(self, params: Tensor, batches: Batches, radius: float,
-                      ctx: ClientContext, *, offset: Tensor | None = None
-                      ) -> tuple[Tensor, Tensor]:
-        """``[C, d]`` (1/b) Σ_j clip_C(∇ℓ_j + offset) over each client's batch (b = batch-size,
-        the expected size under Poisson sampling: :meth:`Batches.means`), and the fraction of
-        each batch clipped (0 for an empty one)."""
-        def clipped(xb: Tensor, yb: Tensor, params: Tensor, offset: Tensor | None
-                    ) -> tuple[Tensor, Tensor]:
-            mean, norms = self.model.clipped_mean(params, xb, yb, radius, offset=offset)
-            return mean, (norms > radius).float().mean(dim=1)
-
-        mean, clipped_fraction = batches.means(
-            clipped, params, offset, empty=(params.new_zeros(self.model.d), params.new_zeros(())),
-            device=ctx.device)
-        return mean, clipped_fraction
-
 
 @ALGORITHMS.register_class
-class DPFedAvg(AdaptDPFedAvg):
-    """DP-FedAvg (Algorithm 2, App. D): AdaptDP-FedAvg's training exchange at the fixed radius
-    C = ``clip``, with no statistic."""
+class DPFedAvg(FederatedDPSGD[DPFedAvgHyperparameters]):
+    """DP-FedAvg (Algorithm 2, App. D): the ``train`` exchange alone, at the fixed radius
+    C = ``clip``, with client and batch sampling, FedProx's proximal term, momentum and a
+    learning-rate schedule as options."""
 
     name = "dp-fedavg"
     Hyperparameters = DPFedAvgHyperparameters
     protection = ("record-level local DP per client: K local DP-SGD steps per round at a "
                   "fixed clip, noised on the client; replace-one neighbours with fixed-size "
                   "sampling without replacement, or add/remove with sampling='poisson'")
-    exchanges = AdaptDPFedAvg.exchanges[1:]
-    epsilon_share = 1 / 2
+    #: the share of ε the release gets in the paper's calibration (eq. (3))
+    epsilon_share: ClassVar[float] = 1 / 2
 
 
 FAMILY = ("adaptdp-fedavg", "dp-fedavg")

@@ -35,7 +35,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from dpfl.models import FlatModel
 
 State = dict[str, torch.Tensor]
+H = TypeVar("H")  # an algorithm's hyperparameters: its frozen dataclass
 Batch = tuple[torch.Tensor, torch.Tensor]  # one client's records of a step: x [n, ...], y [n]
 
 
@@ -284,17 +285,15 @@ class ServerContext:
         return noisy
 
 
-class Algorithm(ABC):
-    """Base class of every algorithm; subclasses register in ``ALGORITHMS``."""
+class Algorithm(ABC, Generic[H]):
+    """Base class of every algorithm, generic in its hyperparameters ``H`` (the dataclass
+    ``Hyperparameters`` names); subclasses register in ``ALGORITHMS``."""
 
     name: ClassVar[str]
     Hyperparameters: ClassVar[type]
     exchanges: ClassVar[tuple[Exchange, ...]]
     protection: ClassVar[str]
-    relation: ClassVar[Relation] = Relation.REPLACE_ONE
     noise_free: ClassVar[bool] = False  # an ablation without noise (ε = ∞): no calibration keys
-    # accountants whose ε the ledger reports beside the run's own (the paper's among them)
-    reported_accountants: ClassVar[tuple[str, ...]] = ()
     # its values of the per-algorithm keys left at "auto" (learning rate, clip, …): chosen by
     # the search in docs/defaults.md; a key it does not name takes the key's own default
     defaults: ClassVar[Mapping[str, Value]] = {}
@@ -304,12 +303,23 @@ class Algorithm(ABC):
     per_client_broadcast: ClassVar[bool] = False
     server_keys: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, hp: Any, model: FlatModel, num_clients: int, *,
+    def __init__(self, hp: H, model: FlatModel, num_clients: int, *,
                  public: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.hp = hp
         self.model = model
         self.num_clients = num_clients
         self.public = public  # the dataset's public records (x, y), if it has any
+
+    @property
+    def relation(self) -> Relation:
+        """The neighbouring relation its releases are private under (replace-one by default)."""
+        return Relation.REPLACE_ONE
+
+    @property
+    def reported_accountants(self) -> tuple[str, ...]:
+        """Accountants whose ε the ledger reports beside the run's own (the paper's among
+        them); none by default."""
+        return ()
 
     def check_run(self, num_rounds: int) -> None:
         """Raise :class:`~dpfl.errors.ConfigError` where a run of ``num_rounds`` rounds cannot

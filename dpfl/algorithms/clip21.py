@@ -230,7 +230,7 @@ def compress(compressor: Compressor, diff: Tensor, hp: Any) -> tuple[Tensor, Ten
 
 # ---- the shared part: privacy, sampling, gradient oracles --------------------------------------
 
-class Clip21Family(Algorithm):
+class Clip21Family(Algorithm[Clip21Hyperparameters]):
     """What every method of the family shares: the client's Gaussian release, client sampling
     (Alg. 4), the server's average, and the two gradient oracles."""
 

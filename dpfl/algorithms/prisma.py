@@ -126,7 +126,7 @@ class DPSGDGC(ClipSGD):
                   "batches under replace-one, Poisson batches under add/remove)")
 
     @property
-    def relation(self) -> Relation:  # type: ignore[override]
+    def relation(self) -> Relation:
         return Relation(self.hp.relation)
 
 
@@ -196,7 +196,7 @@ class PrismaHyperparameters:
 
 
 @ALGORITHMS.register_class
-class Prisma(Algorithm):
+class Prisma(Algorithm[PrismaHyperparameters]):
     """PriSMA (Algorithm 1; eq. (20), or eq. (4) with ``smoothness-L``). See the module
     docstring. The first round is its own exchange (``init``: x^0 only, σ_0); every later round
     (``train``) broadcasts x^t and x^{t−1}, so a client keeps only the noisy v_i it sent (x^{t−1}
@@ -215,7 +215,7 @@ class Prisma(Algorithm):
     server_keys = ("learning-rate", "server-clip")  # eq. (4)'s radius, checked equal
 
     @property
-    def relation(self) -> Relation:  # type: ignore[override]
+    def relation(self) -> Relation:
         return Relation(self.hp.relation)
 
     def round_exchanges(self, server_round: int) -> tuple[Exchange, ...]:

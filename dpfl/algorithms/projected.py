@@ -26,7 +26,8 @@ steps after it, so a round of one epoch is Algorithm 1 with V reset at each epoc
 Centralized training is a federation of one client; with several clients this is distributed
 PCDP-SGD (clients' models averaged).
 
-The baselines (§3.1), one code path with the projection as a parameter:
+The baselines (§3.1), one code path with the projection a pluggable :class:`Projection` (a
+source of subspaces, and whether the step projects before clipping or after the noise):
 
 * ``dp-sgd``: no projection (Abadi et al. 2016).
 * ``pdp-sgd``: clip, add noise, *then* project (Zhou et al. 2021): w − (γ/B)·VVᵀ(Σ clip_c(g_i)
@@ -62,19 +63,13 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 
-from dpfl.algorithms.adaptive import (
-    LR_MILESTONES,
-    MOMENTUM,
-    SERVER_LEARNING_RATE,
-    DPFedAvg,
-    LocalDPSGDHyperparameters,
-)
 from dpfl.algorithms.base import (
     Batches,
     ClientContext,
@@ -84,10 +79,20 @@ from dpfl.algorithms.base import (
     State,
     Upload,
 )
+from dpfl.algorithms.local_dpsgd import (
+    LR_MILESTONES,
+    MOMENTUM,
+    SERVER_LEARNING_RATE,
+    FederatedDPSGD,
+    LocalDPSGDHyperparameters,
+)
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import FRACTION_TRAIN, Param, at_least, hyperparameter
 from dpfl.errors import ConfigError
 from dpfl.privacy import SERVER, Randomness, clip_factors
+
+if TYPE_CHECKING:
+    from dpfl.models import FlatModel
 
 log = logging.getLogger("dpfl")
 
@@ -194,104 +199,135 @@ class ProjectedHyperparameters(LocalDPSGDHyperparameters):
     momentum: float = hyperparameter(MOMENTUM)  # β_m
     lr_milestones: str = hyperparameter(LR_MILESTONES)
     sampling: ClassVar[str] = "poisson"
-    projection: ClassVar[str] = "none"
-    after_clipping: ClassVar[bool] = False  # PDP-SGD projects the noisy clipped mean
 
 
 @dataclass(frozen=True)
 class SparseHyperparameters(ProjectedHyperparameters):
     sparsity: float = hyperparameter(SPARSITY)  # p
     projection_interval: int = hyperparameter(PROJECTION_INTERVAL)  # β
-    projection: ClassVar[str] = "sparse"
 
 
 @dataclass(frozen=True)
 class RandomProjectionHyperparameters(ProjectedHyperparameters):
     projection_dim: int = hyperparameter(PROJECTION_DIM)  # k'
     projection_interval: int = hyperparameter(PROJECTION_INTERVAL)  # β
-    projection: ClassVar[str] = "random"
 
 
 @dataclass(frozen=True)
 class PublicProjectionHyperparameters(RandomProjectionHyperparameters):
     public_batch_size: int = hyperparameter(PUBLIC_BATCH)  # B_pub
     public_batching: str = hyperparameter(PUBLIC_BATCHING)
-    projection: ClassVar[str] = "public"
 
 
-@dataclass(frozen=True)
-class PDPHyperparameters(PublicProjectionHyperparameters):
-    after_clipping: ClassVar[bool] = True
+# ---- where a step's subspace comes from ---------------------------------------------------------
+
+class SubspaceSource(ABC):
+    """Where a projected step's subspaces come from: ``owner``'s ``index``-th of round
+    ``server_round`` at the point ``point`` (``[d]``; a client's current iterate)."""
+
+    def check_run(self, num_rounds: int) -> None:
+        """Refuse a run this source cannot serve; nothing by default."""
+
+    @abstractmethod
+    def subspace(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
+                 index: int) -> Subspace:
+        """The subspace, on ``point``'s device."""
 
 
-# ---- the centralized family ----------------------------------------------------------------------
+class RandomBasis(SubspaceSource):
+    """RPDP-SGD's: a Gaussian d×k' matrix orthonormalised by QR, from the owner's stream
+    ``subspace-<index>`` of the round (public randomness)."""
 
-@ALGORITHMS.register_class
-class DPSGD(DPFedAvg):
-    """DP-SGD (Abadi et al.) on Poisson batches, K steps per round; the base of the family,
-    whose members differ only in the subspace a step projects onto (see the module
-    docstring)."""
+    def __init__(self, algorithm: DPSGD) -> None:
+        self.d, self.k = algorithm.model.d, algorithm.hp.projection_dim
 
-    name = "dp-sgd"
-    Hyperparameters: ClassVar[type] = ProjectedHyperparameters
-    protection = ("record-level local DP per client (add/remove neighbours): K local DP-SGD "
-                  "steps per round on Poisson batches, noised on the client")
-    warned_rank = False  # a k above the public gradients' rank is logged once per run
-    public_order: Tensor | None = None  # IBS: the public set's one shuffle of the run
+    def subspace(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
+                 index: int) -> Subspace:
+        gaussian = rng.normal([owner], server_round, f"subspace-{index}", (self.d, self.k),
+                              torch.ones(1))[0]
+        return Basis(torch.linalg.qr(gaussian).Q.to(point.device))
+
+
+class RandomMask(SubspaceSource):
+    """RSDP-SGD's: the coordinates a uniformly random mask keeps, round((1 − p)·d) of them
+    (at least one), from the owner's stream ``subspace-<index>`` of the round."""
+
+    def __init__(self, algorithm: DPSGD) -> None:
+        self.d, self.sparsity = algorithm.model.d, algorithm.hp.sparsity
+
+    def subspace(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
+                 index: int) -> Subspace:
+        keep = max(1, round_half_up((1 - self.sparsity) * self.d))
+        kept = rng.permutation(owner, server_round, f"subspace-{index}", self.d)[:keep]
+        return Coordinates(kept.sort().values.to(point.device), self.d)
+
+
+class PublicEigenspace(SubspaceSource):
+    """PCDP-SGD's (and PDP-SGD's, FedPCDP's): the top-k eigenspace of the public gradients at
+    the point, from public batch ``index`` of the owner's round (RBS: B_pub records drawn from
+    stream ``public-<index>``, or all m; IBS: block ``index`` of the public set shuffled
+    once, the blocks counted across the run)."""
+
+    def __init__(self, algorithm: DPSGD) -> None:
+        self.algorithm = algorithm
+        self.hp = algorithm.hp
+        self.order: Tensor | None = None  # IBS: the public set's one shuffle of the run
+        self.warned_rank = False  # a k above the public gradients' rank is logged once a run
+
+    @property
+    def batch(self) -> int:
+        """B_pub: the public records behind one subspace."""
+        public = self.algorithm.public
+        assert public is not None
+        return self.hp.public_batch_size or len(public[1])
 
     def check_run(self, num_rounds: int) -> None:
         """Refuse a run the public records cannot serve (no public set; IBS without enough
         disjoint blocks)."""
-        hp = self.hp
-        if hp.projection != "public":
-            return
-        if self.public is None:
-            raise ConfigError("dataset-options", f"{self.name} projects onto public records, "
+        hp, name, public = self.hp, self.algorithm.name, self.algorithm.public
+        if public is None:
+            raise ConfigError("dataset-options", f"{name} projects onto public records, "
                               "and the dataset has none", allowed="num_public=<m>, e.g. 100")
-        m = len(self.public[1])
+        m = len(public[1])
         if hp.public_batch_size > m:
             raise ConfigError("public-batch-size", f"{hp.public_batch_size} exceeds the "
                               f"{m} public records", allowed=f"0..{m}")
         if hp.public_batching == "ibs":
-            needed = self.subspaces_per_run(num_rounds)
-            blocks = m // self.public_batch
+            needed = self.algorithm.subspaces_per_run(num_rounds)
+            blocks = m // self.batch
             if blocks < needed:
                 raise ConfigError("public-batching", f"'ibs' needs {needed} disjoint public "
-                                  f"blocks of {self.public_batch} and {m} records give "
+                                  f"blocks of {self.batch} and {m} records give "
                                   f"{blocks}", allowed="rbs, or more public records")
 
-    def subspaces_per_run(self, num_rounds: int) -> int:
-        """Subspaces a client computes in ``num_rounds`` rounds (one each β local steps,
-        restarting each round)."""
-        return num_rounds * math.ceil(self.hp.local_steps / self.hp.projection_interval)
-
-    @property
-    def public_batch(self) -> int:
-        assert self.public is not None
-        return self.hp.public_batch_size or len(self.public[1])
-
-    # ---- subspaces -------------------------------------------------------------------------
-    def public_subspace(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
-                        index: int) -> Basis:
-        """The top-k eigenspace of the public gradients at ``point`` (``[d]``): public batch
-        ``index`` of ``owner``'s ``server_round`` (RBS: B_pub records drawn from stream
-        ``public-<index>``, or all m; IBS: block ``index`` of the public set shuffled once)."""
-        assert self.public is not None
+    def subspace(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
+                 index: int) -> Subspace:
+        """A client's ``index``-th subspace of the round (under IBS the block after those of
+        its earlier rounds)."""
         hp = self.hp
-        px, py = self.public
-        b, m = self.public_batch, len(py)
         if hp.public_batching == "ibs":
-            if self.public_order is None:  # shuffled once per run (per process if secure)
-                self.public_order = rng.permutation(SERVER, 0, "public-blocks", m)
-            rows = self.public_order[index * b:(index + 1) * b].sort().values
+            index += (server_round - 1) * math.ceil(hp.local_steps / hp.projection_interval)
+        return self.at(point, rng, owner, server_round, index)
+
+    def at(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
+           index: int) -> Basis:
+        """The eigenspace of public batch (or IBS block) ``index`` at ``point``."""
+        algorithm, hp = self.algorithm, self.hp
+        assert algorithm.public is not None
+        px, py = algorithm.public
+        b, m = self.batch, len(py)
+        if hp.public_batching == "ibs":
+            if self.order is None:  # shuffled once per run (per process if secure)
+                self.order = rng.permutation(SERVER, 0, "public-blocks", m)
+            rows = self.order[index * b:(index + 1) * b].sort().values
         elif b < m:
             rows = rng.permutation(owner, server_round, f"public-{index}", m)[:b].sort().values
         else:
             rows = None
         xs, ys = (px, py) if rows is None else (px[rows], py[rows])
         dev = point.device
-        grads = self.model.per_sample_gradients(point.unsqueeze(0), xs.unsqueeze(0).to(dev),
-                                                ys.unsqueeze(0).to(dev))[0]
+        grads = algorithm.model.per_sample_gradients(point.unsqueeze(0), xs.unsqueeze(0).to(dev),
+                                                     ys.unsqueeze(0).to(dev))[0]
         v, rank = top_eigenspace(grads, hp.projection_dim)
         if rank < hp.projection_dim and not self.warned_rank:
             # len(ys) gradients span at most len(ys) dimensions, fewer where some coincide or
@@ -300,65 +336,84 @@ class DPSGD(DPFedAvg):
             self.warned_rank = True
             (log.warning if len(ys) > hp.projection_dim else log.info)(
                 "%s: the %d public gradients span %d < k = %d dimensions; the remaining "
-                "directions are left out (no signal, no noise)", self.name, len(ys), rank,
+                "directions are left out (no signal, no noise)", algorithm.name, len(ys), rank,
                 hp.projection_dim)
         return Basis(v)
 
-    def random_subspace(self, rng: Randomness, client: int, server_round: int, index: int,
-                        device: torch.device) -> Subspace:
-        """RPDP-SGD's orthonormalised Gaussian d×k' basis, or RSDP-SGD's mask, from the
-        client's stream ``subspace-<index>`` of ``server_round`` (public randomness)."""
-        hp, d = self.hp, self.model.d
-        stream = f"subspace-{index}"
-        if hp.projection == "sparse":
-            keep = max(1, round_half_up((1 - hp.sparsity) * d))
-            return Coordinates(rng.permutation(client, server_round, stream, d)[:keep].sort().values
-                               .to(device), d)
-        gaussian = rng.normal([client], server_round, stream, (d, hp.projection_dim),
-                              torch.ones(1))[0]
-        return Basis(torch.linalg.qr(gaussian).Q.to(device))
 
-    def subspaces(self, params: Tensor, cohort: Cohort, k: int, ctx: ClientContext,
-                  current: list[Subspace]) -> list[Subspace]:
-        """Each client's subspace for local step ``k``: recomputed at the first step of the
-        round and every β steps (at the client's current iterate), else ``current``."""
-        hp = self.hp
-        if k % hp.projection_interval:
-            return current
-        index = k // hp.projection_interval
-        if hp.projection == "public":
-            per_round = math.ceil(hp.local_steps / hp.projection_interval)
-            return [self.public_subspace(params[i], ctx.rng, c, ctx.server_round,
-                                         (ctx.server_round - 1) * per_round + index
-                                         if hp.public_batching == "ibs" else index)
-                    for i, c in enumerate(cohort.ids)]
-        return [self.random_subspace(ctx.rng, c, ctx.server_round, index, ctx.device)
-                for c in cohort.ids]
+@dataclass(frozen=True)
+class Projection:
+    """How a step projects: onto the subspaces ``source`` gives, each private per-sample
+    gradient before clipping (PCDP-SGD's eq. (2)), or with ``after_clipping`` the noisy
+    clipped mean (PDP-SGD: clip, add noise, then project)."""
+
+    source: Callable[[DPSGD], SubspaceSource]
+    after_clipping: bool = False
+
+
+# ---- the centralized family ----------------------------------------------------------------------
+
+@ALGORITHMS.register_class
+class DPSGD(FederatedDPSGD[ProjectedHyperparameters]):
+    """DP-SGD (Abadi et al.) on Poisson batches, K steps per round; the base of the family,
+    whose members differ only in their :class:`Projection` (see the module docstring)."""
+
+    name = "dp-sgd"
+    Hyperparameters = ProjectedHyperparameters
+    protection = ("record-level local DP per client (add/remove neighbours): K local DP-SGD "
+                  "steps per round on Poisson batches, noised on the client")
+    #: how a step projects; None: DP-SGD's step, unprojected
+    projection: ClassVar[Projection | None] = None
+
+    def __init__(self, hp: ProjectedHyperparameters, model: FlatModel, num_clients: int, *,
+                 public: tuple[Tensor, Tensor] | None = None) -> None:
+        super().__init__(hp, model, num_clients, public=public)
+        self.source = self.projection.source(self) if self.projection else None
+
+    def check_run(self, num_rounds: int) -> None:
+        if self.source is not None:
+            self.source.check_run(num_rounds)
+
+    def subspaces_per_run(self, num_rounds: int) -> int:
+        """Subspaces a client computes in ``num_rounds`` rounds (one each β local steps,
+        restarting each round)."""
+        return num_rounds * math.ceil(self.hp.local_steps / self.hp.projection_interval)
 
     # ---- client ----------------------------------------------------------------------------
-    def step_gradient(self, params: Tensor, x: Tensor, cohort: Cohort, k: int, radius: float,
-                      broadcast: State, ctx: ClientContext, memo: dict[str, object]
-                      ) -> tuple[Tensor, Tensor]:
-        """DP-SGD's noisy gradient, or the projected one in the step's subspaces."""
-        if self.hp.projection == "none":
-            return super().step_gradient(params, x, cohort, k, radius, broadcast, ctx, memo)
-        spaces = self.step_subspaces(params, cohort, k, broadcast, ctx, memo)
-        return self.projected_gradient(params, self.batches(cohort, k, ctx), spaces, radius, k,
-                                       ctx)
+    def step_gradient(self, x: Tensor, cohort: Cohort, radius: float, broadcast: State,
+                      ctx: ClientContext) -> Callable[[Tensor, int], tuple[Tensor, Tensor]]:
+        """DP-SGD's noisy gradient, or the projected one in each step's subspaces (kept from
+        one step to the next of the round)."""
+        if self.projection is None:
+            return super().step_gradient(x, cohort, radius, broadcast, ctx)
+        spaces: list[Subspace] = []
+
+        def gradient(params: Tensor, k: int) -> tuple[Tensor, Tensor]:
+            nonlocal spaces
+            spaces = self.step_subspaces(params, cohort, k, broadcast, ctx, spaces)
+            return self.projected_gradient(params, self.local.batches(cohort, k, ctx), spaces,
+                                           radius, k, ctx)
+        return gradient
 
     def step_subspaces(self, params: Tensor, cohort: Cohort, k: int, broadcast: State,
-                       ctx: ClientContext, memo: dict[str, object]) -> list[Subspace]:
-        """Each client's subspace of local step ``k`` (kept in ``memo`` between steps)."""
-        memo["spaces"] = self.subspaces(params, cohort, k, ctx, memo.get("spaces", []))
-        return memo["spaces"]
+                       ctx: ClientContext, current: list[Subspace]) -> list[Subspace]:
+        """Each client's subspace for local step ``k``: from the source at the first step of
+        the round and every β steps (at the client's current iterate), else ``current``."""
+        interval = self.hp.projection_interval
+        if k % interval:
+            return current
+        assert self.source is not None
+        return [self.source.subspace(params[i], ctx.rng, c, ctx.server_round, k // interval)
+                for i, c in enumerate(cohort.ids)]
 
     def projected_gradient(self, params: Tensor, batches: Batches, spaces: list[Subspace],
                            radius: float, k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
         """``[C, d]``: (1/B)·V(Σ_i clip_c(Vᵀg_i) + z) (eq. (2); PDP-SGD: (1/B)·V(VᵀΣ_i
         clip_c(g_i) + z)), z ~ N(0, c²σ²I_k), and the fraction of each batch clipped."""
         b = self.hp.batch_size
-        if self.hp.after_clipping:
-            means, clipped = self.clipped_means(params, batches, radius, ctx)
+        assert self.projection is not None
+        if self.projection.after_clipping:
+            means, clipped = self.local.clipped_means(params, batches, radius, ctx)
             coords = torch.stack([s.coords(m) for s, m in zip(spaces, means, strict=True)])
         else:
             sums, clipped = zip(*(self.projected_clipped_sum(params[i], xb, yb, s, radius, ctx)
@@ -400,6 +455,7 @@ class PCDPSGD(DPSGD):
     name = "pcdp-sgd"
     defaults = PUBLIC_RECORDS
     Hyperparameters = PublicProjectionHyperparameters
+    projection = Projection(PublicEigenspace)
 
 
 @ALGORITHMS.register_class
@@ -408,7 +464,8 @@ class PDPSGD(DPSGD):
 
     name = "pdp-sgd"
     defaults = PUBLIC_RECORDS
-    Hyperparameters = PDPHyperparameters
+    Hyperparameters = PublicProjectionHyperparameters
+    projection = Projection(PublicEigenspace, after_clipping=True)
 
 
 @ALGORITHMS.register_class
@@ -420,6 +477,7 @@ class RPDPSGD(DPSGD):
     # about √(d/k') times DP-SGD's (docs/defaults.md)
     defaults = {"learning-rate": 100.0, "clip": 0.3}
     Hyperparameters = RandomProjectionHyperparameters
+    projection = Projection(RandomBasis)
 
 
 @ALGORITHMS.register_class
@@ -428,6 +486,7 @@ class RSDPSGD(DPSGD):
 
     name = "rsdp-sgd"
     Hyperparameters = SparseHyperparameters
+    projection = Projection(RandomMask)
 
 
 # ---- the federated family ----------------------------------------------------------------------
@@ -440,6 +499,7 @@ class FedPCDP(DPSGD):
     name = "fedpcdp"
     defaults = PUBLIC_RECORDS
     Hyperparameters = PublicProjectionHyperparameters
+    projection = Projection(PublicEigenspace)  # the server's, broadcast
     exchanges = (Exchange("train", ("x", "radius", "basis"),
                           {"u": Upload("train", post_processing=True)}),)
 
@@ -453,14 +513,15 @@ class FedPCDP(DPSGD):
         if (ctx.server_round - 1) % beta:
             return state
         index = (ctx.server_round - 1) // beta
-        space = self.public_subspace(state["x"], ctx.rng, SERVER, ctx.server_round, index)
+        assert isinstance(self.source, PublicEigenspace)
+        space = self.source.at(state["x"], ctx.rng, SERVER, ctx.server_round, index)
         return {**state, "basis": space.v}
 
     def broadcast(self, exchange: str, state: State, server_round: int) -> State:
         return {"x": state["x"], "radius": state["radius"], "basis": state["basis"]}
 
     def step_subspaces(self, params: Tensor, cohort: Cohort, k: int, broadcast: State,
-                       ctx: ClientContext, memo: dict[str, object]) -> list[Subspace]:
+                       ctx: ClientContext, current: list[Subspace]) -> list[Subspace]:
         """The round's broadcast subspace V_k^r, for every client and step."""
         return [Basis(broadcast["basis"].to(ctx.device))] * len(cohort)
 
@@ -484,7 +545,8 @@ class FedPDP(FedPCDP):
     """FedPDP: FedPCDP with PDP-SGD's local step (clip, noise, then project)."""
 
     name = "fedpdp"
-    Hyperparameters = PDPHyperparameters
+    Hyperparameters = PublicProjectionHyperparameters
+    projection = Projection(PublicEigenspace, after_clipping=True)
 
 
 FAMILY = ("dp-sgd", "pcdp-sgd", "pdp-sgd", "rpdp-sgd", "rsdp-sgd", "fedpcdp", "fedpdp")

@@ -48,7 +48,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dpfl.algorithms.adaptive import LOCAL_STEPS
 from dpfl.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -58,6 +57,7 @@ from dpfl.algorithms.base import (
     State,
     Upload,
 )
+from dpfl.algorithms.local_dpsgd import LOCAL_STEPS, local_sgd
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import (
     BATCH_SIZE,
@@ -122,7 +122,7 @@ def geometric_update(clip: float, fraction: float, hp: QuantileHyperparameters) 
 
 
 @ALGORITHMS.register_class
-class QuantileDPFedAvg(Algorithm):
+class QuantileDPFedAvg(Algorithm[QuantileHyperparameters]):
     """DP-FedAvg with quantile-based adaptive clipping (client-level central DP; see the
     module docstring)."""
 
@@ -132,10 +132,13 @@ class QuantileDPFedAvg(Algorithm):
     protection = ("client-level central DP (add/remove one client): clients clip their update "
                   "at an adaptive norm, the trusted server adds Gaussian noise to the sum of "
                   "updates and to the count of unclipped ones")
-    relation = Relation.ADD_REMOVE
     exchanges = (Exchange("train", ("x", "clip"),
                           {"delta": Upload("model", central=True),
                            "unclipped": Upload("count", central=True)}),)
+
+    @property
+    def relation(self) -> Relation:
+        return Relation.ADD_REMOVE
 
     def queries(self, num_samples: int) -> list[Query]:
         return []  # the clients add no noise
@@ -200,11 +203,12 @@ class QuantileDPFedAvg(Algorithm):
         hp = self.hp
         x = broadcast["x"].to(ctx.device)
         clip = float(broadcast["clip"][0])
-        params = x.unsqueeze(0).repeat(len(cohort), 1)
-        for k in range(hp.local_steps):
+
+        def gradient(params: Tensor, k: int) -> Tensor:  # plain SGD: the server adds the noise
             xb, yb = cohort.sample(ctx.rng, ctx.server_round, f"batch-{k}", hp.batch_size)
-            params = params - hp.learning_rate * self.model.batch_gradients(
-                params, xb.to(ctx.device), yb.to(ctx.device))
+            return self.model.batch_gradients(params, xb.to(ctx.device), yb.to(ctx.device))
+
+        params, _ = local_sgd(x, len(cohort), hp.local_steps, gradient, hp.learning_rate)
         deltas = (params - x).cpu().numpy().copy()
         unclipped = np.ones((len(cohort), 1), dtype=np.float32)
         for row, bit in zip(deltas, unclipped, strict=True):

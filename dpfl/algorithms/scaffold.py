@@ -6,7 +6,7 @@ PCDP-SGD paper's extreme non-IID comparison does (its Fig. 4; Sha et al., arXiv:
 
 Each sampled client i starts from the global model x with its control variate c_i and the
 server's c, and takes K local steps on the noisy DP-SGD gradient g̃ (per-sample clipping at c,
-Gaussian noise, Poisson or fixed-size batches as :class:`~dpfl.algorithms.adaptive.DPFedAvg`)::
+Gaussian noise, Poisson or fixed-size batches as :mod:`~dpfl.algorithms.local_dpsgd`)::
 
     y ← y − η(g̃(y) − c_i + c)
     c_i⁺ = c_i − c + (x − y_K)/(Kη)                        (option II)
@@ -22,13 +22,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dpfl.algorithms.adaptive import DPFedAvg, FederatedHyperparameters
 from dpfl.algorithms.base import ClientContext, Cohort, Exchange, ServerContext, State, Upload
+from dpfl.algorithms.local_dpsgd import FederatedDPSGD, FederatedHyperparameters
 from dpfl.algorithms.registry import ALGORITHMS
 
 
 @ALGORITHMS.register_class
-class DPSCAFFOLD(DPFedAvg):
+class DPSCAFFOLD(FederatedDPSGD[FederatedHyperparameters]):
     """SCAFFOLD (option II) with K local DP-SGD steps; see the module docstring."""
 
     name = "dp-scaffold"
@@ -52,13 +52,9 @@ class DPSCAFFOLD(DPFedAvg):
                     ctx: ClientContext) -> tuple[State, State]:
         hp = self.hp
         x, c = broadcast["x"].to(ctx.device), broadcast["c"].to(ctx.device)
-        radius = float(broadcast["radius"][0])
         own = states["c"].to(ctx.device)
-        correction = c - own  # c − c_i, the same for every step
-        params = x.unsqueeze(0).repeat(len(cohort), 1)
-        for k in range(hp.local_steps):
-            g, _ = self.noisy_gradient(params, x, self.batches(cohort, k, ctx), radius, k, ctx)
-            params = params - hp.learning_rate * (g + correction)
+        # c − c_i, the same for every step
+        params, _ = self.local_steps(x, cohort, {}, broadcast, ctx, correction=c - own)
         updated = own - c + (x - params) / (hp.local_steps * hp.learning_rate)
         return ({"dy": (params - x).cpu(), "dc": (updated - own).cpu()},
                 {"c": updated.cpu()})

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from dpfl.algorithms import ServerContext
+from dpfl.algorithms.adaptive import AdaptDPFedAvg
 from dpfl.privacy import PrivacyLedger, Randomness, stds
 from dpfl.problem import Problem, build_problem
 from dpfl.runconfig import RunConfig
@@ -158,7 +159,7 @@ class FeatureSweep:
         sizes, indices = cohort.sizes, cohort.indices
         s = len(configs)
         lr = torch.tensor([a.hp.learning_rate for a in algorithms], dtype=torch.float64)
-        adaptive = [a.hp.adaptive for a in algorithms]
+        adaptive = [isinstance(a, AdaptDPFedAvg) for a in algorithms]
         def own(problem: Problem, name: str) -> list[Any] | None:  # every client's release
             found = [next((r for r in problem.releases(c) if r.name == name), None)
                      for c in clients]
