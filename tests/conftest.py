@@ -22,10 +22,6 @@ if "DPFL_CACHE_DIR" not in os.environ:
 if "DPFL_STATE_DIR" not in os.environ:
     os.environ["DPFL_STATE_DIR"] = tempfile.mkdtemp(prefix="dpfl-test-state-")
     atexit.register(shutil.rmtree, os.environ["DPFL_STATE_DIR"], ignore_errors=True)
-# each pytest-xdist worker, and every process it starts, gets its share of the cores: torch's
-# default (a thread a core in every worker) oversubscribes them and was a quarter slower
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 # Flower's usage telemetry is off in every process the tests start (and in the compose
 # containers): the tests send traffic only to loopback and to what they start
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
@@ -51,7 +47,24 @@ def pytest_addoption(parser):
                      "--device cuda runs every test that leaves it unset on the GPU")
 
 
+def share_the_cores(config) -> None:
+    """Each pytest-xdist worker, and every process it starts, gets its share of the cores.
+    torch's default, a thread a core in every worker, oversubscribes them, and its threads'
+    spin-waits then make small tensor operations tens of times slower (an audit test: 5 s in
+    one process, 236 s in each of two workers). The worker count is known only here, from
+    xdist's worker input (not from the environment when this file is imported)."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if workers == 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def pytest_configure(config):
+    share_the_cores(config)
     device = config.getoption("--device")
     if device != "cpu":
         import dataclasses
