@@ -41,6 +41,13 @@ def small_config(tmp_path):
     return make
 
 
+@pytest.fixture
+def device(request) -> str:
+    """This session's device (``--device``), for a test to pass on to the processes it starts:
+    they do not see the session's default of the run-config key ``device``."""
+    return request.config.getoption("--device")
+
+
 def pytest_addoption(parser):
     parser.addoption("--device", choices=("cpu", "cuda"), default="cpu",
                      help="the default of the run-config key 'device' in this session: "

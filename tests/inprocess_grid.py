@@ -20,13 +20,19 @@ from flwr.supercore.task_identity import TaskIdentity
 SIMULATED = {"trust-server": True}
 
 
+def as_the_server() -> None:
+    """Make this process the ServerApp's task of run 1, as Flower's runtime does before a
+    ServerApp runs: a ``Message`` built outside such a task is refused by Flower."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+
+
 class InProcessGrid(Grid):
     """Nodes ``1..N`` with the given node configs, each with its own persistent Context; the
     nodes trust the server, as simulated ones do, unless their config says otherwise."""
 
     def __init__(self, app, run_config: dict, node_configs: list[dict]) -> None:
         self.app = app
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+        as_the_server()
         self.contexts = {i + 1: Context(run_id=1, node_id=i + 1, node_config={**SIMULATED, **cfg},
                                         state=RecordDict(), run_config=dict(run_config))
                          for i, cfg in enumerate(node_configs)}

@@ -338,7 +338,8 @@ print(json.dumps({{n: [p.tolist() for p in parts] for n, parts in split.items()}
         text=True,
         check=True,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "123"},
+        env={**os.environ, "PYTHONHASHSEED": "123",
+             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
     )
     fresh = json.loads(out.stdout.strip().splitlines()[-1])
     digits = load("digits")

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.app import Context, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from dpfl.algorithms import ServerContext
 from dpfl.checkpoint import Lineage
@@ -31,7 +30,7 @@ from dpfl.privacy import Randomness, add_noise, stds
 from dpfl.problem import build_problem
 from dpfl.runconfig import RunConfig
 from dpfl.strategies import FederationError
-from tests.inprocess_grid import run_flower_code_path, train_message
+from tests.inprocess_grid import as_the_server, run_flower_code_path, train_message
 
 # a batch of a client's whole data is drawn by no randomness: the clean upload is the same
 # whatever a node's noise source
@@ -57,7 +56,7 @@ class Node:
     """One node (hosting client 0) answering the messages a test sends it, as a server would."""
 
     def __init__(self, values: dict, **node_config) -> None:
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+        as_the_server()
         self.config = RunConfig(values)
         self.problem = build_problem(self.config)
         self.context = Context(run_id=1, node_id=1,

@@ -163,7 +163,7 @@ def test_the_projected_clipped_sum_moves_by_at_most_c_when_a_record_is_removed(t
     """Each Vᵀg_i is clipped to norm c, so removing any one record of a batch moves the
     released sum by at most c (the add/remove sensitivity the release declares)."""
     problem = build_problem(_config(tmp_path, clip=0.05))
-    algorithm, x0 = problem.algorithm, problem.x0
+    algorithm, x0 = problem.algorithm, problem.x0.to(problem.device)
     px, py = algorithm.public
     v, _ = top_eigenspace(problem.model.per_sample_gradients(
         x0, px.unsqueeze(0), py.unsqueeze(0))[0], 12)
@@ -380,7 +380,10 @@ def test_the_federated_epsilons_of_the_paper_under_its_conversion(sigma, paper, 
 # ---- runtimes and bad input ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", ["fedpcdp", "pcdp-sgd"])
-def test_flower_code_path_equals_engine_with_client_sampling(tmp_path, algorithm):
+def test_flower_code_path_equals_engine_with_client_sampling(tmp_path, algorithm, device):
+    """Bit for bit on the CPU. On a GPU FedPCDP's two paths differ in the last bits (seen on an
+    H100: the engine steps the sampled clients as one batch, each node its own client, and the
+    GPU's kernels round by the shape), so there they agree to rounding, as in test_cuda."""
     from tests.inprocess_grid import run_flower_code_path
 
     values = {**DIGITS, "algorithm": algorithm, "num-partitions": 3, "fraction-train": 0.67,
@@ -388,7 +391,11 @@ def test_flower_code_path_equals_engine_with_client_sampling(tmp_path, algorithm
     run(RunConfig({**values, "run-name": "engine"}), echo=False)
     run_flower_code_path({**values, "run-name": "flower"},
                          [{"partition-id": i} for i in range(3)])
-    assert torch.equal(_model(tmp_path, "engine"), _model(tmp_path, "flower"))
+    engine, flower = _model(tmp_path, "engine"), _model(tmp_path, "flower")
+    if device == "cpu":
+        assert torch.equal(engine, flower)
+    else:
+        torch.testing.assert_close(flower, engine, rtol=1e-4, atol=1e-5)
 
 
 def test_public_records_are_disjoint_from_the_private_ones():

@@ -19,7 +19,6 @@ from flwr.supercore.differential_privacy import (
     adaptive_clip_inputs_inplace,
     compute_adaptive_noise_params,
 )
-from flwr.supercore.task_identity import TaskIdentity
 from opacus.accountants import RDPAccountant
 
 from dpfl.algorithms import ServerContext
@@ -35,6 +34,7 @@ from dpfl.privacy import Randomness
 from dpfl.problem import build_problem
 from dpfl.rounds import ClientRuntime
 from dpfl.runconfig import RunConfig
+from tests.inprocess_grid import as_the_server
 
 VALUES = {"algorithm": "dp-fedavg-quantile", "dataset": "digits", "model": "logistic",
           "num-partitions": 10, "num-server-rounds": 6, "batch-size": 16, "local-steps": 3,
@@ -86,7 +86,7 @@ class RecordingContext(ServerContext):
 def _replies(x, uploads):
     """One reply per client as Flower's client-side wrapper expects them: the clipped model,
     the record count, and the norm bit (here Andrew et al.'s: 1 when unclipped)."""
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    as_the_server()
     replies = []
     for i, (delta, bit) in enumerate(zip(uploads["delta"], uploads["unclipped"], strict=True)):
         sent = Message(RecordDict(), dst_node_id=i + 1, message_type="train")

@@ -47,9 +47,9 @@ def assert_same_run(folder: Path, reference: Path, *, runtimes: bool = False) ->
     assert summaries[0] == summaries[1]
 
 
-def test_an_engine_run_killed_mid_way_resumes_to_the_uninterrupted_result(tmp_path):
+def test_an_engine_run_killed_mid_way_resumes_to_the_uninterrupted_result(tmp_path, device):
     """SIGKILL after a checkpoint is on disk, then ``dpfl run --resume FOLDER``."""
-    values = {**STATEFUL, "num-server-rounds": 10, "results-dir": str(tmp_path)}
+    values = {**STATEFUL, "num-server-rounds": 10, "results-dir": str(tmp_path), "device": device}
     folder = tmp_path / "killed"
     given = " ".join(f"{k}={json.dumps(v)}" for k, v in {**values, "run-name": "killed"}.items())
     command = [sys.executable, "-m", "dpfl", "run", "-q", "-c", given]

@@ -93,11 +93,12 @@ def projections(upload: torch.Tensor, unit: torch.Tensor, broadcast: State) -> t
     """Each row of ``upload [C, ...]`` along ``unit``: directly for a model-shaped upload, in
     the coordinates of a broadcast basis ``[d, k]`` for a ``k``-entry one; None otherwise."""
     rows = upload.reshape(len(upload), -1).double()
+    unit = unit.to(rows.device, torch.float64)
     if rows.shape[1] == unit.numel():
-        return rows @ unit.double()
-    for array in broadcast.values():
+        return rows @ unit
+    for array in broadcast.values():  # the basis may sit on the GPU, the uploads not
         if array.dim() == 2 and array.shape == (unit.numel(), rows.shape[1]):
-            coords = array.double().T @ unit.double()
+            coords = array.to(rows.device, torch.float64).T @ unit
             return rows @ (coords / torch.linalg.vector_norm(coords).clamp_min(1e-30))
     return None
 
@@ -131,7 +132,7 @@ class UploadScorer(Scorer):
     def observe(self, unit: torch.Tensor, broadcast: State, uploads: State,
                 state: State) -> None:
         for name, values in uploads.items():
-            if (along := projections(values, unit.to(values.device), broadcast)) is not None:
+            if (along := projections(values, unit, broadcast)) is not None:
                 self.scores += along.cpu()
                 self.scored.add(name)
 

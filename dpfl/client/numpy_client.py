@@ -162,7 +162,7 @@ class AlgorithmClient(NumPyClient):
 
     def _save(self, server_round: int, states: State, chains: list[str]) -> None:
         for i, c in enumerate(self.clients):
-            own = {k: v[i].clone() for k, v in states.items()}  # this client's rows only
+            own = {k: v[i].to('cpu', copy=True) for k, v in states.items()}  # its rows only
             if states:
                 self.state[f"dpfl.state.{c}"] = ArrayRecord(
                     {k: Array(v.numpy()) for k, v in own.items()})
@@ -211,7 +211,7 @@ class AlgorithmClient(NumPyClient):
             self.charged = {c: ledgers[c].counts(self.run, server_round) for c in self.clients}
         metrics = {f"{k}.{c}": float(v[i]) for k, v in diagnostics.items()
                    for i, c in enumerate(self.clients)}
-        return [uploads[k].numpy() for k in spec.uploads], len(self.clients), metrics
+        return [uploads[k].cpu().numpy() for k in spec.uploads], len(self.clients), metrics
 
     def check_replay(self, ledger: NodeLedger, server_round: int, exchange: str,
                      digest: str) -> bool:

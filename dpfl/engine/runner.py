@@ -64,8 +64,8 @@ class EngineTransport:
             for k, v in rows.items():  # idle clients keep their state
                 if whole:  # one block of every client: the new states are the states
                     self.states[k] = v
-                elif v is not given[k]:
-                    self.states[k][positions] = v
+                elif v is not given[k]:  # the states stay where they are (the CPU)
+                    self.states[k][positions] = v.to(self.states[k].device)
             total.add(uploads)
             diagnostics.update(per_client(ids, diagnosed))
         return Replies(total.sums, diagnostics)

@@ -52,9 +52,10 @@ ARCHIVED = ("rounds_completed", "stopped_early", "test_loss", "test_accuracy", "
 
 
 def worker_pool(count: int) -> ProcessPoolExecutor:
-    """``count`` worker processes for runs: forked (quick to start), or spawned once this
-    process has used CUDA, which a forked child can neither re-initialise nor share."""
-    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    """``count`` worker processes for runs: forked (quick to start), or spawned where there is
+    a CUDA device: once this process has asked the driver anything (``torch.cuda.is_available()``
+    does, before any tensor is on the GPU), a forked child can no longer initialise CUDA."""
+    method = "spawn" if torch.cuda.is_available() else "fork"
     return ProcessPoolExecutor(max_workers=count, mp_context=multiprocessing.get_context(method))
 
 
