@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -135,6 +135,8 @@ class FederatedHyperparameters(LocalDPSGDHyperparameters):
 
 #: a local step's gradient: ``step(params [C, d], k)`` for every client of the cohort
 Step = Callable[[Tensor, int], Tensor]
+#: a round's noisy step gradient: ``(params [C, d], k)`` to the gradient and the fraction clipped
+NoisyStep = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
 
 def local_sgd(x: Tensor, clients: int, steps: int, step: Step, learning_rate: float, *,
@@ -203,7 +205,7 @@ class LocalDPSGD:
 H = TypeVar("H", bound=LocalDPSGDHyperparameters)
 
 
-class FederatedDPSGD(Algorithm[H], Generic[H]):
+class FederatedDPSGD(Algorithm[H]):
     """The ``train`` exchange of K local DP-SGD steps: the server broadcasts x and the radius,
     each sampled client runs :func:`local_sgd` on :class:`LocalDPSGD`'s noisy gradient and
     sends its local model, the server moves to their (unweighted) mean at step size γ_g.
@@ -296,7 +298,7 @@ class FederatedDPSGD(Algorithm[H], Generic[H]):
         return params, ({"momentum": velocity.cpu()} if velocity is not None else states)
 
     def step_gradient(self, x: Tensor, cohort: Cohort, radius: float, broadcast: State,
-                      ctx: ClientContext) -> Callable[[Tensor, int], tuple[Tensor, Tensor]]:
+                      ctx: ClientContext) -> NoisyStep:
         """The round's local step: ``(params, k)`` to the noisy gradient and the fraction
         clipped (DP-SGD's; the projection family's projects it)."""
         return lambda params, k: self.local.noisy_gradient(

@@ -85,6 +85,7 @@ from dpfl.algorithms.local_dpsgd import (
     SERVER_LEARNING_RATE,
     FederatedDPSGD,
     LocalDPSGDHyperparameters,
+    NoisyStep,
 )
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import FRACTION_TRAIN, Param, at_least, hyperparameter
@@ -270,7 +271,6 @@ class PublicEigenspace(SubspaceSource):
 
     def __init__(self, algorithm: DPSGD) -> None:
         self.algorithm = algorithm
-        self.hp = algorithm.hp
         self.order: Tensor | None = None  # IBS: the public set's one shuffle of the run
         self.warned_rank = False  # a k above the public gradients' rank is logged once a run
 
@@ -279,12 +279,12 @@ class PublicEigenspace(SubspaceSource):
         """B_pub: the public records behind one subspace."""
         public = self.algorithm.public
         assert public is not None
-        return self.hp.public_batch_size or len(public[1])
+        return self.algorithm.hp.public_batch_size or len(public[1])
 
     def check_run(self, num_rounds: int) -> None:
         """Refuse a run the public records cannot serve (no public set; IBS without enough
         disjoint blocks)."""
-        hp, name, public = self.hp, self.algorithm.name, self.algorithm.public
+        hp, name, public = self.algorithm.hp, self.algorithm.name, self.algorithm.public
         if public is None:
             raise ConfigError("dataset-options", f"{name} projects onto public records, "
                               "and the dataset has none", allowed="num_public=<m>, e.g. 100")
@@ -304,7 +304,7 @@ class PublicEigenspace(SubspaceSource):
                  index: int) -> Subspace:
         """A client's ``index``-th subspace of the round (under IBS the block after those of
         its earlier rounds)."""
-        hp = self.hp
+        hp = self.algorithm.hp
         if hp.public_batching == "ibs":
             index += (server_round - 1) * math.ceil(hp.local_steps / hp.projection_interval)
         return self.at(point, rng, owner, server_round, index)
@@ -312,7 +312,7 @@ class PublicEigenspace(SubspaceSource):
     def at(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
            index: int) -> Basis:
         """The eigenspace of public batch (or IBS block) ``index`` at ``point``."""
-        algorithm, hp = self.algorithm, self.hp
+        algorithm, hp = self.algorithm, self.algorithm.hp
         assert algorithm.public is not None
         px, py = algorithm.public
         b, m = self.batch, len(py)
@@ -381,7 +381,7 @@ class DPSGD(FederatedDPSGD[ProjectedHyperparameters]):
 
     # ---- client ----------------------------------------------------------------------------
     def step_gradient(self, x: Tensor, cohort: Cohort, radius: float, broadcast: State,
-                      ctx: ClientContext) -> Callable[[Tensor, int], tuple[Tensor, Tensor]]:
+                      ctx: ClientContext) -> NoisyStep:
         """DP-SGD's noisy gradient, or the projected one in each step's subspaces (kept from
         one step to the next of the round)."""
         if self.projection is None:
