@@ -310,7 +310,9 @@ class RoundLoop:
             record["lost_clients"] = sorted(self.lost)
         if (server := self.accounting.server_epsilon()) is not None:
             record["server_epsilon"] = server
-        if len(self.accounting.accountants) > 1 and "test_loss" in record:
+        if len(self.accounting.accountants) > 1 and server_round == rounds:
+            # the other accountants' ε (PRV, the refined PLD: up to seconds a history) at the
+            # last round; summary.json has them whenever the run ends
             record["epsilon_by_accountant"] = self.accounting.report_by_accountant()
         record["seconds"] = time.perf_counter() - started
         self.rounds_done = server_round
