@@ -197,6 +197,55 @@ def test_a_random_subspace_is_orthonormal_and_the_step_lies_in_it(tmp_path):
     assert torch.allclose(space.lift(space.coords(step)), step, atol=1e-6)
 
 
+@pytest.mark.parametrize("d", [1, 3, 37, 1000])
+def test_the_rotations_rows_are_orthonormal_and_coords_and_lift_are_v(d):
+    """k rows of Q = Π H·D_r·P_r (any d: Hadamard blocks of d's binary expansion): VᵀV = I,
+    coords(g) = Vᵀg, lift(a) = Va, in float64 to rounding."""
+    from dpfl.algorithms.rotation import RotatedRows, Rotation
+
+    gen = torch.Generator().manual_seed(d)
+    rotation = Rotation([torch.randperm(d, generator=gen) for _ in range(3)],
+                        [torch.randint(0, 2, (d,), generator=gen) * 2.0 - 1 for _ in range(3)])
+    k = max(1, d // 3)
+    space = RotatedRows(rotation, torch.randperm(d, generator=gen)[:k])
+    v = space.lift(torch.eye(k, dtype=torch.float64)).t()  # [d, k]
+    torch.testing.assert_close(v.t() @ v, torch.eye(k, dtype=torch.float64), rtol=0, atol=1e-12)
+    g, a = torch.randn(4, 2, d, dtype=torch.float64), torch.randn(5, k, dtype=torch.float64)
+    torch.testing.assert_close(space.coords(g), g @ v, rtol=0, atol=1e-12)
+    torch.testing.assert_close(space.lift(a), a @ v.t(), rtol=0, atol=1e-12)
+
+
+def test_a_rotated_subspace_keeps_a_gradients_share_as_a_haar_one_does():
+    """A fixed unit vector keeps ‖Vᵀu‖² of mean k/d and the spread of a Haar-random subspace
+    (about √(2(k/d)(1 − k/d)/(d + 2))) over independent draws from the keyed streams."""
+    from dpfl.algorithms.projected import RandomRotation
+
+    d, k = 2000, 100
+    source = RandomRotation(type("A", (), {"model": type("M", (), {"d": d}),
+                                           "hp": type("H", (), {"projection_dim": k})})())
+    u = torch.zeros(d, dtype=torch.float64)
+    u[7] = 1.0
+    shares = torch.tensor([source.subspace(u, Randomness(s), 0, 1, 0).coords(u).square().sum()
+                           for s in range(200)])
+    haar = math.sqrt(2 * (k / d) * (1 - k / d) / (d + 2))
+    assert abs(shares.mean().item() - k / d) < 4 * haar / math.sqrt(200)
+    assert 0.7 * haar < shares.std().item() < 1.3 * haar
+
+
+def test_rpdp_with_the_rotation_steps_in_its_subspace_and_learns(tmp_path):
+    """``random-basis="rotation"``: the step lies in the drawn subspace (seeded from the same
+    streams on every run), and a short run lowers the test loss as with the QR basis."""
+    problem = build_problem(_config(tmp_path, algorithm="rpdp-sgd", local_steps=1,
+                                    dataset_options="", random_basis="rotation"))
+    space = problem.algorithm.source.subspace(problem.x0, Randomness(0), 0, 1, 0)
+    step = _step(problem)[0] - problem.x0
+    torch.testing.assert_close(space.lift(space.coords(step)), step, rtol=0, atol=1e-6)
+    assert torch.equal(_step(problem), _step(problem))
+    summary = run(_config(tmp_path, algorithm="rpdp-sgd", dataset_options="",
+                          random_basis="rotation", num_server_rounds=4), echo=False)
+    assert summary["test_loss"] < summary["initial_test_loss"]
+
+
 def test_a_client_recomputes_its_subspace_every_beta_steps_and_at_each_round_start(tmp_path):
     problem = build_problem(_config(tmp_path, local_steps=5, projection_interval=2))
     algorithm, calls = problem.algorithm, []

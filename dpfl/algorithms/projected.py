@@ -34,7 +34,9 @@ source of subspaces, and whether the step projects before clipping or after the 
   + N(0, c²σ²I_d)), drawn as V(VᵀΣ clip_c(g_i) + z), z ~ N(0, c²σ²I_k) (the same law).
 * ``rpdp-sgd``: PCDP-SGD with a random subspace instead of the public one: a Gaussian d×k'
   matrix orthonormalised by QR, redrawn every β steps from a public stream (our reading; the
-  paper states neither construction nor placement).
+  paper states neither construction nor placement); with ``random-basis="rotation"`` k' rows of
+  a structured random rotation instead (:mod:`dpfl.algorithms.rotation`: exactly orthonormal,
+  O(d log d) a vector).
 * ``rsdp-sgd``: random sparsification before clipping (Zhu & Blaschko 2021): a coordinate mask
   that drops a fraction ``sparsity`` of the d coordinates, shared by the batch and redrawn every β
   steps; noise on the kept coordinates only.
@@ -88,6 +90,8 @@ from dpfl.algorithms.local_dpsgd import (
     NoisyStep,
 )
 from dpfl.algorithms.registry import ALGORITHMS
+from dpfl.algorithms.rotation import ROUNDS, RotatedRows, Rotation
+from dpfl.algorithms.subspace import Basis, Coordinates, Subspace
 from dpfl.config import FRACTION_TRAIN, Param, at_least, hyperparameter
 from dpfl.errors import ConfigError
 from dpfl.privacy import SERVER, Randomness, clip_factors
@@ -105,6 +109,11 @@ PROJECTION_INTERVAL = Param("projection-interval", 1, "Steps (rounds, for FedPCD
                             "that reuse one subspace before it is recomputed (App. G.3); a "
                             "client also recomputes at the first step of every round.",
                             check=at_least(1), symbol="β")
+RANDOM_BASIS = Param("random-basis", "qr", "RPDP-SGD: how its random k'-subspace is drawn: 'qr', a "
+                     "Gaussian d×k' matrix orthonormalised by QR (Haar-distributed, O(dk'²) a "
+                     "draw), or 'rotation', k' rows of a structured random rotation (exactly "
+                     "orthonormal, O(d log d) a vector: docs/algorithms.md).",
+                     choices=("qr", "rotation"))
 PUBLIC_BATCH = Param("public-batch-size", 0, "Public records behind one subspace; 0 = all m "
                      "(the paper's setting).", check=at_least(0), symbol="B_pub")
 PUBLIC_BATCHING = Param("public-batching", "rbs", "How the public batch is drawn (§4.3, App. "
@@ -124,47 +133,6 @@ def round_half_up(value: float) -> int:
 
 
 # ---- subspaces ---------------------------------------------------------------------------------
-
-class Subspace(ABC):
-    """A subspace of R^d with an orthonormal coordinate system."""
-
-    @abstractmethod
-    def coords(self, g: Tensor) -> Tensor:
-        """``[..., d]`` → ``[..., k]``: Vᵀg."""
-
-    @abstractmethod
-    def lift(self, a: Tensor) -> Tensor:
-        """``[..., k]`` → ``[..., d]``: Va."""
-
-
-@dataclass
-class Basis(Subspace):
-    """The span of the orthonormal columns of ``v`` (``[d, k]``; zero columns allowed)."""
-
-    v: Tensor
-
-    def coords(self, g: Tensor) -> Tensor:
-        return g @ self.v
-
-    def lift(self, a: Tensor) -> Tensor:
-        return a @ self.v.t()
-
-
-@dataclass
-class Coordinates(Subspace):
-    """The span of the unit vectors of the coordinates ``kept`` (a sparsification mask)."""
-
-    kept: Tensor
-    d: int
-
-    def coords(self, g: Tensor) -> Tensor:
-        return g[..., self.kept]
-
-    def lift(self, a: Tensor) -> Tensor:
-        out = a.new_zeros(*a.shape[:-1], self.d)
-        out[..., self.kept] = a
-        return out
-
 
 def top_eigenspace(gradients: Tensor, k: int) -> tuple[Tensor, int]:
     """``([d, k], rank)``: the top-k eigenvectors of Σ_j g_j g_jᵀ for the rows g_j of
@@ -215,6 +183,11 @@ class RandomProjectionHyperparameters(ProjectedHyperparameters):
 
 
 @dataclass(frozen=True)
+class RPDPHyperparameters(RandomProjectionHyperparameters):
+    random_basis: str = hyperparameter(RANDOM_BASIS)
+
+
+@dataclass(frozen=True)
 class PublicProjectionHyperparameters(RandomProjectionHyperparameters):
     public_batch_size: int = hyperparameter(PUBLIC_BATCH)  # B_pub
     public_batching: str = hyperparameter(PUBLIC_BATCHING)
@@ -247,6 +220,32 @@ class RandomBasis(SubspaceSource):
         gaussian = rng.normal([owner], server_round, f"subspace-{index}", (self.d, self.k),
                               torch.ones(1))[0]
         return Basis(torch.linalg.qr(gaussian).Q.to(point.device))
+
+
+class RandomRotation(SubspaceSource):
+    """RPDP-SGD's with ``random-basis="rotation"``: k' distinct rows of a structured random
+    rotation (:mod:`dpfl.algorithms.rotation`), its permutations and signs from the owner's
+    streams ``subspace-<index>-…`` of the round (public randomness)."""
+
+    def __init__(self, algorithm: DPSGD) -> None:
+        self.d, self.k = algorithm.model.d, algorithm.hp.projection_dim
+
+    def subspace(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
+                 index: int) -> Subspace:
+        purpose = f"subspace-{index}"
+        permutations = [rng.permutation(owner, server_round, f"{purpose}-p{r}", self.d)
+                        for r in range(ROUNDS)]
+        signs = [torch.where(rng.normal([owner], server_round, f"{purpose}-s{r}", (self.d,),
+                                        torch.ones(1))[0] < 0, -1.0, 1.0) for r in range(ROUNDS)]
+        kept = rng.permutation(owner, server_round, purpose, self.d)[:min(self.k, self.d)]
+        dev = point.device
+        return RotatedRows(Rotation([p.to(dev) for p in permutations],
+                                    [s.to(dev) for s in signs]), kept.to(dev))
+
+
+#: RPDP-SGD's random bases, by ``random-basis``
+RANDOM_BASES: dict[str, Callable[[DPSGD], SubspaceSource]] = {"qr": RandomBasis,
+                                                              "rotation": RandomRotation}
 
 
 class RandomMask(SubspaceSource):
@@ -476,8 +475,8 @@ class RPDPSGD(DPSGD):
     # a random k'-subspace keeps about k'/d of a gradient's squared norm: the step must be
     # about √(d/k') times DP-SGD's (docs/defaults.md)
     defaults = {"learning-rate": 100.0, "clip": 0.3}
-    Hyperparameters = RandomProjectionHyperparameters
-    projection = Projection(RandomBasis)
+    Hyperparameters = RPDPHyperparameters
+    projection = Projection(lambda algorithm: RANDOM_BASES[algorithm.hp.random_basis](algorithm))
 
 
 @ALGORITHMS.register_class

@@ -1,0 +1,114 @@
+"""A random k-dimensional subspace of R^d in O(d log d): the rows of a structured random rotation.
+
+RPDP-SGD projects each per-sample gradient onto a random subspace redrawn every step. A Haar
+random orthonormal d×k basis (a QR of a Gaussian d×k matrix) costs O(dk²) to draw — about 4 s
+at d = 26,010, k' = 800 — and O(dk) a gradient to apply. Here the subspace is spanned by k
+distinct rows of an orthogonal d×d matrix
+
+    Q = R_3 R_2 R_1,    R_r = H D_r P_r,
+
+with P_r a uniformly random permutation of the d coordinates, D_r a diagonal of random signs and
+H the block-diagonal normalised Walsh-Hadamard matrix over the binary expansion of d (blocks of
+2^i for the bits of d, largest first). Each factor is orthogonal, so Q is, and the k rows give
+exactly orthonormal columns V = Q_Sᵀ: VᵀV = I_k, ‖VVᵀg‖ = ‖Vᵀg‖, and V·N(0, σ²I_k) is the
+projected isotropic noise, as with any orthonormal basis. Drawing it takes three permutations
+and three sign vectors (O(d)); applying it, O(d log d) a vector.
+
+The law of V is not Haar's, and nothing in the privacy analysis needs it to be: V depends on
+public randomness only, never on the data, so each release (the clipped, noised k coordinates)
+has the same sensitivity and noise whatever V is, and lifting by V is post-processing. What
+matters for utility is how much of a gradient the subspace keeps: for a Haar V, ‖Vᵀg‖² has
+mean (k/d)‖g‖² and concentrates around it; rounds of random signs and Hadamard mixing
+(the structured transforms of fast Johnson-Lindenstrauss embeddings, Ailon & Chazelle 2009,
+and of structured orthogonal random features, Yu et al. 2016, arXiv:1610.09072) spread any
+fixed g over the coordinates, so the k kept coordinates keep the same mean and a spread close
+to Haar's (measured: mean 0.0307 against k/d = 0.0308, standard deviation 0.00153
+against Haar's 0.00151, for a unit vector over 200 draws at d = 26,010, k = 800). The
+permutations carry mass between the Hadamard blocks, which a block-diagonal H alone would not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dpfl.algorithms.subspace import Subspace
+
+#: mixing rounds H·D·P (three, as in structured orthogonal random features)
+ROUNDS = 3
+
+
+def hadamard_blocks(d: int) -> list[int]:
+    """The block sizes of H: the powers of two of d's binary expansion, largest first."""
+    return [1 << bit for bit in range(d.bit_length() - 1, -1, -1) if d >> bit & 1]
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The normalised n×n Sylvester-Hadamard matrix (n a power of two)."""
+    h = torch.ones(1, 1, dtype=dtype, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def walsh_hadamard(x: Tensor) -> Tensor:
+    """The normalised Walsh-Hadamard transform of the columns of ``x`` (``[n, N]``, n = 2^m):
+    H_n = H_{2^a} ⊗ H_{2^b} with a + b = m, so each column's n = 2^a × 2^b view X becomes
+    H_{2^a}·X·H_{2^b}: two dense products of about √n a number (BLAS), not m butterfly passes.
+    Orthogonal and its own inverse."""
+    n, columns = x.shape
+    a = (n.bit_length() - 1) // 2
+    left = hadamard_matrix(1 << a, x.dtype, x.device)
+    right = hadamard_matrix(n >> a, x.dtype, x.device)
+    x = (left @ x.reshape(1 << a, -1)).reshape(1 << a, n >> a, columns)
+    return torch.matmul(right, x).reshape(n, columns)
+
+
+@dataclass
+class Rotation:
+    """Q = R_ROUNDS … R_1, R_r = H·D_r·P_r (module docstring), from its permutations and signs,
+    applied to the columns of ``[d, N]`` matrices (a permutation then gathers whole rows)."""
+
+    permutations: list[Tensor]  # [d] each, int64
+    signs: list[Tensor]  # [d] each, ±1
+
+    def __post_init__(self) -> None:
+        self.blocks = hadamard_blocks(len(self.permutations[0]))
+        self.inverses = [p.argsort() for p in self.permutations]
+
+    def _h(self, x: Tensor) -> Tensor:
+        return torch.cat([walsh_hadamard(part) for part in x.split(self.blocks)])
+
+    def apply(self, x: Tensor) -> Tensor:
+        """Qx for the columns x of ``[d, N]``."""
+        for perm, sign in zip(self.permutations, self.signs, strict=True):
+            x = self._h(x[perm] * sign.to(x.dtype)[:, None])
+        return x
+
+    def transpose(self, y: Tensor) -> Tensor:
+        """Qᵀy for the columns y of ``[d, N]`` (each H is its own inverse)."""
+        for inverse, sign in zip(reversed(self.inverses), reversed(self.signs), strict=True):
+            y = (self._h(y) * sign.to(y.dtype)[:, None])[inverse]
+        return y
+
+
+@dataclass
+class RotatedRows(Subspace):
+    """The span of rows ``kept`` of the orthogonal ``rotation``: the orthonormal columns
+    V = Q_Sᵀ, applied without forming them (O(d log d) a vector)."""
+
+    rotation: Rotation
+    kept: Tensor  # [k] distinct row indices
+
+    def coords(self, g: Tensor) -> Tensor:
+        rows = g.reshape(-1, g.shape[-1]).T
+        return self.rotation.apply(rows)[self.kept].T.reshape(*g.shape[:-1], len(self.kept))
+
+    def lift(self, a: Tensor) -> Tensor:
+        d = len(self.rotation.permutations[0])
+        rows = a.new_zeros(d, a.numel() // a.shape[-1])
+        rows[self.kept] = a.reshape(-1, a.shape[-1]).T
+        return self.rotation.transpose(rows).T.reshape(*a.shape[:-1], d)
