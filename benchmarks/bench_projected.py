@@ -2,9 +2,10 @@
 family on the paper's centralized setting (MNIST, 10,000 private and 100 public images, the
 26,010-parameter CNN, Poisson batches of expected size 250, k = 100, RPDP-SGD k' = 800), one
 torch thread, and the parts of a PCDP-SGD step (public per-sample gradients, the eigenspace,
-private per-sample gradients, their projection).
+private per-sample gradients, their projection), and RPDP-SGD's random subspace drawn each
+step by QR or as rows of a structured random rotation (``random-basis``).
 
-    .venv/bin/python benchmarks/bench_projected.py [--rounds 1]
+    .venv/bin/python benchmarks/bench_projected.py [--rounds 1] [--parts-only]
 
 One round is an epoch (40 local steps); the full run is 80 of them.
 """
@@ -22,9 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import scratch  # noqa: E402
 
-from dpfl.algorithms.projected import top_eigenspace  # noqa: E402
+from dpfl.algorithms.projected import (  # noqa: E402
+    RandomBasis,
+    RandomRotation,
+    top_eigenspace,
+)
 from dpfl.engine import run  # noqa: E402
 from dpfl.experiments.pcdp import SETTINGS, config_of  # noqa: E402
+from dpfl.privacy import Randomness  # noqa: E402
 from dpfl.problem import build_problem  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
 
@@ -42,12 +48,13 @@ def timed(fn, repeat: int = 5) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--parts-only", action="store_true", help="only the parts of a step")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tmp = scratch("dpfl-bench-pcdp-")
     setting = SETTINGS["centralized-mnist"]
     print("| method | s per local step | s per 80-epoch run (extrapolated) |\n|---|---:|---:|")
-    for method in METHODS:
+    for method in () if args.parts_only else METHODS:
         values = {**config_of(setting, method, 10, 0, "code", rounds=args.rounds),
                   "results-dir": str(tmp), "run-name": method, "eval-every": 1000}
         summary = run(RunConfig(values), echo=False)
@@ -60,6 +67,9 @@ def main() -> None:
     public = model.per_sample_gradients(x[None], px[None], py[None])[0]
     v, _ = top_eigenspace(public, 100)
     rows = model.per_sample_gradients(x[None], xb[None], yb[None])[0]
+    rpdp = build_problem(RunConfig(config_of(setting, "rpdp-sgd", 10, 0, "code"))).algorithm
+    qr, rotation, rng = RandomBasis(rpdp), RandomRotation(rpdp), Randomness(0)
+    basis = qr.subspace(x, rng, 0, 1, 0)
     parts = {
         "public per-sample gradients (100)": lambda: model.per_sample_gradients(
             x[None], px[None], py[None]),
@@ -69,6 +79,11 @@ def main() -> None:
         "projection Vᵀg (250 × 26,010 × 100)": lambda: rows @ v,
         "DP-SGD's clipped mean (250, ghost norms)": lambda: model.clipped_mean(
             x[None], xb[None], yb[None], 0.01),
+        "RPDP subspace by QR: draw (26,010 × 800)": lambda: qr.subspace(x, rng, 0, 1, 0),
+        "RPDP subspace by QR: Vᵀg (250) and the lift": lambda: basis.lift(
+            basis.coords(rows).sum(0)),
+        "RPDP subspace by rotation: draw, Vᵀg (250), lift": lambda: (lambda r: r.lift(
+            r.coords(rows).sum(0)))(rotation.subspace(x, rng, 0, 1, 0)),
     }
     print("\n| part of a step | seconds |\n|---|---:|")
     for name, fn in parts.items():
