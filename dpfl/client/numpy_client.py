@@ -162,7 +162,7 @@ class AlgorithmClient(NumPyClient):
 
     def _save(self, server_round: int, states: State, chains: list[str]) -> None:
         for i, c in enumerate(self.clients):
-            own = {k: v[i].to('cpu', copy=True) for k, v in states.items()}  # its rows only
+            own = {k: v[i].to("cpu", copy=True) for k, v in states.items()}  # its rows only
             if states:
                 self.state[f"dpfl.state.{c}"] = ArrayRecord(
                     {k: Array(v.numpy()) for k, v in own.items()})
