@@ -1,8 +1,9 @@
 """The PCDP-SGD reproduction's workload: seconds per local step of each method of the projection
 family on the paper's centralized setting (MNIST, 10,000 private and 100 public images, the
 26,010-parameter CNN, Poisson batches of expected size 250, k = 100, RPDP-SGD k' = 800), one
-torch thread, and the parts of a PCDP-SGD step (public per-sample gradients, the eigenspace,
-private per-sample gradients, their projection), and RPDP-SGD's random subspace drawn each
+torch thread, and the parts of a PCDP-SGD step (the public tape and its Gram matrix, the
+eigendecomposition, the private records' coordinates from their tapes, the lift; beside them
+the materialised route they replace), and RPDP-SGD's random subspace drawn each
 step by QR or as rows of a structured random rotation (``random-basis``).
 
     .venv/bin/python benchmarks/bench_projected.py [--rounds 1] [--parts-only]
@@ -30,6 +31,7 @@ from dpfl.algorithms.projected import (  # noqa: E402
 )
 from dpfl.engine import run  # noqa: E402
 from dpfl.experiments.pcdp import SETTINGS, config_of  # noqa: E402
+from dpfl.models.span import GradientSpan  # noqa: E402
 from dpfl.privacy import Randomness  # noqa: E402
 from dpfl.problem import build_problem  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
@@ -62,21 +64,33 @@ def main() -> None:
         print(f"| {method} | {per_step:.3f} | {per_step * 3200:.0f} |", flush=True)
     problem = build_problem(RunConfig(config_of(setting, "pcdp-sgd", 10, 0, "code")))
     model, x = problem.model, problem.x0
+    source = problem.algorithm.source
     px, py = problem.algorithm.public
     xb, yb = problem.dataset.train_x[:250], problem.dataset.train_y[:250]
+    rows_all = torch.arange(len(py))
+    space = source.at(x, rows_all)
+    span = space.span
     public = model.per_sample_gradients(x[None], px[None], py[None])[0]
-    v, _ = top_eigenspace(public, 100)
+    v = public.double().t() @ space.r  # the materialised V, for the route it replaces
     rows = model.per_sample_gradients(x[None], xb[None], yb[None])[0]
+    coords = torch.cat(list(space.sample_coords(model, x, xb, yb)))
     rpdp = build_problem(RunConfig(config_of(setting, "rpdp-sgd", 10, 0, "code"))).algorithm
     qr, rotation, rng = RandomBasis(rpdp), RandomRotation(rpdp), Randomness(0)
     basis = qr.subspace(x, rng, 0, 1, 0)
     parts = {
-        "public per-sample gradients (100)": lambda: model.per_sample_gradients(
-            x[None], px[None], py[None]),
-        "eigenspace (Gram route, float64)": lambda: top_eigenspace(public, 100),
-        "private per-sample gradients (250)": lambda: model.per_sample_gradients(
-            x[None], xb[None], yb[None]),
-        "projection Vᵀg (250 × 26,010 × 100)": lambda: rows @ v,
+        "public tape (100 records) and its Gram matrix, float64": lambda: GradientSpan(
+            model, x, px, py).gram(),
+        "eigendecomposition of the Gram matrix (100 × 100)": lambda: top_eigenspace(
+            span.gram(), 100),
+        "private coordinates Vᵀg from the tapes (250)": lambda: torch.cat(list(
+            space.sample_coords(model, x, xb, yb))),
+        "lift V·a (a weighted sum of the public gradients)": lambda: space.lift(coords.sum(0)),
+        "the route replaced: public per-sample gradients (100, materialised)": lambda: (
+            model.per_sample_gradients(x[None], px[None], py[None])),
+        "the route replaced: private per-sample gradients (250, materialised)": lambda: (
+            model.per_sample_gradients(x[None], xb[None], yb[None])),
+        "the route replaced: Vᵀg (250 × 26,010 × 100) and V·a": lambda: (
+            v.float() @ (rows @ v.float()).sum(0)),
         "DP-SGD's clipped mean (250, ghost norms)": lambda: model.clipped_mean(
             x[None], xb[None], yb[None], 0.01),
         "RPDP subspace by QR: draw (26,010 × 800)": lambda: qr.subspace(x, rng, 0, 1, 0),

@@ -15,9 +15,13 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 
 from dpfl.algorithms.projected import Basis, top_eigenspace
+from dpfl.algorithms.subspace import GradientBasis
 from dpfl.datasets import load_dataset
 from dpfl.engine import run
 from dpfl.errors import ConfigError
+from dpfl.models import FlatModel
+from dpfl.models.span import GradientSpan
+from dpfl.models.zoo import build_model
 from dpfl.privacy import Randomness, clip_factors
 from dpfl.problem import build_problem
 from dpfl.rounds import ClientRuntime
@@ -46,6 +50,13 @@ def _model(tmp_path, name):
 
 # ---- the public subspace ---------------------------------------------------------------------
 
+def _materialised_basis(grads, k):
+    """V = GᵀR ``[d, k]`` formed from materialised gradients ``G [m, d]`` (float64 Gram)."""
+    g = grads.double()
+    r, rank = top_eigenspace(g @ g.t(), k)
+    return (g.t() @ r).to(grads.dtype), rank
+
+
 def test_the_subspace_is_orthonormal_and_the_top_k_singular_space_of_the_gradients():
     """Gradients with singular values 9, 4, 2, 1, 0.5 along known directions: V spans the top
     three left singular vectors of Gᵀ (VVᵀ = U₃U₃ᵀ), VᵀV = I, and no d×d matrix is formed."""
@@ -53,7 +64,7 @@ def test_the_subspace_is_orthonormal_and_the_top_k_singular_space_of_the_gradien
     u, _ = torch.linalg.qr(torch.randn(300, 5, generator=gen, dtype=torch.float64))
     w, _ = torch.linalg.qr(torch.randn(8, 5, generator=gen, dtype=torch.float64))
     grads = (w @ torch.diag(torch.tensor([9.0, 4, 2, 1, 0.5], dtype=torch.float64)) @ u.t())
-    v, rank = top_eigenspace(grads.float(), 3)
+    v, rank = _materialised_basis(grads.float(), 3)
     assert rank == 3 and v.shape == (300, 3)
     assert torch.allclose(v.t() @ v, torch.eye(3), atol=1e-6)
     assert torch.allclose((v @ v.t()).double(), u[:, :3] @ u[:, :3].t(), atol=1e-6)
@@ -62,8 +73,8 @@ def test_the_subspace_is_orthonormal_and_the_top_k_singular_space_of_the_gradien
 def test_the_basis_does_not_depend_on_the_signs_the_eigensolver_picks(monkeypatch):
     """The noise is drawn in the basis' coordinates, so a column's sign changes the update:
     LAPACK and cuSOLVER pick different signs (a GPU run differed by 1e-2 from the CPU run)."""
-    grads = torch.randn(6, 40, generator=torch.Generator().manual_seed(2))
-    v, _ = top_eigenspace(grads, 4)
+    grads = torch.randn(6, 40, generator=torch.Generator().manual_seed(2)).double()
+    v, _ = top_eigenspace(grads @ grads.t(), 4)
     eigh = torch.linalg.eigh
 
     def flipped(a):
@@ -71,7 +82,7 @@ def test_the_basis_does_not_depend_on_the_signs_the_eigensolver_picks(monkeypatc
         return values, vectors * torch.tensor([1.0, -1, -1, 1, -1, 1], dtype=vectors.dtype)
 
     monkeypatch.setattr(torch.linalg, "eigh", flipped)
-    w, _ = top_eigenspace(grads, 4)
+    w, _ = top_eigenspace(grads @ grads.t(), 4)
     assert torch.equal(w, v)
     largest = v.gather(0, v.abs().argmax(dim=0, keepdim=True))
     assert bool((largest > 0).all())
@@ -79,7 +90,7 @@ def test_the_basis_does_not_depend_on_the_signs_the_eigensolver_picks(monkeypatc
 
 def test_a_k_above_the_rank_leaves_zero_columns_that_project_nothing():
     grads = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
-    v, rank = top_eigenspace(torch.cat([grads, grads.sum(0, keepdim=True)]), 6)
+    v, rank = _materialised_basis(torch.cat([grads, grads.sum(0, keepdim=True)]), 6)
     assert rank == 2
     assert torch.equal(v[:, 2:], torch.zeros(50, 4))
     g = torch.randn(50)
@@ -106,7 +117,7 @@ def _by_hand(problem, after_clipping=False):
     hp, model, x0 = problem.algorithm.hp, problem.model, problem.x0
     px, py = problem.algorithm.public
     public = model.per_sample_gradients(x0, px.unsqueeze(0), py.unsqueeze(0))[0]
-    v, _ = top_eigenspace(public, hp.projection_dim)
+    v, _ = _materialised_basis(public, hp.projection_dim)
     cohort = problem.full_cohort()
     steps, coords = [], []
     rates = [hp.batch_size / n for n in cohort.sizes]  # the releases' sample rate b/n
@@ -164,17 +175,15 @@ def test_the_projected_clipped_sum_moves_by_at_most_c_when_a_record_is_removed(t
     released sum by at most c (the add/remove sensitivity the release declares)."""
     problem = build_problem(_config(tmp_path, clip=0.05))
     algorithm, x0 = problem.algorithm, problem.x0.to(problem.device)
-    px, py = algorithm.public
-    v, _ = top_eigenspace(problem.model.per_sample_gradients(
-        x0, px.unsqueeze(0), py.unsqueeze(0))[0], 12)
+    space = algorithm.source.at(x0, torch.arange(len(algorithm.public[1])))
     xb, yb = problem.dataset.train_x[:30], problem.dataset.train_y[:30]
     ctx = type("Ctx", (), {"device": problem.device})()
     xb, yb = xb.to(problem.device), yb.to(problem.device)
-    whole, fraction = algorithm.projected_clipped_sum(x0, xb, yb, Basis(v), 0.05, ctx)
+    whole, fraction = algorithm.projected_clipped_sum(x0, xb, yb, space, 0.05, ctx)
     assert fraction.item() > 0.5  # clipping is active
     for i in range(30):
         keep = torch.arange(30) != i
-        part, _ = algorithm.projected_clipped_sum(x0, xb[keep], yb[keep], Basis(v), 0.05, ctx)
+        part, _ = algorithm.projected_clipped_sum(x0, xb[keep], yb[keep], space, 0.05, ctx)
         assert torch.linalg.vector_norm(whole - part).item() <= 0.05 * (1 + 1e-5)
     assert algorithm.queries(100)[0].sensitivity(0.05 / 60) == pytest.approx(0.05 / 60)
 
@@ -249,13 +258,13 @@ def test_rpdp_with_the_rotation_steps_in_its_subspace_and_learns(tmp_path):
 def test_a_client_recomputes_its_subspace_every_beta_steps_and_at_each_round_start(tmp_path):
     problem = build_problem(_config(tmp_path, local_steps=5, projection_interval=2))
     algorithm, calls = problem.algorithm, []
-    original = algorithm.source.at
+    original = algorithm.source.rows
 
-    def spy(point, rng, owner, server_round, index):
+    def spy(rng, owner, server_round, index):
         calls.append((owner, server_round, index))
-        return original(point, rng, owner, server_round, index)
+        return original(rng, owner, server_round, index)
 
-    algorithm.source.at = spy
+    algorithm.source.rows = spy
     for server_round in (1, 2):
         ClientRuntime(algorithm, problem.releases, Randomness(0)).step(
             "train", server_round, {"x": problem.x0, "radius": torch.tensor([0.5])}, {},
@@ -300,11 +309,13 @@ def test_fedpcdp_uploads_k_numbers_and_the_server_restores_the_update_losslessly
                      cohort)[0]["u"]
     local, _ = problem.algorithm.local_steps(state["x"], cohort, {}, problem.algorithm.broadcast(
         "train", state, 1), _client_ctx(problem))
-    assert torch.allclose(state["x"] - u @ state["basis"].t(), local[0], atol=1e-6)
+    space = problem.algorithm.upload_space(state, torch.device("cpu"))
+    assert torch.allclose(state["x"] - space.lift(u), local[0], atol=1e-6)
     d = problem.model.d
     assert [r["uplink_bytes"] for r in _rounds(fed)] == [12 * 4] * 2
     assert [r["uplink_bytes"] for r in _rounds(plain)] == [d * 4] * 2
-    assert _rounds(fed)[0]["downlink_bytes"] == (d + 1 + d * 12) * 4  # x, the clip, V
+    # x, the clip, V's weights R (float64), the point V was computed at, its 40 public records
+    assert _rounds(fed)[0]["downlink_bytes"] == (d + 1) * 4 + 40 * 12 * 8 + d * 4 + 40 * 8
 
 
 def _server_ctx(problem, server_round=1):
@@ -501,3 +512,57 @@ def test_the_smoke_reproduction_reports_accuracy_epsilon_and_orderings(tmp_path,
     assert (folder / "accuracy-vs-epsilon.png").exists()
     if name == "centralized-mnist":
         assert "[89.30 ± 0.41]" in report  # the paper's PCDP-SGD cell at σ = 6
+
+
+# ---- the projection without materialised gradients ---------------------------------------------
+
+def _float64_model(name, input_shape, reg=0.0, chunk_size=256):
+    module = build_model(name, input_shape=input_shape, num_classes=10, seed=0).double()
+    return FlatModel(module, "cross-entropy", nonconvex_reg=reg, chunk_size=chunk_size)
+
+
+@pytest.mark.cpu_only("a float64 reference on the CPU")
+@pytest.mark.parametrize("name, shape, reg, chunk", [("mlp", (1, 8, 8), 0.0, 256),
+                                                     ("mlp", (1, 8, 8), 0.3, 7),
+                                                     ("pcdp-cnn", (1, 28, 28), 0.0, 256)])
+def test_the_projection_from_tapes_equals_the_materialised_one_in_float64(name, shape, reg,
+                                                                          chunk):
+    """V = GᵀR over 30 public records and the coordinates Vᵀh_j of 45 private ones at another
+    point, the lift Va and Vᵀg of a vector: from the tapes (no [m, d] or [b, d] matrix:
+    (δ_i·δ_j)(a_i·a_j) per Linear layer, materialised conv layers, the regulariser's terms)
+    equal to the materialised gradients' to 1e-10 of their scale, in chunks or not."""
+    model = _float64_model(name, shape, reg, chunk)
+    gen = torch.Generator().manual_seed(4)
+    public_point = model.initial_params().double()
+    point = public_point + 0.05 * torch.randn(model.d, generator=gen, dtype=torch.float64)
+    px, py = torch.randn(30, *shape, generator=gen, dtype=torch.float64), torch.arange(30) % 10
+    xb, yb = torch.randn(45, *shape, generator=gen, dtype=torch.float64), torch.arange(45) % 7
+    g_pub = model.per_sample_gradients(public_point[None], px[None], py[None])[0]
+    h = model.per_sample_gradients(point[None], xb[None], yb[None])[0]
+    v, rank = _materialised_basis(g_pub, 40)
+    assert rank == 30
+
+    span = GradientSpan(model, public_point, px, py)
+    scale = float(g_pub.abs().max())
+    assert torch.allclose(span.gram(), g_pub @ g_pub.t(), rtol=0, atol=1e-10 * scale ** 2)
+    r, _ = top_eigenspace(span.gram(), 40)
+    space = GradientBasis(span, r)
+    coords = torch.cat(list(space.sample_coords(model, point, xb, yb)))
+    assert coords.shape == (45, 40)
+    assert torch.allclose(coords, h @ v, rtol=0, atol=1e-10 * float(h.abs().max()))
+    a = torch.randn(40, generator=gen, dtype=torch.float64)
+    assert torch.allclose(space.lift(a), v @ a, rtol=0, atol=1e-10)
+    assert torch.allclose(space.coords(h[3]), h[3] @ v, rtol=0, atol=1e-10 * scale)
+    assert torch.allclose(v.t() @ v, torch.diag((torch.arange(40) < 30).double()), atol=1e-10)
+
+
+def test_a_non_finite_private_record_gets_zero_coordinates_and_is_counted(tmp_path):
+    problem = build_problem(_config(tmp_path))
+    algorithm, x0 = problem.algorithm, problem.x0
+    space = algorithm.source.at(x0, torch.arange(len(algorithm.public[1])))
+    xb, yb = problem.dataset.train_x[:20].clone(), problem.dataset.train_y[:20]
+    xb[4] = float("nan")
+    problem.model.take_dropped()
+    coords = torch.cat(list(space.sample_coords(problem.model, x0, xb, yb)))
+    assert torch.equal(coords[4], torch.zeros(12)) and torch.isfinite(coords).all()
+    assert problem.model.take_dropped() == 1

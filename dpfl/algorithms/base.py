@@ -43,6 +43,7 @@ from dpfl.config import Value
 from dpfl.privacy import SERVER, Query, Randomness, Relation, Release, Side, add_noise, stds
 
 if TYPE_CHECKING:
+    from dpfl.algorithms.subspace import Subspace
     from dpfl.models import FlatModel
 
 State = dict[str, torch.Tensor]
@@ -380,6 +381,11 @@ class Algorithm(ABC, Generic[H]):
 
     def global_params(self, state: State) -> torch.Tensor:
         return state["x"]
+
+    def upload_space(self, broadcast: State, device: torch.device) -> Subspace | None:
+        """The subspace whose coordinates a client's uploads are written in, from the
+        exchange's broadcast (FedPCDP's k-entry uploads); None: the model's own coordinates."""
+        return None
 
     def clip_radius(self, state: State) -> float | None:
         """The round's clip radius, for the results (the fixed ``clip``, if the algorithm has

@@ -274,15 +274,17 @@ class FederatedDPSGD(Algorithm[H]):
         return {"momentum": torch.zeros(num_clients, self.model.d)} if self.hp.momentum else {}
 
     def local_steps(self, x: Tensor, cohort: Cohort, states: State, broadcast: State,
-                    ctx: ClientContext, *, correction: Tensor | None = None
-                    ) -> tuple[Tensor, State]:
+                    ctx: ClientContext, *, correction: Tensor | None = None,
+                    gradient: NoisyStep | None = None) -> tuple[Tensor, State]:
         """K local steps from ``x`` for every client at the broadcast radius on
-        :meth:`step_gradient` (:func:`local_sgd` at the round's learning rate), the momentum
-        buffers read from and kept in client state; diagnoses the fraction clipped."""
+        ``gradient`` (default :meth:`step_gradient`; :func:`local_sgd` at the round's learning
+        rate), the momentum buffers read from and kept in client state; diagnoses the fraction
+        clipped."""
         hp = self.hp
-        radius = float(broadcast["radius"][0])
         clipped = torch.zeros(len(cohort), device=ctx.device)
-        gradient = self.step_gradient(x, cohort, radius, broadcast, ctx)
+        if gradient is None:
+            gradient = self.step_gradient(x, cohort, float(broadcast["radius"][0]), broadcast,
+                                          ctx)
 
         def step(params: Tensor, k: int) -> Tensor:
             g, fraction = gradient(params, k)

@@ -16,15 +16,21 @@ V·N(0, c²σ²I_k))::
 
 over a Poisson batch B_t (each record with probability q = B/|D|, the release's sample rate,
 |D| = ``min-client-records`` where set: public, never the client's actual record count; the sum
-is divided by the expected B). V is never a d×d matrix: it is G_pubᵀQΛ^{-1/2} from the
-eigendecomposition QΛQᵀ of the B_pub×B_pub Gram matrix of the public gradients (float64),
-keeping the directions whose singular value is above 1e-6 of the largest; a k above that
-numerical rank (k > B_pub) leaves the remaining columns zero, which project nothing and carry no
-noise. A client computes V from the public records (public data: no privacy cost) at its
-current iterate at the first local step of every round and every ``projection-interval`` (β)
-steps after it, so a round of one epoch is Algorithm 1 with V reset at each epoch (line 3).
-Centralized training is a federation of one client; with several clients this is distributed
-PCDP-SGD (clients' models averaged).
+is divided by the expected B). V is never formed, nor is any per-sample gradient: V = G_pubᵀR
+with R = QΛ^{-1/2} from the eigendecomposition QΛQᵀ of the B_pub×B_pub Gram matrix of the
+public gradients, keeping the directions whose singular value is above 1e-6 of the largest (a
+k above that numerical rank, k > B_pub, leaves the remaining columns zero, which project nothing
+and carry no noise); a private record's coordinates are Vᵀg_i = Rᵀ(G_pub g_i), and
+⟨g_pub,j, g_i⟩ factorises per Linear layer into (δ_j·δ_i)(a_j·a_i) of the two records' layer
+inputs a and output gradients δ (conv layers, small here, are materialised per sample); the
+lift V(Σ ā_i + z) is one weighted sum of the public gradients, a GEMM per layer
+(:mod:`dpfl.models.span`, all in float64: R holds Λ^{-1/2}). A step costs the public and
+private forward and backward passes plus O(B_pub·B·(in + out)) per layer, not the O(B·d·k) of
+projecting materialised gradients. A client computes V from the public records (public data:
+no privacy cost) at its current iterate at the first local step of every round and every
+``projection-interval`` (β) steps after it, so a round of one epoch is Algorithm 1 with V reset
+at each epoch (line 3). Centralized training is a federation of one client; with several
+clients this is distributed PCDP-SGD (clients' models averaged).
 
 The baselines (§3.1), one code path with the projection a pluggable :class:`Projection` (a
 source of subspaces, and whether the step projects before clipping or after the noise):
@@ -43,13 +49,15 @@ source of subspaces, and whether the step projects before clipping or after the 
 
 **FedPCDP** (Algorithms 2–3, §2.4). Each round the server's virtual client computes V_k^r from
 the public records at the global model w_g^{r−1} (Algorithm 3; recomputed every β rounds) and
-broadcasts it with the model; each sampled client (``fraction-train``; 0.8 in the paper) runs K
-local PCDP-SGD steps with that V and uploads the k coordinates u_i = V_k^{rT}(w_g − w_{l,K}^i)
-(Algorithm 2 line 13): every local step lies in span V, so the upload is lossless, and the uplink
-carries k numbers instead of d. The server restores the update, w_g ← w_g − γ_g·V·mean_i u_i
-(line 16). ``fedpdp`` is the same with the local step of PDP-SGD. The paper's DP-FedAvg and DP
-FedProx baselines are :class:`~dpfl.algorithms.adaptive.DPFedAvg` with ``sampling="poisson"``
-(and ``proximal-mu``).
+broadcasts it with the model — as what it is made of: R, the model it was computed at and which
+public records, from which the client rebuilds V on its own copy of the public records (B_pub·k
++ d numbers instead of d·k on the downlink; the same V, bit for bit); each sampled client
+(``fraction-train``; 0.8 in the paper) runs K local PCDP-SGD steps with that V and uploads the
+k coordinates u_i = V_k^{rT}(w_g − w_{l,K}^i) (Algorithm 2 line 13): every local step lies in
+span V, so the upload is lossless, and the uplink carries k numbers instead of d. The server
+restores the update, w_g ← w_g − γ_g·V·mean_i u_i (line 16). ``fedpdp`` is the same with the
+local step of PDP-SGD. The paper's DP-FedAvg and DP FedProx baselines are
+:class:`~dpfl.algorithms.adaptive.DPFedAvg` with ``sampling="poisson"`` (and ``proximal-mu``).
 
 Privacy (Theorem 1: Abadi et al.'s analysis plus post-processing). Record-level DP of each
 client's data under add/remove neighbours (Poisson sampling, Opacus' analysis): per local step
@@ -91,9 +99,11 @@ from dpfl.algorithms.local_dpsgd import (
 )
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.algorithms.rotation import ROUNDS, RotatedRows, Rotation
-from dpfl.algorithms.subspace import Basis, Coordinates, Subspace
+from dpfl.algorithms.subspace import Basis, Coordinates, GradientBasis, Subspace
 from dpfl.config import FRACTION_TRAIN, Param, at_least, hyperparameter
 from dpfl.errors import ConfigError
+from dpfl.models.rows import aligned
+from dpfl.models.span import GradientSpan
 from dpfl.privacy import SERVER, Randomness, clip_factors
 
 if TYPE_CHECKING:
@@ -134,27 +144,26 @@ def round_half_up(value: float) -> int:
 
 # ---- subspaces ---------------------------------------------------------------------------------
 
-def top_eigenspace(gradients: Tensor, k: int) -> tuple[Tensor, int]:
-    """``([d, k], rank)``: the top-k eigenvectors of Σ_j g_j g_jᵀ for the rows g_j of
-    ``gradients`` (``[m, d]``), through the m×m Gram matrix GGᵀ = QΛQᵀ: V = GᵀQΛ^{-1/2} (in
-    float64), by decreasing eigenvalue; directions with singular value at most 1e-6 of the
-    largest are dropped and the columns beyond the rank are zero.
+def top_eigenspace(gram: Tensor, k: int) -> tuple[Tensor, int]:
+    """``(R [m, k], rank)`` (float64): the top-k eigenvectors of Σ_j g_j g_jᵀ are the columns
+    of V = GᵀR, from the ``[m, m]`` Gram matrix GGᵀ = QΛQᵀ of the rows g_j of G: R = QΛ^{-1/2},
+    by decreasing eigenvalue; directions with singular value at most 1e-6 of the largest are
+    dropped and the columns beyond the rank are zero.
 
     An eigenvector is defined up to its sign, and LAPACK (CPU) and cuSOLVER (GPU) choose
     differently; the noise is drawn in these coordinates, so each column's sign is fixed by
-    the convention that its largest entry is positive: the same basis on every device."""
-    g = gradients.double()
-    eigenvalues, q = torch.linalg.eigh(g @ g.t())
+    the convention that its largest entry in Q is positive: the same basis on every device."""
+    eigenvalues, q = torch.linalg.eigh(gram.double())
     eigenvalues, q = eigenvalues.flip(0), q.flip(1)
-    top = eigenvalues[0] if len(eigenvalues) else g.new_zeros(())
+    top = eigenvalues[0] if len(eigenvalues) else q.new_zeros(())
     keep = int((eigenvalues > top * RELATIVE_TOLERANCE ** 2).sum()) if top > 0 else 0
     rank = min(k, keep)
-    v = gradients.new_zeros(gradients.shape[1], k)
+    r = q.new_zeros(len(q), k)
     if rank:
-        top_k = g.t() @ (q[:, :rank] / eigenvalues[:rank].sqrt())
-        top_k *= top_k.gather(0, top_k.abs().argmax(dim=0, keepdim=True)).sign()
-        v[:, :rank] = top_k.to(v.dtype)
-    return v, rank
+        top_q = q[:, :rank]
+        top_q = top_q * top_q.gather(0, top_q.abs().argmax(dim=0, keepdim=True)).sign()
+        r[:, :rank] = top_q / eigenvalues[:rank].sqrt()
+    return r, rank
 
 
 # ---- hyperparameters ---------------------------------------------------------------------------
@@ -306,38 +315,46 @@ class PublicEigenspace(SubspaceSource):
         hp = self.algorithm.hp
         if hp.public_batching == "ibs":
             index += (server_round - 1) * math.ceil(hp.local_steps / hp.projection_interval)
-        return self.at(point, rng, owner, server_round, index)
+        return self.at(point, self.rows(rng, owner, server_round, index))
 
-    def at(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
-           index: int) -> Basis:
-        """The eigenspace of public batch (or IBS block) ``index`` at ``point``."""
-        algorithm, hp = self.algorithm, self.algorithm.hp
-        assert algorithm.public is not None
-        px, py = algorithm.public
-        b, m = self.batch, len(py)
+    def rows(self, rng: Randomness, owner: int, server_round: int, index: int) -> Tensor:
+        """The public records behind subspace ``index`` (sorted positions in the public set):
+        IBS block ``index``, an RBS batch of B_pub from the owner's stream ``public-<index>``
+        of the round, or all m."""
+        hp = self.algorithm.hp
+        assert self.algorithm.public is not None
+        b, m = self.batch, len(self.algorithm.public[1])
         if hp.public_batching == "ibs":
             if self.order is None:  # shuffled once per run (per process if secure)
                 self.order = rng.permutation(SERVER, 0, "public-blocks", m)
-            rows = self.order[index * b:(index + 1) * b].sort().values
-        elif b < m:
-            rows = rng.permutation(owner, server_round, f"public-{index}", m)[:b].sort().values
-        else:
-            rows = None
-        xs, ys = (px, py) if rows is None else (px[rows], py[rows])
+            return self.order[index * b:(index + 1) * b].sort().values
+        if b < m:
+            return rng.permutation(owner, server_round, f"public-{index}", m)[:b].sort().values
+        return torch.arange(m)
+
+    def at(self, point: Tensor, rows: Tensor, r: Tensor | None = None) -> GradientBasis:
+        """The top-k eigenspace of the public records ``rows``' gradients at ``point``, kept as
+        their span and its weights R (:func:`top_eigenspace`), or the weights ``r`` given
+        (FedPCDP's client: the server's, broadcast)."""
+        algorithm, hp = self.algorithm, self.algorithm.hp
+        assert algorithm.public is not None
+        px, py = algorithm.public
         dev = point.device
-        grads = algorithm.model.per_sample_gradients(point.unsqueeze(0), xs.unsqueeze(0).to(dev),
-                                                     ys.unsqueeze(0).to(dev))[0]
-        v, rank = top_eigenspace(grads, hp.projection_dim)
+        rows = rows.to(px.device)
+        span = GradientSpan(algorithm.model, point, aligned(px[rows]).to(dev), py[rows].to(dev))
+        if r is not None:
+            return GradientBasis(span, r.to(dev, torch.float64))
+        r, rank = top_eigenspace(span.gram(), hp.projection_dim)
         if rank < hp.projection_dim and not self.warned_rank:
-            # len(ys) gradients span at most len(ys) dimensions, fewer where some coincide or
-            # vanish: expected when k is as large (the paper's m = B_pub = k = 100), worth a
-            # warning only when more public records than k still span fewer than k
+            # m gradients span at most m dimensions, fewer where some coincide or vanish:
+            # expected when k is as large (the paper's m = B_pub = k = 100), worth a warning
+            # only when more public records than k still span fewer than k
             self.warned_rank = True
-            (log.warning if len(ys) > hp.projection_dim else log.info)(
+            (log.warning if len(rows) > hp.projection_dim else log.info)(
                 "%s: the %d public gradients span %d < k = %d dimensions; the remaining "
-                "directions are left out (no signal, no noise)", algorithm.name, len(ys), rank,
-                hp.projection_dim)
-        return Basis(v)
+                "directions are left out (no signal, no noise)", algorithm.name, len(rows),
+                rank, hp.projection_dim)
+        return GradientBasis(span, r)
 
 
 @dataclass(frozen=True)
@@ -389,13 +406,13 @@ class DPSGD(FederatedDPSGD[ProjectedHyperparameters]):
 
         def gradient(params: Tensor, k: int) -> tuple[Tensor, Tensor]:
             nonlocal spaces
-            spaces = self.step_subspaces(params, cohort, k, broadcast, ctx, spaces)
+            spaces = self.step_subspaces(params, cohort, k, ctx, spaces)
             return self.projected_gradient(params, self.local.batches(cohort, k, ctx), spaces,
                                            radius, k, ctx)
         return gradient
 
-    def step_subspaces(self, params: Tensor, cohort: Cohort, k: int, broadcast: State,
-                       ctx: ClientContext, current: list[Subspace]) -> list[Subspace]:
+    def step_subspaces(self, params: Tensor, cohort: Cohort, k: int, ctx: ClientContext,
+                       current: list[Subspace]) -> list[Subspace]:
         """Each client's subspace for local step ``k``: from the source at the first step of
         the round and every β steps (at the client's current iterate), else ``current``."""
         interval = self.hp.projection_interval
@@ -430,9 +447,7 @@ class DPSGD(FederatedDPSGD[ProjectedHyperparameters]):
         dev = ctx.device
         total: Tensor | None = None
         clipped = 0
-        for _, _, rows in self.model.per_sample_gradient_chunks(
-                point.unsqueeze(0), xb.unsqueeze(0).to(dev), yb.unsqueeze(0).to(dev)):
-            a = space.coords(rows)
+        for a in space.sample_coords(self.model, point, xb.to(dev), yb.to(dev)):
             norms = torch.linalg.vector_norm(a, dim=1)
             part = clip_factors(norms, radius) @ a
             total = part if total is None else total + part
@@ -499,7 +514,7 @@ class FedPCDP(DPSGD):
     defaults = PUBLIC_RECORDS
     Hyperparameters = PublicProjectionHyperparameters
     projection = Projection(PublicEigenspace)  # the server's, broadcast
-    exchanges = (Exchange("train", ("x", "radius", "basis"),
+    exchanges = (Exchange("train", ("x", "radius", "basis", "basis-point", "public-rows"),
                           {"u": Upload("train", post_processing=True)}),)
 
     def subspaces_per_run(self, num_rounds: int) -> int:
@@ -507,36 +522,56 @@ class FedPCDP(DPSGD):
 
     def begin_round(self, state: State, ctx: ServerContext) -> State:
         """Algorithm 3 (the virtual client): V_k^r at the global model, from the public records,
-        every β rounds (the lost condition of its line 5 read as this interval)."""
+        every β rounds (the lost condition of its line 5 read as this interval). V = GᵀR is
+        kept, and broadcast, as what it is made of: its weights R (``basis``, ``[B_pub, k]``),
+        the model it was computed at (``basis-point``) and the public records behind G
+        (``public-rows``); the client rebuilds G from its copy of the public records, so the
+        downlink carries B_pub·k + d numbers instead of d·k."""
         beta = self.hp.projection_interval
         if (ctx.server_round - 1) % beta:
             return state
         index = (ctx.server_round - 1) // beta
         assert isinstance(self.source, PublicEigenspace)
-        space = self.source.at(state["x"], ctx.rng, SERVER, ctx.server_round, index)
-        return {**state, "basis": space.v}
+        rows = self.source.rows(ctx.rng, SERVER, ctx.server_round, index)
+        space = self.source.at(state["x"], rows)
+        return {**state, "basis": space.r, "basis-point": state["x"], "public-rows": rows}
 
     def broadcast(self, exchange: str, state: State, server_round: int) -> State:
-        return {"x": state["x"], "radius": state["radius"], "basis": state["basis"]}
+        return {key: state[key] for key in self.exchanges[0].broadcast}
 
-    def step_subspaces(self, params: Tensor, cohort: Cohort, k: int, broadcast: State,
-                       ctx: ClientContext, current: list[Subspace]) -> list[Subspace]:
-        """The round's broadcast subspace V_k^r, for every client and step."""
-        return [Basis(broadcast["basis"].to(ctx.device))] * len(cohort)
+    def upload_space(self, broadcast: State, device: torch.device) -> Subspace:
+        """The round's V_k^r from the broadcast (or the server's state), on ``device``."""
+        assert isinstance(self.source, PublicEigenspace)
+        return self.source.at(broadcast["basis-point"].to(device), broadcast["public-rows"],
+                              r=broadcast["basis"])
+
+    def step_gradient(self, x: Tensor, cohort: Cohort, radius: float, broadcast: State,
+                      ctx: ClientContext) -> NoisyStep:
+        """The local steps in the round's broadcast subspace V_k^r, every client's."""
+        return self.in_subspace(self.upload_space(broadcast, ctx.device), cohort, radius, ctx)
+
+    def in_subspace(self, space: Subspace, cohort: Cohort, radius: float,
+                    ctx: ClientContext) -> NoisyStep:
+        spaces = [space] * len(cohort)
+        return lambda params, k: self.projected_gradient(
+            params, self.local.batches(cohort, k, ctx), spaces, radius, k, ctx)
 
     def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
                     ctx: ClientContext) -> tuple[State, State]:
         """K local steps in span V, then the k coordinates of the update (Alg. 2 line 13)."""
         x = broadcast["x"].to(ctx.device)
-        params, states = self.local_steps(x, cohort, states, broadcast, ctx)
-        return {"u": Basis(broadcast["basis"].to(ctx.device)).coords(x - params).cpu()}, states
+        space = self.upload_space(broadcast, ctx.device)
+        gradient = self.in_subspace(space, cohort, float(broadcast["radius"][0]), ctx)
+        params, states = self.local_steps(x, cohort, states, broadcast, ctx, gradient=gradient)
+        return {"u": space.coords(x - params).cpu()}, states
 
     def server_step(self, exchange: str, state: State, sums: State,
                     ctx: ServerContext) -> State:
         """w_g ← w_g − γ_g·V·mean_i u_i (Algorithm 2 line 16)."""
-        v = state["basis"]
-        update = Basis(v).lift(sums["u"].to(v.device) / len(ctx.participants))
-        return {**state, "x": state["x"] - self.hp.server_learning_rate * update}
+        x = state["x"]
+        update = self.upload_space(state, x.device).lift(
+            sums["u"].to(x.device) / len(ctx.participants))
+        return {**state, "x": x - self.hp.server_learning_rate * update}
 
 
 @ALGORITHMS.register_class

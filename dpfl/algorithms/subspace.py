@@ -4,9 +4,17 @@ and its baselines, :mod:`dpfl.algorithms.projected`) clips, noises and lifts bac
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
+
+from dpfl.models.span import GradientSpan
+
+if TYPE_CHECKING:
+    from dpfl.models import FlatModel
 
 
 class Subspace(ABC):
@@ -19,6 +27,14 @@ class Subspace(ABC):
     @abstractmethod
     def lift(self, a: Tensor) -> Tensor:
         """``[..., k]`` → ``[..., d]``: Va."""
+
+    def sample_coords(self, model: FlatModel, point: Tensor, x: Tensor,
+                      y: Tensor) -> Iterator[Tensor]:
+        """``[n, k]``, chunk by chunk: Vᵀ∇ℓ(point, x_j) for the records ``x [b, ...]``, ``y
+        [b]``, from the materialised per-sample gradients (a record whose gradient is not
+        finite gets a zero row: :meth:`~dpfl.models.FlatModel.per_sample_gradient_chunks`)."""
+        for _, _, rows in model.per_sample_gradient_chunks(point[None], x[None], y[None]):
+            yield self.coords(rows)
 
 
 @dataclass
@@ -48,3 +64,31 @@ class Coordinates(Subspace):
         out = a.new_zeros(*a.shape[:-1], self.d)
         out[..., self.kept] = a
         return out
+
+
+@dataclass
+class GradientBasis(Subspace):
+    """The span of the columns of V = GᵀR, G the ``[m, d]`` per-sample gradients a
+    :class:`~dpfl.models.span.GradientSpan` holds and ``r`` ``[m, k]`` (float64) chosen so
+    that V is orthonormal (zero columns allowed), without ever forming V or G: Vᵀg = Rᵀ(Gg),
+    Va = Gᵀ(Ra), and a record's coordinates Rᵀ(Gh_j) from the inner products of its tape with
+    the span's (:meth:`GradientSpan.sample_dots`). Computed in float64 (R holds Λ^{-1/2}),
+    returned in the argument's dtype."""
+
+    span: GradientSpan
+    r: Tensor
+
+    def coords(self, g: Tensor) -> Tensor:
+        rows = g.reshape(-1, g.shape[-1])
+        out = torch.stack([self.span.dot_vector(row) for row in rows]) @ self.r
+        return out.reshape(*g.shape[:-1], self.r.shape[1]).to(g.dtype)
+
+    def lift(self, a: Tensor) -> Tensor:
+        rows = a.reshape(-1, a.shape[-1]).double()
+        out = torch.stack([self.span.combine(w) for w in rows @ self.r.t()])
+        return out.reshape(*a.shape[:-1], out.shape[-1]).to(a.dtype)
+
+    def sample_coords(self, model: FlatModel, point: Tensor, x: Tensor,
+                      y: Tensor) -> Iterator[Tensor]:
+        for dots in self.span.sample_dots(point, x, y):
+            yield (dots @ self.r).to(point.dtype)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from dpfl.algorithms import ServerContext, State
+from dpfl.algorithms.subspace import Subspace
 from dpfl.audit.bounds import Bound, epsilon_lower_bound
 from dpfl.audit.canary import Canary, client_trials, craft, record_trials
 from dpfl.privacy import Accounting, Randomness
@@ -89,16 +90,17 @@ def canary_radius(problem: Problem) -> float:
     return max([1.0, *radii])
 
 
-def projections(upload: torch.Tensor, unit: torch.Tensor, broadcast: State) -> torch.Tensor | None:
+def projections(upload: torch.Tensor, unit: torch.Tensor,
+                space: Subspace | None) -> torch.Tensor | None:
     """Each row of ``upload [C, ...]`` along ``unit``: directly for a model-shaped upload, in
-    the coordinates of a broadcast basis ``[d, k]`` for a ``k``-entry one; None otherwise."""
+    the coordinates of the uploads' subspace (:meth:`Algorithm.upload_space`) for a
+    ``k``-entry one; None otherwise."""
     rows = upload.reshape(len(upload), -1).double()
-    unit = unit.to(rows.device, torch.float64)
     if rows.shape[1] == unit.numel():
-        return rows @ unit
-    for array in broadcast.values():  # the basis may sit on the GPU, the uploads not
-        if array.dim() == 2 and array.shape == (unit.numel(), rows.shape[1]):
-            coords = array.to(rows.device, torch.float64).T @ unit
+        return rows @ unit.to(rows.device, torch.float64)
+    if space is not None:
+        coords = space.coords(unit.double()).to(rows.device)
+        if coords.numel() == rows.shape[1]:
             return rows @ (coords / torch.linalg.vector_norm(coords).clamp_min(1e-30))
     return None
 
@@ -131,8 +133,9 @@ class UploadScorer(Scorer):
 
     def observe(self, unit: torch.Tensor, broadcast: State, uploads: State,
                 state: State) -> None:
+        space = self.problem.algorithm.upload_space(broadcast, unit.device)
         for name, values in uploads.items():
-            if (along := projections(values, unit, broadcast)) is not None:
+            if (along := projections(values, unit, space)) is not None:
                 self.scores += along.cpu()
                 self.scored.add(name)
 

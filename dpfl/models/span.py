@@ -1,0 +1,183 @@
+"""The span of a few records' per-sample gradients, kept as their tapes: inner products with other
+records' per-sample gradients, with a vector, and weighted sums, none of which forms the
+``[m, d]`` gradient matrix.
+
+For a ``Linear`` layer on ``[n, in]`` inputs a per-sample gradient is ``δ_i a_iᵀ`` (``δ_i``
+the output gradient, ``a_i`` the input), so ``⟨δ_i a_iᵀ, δ_j a_jᵀ⟩ = (δ_i·δ_j)(a_i·a_j)``:
+the inner products of two sets of records are ``(Δ_1Δ_2ᵀ)∘(A_1A_2ᵀ)`` (plus ``Δ_1Δ_2ᵀ`` for the
+bias), ``m·n·(in + out)`` work instead of ``m·n·in·out`` on materialised gradients; a weighted
+sum ``Σ_i w_i δ_i a_iᵀ`` is one GEMM ``(w∘Δ)ᵀA`` (the "ghost" identities of Li et al. 2022 and
+Bu et al. 2023, applied across two sets of records). Conv and norm layers are materialised
+per sample (small in the papers' models). Everything is computed in float64: a projection onto
+the span goes through ``Λ^{-1/2}`` of the Gram matrix, which amplifies the rounding of the
+inner products by up to 10⁶ (:mod:`dpfl.algorithms.projected`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from dpfl.models import grad_sample
+from dpfl.models.rows import Layer, chunks, non_finite_rows, zero_rows
+
+if TYPE_CHECKING:
+    from dpfl.models.functional import FlatModel
+
+
+@dataclass(frozen=True)
+class Factors:
+    """One layer's per-sample gradients of ``n`` records, in float64: the input ``a`` and the
+    output gradient ``delta`` of a layer with ghost products, else ``grads`` (its trainable
+    parameters' materialised ``[n, numel]``, concatenated)."""
+
+    layer: Layer
+    a: Tensor | None = None
+    delta: Tensor | None = None
+    grads: Tensor | None = None
+
+    def dots(self, other: Factors) -> Tensor:
+        """``[n_self, n_other]``: the inner products of the two sets' per-sample gradients of
+        this layer."""
+        if self.grads is not None and other.grads is not None:
+            return self.grads @ other.grads.t()
+        assert self.delta is not None and other.delta is not None
+        deltas = self.delta @ other.delta.t()
+        weight, bias = self.layer.trainable
+        if not weight:
+            return deltas
+        assert self.a is not None and other.a is not None
+        products = deltas * (self.a @ other.a.t())
+        return products + deltas if bias else products
+
+    def dot_vector(self, parts: list[Tensor]) -> Tensor:
+        """``[n]``: each per-sample gradient's inner product with a vector, given as its pieces
+        for the layer's parameters (:meth:`Layer.parts`)."""
+        if self.grads is not None:
+            return self.grads @ torch.cat([p.reshape(-1) for p in parts])
+        assert self.a is not None and self.delta is not None
+        return grad_sample.ghost_dots(self.a, self.delta, self.layer.trainable, parts)
+
+    def add_weighted(self, w: Tensor, out: Tensor) -> None:
+        """Write ``Σ_i w_i g_i`` (``w [n]``) into this layer's positions of ``out [d]``."""
+        targets = self.layer.parts(out)
+        if self.grads is not None:
+            for target, part in zip(targets, (self.grads.t() @ w).split(
+                    [t.numel() for t in targets])):
+                target.copy_(part.view_as(target))
+            return
+        assert self.a is not None and self.delta is not None
+        grad_sample.ghost_add_weighted_sum(self.a, self.delta, self.layer.trainable, w,
+                                           targets, beta=0.0)
+
+
+class GradientSpan:
+    """The per-sample gradients ``g_i + r`` (``r`` the nonconvex regulariser's gradient, if
+    any) of the ``m`` records ``x [m, ...]``, ``y [m]`` at ``point [d]``, kept as their layers'
+    factors in float64. A record whose tape is not finite contributes the zero vector (its rows
+    of the factors zeroed; these are public records, not a client's, so not counted as
+    dropped)."""
+
+    def __init__(self, model: FlatModel, point: Tensor, x: Tensor, y: Tensor) -> None:
+        self.model = model
+        self.m = len(y)
+        self.device = point.device
+        self.reg = self._reg(point)
+        self.factors = self._factors(point, x, y)
+        if (bad := _non_finite(self.factors)) is not None:
+            self.factors = [zeroed(f, bad) for f in self.factors]
+
+    def _reg(self, point: Tensor) -> Tensor | None:
+        flat = self.model.flat
+        return flat.reg_grad(point).double() if flat.nonconvex_reg else None
+
+    def _factors(self, point: Tensor, x: Tensor, y: Tensor) -> list[Factors]:
+        """Each trainable layer's factors of the records ``x`` at ``point`` (one tape; a layer
+        the forward pass does not use is absent: its gradients are zero)."""
+        flat = self.model.flat
+        factors = []
+        for layer, a, g in self.model.tapes.record(flat.params(point.detach()), x, y):
+            if grad_sample.has_ghost(layer.module, a):
+                factors.append(Factors(layer, a=a.double(), delta=g.double()))
+            else:
+                grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
+                factors.append(Factors(layer, grads=torch.cat(grads, dim=1).double()))
+        return factors
+
+    def gram(self) -> Tensor:
+        """``[m, m]``: ⟨g_i + r, g_j + r⟩."""
+        gram = self._cross(self.factors, self.m)
+        if self.reg is not None:
+            own = _vector_dots(self.factors, self.reg, self.m)
+            gram = gram + own[:, None] + own[None, :] + self.reg.square().sum()
+        return gram
+
+    def dot_vector(self, v: Tensor) -> Tensor:
+        """``[m]``: ⟨g_i + r, v⟩ for ``v [d]``."""
+        v = v.double()
+        dots = _vector_dots(self.factors, v, self.m)
+        return dots + torch.dot(self.reg, v) if self.reg is not None else dots
+
+    def combine(self, w: Tensor) -> Tensor:
+        """``[d]`` (float64): Σ_i w_i (g_i + r) for ``w [m]``."""
+        w = w.double()
+        out = w.new_zeros(self.model.d)
+        for f in self.factors:
+            f.add_weighted(w, out)
+        if self.reg is not None:
+            out += w.sum() * self.reg
+        return out
+
+    def sample_dots(self, point: Tensor, x: Tensor, y: Tensor) -> Iterator[Tensor]:
+        """``[n, m]`` (float64), chunk by chunk (the model's chunks): ⟨h_j + r', g_i + r⟩ for
+        the per-sample gradients ``h_j + r'`` of the records ``x [b, ...]``, ``y [b]`` at
+        ``point [d]``, no gradient materialised where a layer has ghost products. A record
+        whose gradient is not finite gets a zero row, dropped and counted as in
+        :meth:`~dpfl.models.FlatModel.per_sample_gradient_chunks`."""
+        model = self.model
+        size = model.chunk_length(point, x[None], y[None], rows=False)
+        reg = self._reg(point)
+        towards_reg = None if reg is None else self.dot_vector(reg)
+        for _, xs, ys in chunks(x[None], y[None], 0, size):
+            factors = self._factors(point, xs, ys)
+            dots = self._cross(factors, len(ys))
+            if self.reg is not None:
+                dots = dots + _vector_dots(factors, self.reg, len(ys))[:, None]
+            if towards_reg is not None:
+                dots = dots + towards_reg[None, :]
+            if (bad := non_finite_rows(dots)) is not None:
+                model.dropped.drop(bad, dots)
+            yield dots
+
+    def _cross(self, factors: list[Factors], n: int) -> Tensor:
+        """``[n, m]``: the inner products of ``factors``' ``n`` records' gradients with the
+        span's, summed over the layers (a layer absent from a tape has zero gradients)."""
+        mine = {id(f.layer): f for f in self.factors}
+        total = torch.zeros(n, self.m, dtype=torch.float64, device=self.device)
+        for f in factors:
+            if (g := mine.get(id(f.layer))) is not None:
+                total += f.dots(g)
+        return total
+
+
+def _vector_dots(factors: list[Factors], v: Tensor, n: int) -> Tensor:
+    """``[n]``: the inner products of ``factors``' ``n`` per-sample gradients with ``v [d]``."""
+    total = v.new_zeros(n)
+    for f in factors:
+        total += f.dot_vector(f.layer.parts(v))
+    return total
+
+
+def _non_finite(factors: list[Factors]) -> Tensor | None:
+    """``[n]``: the records whose factors hold inf or NaN, or None."""
+    tensors = [t for f in factors for t in (f.a, f.delta, f.grads) if t is not None]
+    return non_finite_rows(*tensors) if tensors else None
+
+
+def zeroed(f: Factors, bad: Tensor) -> Factors:
+    """``f`` with the records ``bad`` ``[n]`` zeroed, out of place."""
+    return Factors(f.layer, *(None if t is None else zero_rows(t, bad)
+                              for t in (f.a, f.delta, f.grads)))
