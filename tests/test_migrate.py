@@ -60,3 +60,16 @@ def test_a_changed_field_is_dropped_not_compared(archive, tmp_path):
     assert all("epsilon_max" not in r["summary"] and "test_loss" in r["summary"]
                for r in read_archive(out).values())
     assert all("epsilon_max" in r["summary"] for r in read_archive(archive).values())
+
+
+def test_where_migrates_only_the_matching_runs(archive, capsys):
+    """A key only some algorithms read: ``--where`` picks the runs it is set for; the others are
+    kept as they are, and only migrated runs are re-run."""
+    before = read_archive(archive)
+    assert main([str(archive), "--where", "seed=1", "--set", "eval-every=1", "--check", "5"]) == 0
+    after = read_archive(archive)
+    assert set(after) == {run_key(RUNS[0]), run_key({**RUNS[1], "eval-every": 1})}
+    assert after[run_key(RUNS[0])] == before[run_key(RUNS[0])]
+    assert capsys.readouterr().out.count("(equal)") == 1
+    assert main([str(archive), "--where", "seed=7", "--set", "eval-every=1"]) == 2
+    assert "no run matches --where seed=7" in capsys.readouterr().err

@@ -197,9 +197,9 @@ def test_random_sparsification_drops_its_fraction_and_adds_no_noise_there(tmp_pa
     assert moved.tolist() == [round(0.7 * d)] * 2
 
 
-def test_a_random_subspace_is_orthonormal_and_the_step_lies_in_it(tmp_path):
+def test_a_random_qr_subspace_is_orthonormal_and_the_step_lies_in_it(tmp_path):
     problem = build_problem(_config(tmp_path, algorithm="rpdp-sgd", local_steps=1,
-                                    dataset_options=""))
+                                    dataset_options="", random_basis="qr"))
     space = problem.algorithm.source.subspace(problem.x0, Randomness(0), 0, 1, 0)
     assert torch.allclose(space.v.t() @ space.v, torch.eye(12), atol=1e-5)
     step = _step(problem)[0] - problem.x0
@@ -242,16 +242,17 @@ def test_a_rotated_subspace_keeps_a_gradients_share_as_a_haar_one_does():
 
 
 def test_rpdp_with_the_rotation_steps_in_its_subspace_and_learns(tmp_path):
-    """``random-basis="rotation"``: the step lies in the drawn subspace (seeded from the same
-    streams on every run), and a short run lowers the test loss as with the QR basis."""
+    """``random-basis="rotation"`` (the default): the step lies in the drawn subspace (seeded
+    from the same streams on every run), and a short run lowers the test loss."""
     problem = build_problem(_config(tmp_path, algorithm="rpdp-sgd", local_steps=1,
-                                    dataset_options="", random_basis="rotation"))
+                                    dataset_options=""))
+    assert problem.algorithm.hp.random_basis == "rotation"
     space = problem.algorithm.source.subspace(problem.x0, Randomness(0), 0, 1, 0)
     step = _step(problem)[0] - problem.x0
     torch.testing.assert_close(space.lift(space.coords(step)), step, rtol=0, atol=1e-6)
     assert torch.equal(_step(problem), _step(problem))
     summary = run(_config(tmp_path, algorithm="rpdp-sgd", dataset_options="",
-                          random_basis="rotation", num_server_rounds=4), echo=False)
+                          num_server_rounds=4), echo=False)
     assert summary["test_loss"] < summary["initial_test_loss"]
 
 
@@ -566,3 +567,38 @@ def test_a_non_finite_private_record_gets_zero_coordinates_and_is_counted(tmp_pa
     coords = torch.cat(list(space.sample_coords(problem.model, x0, xb, yb)))
     assert torch.equal(coords[4], torch.zeros(12)) and torch.isfinite(coords).all()
     assert problem.model.take_dropped() == 1
+
+
+def test_the_products_run_in_the_models_dtype_only_where_the_public_gradients_are_well_conditioned(
+        tmp_path):
+    """R's column c has norm 1/σ_c: float32 products where σ_1/σ_k ≤ 100, else float64. On the
+    digits model at its start (κ ≈ 20) the float32 coordinates and lift equal the float64 ones
+    to float32 rounding amplified at most 100×; public records whose gradients nearly coincide
+    make the projection run in float64."""
+    from dpfl.algorithms.projected import products_dtype
+
+    r = torch.diag(torch.tensor([1.0, 10.0, 100.0, 0.0], dtype=torch.float64))
+    assert products_dtype(r, torch.float32) is torch.float32
+    r[2, 2] = 101.0
+    assert products_dtype(r, torch.float32) is torch.float64
+    assert products_dtype(torch.zeros(3, 2, dtype=torch.float64), torch.float32) is torch.float32
+
+    problem = build_problem(_config(tmp_path))
+    algorithm, model, x0 = problem.algorithm, problem.model, problem.x0
+    rows = torch.arange(len(algorithm.public[1]))
+    space = algorithm.source.at(x0, rows)
+    assert space.dtype is torch.float32
+    exact = GradientBasis(space.span, space.r, torch.float64)
+    xb, yb = problem.dataset.train_x[:50], problem.dataset.train_y[:50]
+    fast = torch.cat(list(space.sample_coords(model, x0, xb, yb)))
+    slow = torch.cat(list(exact.sample_coords(model, x0, xb, yb)))
+    assert torch.allclose(fast, slow, rtol=0, atol=1e-5 * float(slow.abs().max()))
+    a = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(space.lift(a), exact.lift(a), rtol=0, atol=1e-5 * float(a.abs().max()))
+
+    every = build_problem(_config(tmp_path, "k40", projection_dim=40)).algorithm  # k = m
+    px, py = every.public
+    near, labels = px.clone(), py.clone()
+    near[1], labels[1] = px[0] + 1e-4 * px[1], py[0]  # two records' gradients nearly coincide
+    every.public = (near, labels)
+    assert every.source.at(x0, rows).dtype is torch.float64

@@ -38,11 +38,11 @@ source of subspaces, and whether the step projects before clipping or after the 
 * ``dp-sgd``: no projection (Abadi et al. 2016).
 * ``pdp-sgd``: clip, add noise, *then* project (Zhou et al. 2021): w − (γ/B)·VVᵀ(Σ clip_c(g_i)
   + N(0, c²σ²I_d)), drawn as V(VᵀΣ clip_c(g_i) + z), z ~ N(0, c²σ²I_k) (the same law).
-* ``rpdp-sgd``: PCDP-SGD with a random subspace instead of the public one: a Gaussian d×k'
-  matrix orthonormalised by QR, redrawn every β steps from a public stream (our reading; the
-  paper states neither construction nor placement); with ``random-basis="rotation"`` k' rows of
-  a structured random rotation instead (:mod:`dpfl.algorithms.rotation`: exactly orthonormal,
-  O(d log d) a vector).
+* ``rpdp-sgd``: PCDP-SGD with a random subspace instead of the public one, redrawn every β
+  steps (every step by default, as the paper's algorithm) from a public stream: k' rows of a
+  structured random rotation (:mod:`dpfl.algorithms.rotation`: exactly orthonormal, O(d log d)
+  a vector), or with ``random-basis="qr"`` a Gaussian d×k' matrix orthonormalised by QR (a Haar
+  subspace, O(dk'²) a draw; our reading: the paper states neither construction nor placement).
 * ``rsdp-sgd``: random sparsification before clipping (Zhu & Blaschko 2021): a coordinate mask
   that drops a fraction ``sparsity`` of the d coordinates, shared by the batch and redrawn every β
   steps; noise on the kept coordinates only.
@@ -119,11 +119,11 @@ PROJECTION_INTERVAL = Param("projection-interval", 1, "Steps (rounds, for FedPCD
                             "that reuse one subspace before it is recomputed (App. G.3); a "
                             "client also recomputes at the first step of every round.",
                             check=at_least(1), symbol="β")
-RANDOM_BASIS = Param("random-basis", "qr", "RPDP-SGD: how its random k'-subspace is drawn: 'qr', a "
-                     "Gaussian d×k' matrix orthonormalised by QR (Haar-distributed, O(dk'²) a "
-                     "draw), or 'rotation', k' rows of a structured random rotation (exactly "
-                     "orthonormal, O(d log d) a vector: docs/algorithms.md).",
-                     choices=("qr", "rotation"))
+RANDOM_BASIS = Param("random-basis", "rotation", "RPDP-SGD: how its random k'-subspace is "
+                     "drawn: 'rotation', k' rows of a structured random rotation (exactly "
+                     "orthonormal, O(d log d) a vector: docs/algorithms.md), or 'qr', a Gaussian "
+                     "d×k' matrix orthonormalised by QR (Haar-distributed, O(dk'²) a draw).",
+                     choices=("rotation", "qr"))
 PUBLIC_BATCH = Param("public-batch-size", 0, "Public records behind one subspace; 0 = all m "
                      "(the paper's setting).", check=at_least(0), symbol="B_pub")
 PUBLIC_BATCHING = Param("public-batching", "rbs", "How the public batch is drawn (§4.3, App. "
@@ -136,6 +136,9 @@ SPARSITY = Param("sparsity", 0.3, "RSDP-SGD: fraction of the d coordinates each 
                  symbol="p")
 
 RELATIVE_TOLERANCE = 1e-6  # singular values below this fraction of the largest are dropped
+#: the condition number σ_1/σ_k of the kept public gradients up to which the projection's inner
+#: products and lift run in the model's dtype; above it, in float64 (:func:`products_dtype`)
+WELL_CONDITIONED = 100.0
 
 
 def round_half_up(value: float) -> int:
@@ -164,6 +167,21 @@ def top_eigenspace(gram: Tensor, k: int) -> tuple[Tensor, int]:
         top_q = top_q * top_q.gather(0, top_q.abs().argmax(dim=0, keepdim=True)).sign()
         r[:, :rank] = top_q / eigenvalues[:rank].sqrt()
     return r, rank
+
+
+def products_dtype(r: Tensor, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the inner products and weighted sums behind V = GᵀR (R from
+    :func:`top_eigenspace`): the model's where the kept public gradients are well conditioned
+    (σ_1/σ_k ≤ :data:`WELL_CONDITIONED`), else float64. R's column c has norm 1/σ_c, so R
+    amplifies the products' rounding in coordinate c by up to σ_1/σ_c: at κ ≤ 100 float32's
+    relative 6e-8 becomes at most about 1e-5 (times the sums' √length), below what the
+    materialised route's float32 V and GEMMs carried (about 6e-8·√d ≈ 3e-5 at d = 2·10⁵); at
+    the rank cut-off, 10⁶, it would not be."""
+    norms = torch.linalg.vector_norm(r, dim=0)
+    kept = norms[norms > 0]
+    if not len(kept) or kept.max() <= WELL_CONDITIONED * kept.min():
+        return model_dtype
+    return torch.float64
 
 
 # ---- hyperparameters ---------------------------------------------------------------------------
@@ -343,7 +361,8 @@ class PublicEigenspace(SubspaceSource):
         rows = rows.to(px.device)
         span = GradientSpan(algorithm.model, point, aligned(px[rows]).to(dev), py[rows].to(dev))
         if r is not None:
-            return GradientBasis(span, r.to(dev, torch.float64))
+            r = r.to(dev, torch.float64)
+            return GradientBasis(span, r, products_dtype(r, point.dtype))
         r, rank = top_eigenspace(span.gram(), hp.projection_dim)
         if rank < hp.projection_dim and not self.warned_rank:
             # m gradients span at most m dimensions, fewer where some coincide or vanish:
@@ -354,7 +373,7 @@ class PublicEigenspace(SubspaceSource):
                 "%s: the %d public gradients span %d < k = %d dimensions; the remaining "
                 "directions are left out (no signal, no noise)", algorithm.name, len(rows),
                 rank, hp.projection_dim)
-        return GradientBasis(span, r)
+        return GradientBasis(span, r, products_dtype(r, point.dtype))
 
 
 @dataclass(frozen=True)

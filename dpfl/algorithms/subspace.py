@@ -72,23 +72,26 @@ class GradientBasis(Subspace):
     :class:`~dpfl.models.span.GradientSpan` holds and ``r`` ``[m, k]`` (float64) chosen so
     that V is orthonormal (zero columns allowed), without ever forming V or G: Vᵀg = Rᵀ(Gg),
     Va = Gᵀ(Ra), and a record's coordinates Rᵀ(Gh_j) from the inner products of its tape with
-    the span's (:meth:`GradientSpan.sample_dots`). Computed in float64 (R holds Λ^{-1/2}),
-    returned in the argument's dtype."""
+    the span's (:meth:`GradientSpan.sample_dots`). The inner products with G and the weighted
+    sums of G run in ``dtype`` (R is applied in float64); results come back in the argument's
+    dtype."""
 
     span: GradientSpan
     r: Tensor
+    dtype: torch.dtype = torch.float64
 
     def coords(self, g: Tensor) -> Tensor:
         rows = g.reshape(-1, g.shape[-1])
-        out = torch.stack([self.span.dot_vector(row) for row in rows]) @ self.r
+        dots = torch.stack([self.span.dot_vector(row, self.dtype) for row in rows])
+        out = dots.double() @ self.r
         return out.reshape(*g.shape[:-1], self.r.shape[1]).to(g.dtype)
 
     def lift(self, a: Tensor) -> Tensor:
         rows = a.reshape(-1, a.shape[-1]).double()
-        out = torch.stack([self.span.combine(w) for w in rows @ self.r.t()])
+        out = torch.stack([self.span.combine(w, self.dtype) for w in rows @ self.r.t()])
         return out.reshape(*a.shape[:-1], out.shape[-1]).to(a.dtype)
 
     def sample_coords(self, model: FlatModel, point: Tensor, x: Tensor,
                       y: Tensor) -> Iterator[Tensor]:
-        for dots in self.span.sample_dots(point, x, y):
-            yield (dots @ self.r).to(point.dtype)
+        for dots in self.span.sample_dots(point, x, y, self.dtype):
+            yield (dots.double() @ self.r).to(point.dtype)

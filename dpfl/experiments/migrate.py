@@ -9,12 +9,15 @@ what a run computes, the archive can be migrated instead of re-run::
         --set 'non-private-diagnostics=true' --check 5
 
 Every configuration gets the ``--set`` keys (``flwr run --run-config`` syntax) and loses the
-``--drop`` keys, and must then be a valid run configuration. Then ``--check`` runs, drawn at
-random (``--seed``), run again with the migrated configuration on the engine, and their final
-results (:data:`CHECKED`, as a summary file holds them) must equal the archived ones exactly;
-only then is the archive rewritten under the new keys (``--output``, the archive itself by
-default). A field whose meaning the code change altered (``--changed``) is not compared and is
-dropped from the migrated summaries, so nothing reads a stale value. Numbers an experiment
+``--drop`` keys, and must then be a valid run configuration; with ``--where KEY=VALUE`` only the
+configurations holding those values do (a key only some algorithms read, e.g.
+``--where 'algorithm="rpdp-sgd"' --set 'random-basis="qr"'``), the others are kept as they are.
+Then ``--check`` of the migrated runs, drawn at random (``--seed``), run again with the
+migrated configuration on the engine, and their final results (:data:`CHECKED`, as a summary
+file holds them) must equal the archived ones exactly; only then is the archive rewritten under
+the new keys (``--output``, the archive itself by default). A field whose meaning the code
+change altered (``--changed``) is not compared and is dropped from the migrated summaries, so
+nothing reads a stale value. Numbers an experiment
 derived from a run's rounds (``derived``) are carried over: a run whose final model is bitwise
 the same went through the same rounds.
 """
@@ -73,11 +76,15 @@ def check(runs: dict[str, dict[str, Any]], sample: int, seed: int,
 
 def migrate(path: Path, *, changes: Mapping[str, Value], drop: Sequence[str], sample: int,
             changed: Sequence[str] = (), seed: int = 0, output: Path | None = None,
-            echo: bool = True) -> Path:
+            where: Mapping[str, Value] | None = None, echo: bool = True) -> Path:
     """Migrate the archive ``path`` (see the module docstring); returns the path written."""
     runs = read_archive(path)
     moved: dict[str, tuple[dict[str, Value], dict[str, Any]]] = {}
-    for record in runs.values():
+    kept: dict[str, tuple[dict[str, Value], dict[str, Any]]] = {}
+    for key, record in runs.items():
+        if where and any(record["config"].get(k) != v for k, v in where.items()):
+            kept[key] = (record["config"], record["summary"])
+            continue
         config = migrated(record["config"], changes, drop)
         try:
             RunConfig(config)
@@ -85,16 +92,21 @@ def migrate(path: Path, *, changes: Mapping[str, Value], drop: Sequence[str], sa
             raise UsageError(f"{path}: a migrated configuration is not valid: {exc}") from None
         summary = {k: v for k, v in record["summary"].items() if k not in changed}
         moved[run_key(config)] = (config, summary)
-    if len(moved) < len(runs):
-        raise UsageError(f"{path}: the migration maps {len(runs)} runs onto {len(moved)} "
-                         f"configurations; it would merge different runs")
+    if not moved:
+        raise UsageError(f"{path}: no run matches --where "
+                         + " ".join(f"{k}={v!r}" for k, v in (where or {}).items()))
+    if len(moved) + len(kept) < len(runs) or moved.keys() & kept.keys():
+        raise UsageError(f"{path}: the migration maps {len(runs)} runs onto "
+                         f"{len(moved.keys() | kept.keys())} configurations; it would merge "
+                         "different runs")
     lines = check({k: {"config": c, "summary": s} for k, (c, s) in moved.items()}, sample, seed,
                   changed)
     if echo:
         print("\n".join(lines), flush=True)
-    written = write_archive(output or path, moved)
+    written = write_archive(output or path, {**kept, **moved})
     if echo:
-        print(f"migrated {len(moved)} runs ({len(lines)} re-run and equal) to {written}")
+        print(f"migrated {len(moved)} runs ({len(lines)} re-run and equal), kept {len(kept)} "
+              f"as they were, to {written}")
     return written
 
 
@@ -106,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="keys every configuration gets (flwr run --run-config syntax)")
     parser.add_argument("--drop", action="append", default=[], metavar="KEY",
                         help="a key every configuration loses")
+    parser.add_argument("--where", action="append", default=[], metavar="KEY=VALUE ...",
+                        help="migrate only the configurations holding these values")
     parser.add_argument("--changed", action="append", default=[], metavar="FIELD",
                         choices=CHECKED, help="a summary field whose meaning changed: not "
                         "compared, dropped from the migrated summaries")
@@ -121,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         changes = parse_overrides(args.set) if args.set else {}
         if not changes and not args.drop:
             raise UsageError("nothing to migrate: give --set KEY=VALUE or --drop KEY")
+        where = parse_overrides(args.where) if args.where else None
         migrate(args.archive, changes=changes, drop=args.drop, sample=args.check,
-                changed=args.changed, seed=args.seed, output=args.output)
+                changed=args.changed, seed=args.seed, output=args.output, where=where)
     except (ConfigError, UsageError) as exc:
         print(f"dpfl: error: {exc}", file=sys.stderr)
         return 2

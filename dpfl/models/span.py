@@ -8,9 +8,10 @@ the inner products of two sets of records are ``(Δ_1Δ_2ᵀ)∘(A_1A_2ᵀ)`` (p
 bias), ``m·n·(in + out)`` work instead of ``m·n·in·out`` on materialised gradients; a weighted
 sum ``Σ_i w_i δ_i a_iᵀ`` is one GEMM ``(w∘Δ)ᵀA`` (the "ghost" identities of Li et al. 2022 and
 Bu et al. 2023, applied across two sets of records). Conv and norm layers are materialised
-per sample (small in the papers' models). Everything is computed in float64: a projection onto
-the span goes through ``Λ^{-1/2}`` of the Gram matrix, which amplifies the rounding of the
-inner products by up to 10⁶ (:mod:`dpfl.algorithms.projected`)."""
+per sample (small in the papers' models). The Gram matrix is computed in float64; the other
+products in the dtype the caller names (a projection onto the span goes through ``Λ^{-1/2}``
+of the Gram matrix, which amplifies their rounding by the condition number:
+:mod:`dpfl.algorithms.projected` picks float64 where that matters)."""
 
 from __future__ import annotations
 
@@ -77,86 +78,102 @@ class Factors:
 class GradientSpan:
     """The per-sample gradients ``g_i + r`` (``r`` the nonconvex regulariser's gradient, if
     any) of the ``m`` records ``x [m, ...]``, ``y [m]`` at ``point [d]``, kept as their layers'
-    factors in float64. A record whose tape is not finite contributes the zero vector (its rows
-    of the factors zeroed; these are public records, not a client's, so not counted as
-    dropped)."""
+    factors. Its products run in the ``dtype`` each call names (the factors converted once per
+    dtype). A record whose tape is not finite contributes the zero vector (its rows of the
+    factors zeroed; these are public records, not a client's, so not counted as dropped)."""
 
     def __init__(self, model: FlatModel, point: Tensor, x: Tensor, y: Tensor) -> None:
         self.model = model
         self.m = len(y)
         self.device = point.device
         self.reg = self._reg(point)
-        self.factors = self._factors(point, x, y)
-        if (bad := _non_finite(self.factors)) is not None:
-            self.factors = [zeroed(f, bad) for f in self.factors]
+        factors = self._factors(point, x, y)
+        if (bad := _non_finite(factors)) is not None:
+            factors = [zeroed(f, bad) for f in factors]
+        self.factors = {point.dtype: factors}
 
     def _reg(self, point: Tensor) -> Tensor | None:
         flat = self.model.flat
-        return flat.reg_grad(point).double() if flat.nonconvex_reg else None
+        return flat.reg_grad(point) if flat.nonconvex_reg else None
 
-    def _factors(self, point: Tensor, x: Tensor, y: Tensor) -> list[Factors]:
+    def _factors(self, point: Tensor, x: Tensor, y: Tensor,
+                 dtype: torch.dtype | None = None) -> list[Factors]:
         """Each trainable layer's factors of the records ``x`` at ``point`` (one tape; a layer
-        the forward pass does not use is absent: its gradients are zero)."""
-        flat = self.model.flat
+        the forward pass does not use is absent: its gradients are zero), in ``dtype``
+        (default: the point's)."""
+        flat, dtype = self.model.flat, dtype or point.dtype
         factors = []
         for layer, a, g in self.model.tapes.record(flat.params(point.detach()), x, y):
             if grad_sample.has_ghost(layer.module, a):
-                factors.append(Factors(layer, a=a.double(), delta=g.double()))
+                factors.append(Factors(layer, a=a.to(dtype), delta=g.to(dtype)))
             else:
                 grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
-                factors.append(Factors(layer, grads=torch.cat(grads, dim=1).double()))
+                factors.append(Factors(layer, grads=torch.cat(grads, dim=1).to(dtype)))
         return factors
 
+    def factors_in(self, dtype: torch.dtype) -> list[Factors]:
+        """The span's factors in ``dtype``."""
+        if dtype not in self.factors:
+            native = next(iter(self.factors.values()))
+            self.factors[dtype] = [Factors(f.layer, *(None if t is None else t.to(dtype)
+                                                      for t in (f.a, f.delta, f.grads)))
+                                   for f in native]
+        return self.factors[dtype]
+
     def gram(self) -> Tensor:
-        """``[m, m]``: ⟨g_i + r, g_j + r⟩."""
-        gram = self._cross(self.factors, self.m)
+        """``[m, m]`` (float64): ⟨g_i + r, g_j + r⟩."""
+        factors = self.factors_in(torch.float64)
+        gram = self._cross(factors, self.m, torch.float64)
         if self.reg is not None:
-            own = _vector_dots(self.factors, self.reg, self.m)
-            gram = gram + own[:, None] + own[None, :] + self.reg.square().sum()
+            reg = self.reg.double()
+            own = _vector_dots(factors, reg, self.m)
+            gram = gram + own[:, None] + own[None, :] + reg.square().sum()
         return gram
 
-    def dot_vector(self, v: Tensor) -> Tensor:
-        """``[m]``: ⟨g_i + r, v⟩ for ``v [d]``."""
-        v = v.double()
-        dots = _vector_dots(self.factors, v, self.m)
-        return dots + torch.dot(self.reg, v) if self.reg is not None else dots
+    def dot_vector(self, v: Tensor, dtype: torch.dtype) -> Tensor:
+        """``[m]`` (``dtype``): ⟨g_i + r, v⟩ for ``v [d]``."""
+        v = v.to(dtype)
+        dots = _vector_dots(self.factors_in(dtype), v, self.m)
+        return dots + torch.dot(self.reg.to(dtype), v) if self.reg is not None else dots
 
-    def combine(self, w: Tensor) -> Tensor:
-        """``[d]`` (float64): Σ_i w_i (g_i + r) for ``w [m]``."""
-        w = w.double()
+    def combine(self, w: Tensor, dtype: torch.dtype) -> Tensor:
+        """``[d]`` (``dtype``): Σ_i w_i (g_i + r) for ``w [m]``."""
+        w = w.to(dtype)
         out = w.new_zeros(self.model.d)
-        for f in self.factors:
+        for f in self.factors_in(dtype):
             f.add_weighted(w, out)
         if self.reg is not None:
-            out += w.sum() * self.reg
+            out += w.sum() * self.reg.to(dtype)
         return out
 
-    def sample_dots(self, point: Tensor, x: Tensor, y: Tensor) -> Iterator[Tensor]:
-        """``[n, m]`` (float64), chunk by chunk (the model's chunks): ⟨h_j + r', g_i + r⟩ for
-        the per-sample gradients ``h_j + r'`` of the records ``x [b, ...]``, ``y [b]`` at
+    def sample_dots(self, point: Tensor, x: Tensor, y: Tensor,
+                    dtype: torch.dtype) -> Iterator[Tensor]:
+        """``[n, m]`` (``dtype``), chunk by chunk (the model's chunks): ⟨h_j + r', g_i + r⟩
+        for the per-sample gradients ``h_j + r'`` of the records ``x [b, ...]``, ``y [b]`` at
         ``point [d]``, no gradient materialised where a layer has ghost products. A record
         whose gradient is not finite gets a zero row, dropped and counted as in
         :meth:`~dpfl.models.FlatModel.per_sample_gradient_chunks`."""
         model = self.model
         size = model.chunk_length(point, x[None], y[None], rows=False)
         reg = self._reg(point)
-        towards_reg = None if reg is None else self.dot_vector(reg)
+        towards_reg = None if reg is None else self.dot_vector(reg, dtype)
+        own_reg = None if self.reg is None else self.reg.to(dtype)
         for _, xs, ys in chunks(x[None], y[None], 0, size):
-            factors = self._factors(point, xs, ys)
-            dots = self._cross(factors, len(ys))
-            if self.reg is not None:
-                dots = dots + _vector_dots(factors, self.reg, len(ys))[:, None]
+            factors = self._factors(point, xs, ys, dtype)
+            dots = self._cross(factors, len(ys), dtype)
+            if own_reg is not None:
+                dots = dots + _vector_dots(factors, own_reg, len(ys))[:, None]
             if towards_reg is not None:
                 dots = dots + towards_reg[None, :]
             if (bad := non_finite_rows(dots)) is not None:
                 model.dropped.drop(bad, dots)
             yield dots
 
-    def _cross(self, factors: list[Factors], n: int) -> Tensor:
+    def _cross(self, factors: list[Factors], n: int, dtype: torch.dtype) -> Tensor:
         """``[n, m]``: the inner products of ``factors``' ``n`` records' gradients with the
         span's, summed over the layers (a layer absent from a tape has zero gradients)."""
-        mine = {id(f.layer): f for f in self.factors}
-        total = torch.zeros(n, self.m, dtype=torch.float64, device=self.device)
+        mine = {id(f.layer): f for f in self.factors_in(dtype)}
+        total = torch.zeros(n, self.m, dtype=dtype, device=self.device)
         for f in factors:
             if (g := mine.get(id(f.layer))) is not None:
                 total += f.dots(g)
