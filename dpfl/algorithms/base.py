@@ -203,11 +203,13 @@ class Batches:
         out: list[torch.Tensor] = []
         for positions, x, y in self.groups():
             n, size = y.shape[1], len(y)
+            rows = as_slice(positions)  # consecutive clients (under Poisson sampling, often
+            # one): their rows of a point as a view, not a copy
             if n == 0:
                 results = tuple(e.to(device).expand(size, *e.shape).clone() for e in empty)
             else:
                 mean, *values = fn(x.to(device), y.to(device), *(
-                    p if p is None or p.dim() == 1 or positions is None else p[positions]
+                    p if p is None or p.dim() == 1 or rows is None else p[rows]
                     for p in points))
                 results = (mean if n == self.batch_size else mean * (n / self.batch_size),
                            *values)
@@ -215,8 +217,16 @@ class Batches:
                 return results
             out = out or [r.new_empty(len(self), *r.shape[1:]) for r in results]
             for whole, part in zip(out, results, strict=True):
-                whole[positions] = part
+                whole[rows] = part
         return tuple(out)
+
+
+def as_slice(positions: list[int] | None) -> list[int] | slice | None:
+    """``positions`` as a slice where they are consecutive and increasing (indexing a tensor
+    with it is then a view), else as given."""
+    if positions is None or positions != list(range(positions[0], positions[-1] + 1)):
+        return positions
+    return slice(positions[0], positions[-1] + 1)
 
 
 @dataclass

@@ -53,6 +53,7 @@ from dpfl.config import (
     hyperparameter,
     positive,
 )
+from dpfl.models.rows import aligned_rows
 from dpfl.privacy import Query, Randomness, Relation
 
 if TYPE_CHECKING:
@@ -145,8 +146,12 @@ def local_sgd(x: Tensor, clients: int, steps: int, step: Step, learning_rate: fl
     """``steps`` steps of SGD from ``x`` for ``clients`` clients at once: step k moves each
     client's iterate by −η times the gradient ``step(params, k)`` plus ``correction``
     (SCAFFOLD's c − c_i), through the heavy-ball buffers ``velocity`` [C, d] where given
-    (m ← β_m m + g, x ← x − ηm). Returns the final iterates ``[C, d]`` and buffers."""
-    params = x.unsqueeze(0).repeat(clients, 1)
+    (m ← β_m m + g, x ← x − ηm). Returns the final iterates ``[C, d]`` and buffers.
+
+    The iterates live on 64-byte aligned rows (:func:`~dpfl.models.rows.aligned_rows`), so the
+    per-sample engine takes each client's point where it is instead of copying it to aligned
+    memory every step (the same values: ``x − η·g`` written elsewhere)."""
+    params = aligned_rows(x, clients, x.numel()).copy_(x)
     for k in range(steps):
         g = step(params, k)
         if correction is not None:
@@ -154,7 +159,7 @@ def local_sgd(x: Tensor, clients: int, steps: int, step: Step, learning_rate: fl
         if velocity is not None:
             velocity = momentum * velocity + g
             g = velocity
-        params = params - learning_rate * g
+        params = torch.sub(params, learning_rate * g, out=aligned_rows(x, clients, x.numel()))
     return params, velocity
 
 

@@ -24,6 +24,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.client import NumPyClient
 
 from dpfl.algorithms import State
+from dpfl.allocator import keep_freed_memory
 from dpfl.client.node_ledger import (
     LedgerStore,
     NodeLedger,
@@ -91,6 +92,7 @@ class AlgorithmClient(NumPyClient):
         rng = self.policy.randomness(int(config["seed"]), self.context)
         self.noise = rng.mode
         self.runtime = ClientRuntime.of(problem, rng=rng)
+        keep_freed_memory()  # a cohort node's [clients, d] blocks, reused across messages
         self.store = LedgerStore(self.state, self.ledger_folder())
         self.charged: dict[int, dict[str, int]] = {}  # after fit: each client's counts
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from dpfl.algorithms import Cohort, State
+from dpfl.allocator import keep_freed_memory
 from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem, build_problem
 from dpfl.rounds.client import ClientRuntime
@@ -33,6 +34,7 @@ class EngineTransport:
         self.cohort = problem.full_cohort()
         self.states = problem.algorithm.init_client_state(problem.num_clients)
         self.blocks: dict[tuple[int, int], Cohort] = {}
+        keep_freed_memory()  # each round's [block, d] tensors, reused by the next round
 
     def begin(self, lineage: Lineage, states: State | None) -> dict[int, dict[str, int]]:
         """Take over a checkpoint's client states (a resumed run); the lineage names no file

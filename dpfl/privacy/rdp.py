@@ -69,14 +69,25 @@ def orders() -> tuple[float, ...]:
     return LOW_ORDERS + default_orders() + HIGH_ORDERS
 
 
-@functools.lru_cache(maxsize=4096)
 def curve(noise_multiplier: float, sample_rate: float, alphas: tuple[float, ...]) -> np.ndarray:
-    """Opacus' RDP of one Poisson-subsampled Gaussian step at ``alphas`` (computed once per
-    (σ, q)); the RDP of ``steps`` compositions is ``steps`` times it, as in Opacus."""
+    """Opacus' RDP of one Poisson-subsampled Gaussian step at ``alphas``, each order computed
+    once per (σ, q) (:func:`_order_rdp`); the RDP of ``steps`` compositions is ``steps`` times
+    it, as in Opacus."""
+    return np.asarray([_order_rdp(noise_multiplier, sample_rate, a) for a in alphas],
+                      dtype=np.float64)
+
+
+@functools.lru_cache(maxsize=65536)
+def _order_rdp(noise_multiplier: float, sample_rate: float, alpha: float) -> float:
+    """Opacus' ``compute_rdp`` of one step at the single order ``alpha`` (it computes each
+    order on its own, so the value equals that order's entry of a call with many). Cached by
+    order, not by the tuple of orders asked: the orders a history's ε evaluates change from
+    one history to the next (:func:`_default_best` prunes by the history's own values), while
+    a run's rounds keep asking for the same (σ, q, α)."""
     from opacus.accountants.analysis import rdp as rdp_analysis
 
-    return np.asarray(rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier,
-                                               steps=1, orders=list(alphas)))
+    return float(rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier,
+                                          steps=1, orders=[alpha])[0])
 
 
 def _rdp(history: tuple[Event, ...], alphas: tuple[float, ...]) -> np.ndarray:
@@ -113,7 +124,7 @@ def _default_best(history: tuple[Event, ...], delta: float) -> tuple[float, dict
         n = math.floor(a)
         right = f[n + 1] - (f[n + 2] - f[n + 1]) * (n + 1 - a)
         left = f[n] + (f[n] - f[n - 1]) * (a - n) if n >= 2 else 0.0
-        bounds.append(max(left, right, 0.0) / (a - 1) + float(conversion(np.asarray(a), delta)))
+        bounds.append(max(left, right, 0.0) / (a - 1) + _conversion_at(a, delta))
     # the most promising orders first, then those the best ε they give leaves in play
     by_bound = sorted(range(len(fractions)), key=bounds.__getitem__)
     for chosen in (by_bound[:_FIRST_FRACTIONS], by_bound[_FIRST_FRACTIONS:]):
@@ -127,6 +138,12 @@ def _default_best(history: tuple[Event, ...], delta: float) -> tuple[float, dict
 def conversion(alphas: np.ndarray, delta: float) -> np.ndarray:
     """c(α) of Balle et al.'s conversion (Opacus' ``get_privacy_spent``): ε(α) = RDP(α) + c(α)."""
     return np.log((alphas - 1) / alphas) - (math.log(delta) + np.log(alphas)) / (alphas - 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _conversion_at(alpha: float, delta: float) -> float:
+    """:func:`conversion` at one order (the same numpy arithmetic), computed once per (α, δ)."""
+    return float(conversion(np.asarray(alpha), delta))
 
 
 def _best(alphas: tuple[float, ...], rdp: np.ndarray, delta: float) -> float:
