@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                        "`flwr build --app FOLDER`")
     p.add_argument("folder", type=Path, help="a folder that does not exist yet, or is empty")
     p = sub.add_parser("audit", help="measure an empirical lower bound on a configuration's "
-                       "ε (canary runs, Clopper-Pearson confidence) beside the ledger's ε")
+                       "ε (canary runs, Clopper-Pearson confidence) and a Gaussian-DP estimate "
+                       "beside the ledger's ε")
     p.add_argument("--run-config", "-c", action="append", default=[],
                    help=f"the configuration to audit; the audit's own defaults: "
                    f"{' '.join(f'{k}={v!r}' for k, v in AUDIT_DEFAULTS.items())}")
@@ -107,6 +108,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--confidence", type=float, default=0.95,
                    help="confidence of the lower bound (default: 0.95)")
     p.add_argument("--client", type=int, default=0, help="the client whose data is audited")
+    p.add_argument("--canary", default="gradient",
+                   help="a gradient canary (default: the model gains a coordinate only the "
+                   "canary moves, the tightest) or an input canary (a crafted record, as a "
+                   "client's data could hold it)")
     p = sub.add_parser("check-node", help="check, before starting a SuperNode, that its "
                        "environment and its node config can serve dpfl runs")
     p.add_argument("--node-config", default="",
@@ -210,6 +215,7 @@ AUDIT_DEFAULTS: dict[str, object] = {"model": "logistic", "num-server-rounds": 5
 
 def audit(args: argparse.Namespace) -> int:
     """``dpfl audit``: the canary audit of a configuration, written to its results folder."""
+    from dpfl.audit import CANARIES
     from dpfl.audit import audit as run_audit
     from dpfl.audit.report import verdict, write
     from dpfl.results import results_path
@@ -219,13 +225,15 @@ def audit(args: argparse.Namespace) -> int:
         raise UsageError(f"--trials: {args.trials} (allowed: an integer of at least 4)")
     if not 0 < args.confidence < 1:
         raise UsageError(f"--confidence: {args.confidence} (allowed: strictly between 0 and 1)")
+    if args.canary not in CANARIES:
+        raise UsageError(f"--canary: {args.canary!r} (allowed: {', '.join(CANARIES)})")
     given = parse_overrides(args.run_config) if args.run_config else {}
     config = RunConfig({**AUDIT_DEFAULTS, **given})
     if not 0 <= args.client < int(config["num-partitions"]):
         raise UsageError(f"--client: {args.client} (allowed: 0.."
                          f"{int(config['num-partitions']) - 1})")
     result = run_audit(config, trials=args.trials, confidence=args.confidence,
-                       client=args.client)
+                       client=args.client, canary=args.canary)
     folder = write(result, config, results_path(config, "audit"))
     print(verdict(result))
     print(f"audit of {2 * args.trials} runs in {result.seconds:.1f} s; results in {folder}")

@@ -256,16 +256,19 @@ def check_sizes(config: RunConfig, sizes: list[int]) -> None:
 
 
 def assemble(config: RunConfig, dataset: Dataset, parts: list[np.ndarray],
-             hosted: tuple[int, ...] | None = None) -> Problem:
-    """The model, algorithm and initial point of ``config`` over data already partitioned."""
+             hosted: tuple[int, ...] | None = None, *, model: FlatModel | None = None
+             ) -> Problem:
+    """The model, algorithm and initial point of ``config`` over data already partitioned;
+    ``model``: a model given instead of the config's (an audit's canary model)."""
     device = resolve_device(config)
-    module = build_model(str(config["model"]), input_shape=dataset.input_shape,
-                         num_classes=dataset.num_classes, seed=int(config["seed"]),
-                         **options(config, "model-options", "model",
-                                   MODELS.get(str(config["model"])))).to(device)
-    model = FlatModel(module, LOSS_OF_TASK[dataset.task],
-                      nonconvex_reg=float(config["nonconvex-reg"]),
-                      chunk_bytes=int(config["chunk-bytes"]) or None)
+    if model is None:
+        module = build_model(str(config["model"]), input_shape=dataset.input_shape,
+                             num_classes=dataset.num_classes, seed=int(config["seed"]),
+                             **options(config, "model-options", "model",
+                                       MODELS.get(str(config["model"])))).to(device)
+        model = FlatModel(module, LOSS_OF_TASK[dataset.task],
+                          nonconvex_reg=float(config["nonconvex-reg"]),
+                          chunk_bytes=int(config["chunk-bytes"]) or None)
     public = (None if dataset.public_y is None
               else (dataset.public_x.to(device), dataset.public_y.to(device)))
     algorithm = ALGORITHMS.get(str(config["algorithm"]))(config.hyperparameters, model,

@@ -4,7 +4,10 @@ The canary method (Jagielski, Ullman & Oprea, arXiv:2006.07709; Nasr et al.,
 arXiv:2101.04535 and arXiv:2302.07956): run the client's mechanism many times on its data D
 and on a neighbour D' holding a canary record (:mod:`dpfl.audit.canary`), score each run by
 what the threat model lets an adversary observe, and turn the two score distributions into an
-ε that the runs refute, with Clopper-Pearson confidence (:mod:`dpfl.audit.bounds`).
+ε that the runs refute, with Clopper-Pearson confidence (:mod:`dpfl.audit.bounds`), and, beside
+that bound, an ε estimate from a Gaussian-DP fit of the same scores (:mod:`dpfl.audit.gdp`;
+Nasr et al., arXiv:2302.07956): far closer to the ledger from the same runs where the scores
+are Gaussian, and an estimate, not a bound, where they are not.
 
 Threat model, from what the algorithm declares:
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +38,10 @@ import torch
 
 from dpfl.algorithms import ServerContext, State
 from dpfl.algorithms.subspace import Subspace
+from dpfl.audit import gradient_canary
 from dpfl.audit.bounds import Bound, epsilon_lower_bound
 from dpfl.audit.canary import Canary, client_trials, craft, record_trials
+from dpfl.audit.gdp import GaussianFit, fit
 from dpfl.privacy import Accounting, Randomness
 from dpfl.problem import Problem, build_problem
 from dpfl.rounds.client import ClientRuntime
@@ -51,7 +57,9 @@ class AuditResult:
 
     algorithm: str
     threat_model: str
+    canary: str
     bound: Bound
+    gaussian: GaussianFit
     epsilon_ledger: float
     epsilon_target: float | None
     delta: float
@@ -70,6 +78,7 @@ class AuditResult:
 
     def summary(self) -> dict[str, Any]:
         return {"algorithm": self.algorithm, "threat_model": self.threat_model,
+                "canary": self.canary,
                 "epsilon_lower": self.bound.epsilon, "confidence": self.bound.confidence,
                 "epsilon_ledger": self.epsilon_ledger, "epsilon_target": self.epsilon_target,
                 "ratio": self.ratio, "delta": self.delta, "rounds": self.rounds,
@@ -78,7 +87,8 @@ class AuditResult:
                 "threshold": self.bound.threshold, "sign": self.bound.sign,
                 "false_positive_rate": self.bound.fpr, "false_negative_rate": self.bound.fnr,
                 "epsilon_empirical": self.bound.empirical,
-                "scored_uploads": list(self.scored_uploads), "seconds": self.seconds}
+                "scored_uploads": list(self.scored_uploads), "seconds": self.seconds,
+                **self.gaussian.summary()}
 
 
 def canary_radius(problem: Problem) -> float:
@@ -105,23 +115,29 @@ def projections(upload: torch.Tensor, unit: torch.Tensor,
     return None
 
 
-class Scorer:
-    """Accumulates the score of one or more runs: what the adversary observes along the
-    canary's gradient at the round's model (:meth:`direction`)."""
+Direction = Callable[[torch.Tensor], torch.Tensor]  # the round's model [d] to a unit [d]
 
-    def __init__(self, problem: Problem, canary: Canary, runs: int) -> None:
-        self.problem = problem
-        self.canary = canary
-        self.scores = torch.zeros(runs, dtype=torch.float64)
-        self.scored: set[str] = set()
 
-    def direction(self, params: torch.Tensor) -> torch.Tensor:
-        """The canary's unit gradient at ``params`` (``[d]``)."""
-        x, y = self.canary.x, self.canary.y
-        grad = self.problem.model.per_sample_gradients(
+def input_direction(problem: Problem, canary: Canary) -> Direction:
+    """The input canary's unit gradient at the round's model."""
+    def direction(params: torch.Tensor) -> torch.Tensor:
+        x, y = canary.x, canary.y
+        grad = problem.model.per_sample_gradients(
             params.unsqueeze(0), x.reshape(1, 1, *x.shape).to(params),
             y.reshape(1, 1).to(params.device))[0, 0]
         return grad / torch.linalg.vector_norm(grad).clamp_min(1e-30)
+    return direction
+
+
+class Scorer:
+    """Accumulates the score of one or more runs: what the adversary observes along the
+    canary's gradient at the round's model (``direction``)."""
+
+    def __init__(self, problem: Problem, direction: Direction, runs: int) -> None:
+        self.problem = problem
+        self.direction = direction
+        self.scores = torch.zeros(runs, dtype=torch.float64)
+        self.scored: set[str] = set()
 
     def observe(self, unit: torch.Tensor, broadcast: State, uploads: State,
                 state: State) -> None:
@@ -144,8 +160,8 @@ class ModelScorer(Scorer):
     """Client-level central DP: the model the server releases after each exchange (one
     score, of the run)."""
 
-    def __init__(self, problem: Problem, canary: Canary, runs: int) -> None:
-        super().__init__(problem, canary, runs)
+    def __init__(self, problem: Problem, direction: Direction, runs: int) -> None:
+        super().__init__(problem, direction, runs)
         self.last = problem.x0.to(problem.device)
         self.scored = {"model"}
 
@@ -186,12 +202,21 @@ def play(problem: Problem, rng: Randomness, rounds: int, server_clients: list[in
 Measured = tuple[np.ndarray, np.ndarray, Problem, list[int], set[str]]
 
 
-def record_level(source: Problem, client: int, trials: int, rounds: int) -> Measured:
+def record_level(source: Problem, client: int, trials: int, rounds: int,
+                 canary: str) -> Measured:
     """Out and in scores of ``trials`` runs each of client ``client``'s mechanism, batched as
-    the clients of one federation (:func:`dpfl.audit.canary.record_trials`); the federation,
-    an out and an in trial client (whose ledgers are compared), the uploads scored."""
-    federation, canary = record_trials(source, client, trials, canary_radius(source))
-    scorer = UploadScorer(federation, canary, federation.num_clients)
+    the clients of one federation (:func:`dpfl.audit.canary.record_trials`,
+    :func:`dpfl.audit.gradient_canary.record_trials`); the federation, an out and an in trial
+    client (whose ledgers are compared), the uploads scored."""
+    radius = canary_radius(source)
+    if canary == "gradient":
+        federation = gradient_canary.record_trials(source, client, trials, radius)
+        scorer = UploadScorer(federation, constant(gradient_canary.direction(federation)),
+                              federation.num_clients)
+    else:
+        federation, record = record_trials(source, client, trials, radius)
+        scorer = UploadScorer(federation, input_direction(federation, record),
+                              federation.num_clients)
     rng = Randomness(int(source.config["seed"]), secure=bool(source.config["secure-noise"]))
     play(federation, rng, rounds, [federation.num_clients - 1], scorer)
     scores = scorer.scores.numpy()
@@ -199,18 +224,26 @@ def record_level(source: Problem, client: int, trials: int, rounds: int) -> Meas
             scorer.scored)
 
 
-def client_level(source: Problem, client: int, trials: int, rounds: int) -> Measured:
+def client_level(source: Problem, client: int, trials: int, rounds: int,
+                 canary: str) -> Measured:
     """Out and in scores of ``trials`` runs each of the whole federation without and with a
-    canary client (:func:`dpfl.audit.canary.client_trials`), each run with its own noise; the
+    canary client (:func:`dpfl.audit.canary.client_trials`,
+    :func:`dpfl.audit.gradient_canary.client_trials`), each run with its own noise; the
     federation with the canary client, that client (whose ledger is compared), the model."""
-    canary = craft(source, source.partitions[client], canary_radius(source))
-    worlds = (source, client_trials(source, canary))
+    radius = canary_radius(source)
+    if canary == "gradient":
+        worlds = gradient_canary.client_trials(source, radius)
+        direction = constant(gradient_canary.direction(worlds[1]))
+    else:
+        record = craft(source, source.partitions[client], radius)
+        worlds = (source, client_trials(source, record))
+        direction = input_direction(worlds[1], record)
     seeds = Randomness(int(source.config["seed"]))
     scores = []
     for side, problem in enumerate(worlds):
         runs = []
         for run in range(trials):
-            scorer = ModelScorer(problem, canary, 1)
+            scorer = ModelScorer(problem, direction, 1)
             rng = Randomness(seeds.key(run, 0, f"audit-world-{side}"),
                              secure=bool(source.config["secure-noise"]))
             play(problem, rng, rounds, list(range(problem.num_clients)), scorer)
@@ -253,20 +286,35 @@ THREATS = {
 }
 
 
+#: the canaries: a crafted input (any model, as a user's data could hold it), or a gradient
+#: (a white-box canary: the model gains a coordinate only the canary moves;
+#: :mod:`dpfl.audit.gradient_canary`)
+CANARIES = ("gradient", "input")
+
+
+def constant(unit: torch.Tensor) -> Direction:
+    """A direction that is ``unit`` at every model."""
+    return lambda params: unit
+
+
 def audit(config: RunConfig, *, trials: int = 1000, confidence: float = 0.95,
-          client: int = 0) -> AuditResult:
+          client: int = 0, canary: str = "gradient") -> AuditResult:
     """Audit ``config``'s algorithm on client ``client``'s data with ``trials`` runs with and
-    ``trials`` runs without the canary."""
+    ``trials`` runs without the canary (one of :data:`CANARIES`)."""
+    if canary not in CANARIES:
+        raise ValueError(f"canary must be one of {CANARIES}, got {canary!r}")
     started = time.perf_counter()
     source = build_problem(config)
     threat, measure = THREATS["client" if source.algorithm.central_releases() else "record"]
     rounds = int(config["num-server-rounds"])
-    out, inn, problem, charged, scored = measure(source, client, trials, rounds)
+    out, inn, problem, charged, scored = measure(source, client, trials, rounds, canary)
     delta = float(config["delta"])
     bound = epsilon_lower_bound(out, inn, delta=delta, confidence=confidence)
     target = (float(config["epsilon"]) if float(config["noise-multiplier"]) < 0
               and not source.algorithm.noise_free else None)
-    return AuditResult(algorithm=source.algorithm.name, threat_model=threat, bound=bound,
+    return AuditResult(algorithm=source.algorithm.name, threat_model=threat, canary=canary,
+                       bound=bound,
+                       gaussian=fit(out, inn, delta=delta, confidence=confidence),
                        epsilon_ledger=ledger_epsilon(problem, charged, rounds),
                        epsilon_target=target, delta=delta, rounds=rounds,
                        seconds=time.perf_counter() - started, scores_out=out, scores_in=inn,

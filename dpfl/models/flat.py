@@ -9,18 +9,18 @@ import torch
 from torch import Tensor, nn
 
 from dpfl.models import grad_sample
-from dpfl.models.losses import LOSSES
+from dpfl.models.losses import LOSSES, Loss
 from dpfl.models.rows import Layer, aligned
 
 
 class FlatParameters:
     """The trainable parameters of ``module`` (copied, never modified) in
     ``named_parameters()`` order, concatenated: a point is ``[d]``, or ``[C, d]`` per client.
-    ``loss`` (a name in ``LOSSES``) and the nonconvex regulariser ``nonconvex_reg`` make the
-    per-sample loss (:mod:`dpfl.models.functional`)."""
+    ``loss`` (a name in ``LOSSES``, or a :class:`~dpfl.models.losses.Loss`) and the nonconvex
+    regulariser ``nonconvex_reg`` make the per-sample loss (:mod:`dpfl.models.functional`)."""
 
-    def __init__(self, module: nn.Module, loss: str, nonconvex_reg: float = 0.0) -> None:
-        self.loss = LOSSES.get(loss)
+    def __init__(self, module: nn.Module, loss: str | Loss, nonconvex_reg: float = 0.0) -> None:
+        self.loss = loss if isinstance(loss, Loss) else LOSSES.get(loss)
         self.nonconvex_reg = float(nonconvex_reg)
         self.template = copy.deepcopy(module)
         self.module = copy.deepcopy(module)

@@ -65,6 +65,7 @@ from torch import Tensor, nn
 
 from dpfl.models.flat import FlatParameters
 from dpfl.models.linear import ClosedFormLinear
+from dpfl.models.losses import Loss
 from dpfl.models.rows import (
     Dropped,
     aligned,
@@ -112,7 +113,8 @@ class FlatModel:
     """
 
     def __init__(
-        self, module: nn.Module, loss: str, nonconvex_reg: float = 0.0, chunk_size: int = 256,
+        self, module: nn.Module, loss: str | Loss, nonconvex_reg: float = 0.0,
+        chunk_size: int = 256,
         chunk_bytes: int | None = None,
     ):
         if chunk_size < 1:

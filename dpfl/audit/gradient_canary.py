@@ -1,0 +1,136 @@
+"""The gradient canary: a record whose gradient is a Dirac in a coordinate no other record has.
+
+Nasr et al., "Tight Auditing of Differentially Private Machine Learning" (arXiv:2302.07956,
+§4.1) audit DP-SGD tightly with a canary inserted as a gradient, not as an input: a vector of
+norm at least the clip radius on one coordinate, which every step clips to exactly C and no
+other record's gradient touches. dpfl gets one without touching any algorithm: the audited
+model gains one trainable scalar θ (:class:`CanaryModule`, the last coordinate of the flat
+vector), every record one more input column z that feeds it, and the loss adds z·θ to the
+sample's loss (:func:`canary_loss`), so a record's gradient on θ is its z. Data records have
+z = 0: nothing of theirs moves θ, and θ moves nothing of theirs. The canary is the all-zero
+record with z = +s, s far above every clip radius: its gradient is s·e_θ plus the module's
+gradient at an all-zero input (bounded, so about C/s of its clipped norm, and the same in both
+worlds below); every per-sample clip takes it to C·e_θ.
+
+Neighbours, each world a copy of the audited client's data D with one record changed:
+
+* add/remove: D without the canary ("out") against D with it ("in"): the uploads' sums differ
+  by C·e_θ a step, the sensitivity;
+* replace-one: D with its first record replaced by the anti-canary (z = −s, clipped to −C·e_θ)
+  against D with it replaced by the canary: 2C·e_θ a step, the sensitivity, which no input
+  canary reaches (a record's gradient cannot be made the negative of another's at will).
+
+The adversary scores a run by the upload's θ-coordinate (:class:`GradientScorer`): the sum over
+rounds of N(0, (σC)²) noise, shifted by the canary's clipped gradients, which is exactly μ-GDP
+for the Gaussian mechanisms: what :mod:`dpfl.audit.gdp` fits. For an algorithm whose uploads
+live in a subspace (the projection family), the canary counts only through that subspace's
+share of e_θ; the public records span no part of it, so there it is invisible (the projection
+removes everything outside the public gradients' span: an estimate of 0 is the algorithm's,
+not the audit's, finding).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from dpfl.datasets.base import Dataset
+from dpfl.models import FlatModel
+from dpfl.models.losses import Loss
+from dpfl.privacy import Relation
+from dpfl.problem import Problem, assemble
+
+#: the canary's gradient on θ over the largest clip radius times the largest batch (a client's
+#: mean gradient, which Clip21 clips as a whole, holds it divided by the batch)
+SCALE_OVER_CLIP = 1000.0
+
+
+class CanaryModule(nn.Module):
+    """``module`` with one more trainable scalar θ (zero at first): inputs are ``[n, F + 1]``,
+    a record's features flattened and its z; the output is ``module``'s (flattened) and z·θ
+    as one more column, which :func:`canary_loss` adds to the sample's loss."""
+
+    def __init__(self, module: nn.Module, input_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.module = module
+        self.input_shape = tuple(input_shape)
+        self.canary = nn.Linear(1, 1, bias=False)
+        nn.init.zeros_(self.canary.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[0]
+        out = self.module(x[:, :-1].reshape(n, *self.input_shape)).reshape(n, -1)
+        return torch.cat([out, self.canary(x[:, -1:])], dim=1)
+
+
+def canary_loss(base: Loss) -> Loss:
+    """``base`` on every output column but the last, plus the last (z·θ)."""
+    correct = base.correct
+    return Loss(per_sample=lambda out, y: base.per_sample(out[:, :-1], y) + out[:, -1],
+                correct=None if correct is None else lambda out, y: correct(out[:, :-1], y))
+
+
+def with_z(x: Tensor, z: float = 0.0) -> Tensor:
+    """Records ``x [n, ...]`` flattened, with one more column holding ``z``."""
+    flat = x.reshape(len(x), -1)
+    return torch.cat([flat, flat.new_full((len(x), 1), z)], dim=1)
+
+
+def scale(source: Problem, radius: float) -> float:
+    """s: :data:`SCALE_OVER_CLIP` times ``radius`` times the largest client's record count."""
+    return SCALE_OVER_CLIP * radius * max(len(p) for p in source.partitions)
+
+
+def canary_problem(source: Problem, x: Tensor, y: Tensor, parts: list[np.ndarray]) -> Problem:
+    """``source``'s run with the canary model (θ added) over records ``x`` (features and z,
+    :func:`with_z`) and ``y``, split as ``parts``."""
+    ds, flat = source.dataset, source.model.flat
+    public_x = None if ds.public_x is None else with_z(ds.public_x)
+    dataset = Dataset(f"{ds.name}-audit", x, y, with_z(ds.test_x), ds.test_y, task=ds.task,
+                      num_classes=ds.num_classes, public_x=public_x, public_y=ds.public_y)
+    module = CanaryModule(copy.deepcopy(flat.template), ds.input_shape).to(source.device)
+    model = FlatModel(module, canary_loss(source.model.loss), nonconvex_reg=flat.nonconvex_reg,
+                      chunk_bytes=source.model.chunk_bytes)
+    config = source.config.replace(**{"num-partitions": len(parts)})
+    return assemble(config, dataset, parts, model=model)
+
+
+def record_trials(source: Problem, client: int, trials: int, radius: float) -> Problem:
+    """The record-level federation for ``client``'s data D (module docstring): ``trials``
+    clients holding the "out" world, ``trials`` the "in" world, then the reference client
+    (out), which drives the server."""
+    rows = torch.from_numpy(source.partitions[client])
+    ds, n, s = source.dataset, len(rows), scale(source, radius)
+    zero = torch.zeros(1, *ds.input_shape, dtype=ds.train_x.dtype)
+    x = torch.cat([with_z(ds.train_x[rows]), with_z(zero, s), with_z(zero, -s)])
+    y = torch.cat([ds.train_y[rows], ds.train_y[rows[:1]], ds.train_y[rows[:1]]])
+    rest = np.arange(1, n, dtype=np.int64)
+    if source.algorithm.relation is Relation.REPLACE_ONE:
+        out, inn = np.concatenate([[n + 1], rest]), np.concatenate([[n], rest])
+    else:
+        out, inn = np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64)
+    return canary_problem(source, x, y, [out] * trials + [inn] * trials + [out])
+
+
+def client_trials(source: Problem, radius: float) -> tuple[Problem, Problem]:
+    """The client-level worlds: ``source``'s federation with the canary model, without and with
+    one more client, the last, holding only canary records (as many as the smallest client's
+    records, so that it samples the batches every client does)."""
+    ds, s = source.dataset, scale(source, radius)
+    copies = min(len(p) for p in source.partitions)
+    zero = torch.zeros(1, *ds.input_shape, dtype=ds.train_x.dtype)
+    x = torch.cat([with_z(ds.train_x), with_z(zero, s).expand(copies, -1)])
+    y = torch.cat([ds.train_y, ds.train_y[:1].expand(copies)])
+    own = np.arange(ds.num_train, ds.num_train + copies, dtype=np.int64)
+    parts = list(source.partitions)
+    return canary_problem(source, x, y, parts), canary_problem(source, x, y, [*parts, own])
+
+
+def direction(problem: Problem) -> Tensor:
+    """e_θ: the canary's coordinate, the last of the flat vector."""
+    unit = torch.zeros(problem.model.d, device=problem.device)
+    unit[-1] = 1.0
+    return unit
