@@ -20,13 +20,16 @@ Neighbours, each world a copy of the audited client's data D with one record cha
   against D with it replaced by the canary: 2C·e_θ a step, the sensitivity, which no input
   canary reaches (a record's gradient cannot be made the negative of another's at will).
 
-The adversary scores a run by the upload's θ-coordinate (:class:`GradientScorer`): the sum over
+The adversary scores a run by the upload's θ-coordinate (:func:`direction`): the sum over
 rounds of N(0, (σC)²) noise, shifted by the canary's clipped gradients, which is exactly μ-GDP
-for the Gaussian mechanisms: what :mod:`dpfl.audit.gdp` fits. For an algorithm whose uploads
-live in a subspace (the projection family), the canary counts only through that subspace's
-share of e_θ; the public records span no part of it, so there it is invisible (the projection
-removes everything outside the public gradients' span: an estimate of 0 is the algorithm's,
-not the audit's, finding).
+for the Gaussian mechanisms: what :mod:`dpfl.audit.gdp` fits.
+
+The public records (the projection family's) carry z = s as well, so e_θ is a direction of
+every public gradient and the top of their span: a projection onto the public eigenspace keeps
+the canary, which is then a record inside the span the algorithm keeps, the worst case its
+projection allows (with z = 0 there the canary would be invisible, and an estimate of 0 would
+say only that a record unlike the public ones spends nothing). The algorithms that use no
+public records ignore them.
 """
 
 from __future__ import annotations
@@ -84,11 +87,12 @@ def scale(source: Problem, radius: float) -> float:
     return SCALE_OVER_CLIP * radius * max(len(p) for p in source.partitions)
 
 
-def canary_problem(source: Problem, x: Tensor, y: Tensor, parts: list[np.ndarray]) -> Problem:
+def canary_problem(source: Problem, x: Tensor, y: Tensor, parts: list[np.ndarray],
+                   public_z: float) -> Problem:
     """``source``'s run with the canary model (θ added) over records ``x`` (features and z,
-    :func:`with_z`) and ``y``, split as ``parts``."""
+    :func:`with_z`) and ``y``, split as ``parts``; the public records' z is ``public_z``."""
     ds, flat = source.dataset, source.model.flat
-    public_x = None if ds.public_x is None else with_z(ds.public_x)
+    public_x = None if ds.public_x is None else with_z(ds.public_x, public_z)
     dataset = Dataset(f"{ds.name}-audit", x, y, with_z(ds.test_x), ds.test_y, task=ds.task,
                       num_classes=ds.num_classes, public_x=public_x, public_y=ds.public_y)
     module = CanaryModule(copy.deepcopy(flat.template), ds.input_shape).to(source.device)
@@ -112,7 +116,7 @@ def record_trials(source: Problem, client: int, trials: int, radius: float) -> P
         out, inn = np.concatenate([[n + 1], rest]), np.concatenate([[n], rest])
     else:
         out, inn = np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64)
-    return canary_problem(source, x, y, [out] * trials + [inn] * trials + [out])
+    return canary_problem(source, x, y, [out] * trials + [inn] * trials + [out], s)
 
 
 def client_trials(source: Problem, radius: float) -> tuple[Problem, Problem]:
@@ -126,7 +130,8 @@ def client_trials(source: Problem, radius: float) -> tuple[Problem, Problem]:
     y = torch.cat([ds.train_y, ds.train_y[:1].expand(copies)])
     own = np.arange(ds.num_train, ds.num_train + copies, dtype=np.int64)
     parts = list(source.partitions)
-    return canary_problem(source, x, y, parts), canary_problem(source, x, y, [*parts, own])
+    return (canary_problem(source, x, y, parts, s),
+            canary_problem(source, x, y, [*parts, own], s))
 
 
 def direction(problem: Problem) -> Tensor:
