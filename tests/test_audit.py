@@ -180,13 +180,23 @@ def test_the_gaussian_fit_catches_a_fifth_less_noise(name, monkeypatch):
     assert result.gaussian.epsilon_lower > result.epsilon_ledger
 
 
-@pytest.mark.parametrize("name", ["dpsgd-gc", "dp-sgd", "dp-fedavg", "dp-fedavg-quantile"])
+#: algorithms whose canary cannot spend the whole budget even in the tight setting (the score's
+#: plain sum over rounds: SCAFFOLD's control variates; RPDP-SGD's random subspace keeps the
+#: canary's coordinate a k'/d share of the time): halved noise stays within their gap
+PARTIAL_BUDGET = ("dp-scaffold", "rpdp-sgd")
+#: where halved noise is caught at 200 runs a side by a margin under 0.5 in ε, 1,000 runs
+HALF_NOISE_TRIALS = {"adaptdp-fedavg": 1000, "dp-fedavg-quantile": 1000, "fedpcdp": 1000,
+                     "fedpdp": 1000, "pcdp-sgd": 1000, "pdp-sgd": 1000, "rsdp-sgd": 1000}
+
+
+@pytest.mark.parametrize("name", [n for n in ALGORITHMS.names() if n not in PARTIAL_BUDGET
+                                  and not ALGORITHMS.get(n).noise_free])
 def test_the_gaussian_fit_catches_half_the_noise(name, monkeypatch):
     """Power: noise std halved is caught by the Gaussian-DP fit (its 95% lower bound above the
-    ledger's ε) from the same 200 runs a side in which the Clopper-Pearson bound stays below
-    the ledger."""
+    ledger's ε) in every algorithm but :data:`PARTIAL_BUDGET`, from runs in which the
+    Clopper-Pearson bound stays far below (200 a side; 1,000 where the margin is small)."""
     shrink_noise(monkeypatch, 2.0)
-    result = reduced_audit(name)
+    result = reduced_audit(name, trials=HALF_NOISE_TRIALS.get(name, TRIALS))
     assert result.gaussian.epsilon_lower > result.epsilon_ledger
 
 
