@@ -108,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--confidence", type=float, default=0.95,
                    help="confidence of the lower bound (default: 0.95)")
     p.add_argument("--client", type=int, default=0, help="the client whose data is audited")
+    p.add_argument("--one-run", action="store_true",
+                   help="audit one real run instead: --canaries gradient canaries, each in with "
+                   "probability ½, and --guesses guesses (Steinke et al. 2023)")
+    p.add_argument("--canaries", type=int, default=1000,
+                   help="the one-run audit's canaries (default: 1000)")
+    p.add_argument("--guesses", type=int, default=100,
+                   help="the one-run audit's guesses, half 'in', half 'out' (default: 100)")
     p.add_argument("--canary", default="gradient",
                    help="a gradient canary (default: the model gains a coordinate only the "
                    "canary moves, the tightest) or an input canary (a crafted record, as a "
@@ -232,11 +239,31 @@ def audit(args: argparse.Namespace) -> int:
     if not 0 <= args.client < int(config["num-partitions"]):
         raise UsageError(f"--client: {args.client} (allowed: 0.."
                          f"{int(config['num-partitions']) - 1})")
+    if args.one_run:
+        return audit_one_run(args, config)
     result = run_audit(config, trials=args.trials, confidence=args.confidence,
                        client=args.client, canary=args.canary)
     folder = write(result, config, results_path(config, "audit"))
     print(verdict(result))
     print(f"audit of {2 * args.trials} runs in {result.seconds:.1f} s; results in {folder}")
+    return 0
+
+
+def audit_one_run(args: argparse.Namespace, config) -> int:
+    """``dpfl audit --one-run``: the one-run audit of ``config``, written to its results
+    folder."""
+    from dpfl.audit.one_run import one_run
+    from dpfl.audit.report import write_one_run
+    from dpfl.results import results_path
+
+    if not 2 <= args.guesses <= args.canaries:
+        raise UsageError(f"--guesses: {args.guesses} (allowed: 2..--canaries, "
+                         f"{args.canaries})")
+    result = one_run(config, canaries=args.canaries, guesses=args.guesses,
+                     confidence=args.confidence, client=args.client)
+    folder, line = write_one_run(result, config, results_path(config, "audit"))
+    print(line)
+    print(f"one-run audit in {result.seconds:.1f} s; results in {folder}")
     return 0
 
 

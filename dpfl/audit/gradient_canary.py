@@ -52,21 +52,23 @@ SCALE_OVER_CLIP = 1000.0
 
 
 class CanaryModule(nn.Module):
-    """``module`` with one more trainable scalar θ (zero at first): inputs are ``[n, F + 1]``,
-    a record's features flattened and its z; the output is ``module``'s (flattened) and z·θ
-    as one more column, which :func:`canary_loss` adds to the sample's loss."""
+    """``module`` with ``slots`` more trainable scalars θ (zero at first; one a canary, the
+    last of the flat vector): inputs are ``[n, F + slots]``, a record's features flattened and
+    its z; the output is ``module``'s (flattened) and z·θ as one more column, which
+    :func:`canary_loss` adds to the sample's loss."""
 
-    def __init__(self, module: nn.Module, input_shape: tuple[int, ...]) -> None:
+    def __init__(self, module: nn.Module, input_shape: tuple[int, ...], slots: int = 1) -> None:
         super().__init__()
         self.module = module
         self.input_shape = tuple(input_shape)
-        self.canary = nn.Linear(1, 1, bias=False)
+        self.slots = slots
+        self.canary = nn.Linear(slots, 1, bias=False)
         nn.init.zeros_(self.canary.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         n = x.shape[0]
-        out = self.module(x[:, :-1].reshape(n, *self.input_shape)).reshape(n, -1)
-        return torch.cat([out, self.canary(x[:, -1:])], dim=1)
+        out = self.module(x[:, :-self.slots].reshape(n, *self.input_shape)).reshape(n, -1)
+        return torch.cat([out, self.canary(x[:, -self.slots:])], dim=1)
 
 
 def canary_loss(base: Loss) -> Loss:
@@ -76,10 +78,16 @@ def canary_loss(base: Loss) -> Loss:
                 correct=None if correct is None else lambda out, y: correct(out[:, :-1], y))
 
 
-def with_z(x: Tensor, z: float = 0.0) -> Tensor:
-    """Records ``x [n, ...]`` flattened, with one more column holding ``z``."""
+def with_z(x: Tensor, z: float = 0.0, slots: int = 1, slot: int | None = 0) -> Tensor:
+    """Records ``x [n, ...]`` flattened, with ``slots`` more columns, ``z`` in column
+    ``slot`` (every one, for ``slot=None``) and 0 in the others."""
     flat = x.reshape(len(x), -1)
-    return torch.cat([flat, flat.new_full((len(x), 1), z)], dim=1)
+    extra = flat.new_zeros(len(x), slots)
+    if slot is None:
+        extra.fill_(z)
+    else:
+        extra[:, slot] = z
+    return torch.cat([flat, extra], dim=1)
 
 
 def scale(source: Problem, radius: float) -> float:
@@ -88,14 +96,17 @@ def scale(source: Problem, radius: float) -> float:
 
 
 def canary_problem(source: Problem, x: Tensor, y: Tensor, parts: list[np.ndarray],
-                   public_z: float) -> Problem:
-    """``source``'s run with the canary model (θ added) over records ``x`` (features and z,
-    :func:`with_z`) and ``y``, split as ``parts``; the public records' z is ``public_z``."""
+                   public_z: float, slots: int = 1) -> Problem:
+    """``source``'s run with the canary model (``slots`` θ added) over records ``x``
+    (features and z, :func:`with_z`) and ``y``, split as ``parts``; the public records' z is
+    ``public_z`` in every slot."""
     ds, flat = source.dataset, source.model.flat
-    public_x = None if ds.public_x is None else with_z(ds.public_x, public_z)
-    dataset = Dataset(f"{ds.name}-audit", x, y, with_z(ds.test_x), ds.test_y, task=ds.task,
-                      num_classes=ds.num_classes, public_x=public_x, public_y=ds.public_y)
-    module = CanaryModule(copy.deepcopy(flat.template), ds.input_shape).to(source.device)
+    public_x = (None if ds.public_x is None
+                else with_z(ds.public_x, public_z, slots, slot=None))
+    dataset = Dataset(f"{ds.name}-audit", x, y, with_z(ds.test_x, slots=slots), ds.test_y,
+                      task=ds.task, num_classes=ds.num_classes, public_x=public_x,
+                      public_y=ds.public_y)
+    module = CanaryModule(copy.deepcopy(flat.template), ds.input_shape, slots).to(source.device)
     model = FlatModel(module, canary_loss(source.model.loss), nonconvex_reg=flat.nonconvex_reg,
                       chunk_bytes=source.model.chunk_bytes)
     config = source.config.replace(**{"num-partitions": len(parts)})

@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 from scipy.stats import norm  # noqa: E402
 
 from dpfl.audit import AuditResult  # noqa: E402
+from dpfl.audit.one_run import OneRunResult  # noqa: E402
 from dpfl.results import jsonable  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
 
@@ -91,3 +92,18 @@ def write(result: AuditResult, config: RunConfig, folder: Path) -> Path:
                         with_canary=result.scores_in)
     plot(result, folder / "scores.png")
     return folder
+
+
+def write_one_run(result: OneRunResult, config: RunConfig, folder: Path) -> tuple[Path, str]:
+    """Write a one-run audit's folder (``audit.json``) and return it with its verdict line."""
+    line = (f"{result.algorithm}: one run, {result.canaries} canaries, {result.correct} of "
+            f"{result.guesses} guesses right: ε_lower = {result.epsilon_lower:.3g} "
+            f"({100 * result.confidence:g}% confidence) vs the ledger's ε = "
+            f"{result.epsilon_ledger:.4g} at δ = {result.delta:g} after {result.rounds} rounds: "
+            + ("the audit REFUTES the ledger" if result.epsilon_lower > result.epsilon_ledger
+               else "consistent"))
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {**result.summary(), "method": "one-run", "run_config": config.as_dict(),
+              "verdict": line}
+    (folder / "audit.json").write_text(json.dumps(jsonable(record), indent=2) + "\n")
+    return folder, line
