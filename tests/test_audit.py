@@ -168,10 +168,11 @@ def test_the_audit_catches_noise_far_below_its_release(name, monkeypatch):
     assert result.bound.epsilon > result.epsilon_ledger
 
 
-@pytest.mark.parametrize("name", ["dpsgd-gc", "dp-sgd", "dp-fedavg"])
+@pytest.mark.parametrize("name", ["dpsgd-gc", "dp-sgd", "dp-fedavg", "pcdp-sgd", "fedpcdp"])
 def test_the_gaussian_fit_catches_a_fifth_less_noise(name, monkeypatch):
     """Power: noise std × 0.8 is caught by the fit at ε = 8 with 1,000 runs a side (there μ's
-    relative standard error is about 3%: a 25% larger μ shows)."""
+    relative standard error is about 3%: a 25% larger μ shows). Not DP-FedAvg-quantile, whose
+    canary client reaches 76-78% of its ledger (docs/audit.md): × 0.8 stays within that gap."""
     shrink_noise(monkeypatch, 1.25)
     values = {"algorithm": name, "model": "logistic", "num-server-rounds": ROUNDS,
               "num-partitions": 10, "epsilon": 8.0}
