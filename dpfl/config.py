@@ -245,9 +245,11 @@ COMMON: tuple[Param, ...] = (
     Param("model-options", "", "Options of the model builder as key=value pairs, e.g. "
           "'bias=false zero_init=true' or 'hidden=512'."),
     Param("dataset-options", "", "Options of the dataset loader as key=value pairs, e.g. "
-          "'duplicate=3' (prisma-least-squares: each client's records repeated 3 times); "
-          "\"auto\" = the algorithm's (e.g. 'num_public=100' for the algorithms that project "
-          "onto public records), else none.", per_algorithm=True),
+          "'duplicate=3' (prisma-least-squares: each client's records repeated 3 times) or "
+          "'num_validation=1000' (a validation split held out of the training rows, which the "
+          "server evaluates beside the test set); \"auto\" = the algorithm's (e.g. "
+          "'num_public=100' for the algorithms that project onto public records), else none.",
+          per_algorithm=True),
     Param("data-dir", "", "Folder of the datasets; empty = $DPFL_DATA_DIR, else data/ in "
           "dpfl's per-user cache folder ($DPFL_CACHE_DIR, default ~/.cache/dpfl on Linux)."),
     Param("download", False, "Download MNIST, Fashion-MNIST or CIFAR-10 into the data folder "

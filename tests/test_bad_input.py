@@ -31,7 +31,8 @@ CASES = {
                                             "not used by algorithm 'non-prisma', which adds no "
                                             "noise"),
     "unknown_dataset_option": ('dataset-options="dup=2"', "dataset-options",
-                               "dataset 'digits' has no option 'dup' (allowed: num_public)"),
+                               "dataset 'digits' has no option 'dup' (allowed: num_public, "
+                               "num_validation)"),
     "unparsable_dataset_options": ('dataset-options="num_public"', "dataset-options",
                                    "cannot parse 'num_public' is not key=value"),
     "wrong_type": ('clip="big"', "clip", "expected float, got str 'big' (allowed: a float, or "

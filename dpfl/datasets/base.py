@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -12,7 +12,8 @@ TASKS = ("classification", "binary", "regression")
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """A train/test pair of dense tensors and the learning task they pose.
+    """A train/test pair of dense tensors (and the splits held out of the training rows) and
+    the learning task they pose.
 
     Compared and hashed by identity (``eq=False``): two loads are equal only when
     they are the same object, which :func:`dpfl.datasets.load_dataset` returns for
@@ -39,6 +40,11 @@ class Dataset:
         Public records held out of the training rows (the dataset option
         ``num_public``): disjoint from every client's data, never partitioned, read
         only by algorithms that project onto a public subspace (PCDP-SGD's D_pub).
+    validation_x, validation_y : torch.Tensor | None
+        A validation split held out of the training rows (the dataset option
+        ``num_validation``), for choosing hyperparameters without the test set: disjoint from
+        the public records and from every client's data, never partitioned. Like the test
+        set, the server's own data: it evaluates the global model on it, no client reads it.
     """
 
     name: str
@@ -51,6 +57,8 @@ class Dataset:
     client_sizes: tuple[int, ...] | None = None
     public_x: torch.Tensor | None = None
     public_y: torch.Tensor | None = None
+    validation_x: torch.Tensor | None = None
+    validation_y: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -69,6 +77,11 @@ class Dataset:
         return 0 if self.public_y is None else len(self.public_y)
 
     @property
+    def num_validation(self) -> int:
+        """Number of validation records (0 when there are none)."""
+        return 0 if self.validation_y is None else len(self.validation_y)
+
+    @property
     def num_train(self) -> int:
         """Number of training rows."""
         return len(self.train_y)
@@ -85,24 +98,44 @@ def natural_partition(dataset: Dataset) -> list[np.ndarray] | None:
     ]
 
 
-def with_public(dataset: Dataset, num_public: int, seed: int,
-                candidates: np.ndarray | None = None) -> Dataset:
-    """``dataset`` with ``num_public`` public records drawn uniformly with ``seed``: from the
-    training rows (which then lose them) or, given ``candidates`` (``[k, ...]`` features and
-    labels, e.g. the records a training subset left out), from those."""
+#: the splits :func:`hold_out` draws out of the training rows, in the order it draws them
+HELD_OUT = ("public", "validation")
+
+
+def hold_out(dataset: Dataset, seed: int, *, num_public: int = 0, num_validation: int = 0,
+             candidates: tuple[torch.Tensor, torch.Tensor] | None = None) -> Dataset:
+    """``dataset`` with ``num_public`` public records, then ``num_validation`` validation
+    records (:data:`HELD_OUT`), each drawn uniformly without replacement by one generator
+    seeded with ``seed``: from the training rows (which then lose them) or, given
+    ``candidates`` (``[k, ...]`` features and labels, e.g. the records a training subset left
+    out), from those; the validation records from what the public draw left. The public draw
+    is the generator's first, so it does not depend on ``num_validation``. A size of 0 holds
+    nothing out (``dataset`` itself when both are); the result has no natural per-client split
+    (``client_sizes``)."""
+    pool_x, pool_y = (dataset.train_x, dataset.train_y) if candidates is None else candidates
+    rng = np.random.default_rng(seed)
+    left = np.arange(len(pool_y))
+    held: dict[str, torch.Tensor] = {}
+    for split, size in zip(HELD_OUT, (num_public, num_validation), strict=True):
+        if size == 0:
+            continue
+        _check_size(f"num_{split}", size, len(left))
+        picks = np.sort(rng.choice(len(left), size, replace=False))
+        rows = torch.from_numpy(left[picks])
+        held[f"{split}_x"], held[f"{split}_y"] = pool_x[rows], pool_y[rows]
+        left = np.delete(left, picks)
+    if not held:
+        return dataset
+    if candidates is None:
+        keep = torch.from_numpy(left)
+        held["train_x"], held["train_y"] = dataset.train_x[keep], dataset.train_y[keep]
+    return replace(dataset, client_sizes=None, **held)
+
+
+def _check_size(option: str, size: object, pool: int) -> None:
+    """A ConfigError unless ``size`` records can be drawn from ``pool`` leaving one."""
     from dpfl.errors import ConfigError
 
-    pool_x, pool_y = (dataset.train_x, dataset.train_y) if candidates is None else candidates
-    if not 0 < num_public < len(pool_y):
-        raise ConfigError("dataset-options", f"num_public must be between 1 and "
-                          f"{len(pool_y) - 1}, got {num_public}",
-                          allowed=f"1..{len(pool_y) - 1}, or 0 for none")
-    picks = np.sort(np.random.default_rng(seed).choice(len(pool_y), num_public, replace=False))
-    rows = torch.from_numpy(picks)
-    train_x, train_y = dataset.train_x, dataset.train_y
-    if candidates is None:
-        keep = torch.from_numpy(np.setdiff1d(np.arange(len(pool_y)), picks))
-        train_x, train_y = train_x[keep], train_y[keep]
-    return Dataset(dataset.name, train_x, train_y, dataset.test_x, dataset.test_y,
-                   task=dataset.task, num_classes=dataset.num_classes,
-                   public_x=pool_x[rows], public_y=pool_y[rows])
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size < pool:
+        raise ConfigError("dataset-options", f"{option} must be between 1 and {pool - 1}, "
+                          f"got {size!r}", allowed=f"1..{pool - 1}, or 0 for none")

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from dpfl.datasets.base import Dataset, with_public
+from dpfl.datasets.base import Dataset, hold_out
 from dpfl.datasets.loading import DATASETS
 
 
 @DATASETS.register("digits")
-def load_digits(*, seed: int, num_public: int = 0) -> Dataset:
+def load_digits(*, seed: int, num_public: int = 0, num_validation: int = 0) -> Dataset:
     """1,797 8×8 digit images, flattened to 64 features scaled to [0, 1] (pixel / 16).
 
     Train/test is a stratified 80/20 split drawn with ``seed`` (1,437 / 360 rows);
-    ``num_public`` of the training rows are held out as public records.
+    ``num_public`` of the training rows are held out as public records, then
+    ``num_validation`` of the rest as a validation split (:func:`hold_out`).
     """
     from sklearn.datasets import load_digits as sklearn_digits  # imported on use
     from sklearn.model_selection import train_test_split
@@ -28,4 +29,4 @@ def load_digits(*, seed: int, num_public: int = 0) -> Dataset:
     dataset = Dataset(
         "digits", x[train], y[train], x[test], y[test], task="classification", num_classes=10
     )
-    return with_public(dataset, num_public, seed) if num_public else dataset
+    return hold_out(dataset, seed, num_public=num_public, num_validation=num_validation)

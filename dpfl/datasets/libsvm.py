@@ -8,18 +8,21 @@ scaled to unit ℓ2 norm, as the Clip21 logistic-regression experiments do
 
 a9a is evaluated on a9a.t. duke and w8a ship no test file here, so their test
 set *is* the training set (the same tensors): the papers using them report
-training-objective metrics (gradient norm, training loss).
+training-objective metrics (gradient norm, training loss). a9a can hold out a validation
+split (``num_validation``); duke and w8a refuse one, which their test set would hold.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dpfl.datasets.base import Dataset
+from dpfl.datasets.base import Dataset, hold_out
 from dpfl.datasets.loading import DATASETS, Loader, local_file
+from dpfl.errors import ConfigError
 
 
 def _read(path: Path, n_features: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +36,9 @@ def _read(path: Path, n_features: int, normalize: bool) -> tuple[torch.Tensor, t
 
 
 def _libsvm_loader(name: str, train_file: str, test_file: str | None, n_features: int) -> Loader:
-    def load(*, data_dir: Path, download: bool, normalize: bool = True) -> Dataset:
+    @functools.lru_cache(maxsize=2)
+    def whole(data_dir: Path, download: bool, normalize: bool) -> Dataset:
+        """The files' rows (one copy per ``normalize``, whatever the run seed)."""
         def read(filename: str) -> tuple[torch.Tensor, torch.Tensor]:
             path = local_file(data_dir, f"libsvm/{filename}", dataset=name, download=download)
             return _read(path, n_features, normalize)
@@ -42,7 +47,16 @@ def _libsvm_loader(name: str, train_file: str, test_file: str | None, n_features
         test_x, test_y = read(test_file) if test_file else (train_x, train_y)
         return Dataset(name, train_x, train_y, test_x, test_y, task="binary", num_classes=1)
 
-    test = f"test on {test_file}" if test_file else "test set = training set"
+    def load(*, seed: int, data_dir: Path, download: bool, normalize: bool = True,
+             num_validation: int = 0) -> Dataset:
+        if num_validation and test_file is None:
+            raise ConfigError("dataset-options", f"num_validation: {name} tests on its training "
+                              f"set, so a validation split would be in the test set", allowed="0")
+        return hold_out(whole(data_dir, download, normalize), seed,
+                        num_validation=num_validation)
+
+    test = (f"test on {test_file}; ``num_validation``: training rows held out as a validation "
+            f"split, drawn with the run seed" if test_file else "test set = training set")
     load.__doc__ = f"LIBSVM {name} ({n_features} features; {test}); ``normalize``: unit-norm rows."
     return load
 

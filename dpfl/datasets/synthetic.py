@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from dpfl.datasets.base import Dataset
+from dpfl.datasets.base import Dataset, hold_out
 from dpfl.datasets.loading import DATASETS, positive_int
 
 
@@ -94,10 +94,12 @@ def load_quadratic(
 
 
 @DATASETS.register("synthetic-cifar10")
-def load_synthetic_cifar10(*, seed: int, num_train: int = 500, num_test: int = 100) -> Dataset:
+def load_synthetic_cifar10(*, seed: int, num_train: int = 500, num_test: int = 100,
+                           num_validation: int = 0) -> Dataset:
     """CIFAR-10-shaped stand-in (``[n, 3, 32, 32]`` float32 in [−1, 1], 10 classes) for smoke
     runs without the real data: each class is a fixed random image, each sample that image
-    plus uniform noise, clipped; labels uniform. Learnable, not CIFAR."""
+    plus uniform noise, clipped; labels uniform. Learnable, not CIFAR. ``num_validation`` of
+    the ``num_train`` rows are held out as a validation split (:func:`hold_out`)."""
     rng = np.random.default_rng(seed)
     prototypes = rng.uniform(-1.0, 1.0, size=(10, 3, 32, 32))
 
@@ -108,6 +110,7 @@ def load_synthetic_cifar10(*, seed: int, num_train: int = 500, num_test: int = 1
 
     (train_x, train_y), (test_x, test_y) = (draw(positive_int("num-train", num_train)),
                                             draw(positive_int("num-test", num_test)))
-    return Dataset("synthetic-cifar10", *_tensors(train_x), torch.from_numpy(train_y),
-                   *_tensors(test_x), torch.from_numpy(test_y), task="classification",
-                   num_classes=10)
+    dataset = Dataset("synthetic-cifar10", *_tensors(train_x), torch.from_numpy(train_y),
+                      *_tensors(test_x), torch.from_numpy(test_y), task="classification",
+                      num_classes=10)
+    return hold_out(dataset, seed, num_validation=num_validation)

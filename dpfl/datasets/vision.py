@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from dpfl.datasets.base import Dataset, with_public
+from dpfl.datasets.base import Dataset, hold_out
 from dpfl.datasets.download import ensure_files, from_mirrors
 from dpfl.datasets.loading import DATASETS, Loader
 from dpfl.errors import ConfigError
@@ -95,7 +95,8 @@ def _idx_loader(name: str, source_name: str, subdir: str, mean: float, std: floa
         )
 
     def load(*, seed: int, data_dir: Path, cache_dir: Path, download: bool,
-             num_train: int = 0, num_public: int = 0, scaling: str = "standardised") -> Dataset:
+             num_train: int = 0, num_public: int = 0, num_validation: int = 0,
+             scaling: str = "standardised") -> Dataset:
         if scaling not in IDX_SCALINGS:
             raise ConfigError("dataset-options", f"{name}'s scaling {scaling!r} is not offered",
                               allowed=", ".join(IDX_SCALINGS))
@@ -107,7 +108,8 @@ def _idx_loader(name: str, source_name: str, subdir: str, mean: float, std: floa
                               whole.test_y, task="classification", num_classes=10)
             left = torch.from_numpy(np.setdiff1d(np.arange(whole.num_train), rows.numpy()))
             rest = (whole.train_x[left], whole.train_y[left])
-        return with_public(dataset, num_public, seed, rest) if num_public else dataset
+        return hold_out(dataset, seed, num_public=num_public, num_validation=num_validation,
+                        candidates=rest)
 
     load.__doc__ = (
         f"{source_name}: 60,000 train / 10,000 test images, [n, 1, 28, 28]; ``scaling``: "
@@ -116,7 +118,8 @@ def _idx_loader(name: str, source_name: str, subdir: str, mean: float, std: floa
         f"run seed (0 = all; the adaptive-clipping paper trains on 3,000); ``num_public``: "
         f"public records drawn with the run seed from the training images outside the "
         f"subset (or held out of them without one), for a public projection (PCDP-SGD's "
-        f"m = 100)."
+        f"m = 100); ``num_validation``: a validation split drawn the same way after the public "
+        f"records, from what they left."
     )
     return load
 

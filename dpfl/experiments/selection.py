@@ -14,6 +14,11 @@ made affordable by running it coarse to fine:
   winner runs again past it while that improves the metric.
 * :func:`seed_runs`: the selected points rerun with fresh seeds, as the table reports them.
 
+Points are ranked on the server's test set by default, the papers' protocol, which every
+reproduction keeps; ``split="validation"`` ranks them on the validation split held out of the
+training data instead (dataset option ``num_validation``), which a selection that must not see
+the test set uses. The reported accuracies (:func:`seed_runs`) are always the test set's.
+
 Grid edges are reported (:func:`edge_axes`): a selected point on the edge of its grid is a
 weaker selection than an interior one.
 """
@@ -26,7 +31,7 @@ import shlex
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from dpfl.config import Value, format_options, format_overrides, parse_options
 
@@ -38,6 +43,8 @@ Cell = tuple[Any, ...]  # what a table's cell is keyed by, e.g. (model, method, 
 Rung = tuple[int, int | float]
 
 BELOW_GRID = 3  # decades a step axis may go below the grid when its smallest step wins
+# the server's evaluation set a selection ranks by (the ``<split>_accuracy`` of a summary)
+Split = Literal["test", "validation"]
 
 
 class Runs(Protocol):
@@ -64,9 +71,14 @@ def command(values: Config) -> str:
     return f"dpfl run --run-config {shlex.quote(format_overrides(keep))}"
 
 
-def final_accuracy(summary: dict[str, Any]) -> float:
-    """A run's final test accuracy in percent (0 for a run without one, e.g. diverged)."""
-    acc = summary.get("test_accuracy")
+def final_accuracy(summary: dict[str, Any], split: Split = "test") -> float:
+    """A run's final accuracy on ``split`` in percent (0 for a run without one, e.g. diverged);
+    a ValueError for a run evaluated without that split (a dataset without ``num_validation``),
+    which would otherwise rank as 0."""
+    if "test_loss" in summary and f"{split}_loss" not in summary:
+        raise ValueError(f"the run has no {split} split to rank by: give the dataset option "
+                         f"num_{split}")
+    acc = summary.get(f"{split}_accuracy")
     return 100 * acc if acc is not None and math.isfinite(acc) else 0.0
 
 
@@ -129,21 +141,21 @@ def best_within(steps: list[tuple[float, Config]], limit: float) -> Config | Non
     return next((p for size, p in steps if size <= limit * (1 + 1e-9)), None)
 
 
-def select(lab: Runs, candidates: dict[Cell, list[Config]], ladder: StepLadder
-           ) -> dict[Cell, list[tuple[float, Config]]]:
-    """The best single run by test accuracy, coarse to fine: successive halving over
+def select(lab: Runs, candidates: dict[Cell, list[Config]], ladder: StepLadder,
+           split: Split = "test") -> dict[Cell, list[tuple[float, Config]]]:
+    """The best single run by accuracy on ``split``, coarse to fine: successive halving over
     ``ladder.rungs``. At each rung every surviving point of every cell runs its proxy (seed as
     in the point), and :func:`survivors` go on, by step size, counting points whose runs end
-    identically (same final test accuracy and loss) once, by the one with the fewest axes on
-    the grid's edge.
+    identically (same final accuracy and loss on ``split``) once, by the one with the fewest
+    axes on the grid's edge.
 
     The hedge of the last rung towards smaller steps is extended while it wins: when the best
     last-rung run is also the one with the smallest step, the previous rung's best point with at
     most 1/10 of that step runs too (a selected point at the hedge's own edge is as suspect as
     one at the grid's edge); past the grid's smallest step it goes on below the grid, dividing
     one factor of the step by 10 (:func:`smaller_steps`; :func:`edge_axes` marks such a
-    point). Returns, per cell, the last rung's distinct points ranked by accuracy (best
-    first)."""
+    point). Returns, per cell, the last rung's distinct points ranked by accuracy on ``split``
+    (best first)."""
     alive = {cell: list(points) for cell, points in candidates.items()}
     ranked: dict[Cell, list[tuple[float, Config]]] = {}
     previous: dict[Cell, list[tuple[float, Config]]] = {}
@@ -156,18 +168,18 @@ def select(lab: Runs, candidates: dict[Cell, list[Config]], ladder: StepLadder
         for (cell, p), summary in zip(batch, summaries, strict=True):
             # Points whose runs end identically are one run: e.g. Clip-SGD with σ ∝ τ depends on
             # γτ only, so an anti-diagonal of the grid would otherwise fill every place of a
-            # rung. "Identically": the same test accuracy and the same test loss to 6
-            # significant digits (such invariances are exact in arithmetic, not in floating
-            # point: measured twins differ by ~1e-8).
-            loss = summary.get("test_loss")
-            outcome = (summary.get("test_accuracy"), None if loss is None else f"{loss:.6g}")
+            # rung. "Identically": the same accuracy and the same loss to 6 significant digits
+            # (such invariances are exact in arithmetic, not in floating point: measured twins
+            # differ by ~1e-8).
+            loss = summary.get(f"{split}_loss")
+            outcome = (summary.get(f"{split}_accuracy"), None if loss is None else f"{loss:.6g}")
             scores, where = ranked.setdefault(cell, []), seen.setdefault(cell, {})
             if outcome not in where:
                 where[outcome] = len(scores)
-                scores.append((final_accuracy(summary), p))
+                scores.append((final_accuracy(summary, split), p))
             elif (len(edge_axes(p, candidates[cell]))
                   < len(edge_axes(scores[where[outcome]][1], candidates[cell]))):
-                scores[where[outcome]] = (final_accuracy(summary), p)
+                scores[where[outcome]] = (final_accuracy(summary, split), p)
         for cell, scores in ranked.items():
             scores.sort(key=lambda t: -t[0])  # stable: grid order breaks ties
             alive[cell] = survivors(scores, alive[cell], keep, ladder.step)
@@ -177,7 +189,7 @@ def select(lab: Runs, candidates: dict[Cell, list[Config]], ladder: StepLadder
                                             ladder)]:
         summaries = lab.run_many([ladder.proxy(p, full) for _, p in extend])
         for (cell, p), summary in zip(extend, summaries, strict=True):
-            ranked[cell].append((final_accuracy(summary), p))
+            ranked[cell].append((final_accuracy(summary, split), p))
         for cell in {cell for cell, _ in extend}:
             ranked[cell].sort(key=lambda t: -t[0])
     return ranked
@@ -245,9 +257,10 @@ def seed_runs(lab: Any, ranked: dict[Cell, list[tuple[float, Config]]],
               step: Callable[[Config], float], change: Config | None = None
               ) -> dict[Cell, Any]:
     """Each cell's selected point, with ``change`` applied (e.g. another federation), run with
-    fresh ``seeds``: the cells' results (accuracy mean ± std, the point run, the full-length
-    selection runs with their ``step`` sizes, grid edges, the ledger's ε). ``grids[cell[1]]`` is the
-    cell's grid (cells are keyed ``(model, method, …)``)."""
+    fresh ``seeds``: the cells' results (test accuracy mean ± std, whatever split ``ranked`` was
+    selected by; the point run; the full-length selection runs with their accuracies on that
+    split and ``step`` sizes; grid edges; the ledger's ε). ``grids[cell[1]]`` is the cell's grid
+    (cells are keyed ``(model, method, …)``)."""
     chosen = {cell: {**scores[0][1], **(change or {})} for cell, scores in ranked.items()}
     reruns = {cell: [{**chosen[cell], "seed": s} for s in seeds] for cell in ranked}
     summaries = iter(lab.run_many([c for runs in reruns.values() for c in runs]))
@@ -274,7 +287,8 @@ def walk_past_edge(lab: Runs, best: dict[Cell, tuple[float, float, Config]], axi
     each cell of ``best`` (``(mean, std, point)``) whose selected value is an end of ``values``
     runs its winner with the value multiplied by ``factor`` (divided at the low end), every
     seed, and goes on while the new value has the lower mean ``metric`` of the runs'
-    summaries, at most ``limit`` times. ``run_options`` go to ``lab.run_many``. Returns every
+    summaries, at most ``limit`` times (e.g. ``lambda s: -final_accuracy(s, "validation")``
+    to walk by validation accuracy). ``run_options`` go to ``lab.run_many``. Returns every
     cell, extended or not."""
     out = dict(best)
     frontier = {key: b for key, b in best.items() if b[2][axis] in (values[0], values[-1])}

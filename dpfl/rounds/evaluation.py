@@ -12,20 +12,29 @@ from dpfl.problem import Problem
 
 QUANTILES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # of τ_q (eval-norm-quantiles)
 EVAL_BATCH = 4096  # records per per-sample-gradient pass of an evaluation
+#: the server's evaluation sets, in the order a record lists them: the test set, and the
+#: validation split a dataset may hold out of its training rows (``num_validation``)
+SERVER_SETS = ("test", "validation")
+#: the keys an evaluation writes for them (those of a set the dataset lacks are left out)
+SET_METRICS = tuple(f"{name}_{metric}" for name in SERVER_SETS for metric in ("loss", "accuracy"))
 
 
 class Evaluator:
-    """Test loss and accuracy of a model on the problem's test set, and, with ``eval-train``
-    or ``eval-norm-quantiles`` (non-private diagnostics: the server reads the training data),
-    the training objective, ‖∇F‖ and τ_q."""
+    """Loss and accuracy of a model on the server's own data: the problem's test set and, where
+    the dataset holds one out (dataset option ``num_validation``), its validation split; no
+    client's data. With ``eval-train`` or ``eval-norm-quantiles`` (non-private diagnostics: the
+    server reads the training data), also the training objective, ‖∇F‖ and τ_q."""
 
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
 
     @functools.cached_property
-    def test_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def server_sets(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The :data:`SERVER_SETS` the dataset has, on the device, by name."""
         ds, device = self.problem.dataset, self.problem.device
-        return ds.test_x.to(device), ds.test_y.to(device)
+        sets = {name: (getattr(ds, f"{name}_x"), getattr(ds, f"{name}_y")) for name in SERVER_SETS}
+        return {name: (x.to(device), y.to(device)) for name, (x, y) in sets.items()
+                if y is not None}
 
     @functools.cached_property
     def train_set(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,16 +44,21 @@ class Evaluator:
     def test_loss(self, params: torch.Tensor) -> float:
         """The test loss of ``params`` (the start of the divergence check)."""
         with torch.no_grad():
-            return float(self.problem.model.evaluate(params, *self.test_set)["loss"])
+            return float(self.problem.model.evaluate(params, *self.server_sets["test"])["loss"])
 
     def __call__(self, params: torch.Tensor) -> dict[str, Any]:
-        """Test loss/accuracy of ``params`` (and, with eval-train, the full training objective
-        and ‖∇F‖; with eval-norm-quantiles, τ_q)."""
+        """``<set>_loss``/``<set>_accuracy`` of ``params`` on each of :attr:`server_sets`
+        (``test_loss``, ``test_accuracy``, then ``validation_loss``, ``validation_accuracy``
+        where there is a validation split); with eval-train, also the full training objective
+        and ‖∇F‖; with eval-norm-quantiles, τ_q."""
         model, config = self.problem.model, self.problem.config
-        with torch.no_grad():
-            res = model.evaluate(params, *self.test_set)
-        out = {"test_loss": float(res["loss"]),
-               "test_accuracy": None if res.get("accuracy") is None else float(res["accuracy"])}
+        out: dict[str, Any] = {}
+        for name, data in self.server_sets.items():
+            with torch.no_grad():
+                res = model.evaluate(params, *data)
+            accuracy = res.get("accuracy")
+            out[f"{name}_loss"] = float(res["loss"])
+            out[f"{name}_accuracy"] = None if accuracy is None else float(accuracy)
         if config["eval-train"]:
             x, y = self.train_set
             with torch.no_grad():

@@ -13,6 +13,7 @@ import torch
 from dpfl.config import format_overrides
 from dpfl.problem import Problem
 from dpfl.results import ResultsWriter
+from dpfl.rounds.evaluation import SERVER_SETS
 from dpfl.rounds.monitor import say
 from dpfl.rounds.statements import SEEDED, UNPROTECTED
 
@@ -73,10 +74,11 @@ class ReportWriter:
         parts = [f"round {r['round']:>{len(str(rounds))}}/{rounds}"]
         if r.get("train_loss") is not None:
             parts.append(f"train loss {r['train_loss']:.4f}")
-        if "test_loss" in r:
-            acc = r.get("test_accuracy")
-            parts.append(f"test loss {r['test_loss']:.4f}"
-                         + (f" acc {100 * acc:5.2f}%" if acc is not None else ""))
+        for name in SERVER_SETS:
+            if f"{name}_loss" in r:
+                acc = r.get(f"{name}_accuracy")
+                parts.append(f"{name} loss {r[f'{name}_loss']:.4f}"
+                             + (f" acc {100 * acc:5.2f}%" if acc is not None else ""))
         parts.append(f"ε max {r['epsilon_max']:.4g} (δ={self.problem.config['delta']:g})")
         elapsed = time.perf_counter() - self.started
         left = elapsed / (r["round"] - self.first_round + 1) * (rounds - r["round"])

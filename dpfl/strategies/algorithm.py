@@ -33,6 +33,7 @@ from dpfl.algorithms import State
 from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused, Replies, RoundLoop, RowSum, Stopped, blocks, drive
+from dpfl.rounds.evaluation import SET_METRICS
 from dpfl.wire import (
     CLIENTS_QUERY,
     ClientsQuery,
@@ -348,8 +349,7 @@ class AlgorithmStrategy(Strategy):
         for record in loop.records:
             if "test_loss" in record:
                 result.evaluate_metrics_serverapp[record["round"]] = MetricRecord(
-                    {k: record[k] for k in ("test_loss", "test_accuracy")
-                     if record.get(k) is not None})
+                    {k: record[k] for k in SET_METRICS if record.get(k) is not None})
         return result
 
 
