@@ -16,7 +16,8 @@ noniid``.
   (the ``server-lr`` axis, ``--only server-lr=…``; γ_g = 50 comes closest to the paper's
   DP-FedAvg cells, but runs of every method collapse to chance there at random);
   DP-FedAvg and DP FedProx (μ = 0.01) with local DP-SGD, FedPDP, FedPCDP; σ ∈ {4, 6, 8, 10};
-  3 runs. FedLRS is not implemented.
+  3 runs. FedLRS is not implemented. ``federated-mnist-tuned`` / ``-fmnist-tuned``
+  (:mod:`dpfl.experiments.pcdp_tuned`) select each method's γ_g on a validation split instead.
 * **noniid** (Fig. 4): the same federation split one label shard per client (flwr-datasets'
   ShardPartitioner), MNIST at σ = 4 and without DP (σ = 0, c = 10⁴), DP-FedAvg, DP FedProx,
   DP-SCAFFOLD and FedPCDP; 3 runs. MOON and simplified PFA are not implemented.
@@ -131,16 +132,18 @@ SETTINGS = {
 
 def config_of(setting: Setting, method: str, sigma: float, seed: int, reading: str, *,
               smoke: bool = False, rounds: int | None = None,
-              server_lr: float | None = None) -> Config:
+              server_lr: float | None = None, num_validation: int = 0) -> Config:
     """The run of ``method`` at noise multiplier ``sigma`` (0: without DP) and server step
-    ``server_lr`` (default: the setting's)."""
+    ``server_lr`` (default: the setting's); ``num_validation``: images held out as a
+    validation split (from those outside the private subset, which it leaves unchanged)."""
     algorithm = {"dp-fedprox": "dp-fedavg"}.get(method, method)
     private = (600 if smoke else 50_000) if setting.federated else (400 if smoke else 10_000)
     public = 20 if smoke else 100
     epochs = (2 if smoke else 80) if rounds is None else rounds
     values: Config = {
         "algorithm": algorithm, "dataset": setting.dataset, "model": "pcdp-cnn",
-        "dataset-options": f'num_train={private} num_public={public} scaling="unit"',
+        "dataset-options": f'num_train={private} num_public={public} scaling="unit"'
+                           + (f" num_validation={num_validation}" if num_validation else ""),
         "partitioner": setting.partitioner, "delta": 1e-5, "seed": seed,
         "clip": 0.01 if sigma else 1e4, "noise-multiplier": float(sigma),
         "learning-rate": 1.0, "num-server-rounds": epochs, "batch-size": 20 if smoke else 250,
