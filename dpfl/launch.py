@@ -228,10 +228,10 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
              client_cpus: int | None = None, client_gpus: float | None = None) -> int:
     """Run the dpfl app with ``flwr run`` (Ray simulation) on a SuperLink of its own; returns
     0 when the run finished completed, else non-zero (one ``dpfl: error:`` line saying how
-    it ended). The app is the source checkout, or for an installed wheel a temporary copy of
-    the app it carries (:mod:`dpfl.flower_app`). Flower's whole output goes to ``flower.log``
-    in the run's results folder; the console shows it less Flower's and Ray's noise (all of it
-    with ``verbose``).
+    it ended). The app is a temporary copy of the app folder, from the checkout or the
+    installed wheel (:func:`dpfl.flower_app.app_folder`). Flower's whole output goes to
+    ``flower.log`` in the run's results folder; the console shows it less Flower's and Ray's
+    noise (all of it with ``verbose``).
 
     ``ray_address`` (``HOST:PORT`` of a running Ray cluster's head; this machine must be one
     of its nodes) runs the ClientApps on that cluster instead of a Ray started here; it is

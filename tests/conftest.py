@@ -84,7 +84,23 @@ def pytest_configure(config):
         params.COMMON = runconfig.COMMON = common
 
 
+def groups_kept(config, items) -> None:
+    """Under ``--dist loadgroup`` the tests of an ``xdist_group`` run on one worker, so that
+    their module's shared fixtures (the smoke reproductions) are built once: pytest-xdist marks
+    them by a suffix of their node id, which a pytest release it does not support can drop
+    without a word (pytest 9.2 with pytest-xdist 3.8.0). Stop the worker with one line then."""
+    if config.getvalue("dist") != "loadgroup" or not hasattr(config, "workerinput"):
+        return
+    lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist ignored the xdist_group of {lost[0]} (and {len(lost) - 1} more) under "
+            f"pytest {pytest.__version__}: install the pytest pyproject.toml's test extra allows")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, which suffixes the grouped ids
 def pytest_collection_modifyitems(config, items):
+    groups_kept(config, items)
     if config.getoption("--device") == "cpu":
         return
     for item in items:
@@ -92,3 +108,13 @@ def pytest_collection_modifyitems(config, items):
         if marker is not None:
             item.add_marker(pytest.mark.skip(reason=f"--device {config.getoption('--device')}: "
                                              f"{marker.args[0]}"))
+
+
+@pytest.fixture(scope="session")
+def app(tmp_path_factory) -> Path:
+    """dpfl's Flower app folder (:func:`dpfl.flower_app.write_app`), written once a session,
+    for the tests that call ``flwr run`` themselves: the checkout's FAB, which Flower builds
+    without visiting every file of the checkout's ``.venv`` (seconds a run)."""
+    from dpfl.flower_app import write_app
+
+    return write_app(tmp_path_factory.mktemp("app") / "dpfl")

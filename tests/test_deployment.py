@@ -31,16 +31,21 @@ pytestmark = pytest.mark.flower
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _federation(folder: Path) -> LocalFederation:
+    """A :class:`LocalFederation` in ``folder``, its nodes' cache and ledgers there too."""
+    federation = LocalFederation(folder)
+    federation.env.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").resolve()))
+    federation.env["DPFL_CACHE_DIR"] = str(folder / "cache")  # the nodes' cache (one folder)
+    federation.env["DPFL_STATE_DIR"] = str(folder / "state")  # their ledgers: this test's
+    return federation
+
+
 @pytest.fixture
 def deployment(tmp_path):
     """A :class:`LocalFederation` in ``tmp_path``: ``deployment(nodes, tls=…, database=…)``
     starts it and yields the environment for ``flwr run . local-deployment``; every process is
     stopped at the end, the test passed or not."""
-    federation = LocalFederation(tmp_path)
-    federation.env.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").resolve()))
-    federation.env["DPFL_CACHE_DIR"] = str(tmp_path / "cache")  # the nodes' cache (one folder)
-    federation.env["DPFL_STATE_DIR"] = str(tmp_path / "state")  # their ledgers: this test's
-    with federation:
+    with _federation(tmp_path) as federation:
         yield federation
 
 
@@ -72,13 +77,27 @@ NODES = {"dpsgd-gc": ["0", "1", "2"], "clip21-sgd2m": ["0", "1", "2"]}
 # nodes whose operators trust the server: the run's seeded noise, its ε and diagnostics
 TRUSTING = "trust-server=true"
 
+# two clients a node: the federation the cases without NODES run on
+COHORTS = ["0,1", "2,3"]
 
-def _deployed_equals_engine(tmp_path: Path, env: dict[str, str], case: dict) -> None:
+
+@pytest.fixture(scope="module")
+def cohorts(tmp_path_factory):
+    """The trusting SuperNodes of :data:`COHORTS`, started once for the cases that run on them
+    (a SuperLink, its SuperNodes and their SuperExecs cost about a quarter of a case's CPU):
+    their environment and their cache folder."""
+    folder = tmp_path_factory.mktemp("cohorts")
+    with _federation(folder) as federation:
+        yield federation.start(COHORTS, policy=TRUSTING), folder / "cache"
+
+
+def _deployed_equals_engine(tmp_path: Path, env: dict[str, str], case: dict,
+                            app: Path) -> None:
     """``flwr run`` against the SuperLink, then the engine with the same config: the models
     equal bit for bit, the rounds too (but their wall times)."""
     overrides = {**case, "results-dir": str(tmp_path / "results")}
     done = subprocess.run(
-        [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--stream", "--run-config",
+        [str(BIN / "flwr"), "run", str(app), "local-deployment", "--stream", "--run-config",
          format_overrides({**overrides, "run-name": "deployed"})],
         env=env, cwd=ROOT, timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -96,16 +115,22 @@ def _deployed_equals_engine(tmp_path: Path, env: dict[str, str], case: dict) -> 
 
 # dpsgd-gc's case runs over TLS (test_tls_with_supernode_authentication); two rounds carry
 # every stateful case's client state from one round into the next
+@pytest.mark.xdist_group("deployment-cohorts")  # one worker starts the cohorts, once
 @pytest.mark.parametrize("case", sorted(set(CASES) - {"dpsgd-gc"}))
-def test_real_supernodes_equal_the_engine_bitwise(tmp_path, deployment, case):
-    nodes = NODES.get(case, ["0,1", "2,3"])
-    env = deployment.start(nodes, policy=TRUSTING)
-    _deployed_equals_engine(tmp_path, env, CASES[case])
-    # each node built its data once, on its first message, and read it from its cache after
-    assert len(list((tmp_path / "cache" / "nodes").glob("data-*.pt"))) == len(nodes)
+def test_real_supernodes_equal_the_engine_bitwise(tmp_path, request, app, case):
+    if case in NODES:
+        nodes, cache = NODES[case], tmp_path / "cache"
+        env = request.getfixturevalue("deployment").start(nodes, policy=TRUSTING)
+    else:
+        nodes, (env, cache) = COHORTS, request.getfixturevalue("cohorts")
+    before = set((cache / "nodes").glob("data-*.pt"))
+    _deployed_equals_engine(tmp_path, env, CASES[case], app)
+    # each node built this run's data once, on its first message, and read it from its cache
+    # after
+    assert len(set((cache / "nodes").glob("data-*.pt")) - before) == len(nodes)
 
 
-def test_a_site_with_its_own_data(tmp_path, deployment):
+def test_a_site_with_its_own_data(tmp_path, deployment, app):
     """A node that trains on its own data file (node config ``data-path``: client 2's records,
     exported from the split) beside two nodes of the split: calibrated from the public
     ``min-client-records`` on both sides, the run equals the engine's on the split."""
@@ -115,10 +140,11 @@ def test_a_site_with_its_own_data(tmp_path, deployment):
                  "--partition-id", "2"]) == 0
     env = deployment.start(NODES["dpsgd-gc"], node_config={2: f'data-path="{site}"'},
                            policy=TRUSTING)
-    _deployed_equals_engine(tmp_path, env, case)
+    _deployed_equals_engine(tmp_path, env, case, app)
 
 
-def test_real_supernodes_draw_secret_noise_and_keep_their_own_ledgers(tmp_path, deployment):
+def test_real_supernodes_draw_secret_noise_and_keep_their_own_ledgers(tmp_path, deployment,
+                                                                       app):
     """SuperNodes with their default policy: whatever the run config says (secure-noise=false,
     a seed the server knows), they draw their clients' noise and batches from the OS CSPRNG,
     so the model is not the engine's, and the summary says the ε holds against the server;
@@ -128,7 +154,7 @@ def test_real_supernodes_draw_secret_noise_and_keep_their_own_ledgers(tmp_path, 
     env = deployment.start(NODES["dpsgd-gc"])
     case = {**CASES["dpsgd-gc"], "results-dir": str(tmp_path / "results"), "run-name": "real"}
     done = subprocess.run(
-        [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--stream", "--run-config",
+        [str(BIN / "flwr"), "run", str(app), "local-deployment", "--stream", "--run-config",
          format_overrides(case)], env=env, cwd=ROOT, timeout=600, capture_output=True,
         text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -148,11 +174,11 @@ def test_real_supernodes_draw_secret_noise_and_keep_their_own_ledgers(tmp_path, 
                                                            rel=1e-12)
 
 
-def test_tls_with_supernode_authentication(tmp_path, deployment):
+def test_tls_with_supernode_authentication(tmp_path, deployment, app):
     """Over TLS with registered node keys the run equals the engine's; a SuperNode with an
     unregistered key and a plaintext SuperNode are refused by the SuperLink."""
     env = deployment.start(NODES["dpsgd-gc"], tls=True, policy=TRUSTING)
-    _deployed_equals_engine(tmp_path, env, CASES["dpsgd-gc"])
+    _deployed_equals_engine(tmp_path, env, CASES["dpsgd-gc"], app)
     unregistered = deployment.supernode("unregistered", "0", *deployment.node_security(3))
     plaintext = deployment.supernode("plaintext", "0", "--insecure", "--max-retries", "2")
     assert unregistered.wait(timeout=120) == 1  # what the guide says: status 1, 305 in its log
@@ -163,13 +189,13 @@ def test_tls_with_supernode_authentication(tmp_path, deployment):
     assert "No SuperNode found with the given public key" in link
 
 
-def test_a_federation_missing_a_client_stops_early_in_one_line(tmp_path, deployment):
+def test_a_federation_missing_a_client_stops_early_in_one_line(tmp_path, deployment, app):
     """num-partitions=4 with three SuperNodes hosting clients 0-2: once they have answered and
     no other SuperNode came for 10 s, one line naming the missing client, no traceback; the
     run is finished:failed (`flwr run --stream` exits 0 whatever happened, as the guide says)."""
     env = deployment.start(["0", "1", "2"], policy=TRUSTING)
     done = subprocess.run(
-        [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--stream", "--run-config",
+        [str(BIN / "flwr"), "run", str(app), "local-deployment", "--stream", "--run-config",
          format_overrides({**CASES["dpsgd-gc"], "num-partitions": 4,
                            "results-dir": str(tmp_path / "results")})],
         env=env, cwd=ROOT, timeout=300, capture_output=True, text=True)
@@ -190,7 +216,7 @@ def test_a_federation_missing_a_client_stops_early_in_one_line(tmp_path, deploym
     assert [r["status"] for r in json.loads(listed.stdout)["runs"]] == ["finished:failed"]
 
 
-def test_killed_supernodes_min_clients(tmp_path, deployment):
+def test_killed_supernodes_min_clients(tmp_path, deployment, app):
     """Four SuperNodes of one client each, ``min-clients=3``: the first node killed (SIGKILL:
     Flower reports it unavailable once its heartbeats stop) mid-run, the run goes on with three;
     the second stopped (SIGTERM: it leaves the federation at once), the run stops with one line
@@ -203,7 +229,7 @@ def test_killed_supernodes_min_clients(tmp_path, deployment):
                  "results-dir": str(results), "run-name": "faults"}
     with open(tmp_path / "flwr-run.log", "w") as out:
         flwr = subprocess.Popen(
-            [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--stream",
+            [str(BIN / "flwr"), "run", str(app), "local-deployment", "--stream",
              "--run-config", format_overrides(overrides)],
             env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     rounds_file = results / "faults" / "rounds.jsonl"
@@ -239,7 +265,7 @@ def test_killed_supernodes_min_clients(tmp_path, deployment):
     assert epsilon["2"] >= last["2"] and epsilon["3"] == last["3"]
 
 
-def test_superlink_restart_does_not_reset_the_ledger(tmp_path, deployment):
+def test_superlink_restart_does_not_reset_the_ledger(tmp_path, deployment, app):
     """A SuperLink killed mid-run and restarted on its ``--database``: Flower marks the run
     failed and nothing restarts it from round 1 with a fresh ledger; the ServerApp, cut off,
     closes the results folder with the rounds it completed and says why it stopped; running the
@@ -248,7 +274,7 @@ def test_superlink_restart_does_not_reset_the_ledger(tmp_path, deployment):
     results = tmp_path / "results"
     overrides = {"algorithm": "dpsgd-gc", "num-partitions": 2, "num-server-rounds": 40,
                  "noise-multiplier": 1.0, "results-dir": str(results), "run-name": "restart"}
-    command = [str(BIN / "flwr"), "run", str(ROOT), "local-deployment", "--run-config",
+    command = [str(BIN / "flwr"), "run", str(app), "local-deployment", "--run-config",
                format_overrides(overrides)]
     flwr = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=120)

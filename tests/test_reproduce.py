@@ -33,8 +33,12 @@ def smoke(tmp_path_factory):
 
     def get(name):
         if name not in done:
+            # E4 (partial) takes E3's (mnist-dp) selected points: from its archive, as a user
+            # who ran E3 first does, so that E3's selection does not run twice
+            reuse = (["--reuse", str(get("mnist-dp") / "runs.jsonl.gz")] if name == "partial"
+                     else [])
             assert main(["reproduce", "clip21", name, "--smoke", "--results-dir",
-                         str(root)]) == 0
+                         str(root), *reuse]) == 0
             done[name] = root / f"reproduce-clip21-{name}-smoke"
         return done[name]
 
@@ -192,13 +196,10 @@ def test_an_edited_archive_is_refused_naming_reuse(smoke, tmp_path, capsys):
 
 
 @pytest.mark.smoke
-def test_partial_runs_e3s_selected_points_with_24_clients_and_s_sampled(smoke, tmp_path):
+def test_partial_runs_e3s_selected_points_with_24_clients_and_s_sampled(smoke):
     """E4 takes each (model, method, ε)'s point from E3's selection: given E3's archive it
     runs only its own seed runs, n = 24 and fraction s/24, at exactly E3's selected point."""
-    e3 = smoke("mnist-dp")
-    assert main(["reproduce", "clip21", "partial", "--smoke", "--results-dir", str(tmp_path),
-                 "--reuse", str(e3 / "runs.jsonl.gz")]) == 0
-    folder = tmp_path / "reproduce-clip21-partial-smoke"
+    e3, folder = smoke("mnist-dp"), smoke("partial")  # partial: given E3's archive
     selected = {c["method"]: c["selected"] for c in json.loads((e3 / "cells.json").read_text())}
     tuned = ("learning-rate", "clip", "beta", "beta-hat")
     runs = [json.loads((d / "config.json").read_text())["run_config"]
@@ -221,15 +222,23 @@ def test_unknown_experiment_names_the_allowed_ones(capsys):
     assert "allowed: adaptive/t1, adaptive/t2, adaptive/t3, adaptive/t4, clip21/logreg, " \
         "clip21/mnist-dp, clip21/mnist-dp-epochs, clip21/noise-mapping, clip21/partial, " \
         "clip21/partial-epochs, pcdp/centralized-fmnist, pcdp/centralized-mnist, " \
-        "pcdp/federated-fmnist, pcdp/federated-mnist, pcdp/noniid, prisma/cifar10" \
+        "pcdp/federated-fmnist, pcdp/federated-fmnist-tuned, pcdp/federated-mnist, " \
+        "pcdp/federated-mnist-tuned, pcdp/noniid, prisma/cifar10" \
         in capsys.readouterr().err
 
 
-def test_only_restricts_the_experiment_and_refuses_what_it_does_not_have(tmp_path, capsys):
+@pytest.mark.smoke
+def test_only_restricts_the_experiment_and_refuses_what_it_does_not_have(smoke, tmp_path,
+                                                                          capsys):
+    """``--only`` (here over the whole smoke's archive: its runs of the other method are not
+    read, and none runs again) and its one-line refusals."""
     out = tmp_path / "out"
     assert main(["reproduce", "clip21", "mnist-dp", "--smoke", "--results-dir", str(out),
-                 "--only", "method=clip-sgd"]) == 0
-    report = (out / "reproduce-clip21-mnist-dp-smoke" / "report.md").read_text()
+                 "--only", "method=clip-sgd", "--reuse",
+                 str(smoke("mnist-dp") / "runs.jsonl.gz")]) == 0
+    folder = out / "reproduce-clip21-mnist-dp-smoke"
+    assert not (folder / "runs").exists()
+    report = (folder / "report.md").read_text()
     assert "restricted to method = clip-sgd" in report
     assert "| clip-sgd |" in report and "| clip21-sgd2m |" not in report
     capsys.readouterr()
