@@ -89,7 +89,7 @@ def groups_kept(config, items) -> None:
     their module's shared fixtures (the smoke reproductions) are built once: pytest-xdist marks
     them by a suffix of their node id, which a pytest release it does not support can drop
     without a word (pytest 9.2 with pytest-xdist 3.8.0). Stop the worker with one line then."""
-    if config.getvalue("dist") != "loadgroup" or not hasattr(config, "workerinput"):
+    if getattr(config.option, "dist", None) != "loadgroup" or not hasattr(config, "workerinput"):
         return
     lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
     if lost:

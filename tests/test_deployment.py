@@ -289,9 +289,11 @@ def test_superlink_restart_does_not_reset_the_ledger(tmp_path, deployment, app):
     wait_for(lambda: (results / "restart" / "summary.json").exists(),
           "the ServerApp did not close its results", [], timeout=300)
     summary = json.loads((results / "restart" / "summary.json").read_text())
-    # the ServerApp took Flower's exit signal and closed the folder before Flower's handler ran
-    assert summary["stopped_early"].startswith(
-        f"failed in round {rounds() + 1}: Flower ended the ServerApp (SIG")
+    # the ServerApp closed the folder saying why, before Flower's handler ran: Flower's exit
+    # signal, or its next push failing on the restarted SuperLink (which comes first is timing)
+    reason = summary["stopped_early"]
+    assert reason.startswith(f"failed in round {rounds() + 1}: "), reason
+    assert "Flower ended the ServerApp (SIG" in reason or "ObjectPushError" in reason, reason
     assert summary["rounds_completed"] == rounds() < 40
 
     def statuses() -> list[str]:
