@@ -7,7 +7,14 @@ names the experiments, :mod:`~dpfl.experiments.migrate` carries an archive acros
 run-config keys.
 """
 
-from dpfl.experiments import adaptive, clip21, pcdp, pcdp_tuned, prisma  # noqa: F401  (registers)
+from dpfl.experiments import (  # noqa: F401  (registers)
+    adaptive,
+    clip21,
+    pcdp,
+    pcdp_tuned,
+    prisma,
+    prisma_verdict,
+)
 from dpfl.experiments.lab import Lab
 from dpfl.experiments.registry import EXPERIMENTS, Experiment, experiment
 

@@ -28,12 +28,9 @@ runs train as with an evaluation every round): the protocol reads final accuraci
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from scipy import stats
 
 from dpfl.errors import UsageError
 from dpfl.experiments.lab import Lab
@@ -48,7 +45,16 @@ from dpfl.experiments.pcdp import (
     mean_std,
 )
 from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import Config, Split, command, edge_axes, final_accuracy
+from dpfl.experiments.selection import (
+    LEVEL,
+    Config,
+    Paired,
+    Split,
+    command,
+    edge_axes,
+    final_accuracy,
+    paired,
+)
 
 # γ_g's every method searches. 50 and 70 of the untuned experiment's grid are left out: at 50
 # runs of every method collapse to one predicted class at random seeds (6 of 32 runs over two
@@ -65,7 +71,6 @@ SMOKE_METHODS = ("dp-fedavg", "fedpcdp")
 NON_DP = "dp-fedavg"  # the method whose σ = 0 is the non-DP arm
 BASELINE = "dp-fedavg"
 COMPARED = ("fedpcdp", "fedpdp", "dp-fedprox")  # each against BASELINE, seed by seed
-LEVEL = 0.95
 PROBE_ROUNDS = 2  # the estimate's probe: round 1 trains only, round 2 trains and evaluates
 
 Cell = tuple[str, float]  # (method, σ); σ = 0: without DP
@@ -157,29 +162,6 @@ def edge(server_lr: float, grid: Sequence[float]) -> str:
     if not edge_axes({"server-lr": server_lr}, [{"server-lr": g} for g in grid]):
         return ""
     return "edge (lowest γ_g)" if server_lr == min(grid) else "edge (highest γ_g)"
-
-
-@dataclass(frozen=True)
-class Paired:
-    """Per-seed differences of two methods' test accuracy (points), their mean and the
-    two-sided t-interval of the mean (NaN ends with one seed)."""
-
-    differences: tuple[float, ...]
-    mean: float
-    low: float
-    high: float
-
-
-def paired(ours: Sequence[float], theirs: Sequence[float], level: float = LEVEL) -> Paired:
-    """``ours`` − ``theirs`` seed by seed (the same seeds, in the same order) and the t-interval
-    mean ± t(1 − (1 − level)/2, n − 1)·s/√n."""
-    diffs = tuple(a - b for a, b in zip(ours, theirs, strict=True))
-    mean = statistics.fmean(diffs)
-    if len(diffs) < 2:
-        return Paired(diffs, mean, math.nan, math.nan)
-    half = (stats.t.ppf(1 - (1 - level) / 2, len(diffs) - 1) * statistics.stdev(diffs)
-            / math.sqrt(len(diffs)))
-    return Paired(diffs, mean, mean - half, mean + half)
 
 
 def verdict(result: Paired, ours: str, theirs: str) -> str:

@@ -94,11 +94,13 @@ def federation_of(size: int, seed: int) -> Config:
             "seed": seed}
 
 
-def config_of(method: str, point: Config, size: int, seed: int) -> Config:
-    """The run configuration of ``point`` (its grid axes) for ``method`` at N and seed; the
-    ``dpfl run`` of it evaluates only at its last round."""
-    return {**federation_of(size, seed), "algorithm": method, **FIXED[method], **point,
-            "eval-every": point["num-server-rounds"]}
+def config_of(method: str, point: Config, size: int, seed: int, calibration: str = "paper"
+              ) -> Config:
+    """The run configuration of ``point`` (its grid axes) for ``method`` at N and seed, its
+    noise by ``calibration`` (Theorem 3's, or the accountant's for the same ε); the ``dpfl run``
+    of it evaluates only at its last round."""
+    return {**federation_of(size, seed), "calibration": calibration, "algorithm": method,
+            **FIXED[method], **point, "eval-every": point["num-server-rounds"]}
 
 
 def batch_key(config: Config) -> Any:
@@ -130,8 +132,10 @@ def neighbours(point: Config, axes: dict[str, tuple[float, ...]]) -> list[Config
     return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*options)]
 
 
-def score(summary: dict[str, Any]) -> float:
-    value = summary["derived"]["grad_norm"]
+def score(summary: dict[str, Any], metric: str = "grad_norm") -> float:
+    """``metric`` of a run (``grad_norm``: ‖∇F(x^T)‖, ``grad_norm_mean``: (1/T)Σ_t‖∇F(x^t)‖),
+    +∞ when it diverged."""
+    value = summary["derived"][metric]
     return value if math.isfinite(value) else math.inf
 
 
@@ -143,14 +147,19 @@ class Figure1:
     ranks points within a (method, N, T) cell: at one seed the configurations of one T share
     every random draw up to their last round, so their comparison is paired, while across T the
     final iterates see different draws (a single seed's ranking across T follows the luck of
-    the last rounds); T is chosen by the mean over the tuning seeds."""
+    the last rounds); T is chosen by the mean over the tuning seeds. ``axes`` (default: the
+    paper's grid) bound the local search; ``calibration`` sets every run's noise; the stages
+    that rank take the ``metric`` they rank by (a :func:`score` name)."""
 
-    def __init__(self, lab: Lab) -> None:
+    def __init__(self, lab: Lab, *, axes: dict[str, dict[str, tuple[float, ...]]] | None = None,
+                 calibration: str = "paper") -> None:
         self.lab = lab
-        self.axes = SMOKE_AXES if lab.smoke else AXES
+        self.axes = axes or (SMOKE_AXES if lab.smoke else AXES)
+        self.calibration = calibration
         self.sizes = lab.restrict("size", SIZES[:2] if lab.smoke else SIZES)
         self.simulate = functools.partial(least_squares.simulate, fused=not lab.smoke)
-        self.searched: dict[Cell, dict[str, tuple[float, Config]]] = {}  # key: (score, point)
+        # cell -> point key -> (the tuning-seed run's summary, the point)
+        self.searched: dict[Cell, dict[str, tuple[dict[str, Any], Config]]] = {}
 
     def run(self, configs: list[Config]) -> list[dict[str, Any]]:
         return self.lab.run_batched(configs, federation=batch_key, simulate=self.simulate)
@@ -169,7 +178,8 @@ class Figure1:
 
     def config(self, cell: Cell, point: Config, seed: int) -> Config:
         method, size, rounds = cell
-        return config_of(method, {**point, "num-server-rounds": rounds}, size, seed)
+        return config_of(method, {**point, "num-server-rounds": rounds}, size, seed,
+                         self.calibration)
 
     def coarse(self) -> dict[Cell, list[Config]]:
         """DPSGD-GC's whole grid; PriSMA's with :data:`COARSE` (smoke: its whole grid)."""
@@ -187,33 +197,34 @@ class Figure1:
                 if self.key(p) not in self.searched.setdefault(cell, {})]
         summaries = self.run([self.config(cell, p, TUNING_SEEDS[0]) for cell, p in jobs])
         for (cell, p), summary in zip(jobs, summaries, strict=True):
-            self.searched[cell][self.key(p)] = (score(summary), p)
+            self.searched[cell][self.key(p)] = (summary, p)
 
-    def best(self, cell: Cell) -> Config:
-        return min(self.searched[cell].values(), key=lambda sp: sp[0])[1]
+    def best(self, cell: Cell, metric: str = "grad_norm") -> Config:
+        return min(self.searched[cell].values(), key=lambda sp: score(sp[0], metric))[1]
 
-    def local(self) -> int:
-        """Every paper-grid neighbour of each cell's best, until the best is interior to what
-        was searched; returns how many rounds ran."""
-        for step in range(LOCAL_LIMIT):
-            todo = {cell: [p for p in neighbours(self.best(cell), self.tuned(cell[0]))
+    def local(self, metric: str = "grad_norm", limit: int = LOCAL_LIMIT) -> int:
+        """Every grid neighbour (:attr:`axes`) of each cell's best by ``metric``, until the best
+        is interior to what was searched or ``limit`` rounds ran; returns how many ran."""
+        for step in range(limit):
+            todo = {cell: [p for p in neighbours(self.best(cell, metric), self.tuned(cell[0]))
                            if self.key(p) not in self.searched[cell]] for cell in self.searched}
             if not any(todo.values()):
                 return step
             self.search(todo)
-        return LOCAL_LIMIT
+        return limit
 
-    def confirm(self) -> dict[tuple[str, int], dict[int, tuple[Config, list[float]]]]:
-        """Each T's best point of every (method, N) on every tuning seed: ``{(method, N): {T:
-        (point, scores)}}``."""
-        configs = [self.config(cell, self.best(cell), s) for cell in self.searched
+    def confirm(self, metric: str = "grad_norm"
+                ) -> dict[tuple[str, int], dict[int, tuple[Config, list[float]]]]:
+        """Each T's best point (by ``metric``) of every (method, N) on every tuning seed:
+        ``{(method, N): {T: (point, scores)}}``."""
+        configs = [self.config(cell, self.best(cell, metric), s) for cell in self.searched
                    for s in TUNING_SEEDS]
         summaries = iter(self.run(configs))
         out: dict[tuple[str, int], dict[int, tuple[Config, list[float]]]] = {}
         for cell in self.searched:
-            scores = [score(next(summaries)) for _ in TUNING_SEEDS]
+            scores = [score(next(summaries), metric) for _ in TUNING_SEEDS]
             out.setdefault(cell[:2], {})[cell[2]] = (
-                {**self.best(cell), "num-server-rounds": cell[2]}, scores)
+                {**self.best(cell, metric), "num-server-rounds": cell[2]}, scores)
         return out
 
     @staticmethod
@@ -223,7 +234,7 @@ class Figure1:
 
     def trials(self, chosen: dict[tuple[str, int], tuple[Config, list[float]]],
                seeds: Sequence[int]) -> dict[tuple[str, int], list[dict[str, Any]]]:
-        configs = {cell: [config_of(cell[0], p, cell[1], s) for s in seeds]
+        configs = {cell: [config_of(cell[0], p, cell[1], s, self.calibration) for s in seeds]
                    for cell, (p, _) in chosen.items()}
         summaries = iter(self.run([c for cs in configs.values() for c in cs]))
         return {cell: [next(summaries) for _ in cs] for cell, cs in configs.items()}

@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from scipy import stats
+
 from dpfl.config import Value, format_options, format_overrides, parse_options
 
 Config = dict[str, Value]
@@ -45,6 +47,7 @@ Rung = tuple[int, int | float]
 BELOW_GRID = 3  # decades a step axis may go below the grid when its smallest step wins
 # the server's evaluation set a selection ranks by (the ``<split>_accuracy`` of a summary)
 Split = Literal["test", "validation"]
+LEVEL = 0.95  # the confidence of a paired t-interval
 
 
 class Runs(Protocol):
@@ -61,6 +64,29 @@ def grid(**axes: Sequence[Value]) -> list[Config]:
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Per-seed differences of two methods' metric, their mean and the two-sided t-interval of
+    the mean (NaN ends with one seed)."""
+
+    differences: tuple[float, ...]
+    mean: float
+    low: float
+    high: float
+
+
+def paired(ours: Sequence[float], theirs: Sequence[float], level: float = LEVEL) -> Paired:
+    """``ours`` − ``theirs`` seed by seed (the same seeds, in the same order) and the t-interval
+    mean ± t(1 − (1 − level)/2, n − 1)·s/√n."""
+    diffs = tuple(a - b for a, b in zip(ours, theirs, strict=True))
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return Paired(diffs, mean, math.nan, math.nan)
+    half = (stats.t.ppf(1 - (1 - level) / 2, len(diffs) - 1) * statistics.stdev(diffs)
+            / math.sqrt(len(diffs)))
+    return Paired(diffs, mean, mean - half, mean + half)
 
 
 def command(values: Config) -> str:

@@ -1,0 +1,128 @@
+"""PriSMA's Figure 1 decided: the verdict rules, the extended grid, the pairing of trials, the
+accountant arm's noise, and the smoke reproduction."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from dpfl import cli
+from dpfl.experiments import least_squares
+from dpfl.experiments.lab import ARCHIVE
+from dpfl.experiments.prisma import AXES, accountant_epsilon, config_of
+from dpfl.experiments.prisma_verdict import (
+    EXTRA,
+    MARGIN,
+    THEORY_GAP,
+    claim_below,
+    claim_faster,
+    extended,
+    per_n,
+    trial_slopes,
+)
+from dpfl.experiments.selection import Paired, paired
+
+POINT = {"learning-rate": 0.001, "clip": 5.0, "gamma": 0.05, "clip-diff": 0.005,
+         "num-server-rounds": 40}
+
+
+def _interval(low, high):
+    return Paired((), (low + high) / 2, low, high)
+
+
+def test_the_extended_grid_keeps_the_papers_and_walks_past_its_edges():
+    axes = extended(AXES, EXTRA)
+    for method, paper in AXES.items():
+        for key, values in paper.items():
+            assert set(values) <= set(axes[method][key])
+            assert list(axes[method][key]) == sorted(axes[method][key])
+    assert min(axes["prisma"]["learning-rate"]) < 0.001 < max(axes["prisma"]["learning-rate"])
+    assert min(axes["prisma"]["clip-diff"]) < 0.005 and max(axes["prisma"]["gamma"]) > 0.05
+    assert min(axes["dpsgd-gc"]["clip"]) < 5.0
+    assert "gamma" not in axes["dpsgd-gc"]  # a method keeps its own axes
+
+
+def test_each_n_is_read_from_its_paired_interval():
+    assert per_n(_interval(-0.02, -0.01), 0.1) == "PriSMA lower"
+    assert per_n(_interval(0.001, 0.002), 0.1) == "DPSGD-GC lower"
+    inside = MARGIN * 0.1 * 0.9
+    assert per_n(_interval(-inside, inside), 0.1).startswith("equivalent")
+    assert per_n(_interval(-0.02, 0.001), 0.1) == "undecided"  # wider than the margin
+    assert per_n(Paired((1.0,), 1.0, float("nan"), float("nan")), 0.1) == "undecided"
+
+
+def test_claim_one_needs_prisma_lower_at_every_n_and_falls_at_one_tie_or_loss():
+    assert claim_below(["PriSMA lower"] * 6) == "confirmed"
+    assert claim_below(["PriSMA lower"] * 5 + ["DPSGD-GC lower"]) == "refuted"
+    assert claim_below(["PriSMA lower"] * 5 + ["equivalent (±5%)"]) == "refuted"
+    assert claim_below(["PriSMA lower"] * 5 + ["undecided"]) == "undecided"
+
+
+def test_claim_two_is_measured_against_the_theorys_gap_of_one_fifteenth():
+    assert THEORY_GAP == pytest.approx(1 / 15)
+    assert claim_faster(_interval(-0.3, -0.1)) == "confirmed"
+    assert claim_faster(_interval(-0.05, 0.02)) == "refuted"
+    assert claim_faster(_interval(-0.05, -0.01)) == "refuted"  # steeper, by less than 1/15
+    assert claim_faster(_interval(-0.1, -0.03)) == "undecided"
+
+
+def test_a_trials_slope_is_fitted_to_its_own_curve_over_n():
+    sizes = [2000, 4000, 8000]
+    runs = {("prisma", n): [{"derived": {"grad_norm": k * n ** -0.5}} for k in (1.0, 2.0)]
+            for n in sizes}
+    runs |= {("dpsgd-gc", n): [{"derived": {"grad_norm": k * n ** -0.25}} for k in (1.0, 3.0)]
+             for n in sizes}
+    ours, theirs = (trial_slopes(sizes, runs, m, "final") for m in ("prisma", "dpsgd-gc"))
+    assert ours == pytest.approx([-0.5, -0.5]) and theirs == pytest.approx([-0.25, -0.25])
+    assert paired(ours, theirs).mean == pytest.approx(-0.25)
+
+
+def test_a_trial_pairs_the_methods_on_one_dataset_and_one_stream_of_normals(tmp_path):
+    """Seed s gives both methods (and every N) the same base data; the same configuration with
+    another seed draws other data."""
+    from dpfl.problem import dataset_of
+    from dpfl.runconfig import RunConfig
+
+    def rows(method, size, seed):
+        ds = dataset_of(RunConfig(config_of(method, POINT if method == "prisma" else
+                                            {k: POINT[k] for k in ("learning-rate", "clip",
+                                                                   "num-server-rounds")},
+                                            size, seed)))
+        return ds.train_x[:2000], ds.train_y[:2000]
+
+    a, b = rows("prisma", 2000, 100), rows("dpsgd-gc", 4000, 100)
+    assert (a[0] == b[0]).all() and (a[1] == b[1]).all()
+    assert not (rows("prisma", 2000, 101)[0] == a[0]).all()
+
+
+def test_the_accountant_arm_spends_the_target_and_theorem_3_does_not():
+    paper = config_of("prisma", POINT, 2000, 0)
+    ours = config_of("prisma", POINT, 2000, 0, "accountant")
+    assert accountant_epsilon(ours) == pytest.approx(1.0, abs=0.01)
+    assert accountant_epsilon(paper) < 0.5
+    stds = [least_squares.simulate([c], fused=False)[0] for c in (paper, ours)]
+    assert stds[0] != stds[1]  # the noise differs, so do the iterates
+
+
+@pytest.mark.smoke
+def test_the_smoke_verdict_reports_both_claims_for_both_arms_and_metrics(tmp_path, capsys):
+    assert cli.main(["reproduce", "prisma", "least-squares-verdict", "--smoke",
+                     "--results-dir", str(tmp_path)]) == 0
+    assert "least-squares-verdict: ≈" in capsys.readouterr().out  # the estimate, first
+    folder = tmp_path / "reproduce-prisma-least-squares-verdict-smoke"
+    report = (folder / "report.md").read_text()
+    for text in ("Cost estimate", "## Verdicts", "The two claims, by noise and metric",
+                 "## Noise: paper", "## Noise: accountant", "outside the paper's grid",
+                 "PriSMA − DPSGD-GC, 95% interval", "dpfl run --run-config"):
+        assert text in report
+    table = report.split("### The two claims")[1].split("##")[0]
+    assert table.count("| paper |") == 2 and table.count("| accountant |") == 2
+    for arm in ("paper", "accountant"):
+        for metric in ("final", "mean"):
+            assert (folder / f"figure1-{arm}-{metric}.png").stat().st_size > 0
+    with gzip.open(folder / ARCHIVE, "rt") as f:
+        runs = [json.loads(line) for line in f]
+    assert {r["config"]["calibration"] for r in runs} == {"paper", "accountant"}
+    assert {r["config"]["seed"] for r in runs} >= {100, 101, 102}
