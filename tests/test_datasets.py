@@ -90,6 +90,16 @@ def test_mnist_sizes_shapes_labels_and_normalisation(mnist):
     assert abs(mnist.train_x.mean().item()) < 0.01 and abs(mnist.train_x.std().item() - 1) < 0.01
 
 
+def test_raw_pixels_are_the_idx_values_unscaled(mnist):
+    unit = load_dataset("mnist", seed=0, data_dir=DATA_DIR, num_train=300, scaling="unit")
+    raw = load_dataset("mnist", seed=0, data_dir=DATA_DIR, num_train=300, scaling="raw")
+    assert torch.equal(raw.train_y, unit.train_y)  # the same subset
+    assert torch.equal(raw.train_x, raw.train_x.round()) and raw.train_x.max() == 255
+    assert torch.allclose(raw.train_x / 255, unit.train_x, atol=1e-7)
+    with pytest.raises(ConfigError, match="allowed: standardised, unit, raw"):
+        load_dataset("mnist", seed=0, data_dir=DATA_DIR, scaling="bytes")
+
+
 def test_mnist_is_read_from_the_data_folder_through_links(mnist, cache_dir):
     raw = cache_dir / "MNIST" / "raw"
     for name in ("train-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):

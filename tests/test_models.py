@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from opacus.validators import ModuleValidator
+from torch import nn
 
 from dpfl.errors import ConfigError
 from dpfl.models import LOSSES, MODELS, build_model
@@ -177,3 +178,22 @@ def test_linear_models_closed_form_gradients_equal_autograd(model, loss, classes
     assert torch.allclose(per_fast, auto.per_sample_gradients(flat, x, y), rtol=1e-5, atol=1e-6)
     assert torch.allclose(per_fast.mean(dim=1), fast, rtol=1e-5, atol=1e-6)
     assert torch.equal(closed.per_sample_gradients(flat, x[1:2], y[1:2])[0], per_fast[1])
+
+
+def test_random_feature_options_keep_the_default_model_and_offer_the_unstated_readings():
+    """The paper states neither the random layer's distribution nor its activation:
+    ``activation`` and ``init`` read them; the defaults are the model as it was."""
+    default = _build("random-feature-mlp", hidden=256)
+    spelled = _build("random-feature-mlp", hidden=256, activation="relu", init="default")
+    assert all(torch.equal(a, b) for a, b in zip(default.state_dict().values(),
+                                                  spelled.state_dict().values(), strict=True))
+    assert isinstance(_build("random-feature-mlp", activation="tanh")[2], nn.Tanh)
+    assert isinstance(_build("random-feature-mlp", activation="sigmoid")[2], nn.Sigmoid)
+    normal = _build("random-feature-mlp", hidden=256, init="normal")[1]
+    assert normal.weight.std().item() == pytest.approx(1.0, rel=0.02)
+    assert normal.bias.std().item() == pytest.approx(1.0, rel=0.2)
+    assert not normal.weight.requires_grad
+    for options, allowed in (({"activation": "elu"}, "relu, tanh, sigmoid"),
+                             ({"init": "xavier"}, "default, normal")):
+        with pytest.raises(ConfigError, match=f"model-options.*allowed: {allowed}"):
+            _build("random-feature-mlp", **options)

@@ -42,7 +42,7 @@ def _standardised(
     return ((scaled - torch.tensor(mean).view(shape)) / torch.tensor(std).view(shape)).contiguous()
 
 
-IDX_SCALINGS = ("standardised", "unit")
+IDX_SCALINGS = ("standardised", "unit", "raw")
 
 
 def _subset(y: torch.Tensor, size: int, seed: int) -> torch.Tensor:
@@ -86,9 +86,14 @@ def _idx_loader(name: str, source_name: str, subdir: str, mean: float, std: floa
                 link.symlink_to((folder / filename).resolve())
             splits = [source(str(cache_dir), train=train, download=True) for train in (True, False)]
         statistics = ((mean,), (std,)) if scaling == "standardised" else ((0.0,), (1.0,))
+
+        def pixels(data: torch.Tensor) -> torch.Tensor:
+            if scaling == "raw":  # the uint8 values as they are, 0..255
+                return data.unsqueeze(1).to(torch.float32)
+            return _standardised(data.unsqueeze(1), *statistics)
+
         (train_x, train_y), (test_x, test_y) = [
-            (_standardised(s.data.unsqueeze(1), *statistics), s.targets.to(torch.int64))
-            for s in splits
+            (pixels(s.data), s.targets.to(torch.int64)) for s in splits
         ]
         return Dataset(
             name, train_x, train_y, test_x, test_y, task="classification", num_classes=10
@@ -113,7 +118,8 @@ def _idx_loader(name: str, source_name: str, subdir: str, mean: float, std: floa
 
     load.__doc__ = (
         f"{source_name}: 60,000 train / 10,000 test images, [n, 1, 28, 28]; ``scaling``: "
-        f"``standardised`` (mean {mean}, std {std}) or ``unit`` (pixels in [0, 1]); "
+        f"``standardised`` (mean {mean}, std {std}), ``unit`` (pixels in [0, 1]) or ``raw`` "
+        f"(the pixel values 0..255 as floats, unscaled); "
         f"``num_train``: a stratified random subset of the training images, drawn with the "
         f"run seed (0 = all; the adaptive-clipping paper trains on 3,000); ``num_public``: "
         f"public records drawn with the run seed from the training images outside the "

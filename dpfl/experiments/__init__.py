@@ -9,6 +9,7 @@ run-config keys.
 
 from dpfl.experiments import (  # noqa: F401  (registers)
     adaptive,
+    adaptive_interpolation,
     clip21,
     pcdp,
     pcdp_tuned,

@@ -42,6 +42,8 @@ def build_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return _checked(builder, tuple(input_shape), num_classes, **options)
+    except ConfigError:  # an option the builder refuses names itself
+        raise
     except (RuntimeError, ValueError) as exc:  # a size torch refuses, a shape mismatch
         problem = f"does not take inputs of shape {tuple(input_shape)}: {exc}".splitlines()[0]
         if options:
@@ -204,21 +206,37 @@ def pcdp_lenet(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     )
 
 
+ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
+FEATURE_INITS = ("default", "normal")
+
+
 @MODELS.register("random-feature-mlp")
 def random_feature_mlp(
-    input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 512, zero_head: bool = False
+    input_shape: tuple[int, ...], num_classes: int, *, hidden: int = 512, zero_head: bool = False,
+    activation: str = "relu", init: str = "default",
 ) -> nn.Module:
     """AdaptDP-FedAvg's MNIST/Fashion-MNIST/Bank model (Fukami et al., §5): a frozen random
-    ``Linear(in, hidden)`` (PyTorch default init, ``requires_grad=False``, so it is not among the
-    trainable parameters but is in the ``state_dict``), ReLU, and a trainable
-    ``Linear(hidden, classes)`` head. The loss is convex in the head."""
+    ``Linear(in, hidden)`` (``requires_grad=False``, so it is not among the trainable parameters
+    but is in the ``state_dict``), an ``activation`` (``relu``, ``tanh``, ``sigmoid``), and a
+    trainable ``Linear(hidden, classes)`` head. The loss is convex in the head. The paper states
+    neither the random layer's distribution nor the activation: ``init="default"`` is PyTorch's
+    (weights and bias uniform in ±1/√in), ``"normal"`` draws both from N(0, 1)."""
+    if activation not in ACTIVATIONS:
+        raise ConfigError("model-options", f"activation {activation!r} is not offered",
+                          allowed=list(ACTIVATIONS))
+    if init not in FEATURE_INITS:
+        raise ConfigError("model-options", f"init {init!r} is not offered",
+                          allowed=list(FEATURE_INITS))
     features = nn.Linear(_features(input_shape), hidden)
+    if init == "normal":
+        nn.init.normal_(features.weight)
+        nn.init.normal_(features.bias)
     features.requires_grad_(False)
     head = nn.Linear(hidden, num_classes)
     if zero_head:
         nn.init.zeros_(head.weight)
         nn.init.zeros_(head.bias)
-    return nn.Sequential(nn.Flatten(), features, nn.ReLU(), head)
+    return nn.Sequential(nn.Flatten(), features, ACTIVATIONS[activation](), head)
 
 
 @MODELS.register("resnet20")
