@@ -117,3 +117,39 @@ def test_the_smoke_protocol_reports_selection_paired_differences_and_verdicts(tm
     cells = {(c["algorithm"], c["noise-multiplier"]) for c in fresh}
     assert len({(c["algorithm"], c["noise-multiplier"], c.get("server-learning-rate"))
                 for c in fresh}) == len(cells) == 3
+
+
+def test_the_local_settings_fit_the_papers_epsilon_and_the_default_is_the_tuned_experiments(
+        tmp_path):
+    from dataclasses import replace
+
+    from dpfl.experiments.pcdp import config_of
+    from dpfl.experiments.pcdp_tuned import LOCALS
+
+    base = SETTINGS["federated-mnist"]
+    for batch, steps in LOCALS.values():
+        q = batch / 5000
+        assert q * q * 80 * steps == pytest.approx(1.0, abs=0.03)  # the paper's q²·T_c
+        config = config_of(replace(base, batch_size=batch, local_steps=steps), "dp-fedavg",
+                           4.0, 1, "code")
+        assert (config["batch-size"], config["local-steps"]) == (batch, steps)
+        RunConfig(config)
+    assert config_of(replace(base, batch_size=250, local_steps=5), "dp-fedavg", 4.0, 1,
+                     "code") == config_of(base, "dp-fedavg", 4.0, 1, "code")  # one archive
+    smoke = [config_of(replace(base, batch_size=b, local_steps=t), "dp-fedavg", 4.0, 1, "code",
+                       smoke=True) for b, t in LOCALS.values()]
+    assert len({(c["batch-size"], c["local-steps"]) for c in smoke}) == 3  # still distinct
+
+
+@pytest.mark.smoke
+def test_the_local_settings_report_dp_fedavg_at_each_beside_the_paper(tmp_path):
+    from dpfl.cli import main
+
+    assert main(["reproduce", "pcdp", "federated-mnist-local", "--smoke", "--workers", "1",
+                 "--only", "local=250x5,100x32", "--results-dir", str(tmp_path)]) == 0
+    report = (tmp_path / "reproduce-pcdp-federated-mnist-local-smoke" / "report.md").read_text()
+    assert report.index("### By local setting") < report.index("# B = 250, 5 local steps")
+    for text in ("B = 100, T = 32 (q²·T_c = 1.02) | DP-FedAvg | 4 |", "| 84.70 |",
+                 "# B = 100, 32 local steps a round", "### Selection, seed 0"):
+        assert text in report, text
+    assert "B = 200" not in report

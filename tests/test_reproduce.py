@@ -224,6 +224,7 @@ def test_unknown_experiment_names_the_allowed_ones(capsys):
         "clip21/mnist-dp, clip21/mnist-dp-epochs, clip21/noise-mapping, clip21/partial, " \
         "clip21/partial-epochs, pcdp/centralized-fmnist, pcdp/centralized-mnist, " \
         "pcdp/federated-fmnist, pcdp/federated-fmnist-tuned, pcdp/federated-mnist, " \
+        "pcdp/federated-mnist-local, " \
         "pcdp/federated-mnist-tuned, pcdp/noniid, prisma/cifar10, prisma/least-squares, " \
         "prisma/least-squares-verdict" \
         in capsys.readouterr().err
@@ -503,3 +504,29 @@ def test_an_experiment_that_leaves_a_tuned_key_to_auto_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="leaves clip, learning-rate to clip-sgd's defaults"):
         Lab(tmp_path, smoke=True).run_many([{"algorithm": "clip-sgd"}])
+
+
+def test_every_reproduce_command_in_the_docs_names_an_experiment_and_its_axes():
+    """The `dpfl reproduce` lines a reader copies from the docs (hours of runs each, so not run
+    here) name registered experiments and axes that exist, so they cannot drift."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from dpfl.cli import _parser
+    from dpfl.experiments import EXPERIMENTS
+
+    root = Path(__file__).resolve().parents[1]
+    lines = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for block in re.findall(r"^```bash\n(.*?)^```", doc.read_text(), re.S | re.M):
+            lines += [(doc.name, line.split("#")[0]) for line in block.splitlines()
+                      if line.startswith("dpfl reproduce ")]
+    assert len(lines) >= 8
+    for doc, line in lines:
+        args = _parser().parse_args(shlex.split(line)[1:])
+        name = args.paper if args.experiment is None else f"{args.paper}/{args.experiment}"
+        assert name in EXPERIMENTS, f"{doc}: {line}"
+        axes = EXPERIMENTS.get(name).axes
+        for option in args.only:
+            assert option.partition("=")[0] in axes, f"{doc}: {line}"

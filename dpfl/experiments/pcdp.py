@@ -103,12 +103,18 @@ class Setting:
     seeds: tuple[int, ...]
     partitioner: str = "iid"
     server_lrs: tuple[float, ...] = (1.0,)  # γ_g: the first is the default, the rest a grid
+    # a client's local DP-SGD in the federations: B and T per round (the paper gives neither;
+    # B = 250, T = 5 fits its ε, as do B = 200, T = 8 and B = 100, T = 32)
+    batch_size: int = 250
+    local_steps: int = 5
 
     @property
     def title(self) -> str:
         kind = ("extreme non-IID federated" if self.partitioner == "shards"
                 else "federated" if self.federated else "centralized")
-        return f"PCDP-SGD paper, {kind} {self.dataset}"
+        local = ("" if (self.batch_size, self.local_steps) == (250, 5) else
+                 f", B = {self.batch_size}, {self.local_steps} local steps")
+        return f"PCDP-SGD paper, {kind} {self.dataset}{local}"
 
 
 SETTINGS = {
@@ -146,11 +152,14 @@ def config_of(setting: Setting, method: str, sigma: float, seed: int, reading: s
                            + (f" num_validation={num_validation}" if num_validation else ""),
         "partitioner": setting.partitioner, "delta": 1e-5, "seed": seed,
         "clip": 0.01 if sigma else 1e4, "noise-multiplier": float(sigma),
-        "learning-rate": 1.0, "num-server-rounds": epochs, "batch-size": 20 if smoke else 250,
+        "learning-rate": 1.0, "num-server-rounds": epochs,
+        # --smoke scales the local setting down: B = 250, T = 5 becomes 20 and 2
+        "batch-size": 20 * setting.batch_size // 250 if smoke else setting.batch_size,
     }
     if setting.federated:
         values.update({"num-partitions": 2 if smoke else 10, "fraction-train": 0.8,
-                       "local-steps": 2 if smoke else 5})
+                       "local-steps": max(1, 2 * setting.local_steps // 5) if smoke
+                       else setting.local_steps})
         if setting.partitioner == "shards":
             values["shards-per-partition"] = 1
         if algorithm in ("dp-fedavg", "dp-scaffold"):
