@@ -549,3 +549,13 @@ def test_gaussian_added_oracle_adds_the_requested_gradient_noise(small_config):
 
     assert torch.allclose((message(noisy) - message(clean)).std(dim=1),
                           torch.full((4,), 0.05), rtol=0.03)
+
+
+def test_the_unit_pixel_variant_of_e3_changes_the_scaling_alone():
+    from dpfl.experiments.clip21 import e3_base
+
+    standard, unit = e3_base("epochs"), e3_base("epochs", "unit")
+    assert "dataset-options" not in standard  # the archived runs keep their keys
+    assert {k: v for k, v in unit.items() if k != "dataset-options"} == standard
+    assert unit["dataset-options"] == 'scaling="unit"'
+    RunConfig({**unit, "algorithm": "clip-sgd", "model": "mlp", "epsilon": 15.6})

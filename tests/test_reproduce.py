@@ -221,7 +221,8 @@ def test_unknown_experiment_names_the_allowed_ones(capsys):
     assert main(["reproduce", "clip21", "cifar"]) == 2
     assert "allowed: adaptive/interpolation, adaptive/t1, adaptive/t2, adaptive/t3, " \
         "adaptive/t4, clip21/logreg, " \
-        "clip21/mnist-dp, clip21/mnist-dp-epochs, clip21/noise-mapping, clip21/partial, " \
+        "clip21/mnist-dp, clip21/mnist-dp-epochs, clip21/mnist-dp-epochs-unit, " \
+        "clip21/noise-mapping, clip21/partial, " \
         "clip21/partial-epochs, pcdp/centralized-fmnist, pcdp/centralized-mnist, " \
         "pcdp/federated-fmnist, pcdp/federated-fmnist-tuned, pcdp/federated-mnist, " \
         "pcdp/federated-mnist-local, " \
