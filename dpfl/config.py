@@ -201,6 +201,12 @@ COMMON: tuple[Param, ...] = (
           "'paper' (the paper's proven formula), 'practice' (the formula the paper's "
           "experiments used) or 'noise-size' (the paper's own noise sizes, given directly); "
           "each algorithm lists the ones it offers."),
+    Param("calibration-rounds", 0,
+          "Calibrate the noise for this many rounds instead of num-server-rounds (0 = "
+          "num-server-rounds; never fewer): a run stopped early by design, a search's short "
+          "proxy, then carries the noise of the full-length run it stands for; the ledger "
+          "charges the rounds that ran.",
+          check=at_least(0)),
     Param("max-epsilon", 0.0,
           "Stop the run before a round would take any client's ε above this; 0 = no stop.",
           check=at_least(0.0)),

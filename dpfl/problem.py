@@ -164,17 +164,22 @@ class Problem:
             else:
                 self._releases[int(key)] = releases
 
+    @property
+    def calibration_rounds(self) -> int:
+        """The rounds the noise is calibrated for: ``calibration-rounds``, else the run's."""
+        return int(self.config["calibration-rounds"]) or int(self.config["num-server-rounds"])
+
     @functools.cached_property
     def exchange_rounds(self) -> Counter[str]:
-        """How many of the run's rounds run each exchange."""
-        return Counter(e.name for r in range(1, int(self.config["num-server-rounds"]) + 1)
+        """How many of the calibrated rounds (:attr:`calibration_rounds`) run each exchange."""
+        return Counter(e.name for r in range(1, self.calibration_rounds + 1)
                        for e in self.algorithm.round_exchanges(r))
 
     def _calibrate(self, queries: list[Query], num_samples: int) -> list[Release]:
         cfg = self.config
         steps = sum(q.steps * self.exchange_rounds[q.exchange] for q in queries)
         target = Target(epsilon=float(cfg["epsilon"]), delta=float(cfg["delta"]),
-                        rounds=int(cfg["num-server-rounds"]), accountant=str(cfg["accountant"]),
+                        rounds=self.calibration_rounds, accountant=str(cfg["accountant"]),
                         num_samples=num_samples, steps=steps)
         return calibrate(self.algorithm, queries, target, calibration=str(cfg["calibration"]),
                          noise_multiplier=float(cfg["noise-multiplier"]),
@@ -274,6 +279,10 @@ def assemble(config: RunConfig, dataset: Dataset, parts: list[np.ndarray],
     algorithm = ALGORITHMS.get(str(config["algorithm"]))(config.hyperparameters, model,
                                                          num_clients=len(parts), public=public)
     algorithm.check_run(int(config["num-server-rounds"]))
+    calibrated, rounds = int(config["calibration-rounds"]), int(config["num-server-rounds"])
+    if calibrated and calibrated < rounds:  # less noise than the run's ε needs
+        raise ConfigError("calibration-rounds", f"{calibrated} is fewer than the run's {rounds} "
+                          f"rounds", allowed=f"0 or at least num-server-rounds ({rounds})")
     return Problem(config, dataset, parts, model, algorithm, model.initial_params().cpu(), device,
                    hosted)
 

@@ -294,3 +294,22 @@ def test_the_classical_rdp_conversion_over_orders_2_to_256(sigma, classical, opa
     assert _epsilon("rdp", history, 1e-5) == pytest.approx(ledger_rdp, abs=6e-4)
     ledger = PrivacyLedger("rdp", "replace-one", list(history))
     assert ledger.epsilon(1e-5, "rdp-classical") > ledger.epsilon(1e-5)
+
+
+@pytest.mark.parametrize("algorithm", ["dp-sgd", "adaptdp-fedavg", "dp-fedavg-quantile"])
+def test_calibration_rounds_give_a_short_run_the_noise_of_the_full_one(algorithm):
+    """A search's proxy of 3 rounds calibrated for 12 carries the 12-round run's noise on every
+    release, and its ledger charges the 3 rounds it ran; fewer than the run's rounds would
+    lower the noise below what ε needs, and are refused."""
+    from dpfl.errors import ConfigError
+    from dpfl.problem import build_problem
+    from dpfl.runconfig import RunConfig
+
+    base = {"algorithm": algorithm, "epsilon": 2.0, "seed": 0}
+    full = build_problem(RunConfig({**base, "num-server-rounds": 12}))
+    proxy = build_problem(RunConfig({**base, "num-server-rounds": 3, "calibration-rounds": 12}))
+    short = build_problem(RunConfig({**base, "num-server-rounds": 3}))
+    stds = [[r.noise_multiplier for r in p.releases(0)] for p in (full, proxy, short)]
+    assert stds[1] == stds[0] and all(a > b for a, b in zip(stds[1], stds[2], strict=True))
+    with pytest.raises(ConfigError, match="calibration-rounds.*allowed: 0 or at least"):
+        build_problem(RunConfig({**base, "num-server-rounds": 12, "calibration-rounds": 3}))
