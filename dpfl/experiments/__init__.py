@@ -10,6 +10,7 @@ run-config keys.
 from dpfl.experiments import (  # noqa: F401  (registers)
     adaptive,
     adaptive_interpolation,
+    benchmark,
     clip21,
     pcdp,
     pcdp_tuned,

@@ -1,0 +1,337 @@
+"""Which algorithm at which ε: every algorithm tuned alike and compared at the same accountant ε,
+``dpfl reproduce benchmark epsilon``.
+
+Each seed paper compares its method under its own accounting against its own baselines, tuned
+its own way. Here every algorithm of dpfl (but the noise-free ablation ``non-prisma``) runs at the
+same accountant ε, under one protocol:
+
+* **privacy**: record-level (ε, δ = 1e-5) per client under the default replace-one relation, the
+  noise calibrated by the ledger's RDP accountant (``calibration="accountant"``, never a paper's
+  mapping) for the full-length run, ε ∈ :data:`EPSILONS`;
+* **federations** (:data:`FEDERATIONS`): cross-silo, 10 clients, every client every round, IID or
+  Dirichlet (α = 0.1) label skew; one round budget for every algorithm (:data:`ROUNDS`), the
+  MNIST MLP, the clients' default batch (32) and local steps;
+* **tuning alike** (:func:`halving`): each algorithm's own 16 configurations (:data:`GRIDS`: its
+  step size, its clip radius and at most one key of its own) by successive halving on a
+  validation split of 5,000 training images (never the test set) at selection seed 0: all 16 run
+  a quarter of the rounds, the best 4 half, the best 2 all of them; the best final validation
+  accuracy is selected. Every proxy carries the noise of the full-length run
+  (``calibration-rounds``), so that it is selected at the noise it will run with;
+* **seeds**: the selected point on fresh seeds 1–3 (one seed gives every algorithm the same
+  data, partition and initial model); test accuracy mean ± std, and per ε the paired difference
+  of every algorithm against the column's best (95% t-interval): an interval containing 0 is a
+  tie.
+
+``--only dataset=NAME`` runs it on any registered dataset with a validation split (e.g.
+``digits``), ``--only epsilon=3,5`` at any ε; ``federation``, ``algorithm`` and ``seed``
+restrict the rest.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+from dpfl.algorithms import ALGORITHMS
+from dpfl.datasets import DATASETS
+from dpfl.errors import UsageError
+from dpfl.experiments.lab import Lab
+from dpfl.experiments.registry import experiment
+from dpfl.experiments.selection import (
+    LEVEL,
+    Config,
+    command,
+    final_accuracy,
+    grid,
+    mean_std,
+    paired,
+)
+
+EPSILONS = (1.0, 2.0, 4.0, 8.0)
+DATASETS_RUN = ("mnist", "fashion-mnist")
+FEDERATIONS: dict[str, Config] = {
+    "silo-iid": {"partitioner": "iid", "num-partitions": 10},
+    "silo-dirichlet": {"partitioner": "dirichlet", "alpha": 0.1, "num-partitions": 10},
+}
+ROUNDS = 200
+NUM_VALIDATION = 5000
+SELECTION_SEED = 0
+SEEDS = (1, 2, 3)
+RUNGS = ((4, 4), (2, 2), (1, 1))  # (a 1/k share of the rounds, how many points go on)
+EXCLUDED = ("non-prisma",)  # PriSMA's noise-free ablation: ε = ∞
+PUBLIC = ("pcdp-sgd", "pdp-sgd", "fedpcdp", "fedpdp")  # project onto 100 public records
+
+# Each algorithm's own 16 configurations: its step size × its clip radius (× one key of its own).
+# Per-sample clipping around the fallback defaults' η = 2, C = 1; message clipping (the Clip21
+# family) four decades lower, where its defaults sit; RPDP-SGD's random subspace keeps about
+# k'/d of a gradient, so its steps are ~14× larger (docs/defaults.md).
+_PER_SAMPLE = {"learning-rate": (0.3, 1.0, 3.0, 10.0), "clip": (0.1, 0.3, 1.0, 3.0)}
+_MESSAGE = {"learning-rate": (0.001, 0.01, 0.1, 1.0), "clip": (0.001, 0.01, 0.1, 1.0)}
+GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
+    **{a: _PER_SAMPLE for a in ("dpsgd-gc", "dp-sgd", "dp-fedavg", "dp-scaffold",
+                                "adaptdp-fedavg", "rsdp-sgd", *PUBLIC)},
+    "prisma": {"learning-rate": (0.3, 1.0, 3.0, 10.0), "clip": (0.3, 1.0), "gamma": (0.1, 0.5)},
+    "rpdp-sgd": {"learning-rate": (10.0, 30.0, 100.0, 300.0), "clip": (0.1, 0.3, 1.0, 3.0)},
+    **{a: _MESSAGE for a in ("clip-sgd", "clip21-sgd", "clip21-sgd2m")},
+    "alpha-normec": {"learning-rate": (0.001, 0.01, 0.1, 1.0), "clip": (1.0,),
+                     "beta-hat": (0.001, 0.01, 0.1, 1.0)},
+    "clip21-sgd2m-plus": {"learning-rate": (0.3, 1.0, 3.0, 10.0), "clip": (0.3, 3.0),
+                          "clip-inner": (0.1, 1.0)},
+    "dp-fedavg-quantile": {"learning-rate": (0.01, 0.1, 1.0, 10.0),
+                           "clip": (0.01, 0.1, 1.0, 10.0)},
+}
+SMOKE_GRID = {"learning-rate": (0.3, 3.0), "clip": (0.3, 3.0)}
+SMOKE_ALGORITHMS = ("dp-sgd", "clip21-sgd2m")
+SMOKE = {"dataset": "digits", "rounds": 8, "validation": 300, "epsilons": (2.0, 8.0),
+         "federations": ("silo-iid",), "seeds": (1, 2)}
+
+
+def algorithms() -> tuple[str, ...]:
+    return tuple(a for a in ALGORITHMS if a not in EXCLUDED)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One table of the benchmark: a dataset and a federation."""
+
+    dataset: str
+    federation: str
+
+
+Cell = tuple[Setting, str, float]  # (setting, algorithm, ε)
+
+
+@dataclass(frozen=True)
+class Plan:
+    settings: tuple[Setting, ...]
+    algorithms: tuple[str, ...]
+    epsilons: tuple[float, ...]
+    seeds: tuple[int, ...]
+    rounds: int
+    validation: int
+    smoke: bool
+
+    def points(self, algorithm: str) -> list[Config]:
+        axes = SMOKE_GRID if self.smoke else GRIDS[algorithm]
+        keys = {k.replace("-", "_"): v for k, v in axes.items()}
+        own = {"alpha-normec": {"clip": 1.0, "beta-hat": 0.1},
+               "clip21-sgd2m-plus": {"clip-inner": 1.0}}.get(algorithm, {})
+        return [{**own, **p} for p in grid(**keys)]
+
+    def config(self, cell: Cell, point: Config, seed: int, share: int = 1) -> Config:
+        """``cell``'s run of ``point`` at ``seed``, stopped after a 1/``share`` of the rounds
+        with the full-length run's noise, evaluated at its last round only."""
+        setting, algorithm, epsilon = cell
+        rounds = self.rounds // share
+        public = "num_public=100 " if algorithm in PUBLIC else ""
+        return {"algorithm": algorithm, "dataset": setting.dataset,
+                "dataset-options": f"{public}num_validation={self.validation}",
+                **FEDERATIONS[setting.federation], "epsilon": epsilon, "delta": 1e-5,
+                "calibration": "accountant", "num-server-rounds": rounds,
+                "calibration-rounds": self.rounds, "eval-every": rounds, "seed": seed, **point}
+
+
+def plan_of(lab: Lab) -> Plan:
+    """What ``--only`` leaves of the benchmark (``--smoke``: digits, two algorithms, ε = 2 and 8,
+    a 2 × 2 grid, 8 rounds)."""
+    smoke = lab.smoke
+    datasets = lab.only.get("dataset") or ([SMOKE["dataset"]] if smoke else list(DATASETS_RUN))
+    for name in datasets:
+        if name not in DATASETS:
+            raise UsageError(f"--only dataset: unknown dataset {name!r} (allowed: "
+                             f"{', '.join(DATASETS)})")
+    try:
+        epsilons = tuple(float(e) for e in lab.only["epsilon"]) if "epsilon" in lab.only else (
+            SMOKE["epsilons"] if smoke else EPSILONS)
+    except ValueError:
+        raise UsageError("--only epsilon: numbers > 0, e.g. --only epsilon=1,3") from None
+    if any(not (e > 0 and math.isfinite(e)) for e in epsilons):
+        raise UsageError("--only epsilon: numbers > 0, e.g. --only epsilon=1,3")
+    federations = lab.restrict("federation", SMOKE["federations"] if smoke else FEDERATIONS)
+    offered = algorithms()
+    chosen = lab.restrict("algorithm", offered) if "algorithm" in lab.only else (
+        SMOKE_ALGORITHMS if smoke else offered)
+    seeds = tuple(int(s) for s in lab.restrict("seed", SMOKE["seeds"] if smoke else SEEDS))
+    return Plan(tuple(Setting(d, f) for d in datasets for f in federations), tuple(chosen),
+                epsilons, seeds, SMOKE["rounds"] if smoke else ROUNDS,
+                SMOKE["validation"] if smoke else NUM_VALIDATION, smoke)
+
+
+# ---- selection ---------------------------------------------------------------------------------
+
+Tried = dict[Cell, list[tuple[int, Config, float]]]  # cell -> (share, point, validation accuracy)
+
+
+def rank(summary: dict[str, Any]) -> tuple[float, float]:
+    """Best first: the higher final validation accuracy, then the lower validation loss."""
+    loss = summary.get("validation_loss")
+    return (-final_accuracy(summary, "validation"),
+            loss if loss is not None and math.isfinite(loss) else math.inf)
+
+
+def halving(lab: Lab, plan: Plan) -> tuple[dict[Cell, Config], Tried]:
+    """Successive halving over :data:`RUNGS` for every cell at once (one worker pool); each
+    cell's selected point, and every run tried."""
+    alive = {(s, a, e): plan.points(a) for s in plan.settings for a in plan.algorithms
+             for e in plan.epsilons}
+    tried: Tried = {cell: [] for cell in alive}
+    for share, keep in RUNGS:
+        jobs = [(cell, p) for cell, points in alive.items() for p in points]
+        summaries = lab.run_many([plan.config(cell, p, SELECTION_SEED, share) for cell, p in jobs])
+        scored: dict[Cell, list[tuple[tuple[float, float], int, Config]]] = {}
+        for i, ((cell, p), summary) in enumerate(zip(jobs, summaries, strict=True)):
+            scored.setdefault(cell, []).append((rank(summary), i, p))
+            tried[cell].append((share, p, final_accuracy(summary, "validation")))
+        alive = {cell: [p for _, _, p in sorted(runs, key=lambda r: r[:2])[:keep]]
+                 for cell, runs in scored.items()}
+    return {cell: points[0] for cell, points in alive.items()}, tried
+
+
+def seed_runs(lab: Lab, plan: Plan, chosen: dict[Cell, Config]
+              ) -> dict[Cell, list[dict[str, Any]]]:
+    configs = [plan.config(cell, p, s) for cell, p in chosen.items() for s in plan.seeds]
+    summaries = iter(lab.run_many(configs))
+    return {cell: [next(summaries) for _ in plan.seeds] for cell in chosen}
+
+
+# ---- the experiment ----------------------------------------------------------------------------
+
+@experiment("benchmark", "epsilon", "Which algorithm at which ε: every algorithm tuned alike "
+            "(16 configurations by successive halving on a validation split) and compared at "
+            "the same accountant ε", axes=("dataset", "federation", "algorithm", "epsilon",
+                                           "seed"))
+def benchmark(lab: Lab) -> str:
+    plan = plan_of(lab)
+    report_protocol(lab, plan)
+    report_cost(lab, plan)
+    chosen, tried = halving(lab, plan)
+    results = seed_runs(lab, plan, chosen)
+    for setting in plan.settings:
+        report_setting(lab, plan, setting, chosen, results)
+    write_tried(lab, tried)
+    return "Which algorithm at which ε: every algorithm tuned alike at the same accountant ε"
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+PROBES = (2, 6)  # the estimate's two probe lengths: their difference is the cost of rounds
+
+
+def report_cost(lab: Lab, plan: Plan) -> None:
+    """Before the sweep: each algorithm's cost from two probes (its first setting, the largest
+    ε, its first point) of :data:`PROBES` rounds: per round their difference over the rounds'
+    difference, per run (setup and evaluation) the rest; times the runs and rounds the
+    protocol runs."""
+    setting, epsilon = plan.settings[0], max(plan.epsilons)
+    probes = [{**plan.config((setting, a, epsilon), plan.points(a)[0], SELECTION_SEED),
+               "num-server-rounds": n, "eval-every": n} for a in plan.algorithms for n in PROBES]
+    summaries = iter(lab.run_many(probes))
+    cells = len(plan.settings) * len(plan.epsilons)
+    seconds = {}
+    for a in plan.algorithms:
+        short, long = (float(next(summaries)["wall_seconds"]) for _ in PROBES)
+        per_round = max(0.0, long - short) / (PROBES[1] - PROBES[0])
+        per_run = max(0.0, short - PROBES[0] * per_round)
+        runs = len(plan.points(a)) + sum(keep for _, keep in RUNGS[:-1]) + len(plan.seeds)
+        seconds[a] = cells * (runs * per_run + per_round * (
+            rounds_per_cell(plan, a) + plan.rounds * len(plan.seeds)))
+    total = sum(seconds.values())
+    print(f"benchmark/epsilon: ≈ {total / 3600:.2f} h single-thread "
+          f"({total / 3600 / lab.workers:.2f} h on {lab.workers} workers)", flush=True)
+    lab.text(f"Cost estimate before the sweep, from two probes of each algorithm "
+             f"({PROBES[0]} and {PROBES[1]} rounds): "
+             f"{total / 3600:.2f} h single-thread in all; per algorithm: "
+             + ", ".join(f"{a} {s / 3600:.2f} h" for a, s in
+                         sorted(seconds.items(), key=lambda x: -x[1])) + ".")
+
+
+def rounds_per_cell(plan: Plan, algorithm: str) -> int:
+    """The rounds one cell's selection runs: every point a rung receives, for its share."""
+    entering = [len(plan.points(algorithm)), *(keep for _, keep in RUNGS[:-1])]
+    return sum(min(n, entering[0]) * plan.rounds // share
+               for (share, _), n in zip(RUNGS, entering, strict=True))
+
+
+def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Config],
+                   results: dict[Cell, list[dict[str, Any]]]) -> None:
+    tests = {cell: [final_accuracy(s) for s in runs] for cell, runs in results.items()
+             if cell[0] == setting}
+    best = {e: max((a for a in plan.algorithms),
+                   key=lambda a: statistics.fmean(tests[(setting, a, e)]))
+            for e in plan.epsilons}
+    rows = []
+    for a in plan.algorithms:
+        row = [a]
+        for e in plan.epsilons:
+            values = tests[(setting, a, e)]
+            mean, std = mean_std(values)
+            text = f"{mean:.1f} ± {std:.1f}"
+            if a == best[e]:
+                text = f"**{text}**"
+            else:
+                diff = paired(values, tests[(setting, best[e], e)])
+                if not math.isnan(diff.high) and diff.high >= 0:
+                    text += " (tie)"
+            row.append(text)
+        rows.append(row)
+    title = f"{setting.dataset}, {setting.federation}"
+    lab.table(f"{title}: test accuracy (%), mean ± std over seeds "
+              f"{', '.join(map(str, plan.seeds))} at each algorithm's selected point; the best "
+              f"per ε in bold, (tie): its paired {LEVEL:.0%} interval against the best contains 0",
+              ["algorithm", *[f"ε = {e:g}" for e in plan.epsilons]], rows)
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for a in plan.algorithms:
+        stats = [mean_std(tests[(setting, a, e)]) for e in plan.epsilons]
+        means = [m for m, _ in stats]
+        ax.plot(plan.epsilons, means, marker="o", label=a)
+        ax.fill_between(plan.epsilons, [m - s for m, s in stats], [m + s for m, s in stats],
+                        alpha=0.15)
+    ax.set(xscale="log", xlabel="ε (δ = 1e-5, RDP accountant)", ylabel="test accuracy (%)",
+           title=title)
+    ax.legend(fontsize=6, ncol=2)
+    name = f"accuracy-{setting.dataset}-{setting.federation}"
+    lab.figure(name, fig, f"{title}: test accuracy against ε, mean ± std over the seeds")
+    lab.table(f"{title}: the selected points", ["algorithm", *[f"ε = {e:g}" for e in
+                                                               plan.epsilons]],
+              [[a, *[", ".join(f"{k}={v:g}" for k, v in chosen[(setting, a, e)].items())
+                     for e in plan.epsilons]] for a in plan.algorithms])
+    first = (setting, plan.algorithms[0], plan.epsilons[-1])
+    lab.text(f"Rerun a cell alone, e.g. {first[1]} at ε = {first[2]:g}: "
+             f"`{command(plan.config(first, chosen[first], plan.seeds[0]))}`")
+
+
+def write_tried(lab: Lab, tried: Tried) -> None:
+    """``configurations.csv``: every configuration tried, its rung and validation accuracy."""
+    lab.folder.mkdir(parents=True, exist_ok=True)
+    with open(lab.folder / "configurations.csv", "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["dataset", "federation", "algorithm", "epsilon", "rounds share",
+                      "configuration", "validation accuracy (%)"])
+        for (setting, algorithm, epsilon), runs in tried.items():
+            for share, point, accuracy in runs:
+                out.writerow([setting.dataset, setting.federation, algorithm, epsilon,
+                              f"1/{share}", " ".join(f"{k}={v:g}" for k, v in point.items()),
+                              f"{accuracy:.2f}"])
+    count = sum(len(r) for r in tried.values())
+    lab.text(f"Every configuration tried ({count} runs), with its rung and validation "
+             f"accuracy: `configurations.csv`.")
+
+
+def report_protocol(lab: Lab, plan: Plan) -> None:
+    lab.text(f"""
+## Protocol
+
+Record-level (ε, δ = 1e-5) per client, replace-one neighbours, the noise calibrated by the RDP
+accountant for the {plan.rounds}-round run; {len(plan.settings)} setting(s) of 10 clients taking
+part in every round; the default MLP, batch 32. Each algorithm's own {len(plan.points(
+        plan.algorithms[0]))} configurations by successive halving on a validation split of
+{plan.validation} training images at seed {SELECTION_SEED} (a quarter of the rounds, the best 4
+half, the best 2 all; every proxy with the full-length run's noise), then seeds
+{', '.join(map(str, plan.seeds))}. The selection never reads the test set.
+""")
+

@@ -1,0 +1,86 @@
+"""The matched-ε benchmark: every algorithm's equal search budget, the proxies' noise, the
+selection that never reads the test set, the options a user narrows it with, and the smoke run."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from dpfl.algorithms import ALGORITHMS
+from dpfl.errors import UsageError
+from dpfl.experiments.benchmark import (
+    EXCLUDED,
+    GRIDS,
+    ROUNDS,
+    Setting,
+    algorithms,
+    plan_of,
+    rank,
+)
+from dpfl.experiments.lab import Lab
+from dpfl.runconfig import RunConfig
+
+
+def test_every_algorithm_but_the_ablation_gets_the_same_budget_of_valid_configurations(tmp_path):
+    assert set(algorithms()) == set(ALGORITHMS) - set(EXCLUDED) == set(GRIDS)
+    plan = plan_of(Lab(tmp_path, smoke=False))
+    for algorithm in algorithms():
+        points = plan.points(algorithm)
+        assert len(points) == 16 and len({tuple(sorted(p.items())) for p in points}) == 16
+        config = plan.config((Setting("mnist", "silo-dirichlet"), algorithm, 2.0), points[0], 0)
+        RunConfig(config)  # every key given: no "auto" left to defaults
+        assert config["calibration"] == "accountant" and config["delta"] == 1e-5
+        assert "num_validation=5000" in config["dataset-options"]
+
+
+def test_a_proxy_stops_early_with_the_noise_of_the_full_run(tmp_path):
+    plan = plan_of(Lab(tmp_path, smoke=False))
+    cell = (Setting("mnist", "silo-iid"), "dp-sgd", 4.0)
+    proxy = plan.config(cell, plan.points("dp-sgd")[0], 0, share=4)
+    assert (proxy["num-server-rounds"], proxy["calibration-rounds"]) == (ROUNDS // 4, ROUNDS)
+    assert proxy["eval-every"] == ROUNDS // 4  # evaluated once, at its end
+
+
+def test_the_selection_ranks_by_validation_never_by_test():
+    good = {"validation_accuracy": 0.9, "validation_loss": 0.3, "test_accuracy": 0.1,
+            "test_loss": 3.0}
+    bad = {"validation_accuracy": 0.5, "validation_loss": 1.0, "test_accuracy": 0.99,
+           "test_loss": 0.1}
+    assert rank(good) < rank(bad)
+    tie = {**good, "validation_loss": 0.2}
+    assert rank(tie) < rank(good)  # the lower validation loss breaks a tie
+
+
+def test_a_user_narrows_it_to_their_dataset_and_epsilons(tmp_path):
+    plan = plan_of(Lab(tmp_path, smoke=False, only={"dataset": ["digits"],
+                                                    "epsilon": ["3", "0.5"],
+                                                    "federation": ["silo-iid"]}))
+    assert plan.settings == (Setting("digits", "silo-iid"),) and plan.epsilons == (3.0, 0.5)
+    for only, message in (({"dataset": ["imagenet"]}, "unknown dataset 'imagenet'"),
+                          ({"epsilon": ["x"]}, "numbers > 0"),
+                          ({"epsilon": ["-1"]}, "numbers > 0"),
+                          ({"federation": ["device"]}, "allowed: silo-iid, silo-dirichlet")):
+        with pytest.raises(UsageError, match=message):
+            plan_of(Lab(tmp_path, smoke=False, only=only))
+
+
+@pytest.mark.smoke
+def test_the_smoke_benchmark_tables_every_epsilon_and_lists_every_configuration(tmp_path,
+                                                                               capsys):
+    from dpfl.cli import main
+
+    assert main(["reproduce", "benchmark", "epsilon", "--smoke", "--results-dir",
+                 str(tmp_path)]) == 0
+    assert "benchmark/epsilon: ≈" in capsys.readouterr().out
+    folder = tmp_path / "reproduce-benchmark-epsilon-smoke"
+    report = (folder / "report.md").read_text()
+    for text in ("## Protocol", "Cost estimate", "| algorithm | ε = 2 | ε = 8 |", "**",
+                 "the selected points", "dpfl run --run-config", "configurations.csv"):
+        assert text in report, text
+    assert (folder / "accuracy-digits-silo-iid.png").stat().st_size > 0
+    with open(folder / "configurations.csv") as f:
+        rows = list(csv.DictReader(f))
+    # per cell: 4 points at 1/4, 4 at 1/2 (all survive), 2 at full length; 2 algorithms × 2 ε
+    assert len(rows) == 4 * (4 + 4 + 2)
+    assert {r["rounds share"] for r in rows} == {"1/4", "1/2", "1/1"}
