@@ -62,9 +62,9 @@ def _idx_loader(name: str, source_name: str, subdir: str, mean: float, std: floa
     """The loader of an idx dataset read by ``torchvision.datasets.<source_name>`` (imported
     on use: a ClientApp, started for every message, reads its node's cached data instead)."""
 
-    @functools.lru_cache(maxsize=2)
+    @functools.lru_cache(maxsize=len(IDX_SCALINGS))
     def read(data_dir: Path, cache_dir: Path, download: bool, scaling: str) -> Dataset:
-        """The whole dataset (one copy per scaling, whatever the run seed)."""
+        """The whole dataset (one copy per scaling read, whatever the run seed)."""
         import torchvision.datasets
         from torchvision.datasets.utils import check_integrity
 
