@@ -135,9 +135,12 @@ def keys(args: argparse.Namespace) -> int:
     import shutil
     import textwrap
 
+    from dpfl.algorithms.tuned import tuned_value
     from dpfl.config import AUTO, COMMON, Param, format_overrides, params_of
     from dpfl.privacy.calibration import CALIBRATIONS
     from dpfl.runconfig import ALGORITHMS, DATASETS, MODELS, PARTITIONERS, algorithm_default
+
+    epsilon = float(next(q.default for q in COMMON if q.key == "epsilon"))  # "auto" shown there
 
     algorithm = None if args.algorithm is None else ALGORITHMS.get(args.algorithm)
     registries = {"algorithm": ALGORITHMS, "dataset": DATASETS, "model": MODELS,
@@ -148,8 +151,10 @@ def keys(args: argparse.Namespace) -> int:
         print(f"{title}:")
         for p in params:
             if algorithm is not None and p.per_algorithm:  # what "auto" gives this algorithm
-                value = algorithm_default(algorithm, p)
-                mine = f": {algorithm.name}'s own" if p.key in algorithm.defaults else ""
+                value = algorithm_default(algorithm, p, epsilon)
+                mine = (f": follows ε, here ε = {epsilon:g} (docs/benchmark.md)"
+                        if tuned_value(algorithm.name, p.key, epsilon) is not None
+                        else f": {algorithm.name}'s own" if p.key in algorithm.defaults else "")
                 head = f"  {format_overrides({p.key: value})}  [{AUTO}{mine}]"
             else:
                 head = f"  {format_overrides({p.key: p.config_default})}"

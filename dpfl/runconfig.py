@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dpfl.algorithms import ALGORITHMS, Algorithm
+from dpfl.algorithms.tuned import tuned_value
 from dpfl.config import AUTO, COMMON, Param, Value, build, params_of
 from dpfl.datasets import DATASETS, PARTITIONERS
 from dpfl.errors import ConfigError, did_you_mean
@@ -50,11 +51,15 @@ def defaults() -> dict[str, Value]:
     return {key: p.config_default for key, p in all_params().items()}
 
 
-def algorithm_default(algorithm: type[Algorithm], param: Param) -> Value:
-    """``algorithm``'s value of ``param`` when the run leaves it at its default."""
+def algorithm_default(algorithm: type[Algorithm], param: Param,
+                      epsilon: float | None = None) -> Value:
+    """``algorithm``'s value of ``param`` when the run leaves it at its default: at the run's
+    ``epsilon`` the benchmark's selected point (:mod:`dpfl.algorithms.tuned`) where it has
+    one, else the algorithm's own default, else the key's."""
     if not param.per_algorithm:
         return param.default
-    return algorithm.defaults.get(param.key, param.default)
+    tuned = None if epsilon is None else tuned_value(algorithm.name, param.key, epsilon)
+    return tuned if tuned is not None else algorithm.defaults.get(param.key, param.default)
 
 
 class RunConfig(Mapping[str, Value]):
@@ -98,7 +103,7 @@ class RunConfig(Mapping[str, Value]):
         self.automatic = tuple(key for key, value in merged.items() if value == AUTO
                                and params[key].per_algorithm)
         for key in self.automatic:
-            merged[key] = algorithm_default(algorithm, params[key])
+            merged[key] = algorithm_default(algorithm, params[key], float(merged["epsilon"]))
         for key in ("eval-train", "eval-norm-quantiles"):
             if merged[key] and not merged["non-private-diagnostics"]:
                 raise ConfigError(key, "the server would evaluate on the clients' training "

@@ -84,3 +84,20 @@ def test_the_smoke_benchmark_tables_every_epsilon_and_lists_every_configuration(
     # per cell: 4 points at 1/4, 4 at 1/2 (all survive), 2 at full length; 2 algorithms × 2 ε
     assert len(rows) == 4 * (4 + 4 + 2)
     assert {r["rounds share"] for r in rows} == {"1/4", "1/2", "1/1"}
+
+
+def test_auto_defaults_follow_the_runs_epsilon_to_the_nearest_benchmarked_one(monkeypatch):
+    from dpfl.algorithms import tuned
+
+    points = {"dp-sgd": {1.0: {"learning-rate": 0.5, "clip": 0.2},
+                         4.0: {"learning-rate": 2.5, "clip": 0.7}}}
+    assert tuned.tuned_value("dp-sgd", "clip", 1.9, points) == 0.2  # log-nearer to 1 than 4
+    assert tuned.tuned_value("dp-sgd", "clip", 2.0, points) == 0.2  # a tie: the smaller ε
+    assert tuned.tuned_value("dp-sgd", "clip", 2.1, points) == 0.7
+    assert tuned.tuned_value("dp-sgd", "beta-hat", 2.0, points) is None
+    assert tuned.tuned_value("prisma", "clip", 2.0, points) is None
+    monkeypatch.setattr(tuned, "POINTS", points)
+    assert RunConfig({"algorithm": "dp-sgd", "epsilon": 8})["learning-rate"] == 2.5
+    assert RunConfig({"algorithm": "dp-sgd", "epsilon": 1})["clip"] == 0.2
+    assert RunConfig({"algorithm": "dp-sgd", "epsilon": 1, "clip": 3})["clip"] == 3  # given wins
+    assert RunConfig({"algorithm": "prisma", "epsilon": 1})["clip"] == 1.0  # not benchmarked

@@ -30,6 +30,7 @@ restrict the rest.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -214,6 +215,7 @@ def benchmark(lab: Lab) -> str:
     for setting in plan.settings:
         report_setting(lab, plan, setting, chosen, results)
     write_tried(lab, tried)
+    write_selected(lab, plan, chosen)
     return "Which algorithm at which ε: every algorithm tuned alike at the same accountant ε"
 
 
@@ -320,6 +322,16 @@ def write_tried(lab: Lab, tried: Tried) -> None:
     count = sum(len(r) for r in tried.values())
     lab.text(f"Every configuration tried ({count} runs), with its rung and validation "
              f"accuracy: `configurations.csv`.")
+
+
+def write_selected(lab: Lab, plan: Plan, chosen: dict[Cell, Config]) -> None:
+    """``selected.json``: per setting, algorithm and ε the selected point, the values
+    :mod:`dpfl.algorithms.tuned` takes as the ``"auto"`` defaults that follow ε."""
+    out: dict[str, dict[str, dict[str, Config]]] = {}
+    for (setting, algorithm, epsilon), point in chosen.items():
+        table = out.setdefault(f"{setting.dataset} {setting.federation}", {})
+        table.setdefault(algorithm, {})[f"{epsilon:g}"] = point
+    (lab.folder / "selected.json").write_text(json.dumps(out, indent=1, sort_keys=True))
 
 
 def report_protocol(lab: Lab, plan: Plan) -> None:
