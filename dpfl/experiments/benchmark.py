@@ -47,6 +47,7 @@ from dpfl.experiments.selection import (
     LEVEL,
     Config,
     command,
+    edge_axes,
     final_accuracy,
     grid,
     mean_std,
@@ -298,10 +299,15 @@ def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Co
     ax.legend(fontsize=6, ncol=2)
     name = f"accuracy-{setting.dataset}-{setting.federation}"
     lab.figure(name, fig, f"{title}: test accuracy against ε, mean ± std over the seeds")
-    lab.table(f"{title}: the selected points", ["algorithm", *[f"ε = {e:g}" for e in
-                                                               plan.epsilons]],
-              [[a, *[", ".join(f"{k}={v:g}" for k, v in chosen[(setting, a, e)].items())
-                     for e in plan.epsilons]] for a in plan.algorithms])
+    def selected(algorithm: str, epsilon: float) -> str:
+        point = chosen[(setting, algorithm, epsilon)]
+        edges = edge_axes(point, plan.points(algorithm))
+        return (", ".join(f"{k}={v:g}" for k, v in point.items())
+                + (f" (edge: {', '.join(edges)})" if edges else ""))
+
+    lab.table(f"{title}: the selected points (edge: an axis at an end of the algorithm's grid)",
+              ["algorithm", *[f"ε = {e:g}" for e in plan.epsilons]],
+              [[a, *[selected(a, e) for e in plan.epsilons]] for a in plan.algorithms])
     first = (setting, plan.algorithms[0], plan.epsilons[-1])
     lab.text(f"Rerun a cell alone, e.g. {first[1]} at ε = {first[2]:g}: "
              f"`{command(plan.config(first, chosen[first], plan.seeds[0]))}`")
