@@ -116,11 +116,10 @@ def restart(fig: Figure1, cell: Cell, pairs: set[tuple[Any, Any]]) -> list[Confi
     return [{**p, "gamma": g, "clip-diff": c3} for g, c3 in sorted(pairs) for p in points]
 
 
-def pending_seconds(lab: Lab, configs: Sequence[Config]) -> tuple[float, float]:
-    """Single-thread seconds (the simulator's cost model) of ``configs``: all, and those not in
-    an archive yet."""
-    todo = [c for c in configs if run_key(c) not in lab.archived]
-    return estimate_seconds(configs), estimate_seconds(todo)
+def pending_seconds(lab: Lab, configs: Sequence[Config]) -> float:
+    """Single-thread seconds (the simulator's cost model) of those of ``configs`` not in an
+    archive yet."""
+    return estimate_seconds([c for c in configs if run_key(c) not in lab.archived])
 
 
 def local_round_bound(fig: Figure1) -> list[Config]:
@@ -295,7 +294,7 @@ def report_cost(lab: Lab, axes: dict[str, dict[str, tuple[float, ...]]],
                                  "num-server-rounds": 16000}, n, s, calibration)
                    for m in METHODS for n in fig.sizes for s in seeds]
         local = local_round_bound(fig)
-        stages = {"start": pending_seconds(lab, start)[1],
+        stages = {"start": pending_seconds(lab, start),
                   "a round of local search (bound)": estimate_seconds(local),
                   "confirmation": estimate_seconds(local) / len(local) * len(fig.cells())
                   * (len(TUNING_SEEDS) - 1) * len(metrics) * 3,
