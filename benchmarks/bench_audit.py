@@ -2,7 +2,10 @@
 estimate beside the ledger's ε, as a Markdown table (the README's and docs/audit.md's).
 
     .venv/bin/python benchmarks/bench_audit.py [--trials 1000] [--workers 2]
-        [--out reports/audit]
+        [--out reports/audit] [--only ALGORITHM[,ALGORITHM...]]
+
+``--only`` audits those algorithms' rows again and, with ``--out``, replaces them in the
+archive there (the other rows are kept).
 
 All on digits with logistic regression, 10 IID clients, 5 rounds, δ = 1e-5, the gradient
 canary (:mod:`dpfl.audit.gradient_canary`) unless a column says "input canary":
@@ -15,9 +18,14 @@ canary (:mod:`dpfl.audit.gradient_canary`) unless a column says "input canary":
   canary's;
 * ``full batch, ε = 1`` and ``ε = 4``: the same at other budgets, for the algorithms whose
   tightness is measured (:data:`TIGHT`; at ε = 1 with 5,000 runs a side, :data:`TRIALS`);
+* ``full batch, k′ = d`` (RPDP-SGD): the same with the random subspace the whole space, where
+  a canary's gradient keeps its whole norm in it (at k′ < d a fixed canary keeps a k′/d share);
 * ``paper``: as ``full batch`` with ``calibration="paper"`` at ε = 2 (within the audit's
   reach), for every algorithm that offers the paper's own σ formula: the ε the paper claims,
   the accountant's ε for the noise it gives, and whether the audit refutes the claim;
+* ``paper, ε = 8, own batches`` (AdaptDP-FedAvg): its paper's subsampled-RDP formula at the
+  defaults' sampled batches, the one setting here where it gives a σ (none at ε = 2, nor with
+  whole-data batches);
 * ``practice``: the same with the Clip21 family's ``calibration="practice"`` (the related
   public code's σ formula, which claims less ε than the accountant gives).
 """
@@ -43,15 +51,24 @@ ROUNDS = 5
 
 #: the algorithms whose tightness is measured at ε = 1, 4 and 8
 TIGHT = ("dp-sgd", "dpsgd-gc", "dp-fedavg", "pcdp-sgd", "fedpcdp", "dp-fedavg-quantile")
+#: settings of one algorithm only, with their keys (RPDP-SGD's subspace as the whole space:
+#: ``projection-dim`` above d keeps every row of the rotation; AdaptDP-FedAvg's paper mapping
+#: where it has a σ: none at ε = 2)
+EXTRA = {"rpdp-sgd": [("full batch, k′ = d", {"projection-dim": 10**9})],
+         "adaptdp-fedavg": [("paper, ε = 8, own batches",
+                             {"epsilon": 8.0, "calibration": "paper"})]}
+#: settings audited at the algorithm's own batch size (the others: full batches)
+SAMPLED = ("defaults", "paper, ε = 8, own batches")
 #: runs a side where the default leaves μ's standard error a fifth of μ (ε = 1: μ ≈ 0.24)
 TRIALS = {"full batch, ε = 1": 5000}
 
 
-def job_list() -> list[tuple[str, str, dict]]:
+def job_list(names: list[str]) -> list[tuple[str, str, dict]]:
     jobs = []
-    for name in ALGORITHMS.names():
+    for name in names:
         jobs.append((name, "defaults", {}))
         jobs.append((name, "full batch", {}))
+        jobs += [(name, setting, keys) for setting, keys in EXTRA.get(name, [])]
         if name in TIGHT:
             jobs += [(name, f"full batch, ε = {e:g}", {"epsilon": e}) for e in (1.0, 4.0)]
         for calibration in ("paper", "practice"):
@@ -69,8 +86,8 @@ def one(job: tuple[str, str, dict, int]) -> dict:
     name, setting, keys, trials = job
     torch.set_num_threads(1)
     values = {"algorithm": name, "model": "logistic", "num-server-rounds": ROUNDS, **keys}
-    config, client = (RunConfig(values), 0) if setting == "defaults" else full_batch(values)
-    if setting != "defaults" and "batch-size" in config.reads:
+    config, client = (RunConfig(values), 0) if setting in SAMPLED else full_batch(values)
+    if setting not in SAMPLED and "batch-size" in config.reads:
         values = {**values, "batch-size": config["batch-size"]}
     try:
         result = audit(config, trials=trials, client=client)
@@ -84,6 +101,22 @@ def one(job: tuple[str, str, dict, int]) -> dict:
         by_input = audit(config, trials=trials, client=client, canary="input").summary()
         row["input_canary"] = {k: by_input[k] for k in ("epsilon_lower", "gdp_epsilon",
                                                         "gdp_epsilon_lower", "seconds")}
+    return row
+
+
+#: the figures an archived row may hold as ∞, which JSON keeps as null
+INFINITE = ("epsilon_ledger", "epsilon_lower", "gdp_epsilon", "gdp_epsilon_lower")
+
+
+def restored(row: dict) -> dict:
+    """An archived row (audits.json) with its infinite figures back (a row whose audit ran
+    has every one of :data:`INFINITE`, so null there means ∞)."""
+    if "error" in row:
+        return row
+    row = {**row, **{k: math.inf for k in INFINITE if row[k] is None}}
+    if row.get("input_canary"):
+        row["input_canary"] = {k: math.inf if v is None else v
+                               for k, v in row["input_canary"].items()}
     return row
 
 
@@ -126,8 +159,18 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--only", default=None, help="comma-separated algorithm names")
     args = parser.parse_args()
-    jobs = [(*job, max(args.trials, TRIALS.get(job[1], 0))) for job in job_list()]
+    names = ALGORITHMS.names() if args.only is None else args.only.split(",")
+    unknown = sorted(set(names) - set(ALGORITHMS.names()))
+    if unknown:
+        parser.error(f"--only: unknown algorithm {unknown[0]!r}; one of "
+                     f"{', '.join(ALGORITHMS.names())}")
+    kept = []
+    if args.only is not None and args.out is not None and (args.out / "audits.json").exists():
+        kept = [restored(r) for r in json.loads((args.out / "audits.json").read_text())
+                if r["algorithm"] not in names]
+    jobs = [(*job, max(args.trials, TRIALS.get(job[1], 0))) for job in job_list(names)]
     started = time.perf_counter()
     rows = []
     with ProcessPoolExecutor(args.workers) as pool:
@@ -137,6 +180,8 @@ def main() -> None:
                   + (row["error"] if "error" in row else
                      f"ε_lower {row['epsilon_lower']:.3g} fit {row['gdp_epsilon']:.3g} "
                      f"ledger {row['epsilon_ledger']:.4g} ({row['seconds']:.0f} s)"), flush=True)
+    order = {name: i for i, name in enumerate(ALGORITHMS.names())}
+    rows = sorted(kept + rows, key=lambda r: order[r["algorithm"]])  # stable: settings' order
     text = table(rows)
     print(text)
     print(f"{len(rows)} audits in {time.perf_counter() - started:.0f} s on {args.workers} "

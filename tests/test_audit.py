@@ -30,13 +30,20 @@ TRIALS = 200
 ROUNDS = 3
 
 
-def reduced_audit(name: str, canary: str = "gradient", trials: int = TRIALS):
+#: keys under which a canary can spend an algorithm's whole budget: RPDP-SGD's random subspace
+#: as the whole space (``projection-dim`` above d keeps every row of its rotation); at k' < d a
+#: fixed canary keeps only a k'/d share of its gradient there, so the power tests audit its
+#: noise and clipping code at k' = d
+WHOLE_BUDGET = {"rpdp-sgd": {"projection-dim": 10**9}}
+
+
+def reduced_audit(name: str, canary: str = "gradient", trials: int = TRIALS, **keys):
     """A reduced audit of ``name``: logistic regression on digits, 10 clients, 3 rounds, every
     batch the audited client's whole data (:func:`dpfl.audit.full_batch`: the canary is in
     every step, so the ledger is as tight as it gets and a broken clip or noise shows in every
     run)."""
     values = {"algorithm": name, "model": "logistic", "num-server-rounds": ROUNDS,
-              "num-partitions": 10}
+              "num-partitions": 10, **keys}
     if not ALGORITHMS.get(name).noise_free:
         values["epsilon"] = EPSILON
     config, client = full_batch(values)
@@ -105,14 +112,18 @@ def test_the_audit_never_refutes_an_algorithms_ledger(name):
         assert result.gaussian.epsilon_lower <= result.epsilon_ledger
 
 
-@pytest.mark.parametrize("name", ["dpsgd-gc", "dp-sgd", "dp-fedavg", "pcdp-sgd"])
+@pytest.mark.parametrize("name", ["dpsgd-gc", "dp-sgd", "dp-fedavg", "pcdp-sgd", "dp-scaffold",
+                                  "rpdp-sgd", "dp-fedavg-quantile"])
 def test_the_gradient_canary_is_tight(name):
     """Tightness: with the gradient canary in every step, the Gaussian-DP fit's ε is within
     20% of the ledger's at ε = 2 (1,000 runs a side: μ's standard error is about 0.05, 8% of
-    ε), for replace-one (DPSGD-GC, DP-FedAvg) as for add/remove (DP-SGD) neighbours and for
-    a projection onto public gradients that carry the canary's coordinate (PCDP-SGD), and its
-    lower confidence bound is not above the ledger's."""
-    result = reduced_audit(name, trials=1000)
+    ε), for replace-one (DPSGD-GC, DP-FedAvg) as for add/remove (DP-SGD) neighbours, for
+    a projection onto public gradients that carry the canary's coordinate (PCDP-SGD), for
+    DP-SCAFFOLD scored on its control variates (:class:`dpfl.audit.ControlVariateScorer`),
+    RPDP-SGD at k' = d (:data:`WHOLE_BUDGET`) and client-level DP-FedAvg-quantile with the
+    counted canary client scored on both its releases (:class:`dpfl.audit.ReleaseScorer`),
+    and its lower confidence bound is not above the ledger's."""
+    result = reduced_audit(name, trials=1000, **WHOLE_BUDGET.get(name, {}))
     fitted = result.gaussian
     assert 0.8 * result.epsilon_ledger <= fitted.epsilon <= 1.2 * result.epsilon_ledger
     assert fitted.epsilon_lower <= result.epsilon_ledger
@@ -168,36 +179,35 @@ def test_the_audit_catches_noise_far_below_its_release(name, monkeypatch):
     assert result.bound.epsilon > result.epsilon_ledger
 
 
-@pytest.mark.parametrize("name", ["dpsgd-gc", "dp-sgd", "dp-fedavg", "pcdp-sgd", "fedpcdp"])
+@pytest.mark.parametrize("name", ["dpsgd-gc", "dp-sgd", "dp-fedavg", "pcdp-sgd", "fedpcdp",
+                                  "dp-scaffold", "dp-fedavg-quantile"])
 def test_the_gaussian_fit_catches_a_fifth_less_noise(name, monkeypatch):
-    """Power: noise std × 0.8 is caught by the fit at ε = 8 with 1,000 runs a side (there μ's
-    relative standard error is about 3%: a 25% larger μ shows). Not DP-FedAvg-quantile, whose
-    canary client reaches 76-78% of its ledger (docs/audit.md): × 0.8 stays within that gap."""
+    """Power: noise std × 0.8 (client and server side) is caught by the fit at ε = 8 with 1,000
+    runs a side (there μ's relative standard error is about 3%: a 25% larger μ shows; 600 for
+    the client-level DP-FedAvg-quantile, whose runs are whole federations)."""
     shrink_noise(monkeypatch, 1.25)
     values = {"algorithm": name, "model": "logistic", "num-server-rounds": ROUNDS,
               "num-partitions": 10, "epsilon": 8.0}
     config, client = full_batch(values)
-    result = audit(config, trials=1000, client=client)
+    result = audit(config, trials=600 if name == "dp-fedavg-quantile" else 1000, client=client)
     assert result.gaussian.epsilon_lower > result.epsilon_ledger
 
 
-#: algorithms whose canary cannot spend the whole budget even in the tight setting (the score's
-#: plain sum over rounds: SCAFFOLD's control variates; RPDP-SGD's random subspace keeps the
-#: canary's coordinate a k'/d share of the time): halved noise stays within their gap
-PARTIAL_BUDGET = ("dp-scaffold", "rpdp-sgd")
 #: where halved noise is caught at 200 runs a side by a margin under 0.5 in ε, 1,000 runs
-HALF_NOISE_TRIALS = {"adaptdp-fedavg": 1000, "dp-fedavg-quantile": 1000, "fedpcdp": 1000,
+HALF_NOISE_TRIALS = {"adaptdp-fedavg": 1000, "fedpcdp": 1000,
                      "fedpdp": 1000, "pcdp-sgd": 1000, "pdp-sgd": 1000, "rsdp-sgd": 1000}
 
 
-@pytest.mark.parametrize("name", [n for n in ALGORITHMS.names() if n not in PARTIAL_BUDGET
-                                  and not ALGORITHMS.get(n).noise_free])
+@pytest.mark.parametrize("name", [n for n in ALGORITHMS.names()
+                                  if not ALGORITHMS.get(n).noise_free])
 def test_the_gaussian_fit_catches_half_the_noise(name, monkeypatch):
     """Power: noise std halved is caught by the Gaussian-DP fit (its 95% lower bound above the
-    ledger's ε) in every algorithm but :data:`PARTIAL_BUDGET`, from runs in which the
-    Clopper-Pearson bound stays far below (200 a side; 1,000 where the margin is small)."""
+    ledger's ε) in every algorithm (RPDP-SGD at k' = d, :data:`WHOLE_BUDGET`), from runs in
+    which the Clopper-Pearson bound stays far below (200 a side; 1,000 where the margin is
+    small)."""
     shrink_noise(monkeypatch, 2.0)
-    result = reduced_audit(name, trials=HALF_NOISE_TRIALS.get(name, TRIALS))
+    result = reduced_audit(name, trials=HALF_NOISE_TRIALS.get(name, TRIALS),
+                           **WHOLE_BUDGET.get(name, {}))
     assert result.gaussian.epsilon_lower > result.epsilon_ledger
 
 

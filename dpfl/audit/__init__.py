@@ -42,7 +42,7 @@ from dpfl.audit import gradient_canary
 from dpfl.audit.bounds import Bound, epsilon_lower_bound
 from dpfl.audit.canary import Canary, client_trials, craft, record_trials
 from dpfl.audit.gdp import GaussianFit, fit
-from dpfl.privacy import Accounting, Randomness
+from dpfl.privacy import Accounting, Randomness, Release
 from dpfl.problem import Problem, build_problem
 from dpfl.rounds.client import ClientRuntime
 from dpfl.rounds.transport import sum_rows
@@ -129,6 +129,23 @@ def input_direction(problem: Problem, canary: Canary) -> Direction:
     return direction
 
 
+Released = tuple[Release, float | None, torch.Tensor]  # a server-side release: radius, value
+
+
+@dataclass
+class ObservedContext(ServerContext):
+    """The server's context, keeping each value its ``privatize`` releases (the noisy sums of
+    central DP: the models and radii the server publishes are functions of them)."""
+
+    released: list[Released] = dataclasses.field(default_factory=list)
+
+    def privatize(self, name: str, values: torch.Tensor, *,
+                  radius: float | None = None) -> torch.Tensor:
+        noisy = super().privatize(name, values, radius=radius)
+        self.released.append((self.releases[name], radius, noisy))
+        return noisy
+
+
 class Scorer:
     """Accumulates the score of one or more runs: what the adversary observes along the
     canary's gradient at the round's model (``direction``)."""
@@ -139,21 +156,96 @@ class Scorer:
         self.scores = torch.zeros(runs, dtype=torch.float64)
         self.scored: set[str] = set()
 
-    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State,
-                state: State) -> None:
+    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
+                released: list[Released]) -> None:
+        """One exchange: its broadcast, every client's uploads, the server's state after it and
+        the server-side releases it drew."""
         raise NotImplementedError
 
 
 class UploadScorer(Scorer):
     """Record-level local DP: every client's uploads (one score per client)."""
 
-    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State,
-                state: State) -> None:
+    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
+                released: list[Released]) -> None:
         space = self.problem.algorithm.upload_space(broadcast, unit.device)
         for name, values in uploads.items():
             if (along := projections(values, unit, space)) is not None:
                 self.scores += along.cpu()
                 self.scored.add(name)
+
+
+class ControlVariateScorer(UploadScorer):
+    """DP-SCAFFOLD (option II): the server rebuilds each round's noisy steps from the uploads
+    and scores those. A client's control variate after round t is the mean of the round's K
+    noisy steps, c_i⁺ = c_i − c + (x − y_K)/(Kη) = (1/K)·Σ_k g̃_k, and the server holds it as
+    the sum of the client's Δc uploads: each round's canary shift is in it once, with the
+    round's noise alone. The plain sum of the uploads telescopes instead (Δc_t = c_{i,t} −
+    c_{i,t−1}, and Δy_t carries round t's steps less K·η·c_{i,t−1}, round t−1's), so over the
+    rounds only about one round's shift would survive. The gradient canary's direction is the
+    same in every round, so the projections add up as the control variates do."""
+
+    def __init__(self, problem: Problem, direction: Direction, runs: int) -> None:
+        super().__init__(problem, direction, runs)
+        self.control = torch.zeros(runs, dtype=torch.float64)
+
+    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
+                released: list[Released]) -> None:
+        self.control += projections(uploads["dc"], unit, None).cpu()
+        self.scores += self.control
+        self.scored.add("dc")
+
+
+#: the record-level adversary's statistic where an algorithm's uploads are not its noisy
+#: releases themselves but a post-processing the server can undo (by algorithm name)
+RECORD_SCORERS: dict[str, type[UploadScorer]] = {"dp-scaffold": ControlVariateScorer}
+
+
+class ReleaseScorer(Scorer):
+    """Client-level central DP with the counted canary client (:func:`counted_canary`):
+    every noisy sum the server releases, each along the canary client's contribution to it and
+    weighted by that contribution over the noise variance, Σ s·y/σ²: the likelihood-ratio
+    statistic of independent Gaussian releases, whose μ² add. With DP-FedAvg-quantile this
+    counts the clipped-count release beside the update's (about a quarter of the budget's RDP
+    in a small federation), which the model alone does not show."""
+
+    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
+                released: list[Released]) -> None:
+        for release, radius, noisy in released:
+            shift = release.sensitivity(radius)
+            std = release.noise_multiplier * shift
+            value = noisy.double().reshape(-1)
+            along = value @ unit.double() if value.numel() == unit.numel() else value.sum()
+            self.scores += float(along) * (shift / std ** 2 if std > 0 else 1.0)
+            self.scored.add(release.name)
+
+
+Rewrite = Callable[[State, State], State]  # the round's uploads and server state to uploads
+
+
+def counted_canary(problem: Problem, client: int) -> Rewrite:
+    """Client ``client``'s uploads other than its model-shaped update (a count's bit) set to
+    the largest value their release allows, its radius (a bit of 1: "unclipped"). Its update
+    stays its own, which the algorithm clips to the round's radius (along e_θ, the gradient
+    canary's): a client whose update has exactly that norm sends the same update, left as it is
+    by the clip, and is counted as unclipped. So this is a client some data produce
+    (client-level DP covers any update), and unlike the canary client as it is (clipped, so
+    not counted) it moves every release by its sensitivity; its update still goes through the
+    algorithm's clip, which a broken clip would let through whole."""
+    algorithm = problem.algorithm
+    queries = {q.name: q for q in algorithm.server_queries()}
+    released_by = {name: upload.release for exchange in algorithm.exchanges
+                   for name, upload in exchange.uploads.items()}
+
+    def rewrite(uploads: State, state: State) -> State:
+        crafted = dict(uploads)
+        for name, values in uploads.items():
+            radius = queries[released_by[name]].radius
+            if values[client].numel() != problem.model.d and radius is not None:
+                crafted[name] = values.clone()
+                crafted[name][client] = radius
+        return crafted
+    return rewrite
 
 
 class ModelScorer(Scorer):
@@ -165,18 +257,18 @@ class ModelScorer(Scorer):
         self.last = problem.x0.to(problem.device)
         self.scored = {"model"}
 
-    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State,
-                state: State) -> None:
+    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
+                released: list[Released]) -> None:
         params = self.problem.algorithm.global_params(state)
         self.scores += float((params - self.last).double() @ unit.double())
         self.last = params
 
 
 def play(problem: Problem, rng: Randomness, rounds: int, server_clients: list[int],
-         scorer: Scorer) -> None:
+         scorer: Scorer, rewrite: Rewrite | None = None) -> None:
     """``rounds`` rounds of every client of ``problem`` (each takes part in every exchange);
     the server steps on the sums of ``server_clients`` (the last clients), and ``scorer``
-    observes every exchange."""
+    observes every exchange; ``rewrite`` replaces uploads before the server sums them."""
     algorithm, device = problem.algorithm, problem.device
     runtime = ClientRuntime(algorithm, problem.releases, rng, device=device)
     cohort = problem.full_cohort()
@@ -185,18 +277,22 @@ def play(problem: Problem, rng: Randomness, rounds: int, server_clients: list[in
     server_releases = {r.name: r for r in problem.server_releases()}
     first = server_clients[0]
     for server_round in range(1, rounds + 1):
-        ctx = ServerContext(server_round=server_round, rng=rng, participants=server_clients,
-                            num_clients=problem.num_clients, releases=server_releases,
-                            num_rounds=rounds, client_releases=problem.releases)
+        ctx = ObservedContext(server_round=server_round, rng=rng,
+                              participants=server_clients, num_clients=problem.num_clients,
+                              releases=server_releases, num_rounds=rounds,
+                              client_releases=problem.releases)
         state = algorithm.begin_round(state, ctx)
         unit = scorer.direction(algorithm.global_params(state).to(device))
         for exchange in algorithm.round_exchanges(server_round):
             broadcast = algorithm.broadcast(exchange.name, state, server_round)
             uploads, states, _ = runtime.step(exchange.name, server_round, broadcast, states,
                                               cohort)
+            if rewrite is not None:
+                uploads = rewrite(uploads, state)
             sums = sum_rows({k: v[first:] for k, v in uploads.items()}, device)
+            ctx.released.clear()
             state = algorithm.server_step(exchange.name, state, sums, ctx)
-            scorer.observe(unit, broadcast, uploads, state)
+            scorer.observe(unit, broadcast, uploads, state, ctx.released)
 
 
 Measured = tuple[np.ndarray, np.ndarray, Problem, list[int], set[str]]
@@ -211,8 +307,8 @@ def record_level(source: Problem, client: int, trials: int, rounds: int,
     radius = canary_radius(source)
     if canary == "gradient":
         federation = gradient_canary.record_trials(source, client, trials, radius)
-        scorer = UploadScorer(federation, constant(gradient_canary.direction(federation)),
-                              federation.num_clients)
+        scorer = RECORD_SCORERS.get(source.algorithm.name, UploadScorer)(
+            federation, constant(gradient_canary.direction(federation)), federation.num_clients)
     else:
         federation, record = record_trials(source, client, trials, radius)
         scorer = UploadScorer(federation, input_direction(federation, record),
@@ -228,28 +324,33 @@ def client_level(source: Problem, client: int, trials: int, rounds: int,
                  canary: str) -> Measured:
     """Out and in scores of ``trials`` runs each of the whole federation without and with a
     canary client (:func:`dpfl.audit.canary.client_trials`,
-    :func:`dpfl.audit.gradient_canary.client_trials`), each run with its own noise; the
-    federation with the canary client, that client (whose ledger is compared), the model."""
+    :func:`dpfl.audit.gradient_canary.client_trials`, the latter counted as unclipped:
+    :func:`counted_canary`), each run with its own noise; the federation with the canary
+    client, that client (whose ledger is compared), the releases scored."""
     radius = canary_radius(source)
+    rewrites: list[Rewrite | None] = [None, None]
     if canary == "gradient":
         worlds = gradient_canary.client_trials(source, radius)
-        direction = constant(gradient_canary.direction(worlds[1]))
+        # the canary client's update descends its gradient: along −e_θ, where its count adds +1
+        direction, score = constant(-gradient_canary.direction(worlds[1])), ReleaseScorer
+        rewrites[1] = counted_canary(worlds[1], worlds[1].num_clients - 1)
     else:
         record = craft(source, source.partitions[client], radius)
         worlds = (source, client_trials(source, record))
-        direction = input_direction(worlds[1], record)
+        direction, score = input_direction(worlds[1], record), ModelScorer
     seeds = Randomness(int(source.config["seed"]))
-    scores = []
+    scores, scored = [], set()
     for side, problem in enumerate(worlds):
         runs = []
         for run in range(trials):
-            scorer = ModelScorer(problem, direction, 1)
+            scorer = score(problem, direction, 1)
             rng = Randomness(seeds.key(run, 0, f"audit-world-{side}"),
                              secure=bool(source.config["secure-noise"]))
-            play(problem, rng, rounds, list(range(problem.num_clients)), scorer)
+            play(problem, rng, rounds, list(range(problem.num_clients)), scorer, rewrites[side])
             runs.append(float(scorer.scores[0]))
+            scored |= scorer.scored
         scores.append(np.asarray(runs))
-    return scores[0], scores[1], worlds[1], [worlds[1].num_clients - 1], {"model"}
+    return scores[0], scores[1], worlds[1], [worlds[1].num_clients - 1], scored
 
 
 def ledger_epsilon(problem: Problem, clients: list[int], rounds: int) -> float:

@@ -112,11 +112,11 @@ def scores(problem: Problem, client: int, slots: int, rounds: int, rng: Randomne
            ) -> np.ndarray:
     """Each canary's score: the sum over rounds of ``client``'s model-shaped uploads at its
     coordinate (the last ``slots`` of the flat vector)."""
-    from dpfl.audit import Scorer, play
+    from dpfl.audit import Released, Scorer, play
 
     class SlotScorer(Scorer):
-        def observe(self, unit: torch.Tensor, broadcast: State, uploads: State,
-                    state: State) -> None:
+        def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
+                    released: list[Released]) -> None:
             for name, values in uploads.items():
                 rows = values.reshape(len(values), -1)
                 if rows.shape[1] == problem.model.d:
