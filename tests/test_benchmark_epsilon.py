@@ -101,3 +101,50 @@ def test_auto_defaults_follow_the_runs_epsilon_to_the_nearest_benchmarked_one(mo
     assert RunConfig({"algorithm": "dp-sgd", "epsilon": 1})["clip"] == 0.2
     assert RunConfig({"algorithm": "dp-sgd", "epsilon": 1, "clip": 3})["clip"] == 3  # given wins
     assert RunConfig({"algorithm": "prisma", "epsilon": 1})["clip"] == 1.0  # not benchmarked
+
+
+def test_clients_needed_reads_the_first_count_that_learns_else_extrapolates():
+    from dpfl.experiments.benchmark import clients_needed
+
+    assert clients_needed([10, 100, 1000], [10.0, 80.0, 90.0], 75.0) == 100
+    # 10 points a decade from 20% at 10 clients: 60% at 10^5
+    assert clients_needed([10, 100, 1000], [20.0, 30.0, 40.0], 60.0) == pytest.approx(1e5)
+    assert clients_needed([10, 100, 1000], [15.0, 14.0, 15.0], 60.0) is None
+
+
+def test_the_clients_experiment_runs_each_family_at_its_benchmarked_point(monkeypatch):
+    from dpfl.algorithms import tuned
+    from dpfl.experiments.benchmark import GRIDS, selected_point
+
+    with pytest.raises(UsageError, match="clip21-sgd2m has no benchmarked"):
+        selected_point("clip21-sgd2m", 8.0)
+    monkeypatch.setattr(tuned, "POINTS", {"clip21-sgd2m": {
+        8.0: {"learning-rate": 0.01, "clip": 0.1, "momentum": 0.9}}})
+    assert selected_point("clip21-sgd2m", 6.0) == {"learning-rate": 0.01, "clip": 0.1}
+    assert set(selected_point("clip21-sgd2m", 6.0)) == set(GRIDS["clip21-sgd2m"])
+
+
+@pytest.mark.smoke
+def test_the_smoke_clients_experiment_tables_accuracy_and_clients_needed(tmp_path, monkeypatch):
+    from dpfl.algorithms import tuned
+    from dpfl.cli import main
+    from dpfl.experiments.benchmark import GRIDS, REFERENCE
+
+    points = {a: {e: {k: v[len(v) // 2] for k, v in GRIDS[a].items()} for e in (1.0, 8.0)}
+              for a in ("clip21-sgd2m", "dp-fedavg-quantile", REFERENCE)}
+    monkeypatch.setattr(tuned, "POINTS", points)
+    assert main(["reproduce", "benchmark", "clients", "--smoke", "--results-dir",
+                 str(tmp_path)]) == 0
+    report = (tmp_path / "reproduce-benchmark-clients-smoke" / "report.md").read_text()
+    for text in ("## Protocol", "| algorithm | n = 4, ε = 1 | n = 8, ε = 1 |",
+                 "clients needed to come within 5 points", "| clip21-sgd2m |"):
+        assert text in report, text
+
+
+def test_an_extrapolation_far_past_the_measured_counts_gives_its_order_of_magnitude_only():
+    from dpfl.experiments.benchmark import needed_text
+
+    assert needed_text(100.0, 1000) == "100"
+    assert needed_text(5000.0, 1000) == "5,000 (extrapolated)"
+    assert needed_text(1.05e10, 1000) == "~10^10 (extrapolated far past 1,000)"
+    assert needed_text(None, 1000) == "–"

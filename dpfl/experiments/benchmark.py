@@ -39,6 +39,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from dpfl.algorithms import ALGORITHMS
+from dpfl.algorithms.tuned import tuned_value
 from dpfl.datasets import DATASETS
 from dpfl.errors import UsageError
 from dpfl.experiments.lab import Lab
@@ -353,3 +354,115 @@ half, the best 2 all; every proxy with the full-length run's noise), then seeds
 {', '.join(map(str, plan.seeds))}. The selection never reads the test set.
 """)
 
+
+
+# ---- the families that cannot learn here: how many clients they would need ------------------
+
+#: what does not learn at the benchmark's 10 clients at any ε: message clipping at record level
+#: (each round's message is released whole, so no sampling amplification), and client-level
+#: noise over 10 clients; DP-SGD, the benchmark's best, is the reference
+CANNOT_LEARN = ("clip-sgd", "clip21-sgd", "clip21-sgd2m", "alpha-normec", "dp-fedavg-quantile")
+REFERENCE = "dp-sgd"
+CLIENTS = (10, 100, 1000)
+CLIENT_EPSILONS = (1.0, 8.0)
+CLIENT_SEEDS = (1,)
+#: "learns": within this many points of the reference's 10-client accuracy at the same ε
+LEARNS_WITHIN = 5.0
+
+
+def selected_point(algorithm: str, epsilon: float) -> Config:
+    """``algorithm``'s point selected by the benchmark at the benchmarked ε nearest ``epsilon``
+    (:mod:`dpfl.algorithms.tuned`), written out so that an archived run keeps its meaning."""
+    point = {key: tuned_value(algorithm, key, epsilon) for key in GRIDS[algorithm]}
+    missing = [key for key, value in point.items() if value is None]
+    if missing:
+        raise UsageError(f"benchmark clients: {algorithm} has no benchmarked {missing[0]} "
+                         f"(dpfl.algorithms.tuned.POINTS is filled from `dpfl reproduce "
+                         f"benchmark epsilon`'s selected.json)")
+    return {k: float(v) for k, v in point.items() if v is not None}
+
+
+def clients_needed(counts: list[int], accuracies: list[float], goal: float) -> float | None:
+    """The client count at which accuracy, log-linear in the count through the measured points
+    (least squares), reaches ``goal``: the first measured count that does, an extrapolation
+    past the largest, or None where accuracy does not rise with the count."""
+    for n, acc in zip(counts, accuracies, strict=True):
+        if acc >= goal:
+            return float(n)
+    xs = [math.log10(n) for n in counts]
+    mx, my = statistics.fmean(xs), statistics.fmean(accuracies)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, accuracies, strict=True)) / sxx
+    if slope <= 0:
+        return None
+    return 10 ** (mx + (goal - my) / slope)
+
+
+def needed_text(needed: float | None, largest: int) -> str:
+    """:func:`clients_needed`'s answer as the table says it: a count, an extrapolation (its
+    order of magnitude only, past 10× the largest count measured), or '–'."""
+    if needed is None:
+        return "–"
+    if needed <= largest:
+        return f"{needed:,.0f}"
+    if needed <= 10 * largest:
+        return f"{needed:,.0f} (extrapolated)"
+    return f"~10^{math.log10(needed):.0f} (extrapolated far past {largest:,})"
+
+
+@experiment("benchmark", "clients", "The families that cannot learn with 10 clients (record-level "
+            "message clipping, client-level noise) at 100 and 1,000 clients, each at its "
+            "benchmark-selected point", axes=("dataset", "algorithm", "clients", "epsilon",
+                                               "seed"))
+def clients(lab: Lab) -> str:
+    dataset = (lab.only.get("dataset") or ["digits" if lab.smoke else "mnist"])[0]
+    algorithms_run = lab.restrict("algorithm", ("clip21-sgd2m", "dp-fedavg-quantile", REFERENCE)
+                                  if lab.smoke else (*CANNOT_LEARN, REFERENCE))
+    counts = [int(n) for n in lab.restrict("clients", (4, 8) if lab.smoke else CLIENTS)]
+    epsilons = [float(e) for e in lab.restrict("epsilon", CLIENT_EPSILONS)]
+    seeds = [int(s) for s in lab.restrict("seed", CLIENT_SEEDS)]
+    rounds = SMOKE["rounds"] if lab.smoke else ROUNDS
+
+    def config(algorithm: str, n: int, epsilon: float, seed: int) -> Config:
+        return {"algorithm": algorithm, "dataset": dataset, "partitioner": "iid",
+                "num-partitions": n, "epsilon": epsilon, "delta": 1e-5,
+                "calibration": "accountant", "num-server-rounds": rounds, "eval-every": rounds,
+                "seed": seed, **selected_point(algorithm, epsilon)}
+
+    cells = [(a, n, e) for a in algorithms_run for n in counts for e in epsilons]
+    summaries = iter(lab.run_many([config(a, n, e, s) for a, n, e in cells for s in seeds]))
+    tests = {cell: [final_accuracy(next(summaries)) for _ in seeds] for cell in cells}
+    lab.text(f"""
+## Protocol
+
+{dataset}, IID, {rounds} rounds, every client every round, record-level (ε, δ = 1e-5) per client
+by the RDP accountant (client-level for dp-fedavg-quantile), each algorithm at the point `dpfl
+reproduce benchmark epsilon` selected for 10 clients at that ε (seeds:
+{", ".join(map(str, seeds))}). With n clients the noise on the mean of the uploads falls
+as 1/√n for record-level message clipping (each client's noise is set by ε and the rounds
+alone: it releases its whole message every round) and as 1/n for client-level noise (the
+server's noise is set by ε, its sensitivity is one client's clip); the data per client shrink
+as 1/n. "Learns": within
+{LEARNS_WITHIN:g} points of {REFERENCE}'s accuracy with {counts[0]} clients at the same ε; the
+client count at which it would is read off a log-linear fit of accuracy in the count through the
+measured points, an extrapolation past the largest count, stated as such.
+""")
+    header = ["algorithm", *[f"n = {n}, ε = {e:g}" for e in epsilons for n in counts]]
+    lab.table("test accuracy (%) by clients n and ε, mean over seeds",
+              header, [[a, *[f"{statistics.fmean(tests[(a, n, e)]):.1f}" for e in epsilons
+                             for n in counts]] for a in algorithms_run])
+    rows = []
+    for a in algorithms_run:
+        if a == REFERENCE:
+            continue
+        row = [a]
+        for e in epsilons:
+            goal = statistics.fmean(tests[(REFERENCE, counts[0], e)]) - LEARNS_WITHIN
+            means = [statistics.fmean(tests[(a, n, e)]) for n in counts]
+            needed = clients_needed(counts, means, goal) if REFERENCE in algorithms_run else None
+            row.append(needed_text(needed, counts[-1]))
+        rows.append(row)
+    lab.table(f"clients needed to come within {LEARNS_WITHIN:g} points of {REFERENCE} with "
+              f"{counts[0]} clients ('–': accuracy does not rise with n here)",
+              ["algorithm", *[f"ε = {e:g}" for e in epsilons]], rows)
+    return "How many clients the families that cannot learn with 10 would need"
