@@ -102,8 +102,10 @@ class RunConfig(Mapping[str, Value]):
         self.reads = frozenset(used)
         self.automatic = tuple(key for key, value in merged.items() if value == AUTO
                                and params[key].per_algorithm)
+        # the ε the noise is calibrated to; a run that gives its noise multiplier has none
+        target = float(merged["epsilon"]) if float(merged["noise-multiplier"]) < 0 else None
         for key in self.automatic:
-            merged[key] = algorithm_default(algorithm, params[key], float(merged["epsilon"]))
+            merged[key] = algorithm_default(algorithm, params[key], target)
         for key in ("eval-train", "eval-norm-quantiles"):
             if merged[key] and not merged["non-private-diagnostics"]:
                 raise ConfigError(key, "the server would evaluate on the clients' training "

@@ -101,6 +101,9 @@ def test_auto_defaults_follow_the_runs_epsilon_to_the_nearest_benchmarked_one(mo
     assert RunConfig({"algorithm": "dp-sgd", "epsilon": 1})["clip"] == 0.2
     assert RunConfig({"algorithm": "dp-sgd", "epsilon": 1, "clip": 3})["clip"] == 3  # given wins
     assert RunConfig({"algorithm": "prisma", "epsilon": 1})["clip"] == 1.0  # not benchmarked
+    # a given noise multiplier leaves no target ε: the algorithm's own defaults
+    assert RunConfig({"algorithm": "dp-sgd", "epsilon": 8, "noise-multiplier": 1.0})[
+        "learning-rate"] == ALGORITHMS.get("dp-sgd").defaults.get("learning-rate", 2.0)
 
 
 def test_clients_needed_reads_the_first_count_that_learns_else_extrapolates():
@@ -116,6 +119,7 @@ def test_the_clients_experiment_runs_each_family_at_its_benchmarked_point(monkey
     from dpfl.algorithms import tuned
     from dpfl.experiments.benchmark import GRIDS, selected_point
 
+    monkeypatch.setattr(tuned, "POINTS", {})
     with pytest.raises(UsageError, match="clip21-sgd2m has no benchmarked"):
         selected_point("clip21-sgd2m", 8.0)
     monkeypatch.setattr(tuned, "POINTS", {"clip21-sgd2m": {
@@ -148,3 +152,23 @@ def test_an_extrapolation_far_past_the_measured_counts_gives_its_order_of_magnit
     assert needed_text(5000.0, 1000) == "5,000 (extrapolated)"
     assert needed_text(1.05e10, 1000) == "~10^10 (extrapolated far past 1,000)"
     assert needed_text(None, 1000) == "–"
+
+
+def test_the_committed_points_are_the_benchmark_reports_selection():
+    """tuned.POINTS is reports/benchmark-epsilon/selected.json's MNIST cross-silo IID table,
+    every value a point of the algorithm's benchmark grid (so a run at a benchmarked ε starts
+    where the benchmark's selection ended)."""
+    import json
+    from pathlib import Path
+
+    from dpfl.algorithms import tuned
+
+    report = Path(__file__).resolve().parents[1] / "reports" / "benchmark-epsilon"
+    selected = json.loads((report / "selected.json").read_text())["mnist silo-iid"]
+    assert {a: {float(e): p for e, p in by.items()} for a, by in selected.items()} == tuned.POINTS
+    for algorithm, by_epsilon in tuned.POINTS.items():
+        for point in by_epsilon.values():
+            for key, value in point.items():
+                assert value in GRIDS[algorithm].get(key, (value,)), (algorithm, key, value)
+            config = RunConfig({"algorithm": algorithm, "epsilon": min(by_epsilon)})
+            assert all(config[k] == v for k, v in by_epsilon[min(by_epsilon)].items())

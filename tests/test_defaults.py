@@ -22,7 +22,15 @@ def test_an_algorithms_defaults_are_per_algorithm_keys_it_reads(name):
         assert params[key].parse(value) == value
 
 
-def test_auto_takes_the_algorithms_value_and_a_given_value_wins():
+@pytest.fixture
+def untuned(monkeypatch):
+    """The algorithms' own defaults: no benchmarked points (:mod:`dpfl.algorithms.tuned`)."""
+    from dpfl.algorithms import tuned
+
+    monkeypatch.setattr(tuned, "POINTS", {})
+
+
+def test_auto_takes_the_algorithms_value_and_a_given_value_wins(untuned):
     algorithm = ALGORITHMS.get("clip21-sgd2m")
     config = RunConfig({"algorithm": "clip21-sgd2m"})
     assert config["learning-rate"] == algorithm.defaults["learning-rate"]
@@ -54,9 +62,14 @@ def test_every_algorithm_learns_on_digits_at_its_defaults(name, tmp_path):
     assert not any(w.startswith("the test loss diverged") for w in summary["warnings"])
 
 
-def test_dpfl_keys_prints_what_auto_gives_the_algorithm(capsys):
+def test_dpfl_keys_prints_what_auto_gives_the_algorithm(capsys, monkeypatch):
+    from dpfl.algorithms import tuned
     from dpfl.cli import main
 
+    assert main(["keys", "clip21-sgd2m"]) == 0
+    lr = tuned.POINTS["clip21-sgd2m"][8.0]["learning-rate"]
+    assert f"learning-rate={lr!r}  [auto: follows ε, here ε = 8" in capsys.readouterr().out
+    monkeypatch.setattr(tuned, "POINTS", {})
     assert main(["keys", "clip21-sgd2m"]) == 0
     out = capsys.readouterr().out
     lr = ALGORITHMS.get("clip21-sgd2m").defaults["learning-rate"]
@@ -65,7 +78,7 @@ def test_dpfl_keys_prints_what_auto_gives_the_algorithm(capsys):
     assert 'dataset-options="auto"' in capsys.readouterr().out
 
 
-def test_a_run_names_the_values_auto_gave(tmp_path, capsys):
+def test_a_run_names_the_values_auto_gave(tmp_path, capsys, untuned):
     run(RunConfig({"algorithm": "clip21-sgd2m", "num-server-rounds": 1,
                    "results-dir": str(tmp_path), "run-name": "named"}))
     defaults = ALGORITHMS.get("clip21-sgd2m").defaults

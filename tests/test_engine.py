@@ -49,7 +49,7 @@ def test_max_epsilon_stops_before_the_budget_is_exceeded(small_config):
 
 
 def test_training_reduces_the_test_loss(small_config):
-    summary = run(small_config(num_server_rounds=30, epsilon=8.0, learning_rate=1.0,
+    summary = run(small_config(num_server_rounds=30, epsilon=8.0, learning_rate=1.0, clip=1.0,
                                num_partitions=10, batch_size=32), echo=False)
     rounds = [json.loads(line) for line in
               open(summary["results"] + "/rounds.jsonl").read().splitlines()]

@@ -13,9 +13,113 @@ from __future__ import annotations
 import math
 
 #: where :data:`POINTS` comes from: the benchmark's dataset, federation, rounds and seeds
-SOURCE = ""
+SOURCE = ("dpfl reproduce benchmark epsilon: MNIST, 10 IID clients, 200 rounds, seeds 1-3 "
+          "(reports/benchmark-epsilon/selected.json)")
 #: algorithm -> benchmarked ε -> the selected values of its ``"auto"`` keys
-POINTS: dict[str, dict[float, dict[str, float]]] = {}
+POINTS: dict[str, dict[float, dict[str, float]]] = {
+    "adaptdp-fedavg": {
+        1.0: {"clip": 1.0, "learning-rate": 0.3},
+        2.0: {"clip": 1.0, "learning-rate": 0.3},
+        4.0: {"clip": 0.3, "learning-rate": 3.0},
+        8.0: {"clip": 0.3, "learning-rate": 3.0},
+    },
+    "alpha-normec": {
+        1.0: {"beta-hat": 0.001, "clip": 1.0, "learning-rate": 0.01},
+        2.0: {"beta-hat": 0.001, "clip": 1.0, "learning-rate": 0.01},
+        4.0: {"beta-hat": 0.001, "clip": 1.0, "learning-rate": 0.1},
+        8.0: {"beta-hat": 0.001, "clip": 1.0, "learning-rate": 0.001},
+    },
+    "clip-sgd": {
+        1.0: {"clip": 0.01, "learning-rate": 0.001},
+        2.0: {"clip": 0.001, "learning-rate": 1.0},
+        4.0: {"clip": 0.1, "learning-rate": 0.01},
+        8.0: {"clip": 0.1, "learning-rate": 0.01},
+    },
+    "clip21-sgd": {
+        1.0: {"clip": 0.001, "learning-rate": 0.01},
+        2.0: {"clip": 0.001, "learning-rate": 0.01},
+        4.0: {"clip": 0.001, "learning-rate": 0.1},
+        8.0: {"clip": 0.001, "learning-rate": 0.001},
+    },
+    "clip21-sgd2m": {
+        1.0: {"clip": 0.001, "learning-rate": 0.01},
+        2.0: {"clip": 0.01, "learning-rate": 0.001},
+        4.0: {"clip": 0.01, "learning-rate": 0.01},
+        8.0: {"clip": 0.001, "learning-rate": 0.001},
+    },
+    "clip21-sgd2m-plus": {
+        1.0: {"clip": 3.0, "clip-inner": 1.0, "learning-rate": 0.3},
+        2.0: {"clip": 3.0, "clip-inner": 1.0, "learning-rate": 0.3},
+        4.0: {"clip": 0.3, "clip-inner": 0.1, "learning-rate": 10.0},
+        8.0: {"clip": 0.3, "clip-inner": 0.1, "learning-rate": 10.0},
+    },
+    "dp-fedavg": {
+        1.0: {"clip": 1.0, "learning-rate": 0.3},
+        2.0: {"clip": 1.0, "learning-rate": 0.3},
+        4.0: {"clip": 0.3, "learning-rate": 3.0},
+        8.0: {"clip": 0.3, "learning-rate": 3.0},
+    },
+    "dp-fedavg-quantile": {
+        1.0: {"clip": 1.0, "learning-rate": 0.01},
+        2.0: {"clip": 1.0, "learning-rate": 0.01},
+        4.0: {"clip": 1.0, "learning-rate": 0.01},
+        8.0: {"clip": 0.01, "learning-rate": 0.01},
+    },
+    "dp-scaffold": {
+        1.0: {"clip": 1.0, "learning-rate": 0.3},
+        2.0: {"clip": 1.0, "learning-rate": 0.3},
+        4.0: {"clip": 0.3, "learning-rate": 3.0},
+        8.0: {"clip": 0.3, "learning-rate": 3.0},
+    },
+    "dp-sgd": {
+        1.0: {"clip": 0.3, "learning-rate": 3.0},
+        2.0: {"clip": 1.0, "learning-rate": 1.0},
+        4.0: {"clip": 3.0, "learning-rate": 0.3},
+        8.0: {"clip": 3.0, "learning-rate": 0.3},
+    },
+    "dpsgd-gc": {
+        1.0: {"clip": 1.0, "learning-rate": 0.3},
+        2.0: {"clip": 1.0, "learning-rate": 0.3},
+        4.0: {"clip": 0.3, "learning-rate": 3.0},
+        8.0: {"clip": 0.3, "learning-rate": 3.0},
+    },
+    "fedpcdp": {
+        1.0: {"clip": 1.0, "learning-rate": 3.0},
+        2.0: {"clip": 3.0, "learning-rate": 1.0},
+        4.0: {"clip": 1.0, "learning-rate": 3.0},
+        8.0: {"clip": 1.0, "learning-rate": 3.0},
+    },
+    "fedpdp": {
+        1.0: {"clip": 1.0, "learning-rate": 3.0},
+        2.0: {"clip": 1.0, "learning-rate": 3.0},
+        4.0: {"clip": 1.0, "learning-rate": 3.0},
+        8.0: {"clip": 3.0, "learning-rate": 1.0},
+    },
+    "pcdp-sgd": {
+        1.0: {"clip": 0.3, "learning-rate": 10.0},
+        2.0: {"clip": 3.0, "learning-rate": 1.0},
+        4.0: {"clip": 1.0, "learning-rate": 3.0},
+        8.0: {"clip": 3.0, "learning-rate": 1.0},
+    },
+    "pdp-sgd": {
+        1.0: {"clip": 3.0, "learning-rate": 1.0},
+        2.0: {"clip": 3.0, "learning-rate": 0.3},
+        4.0: {"clip": 3.0, "learning-rate": 1.0},
+        8.0: {"clip": 3.0, "learning-rate": 1.0},
+    },
+    "prisma": {
+        1.0: {"clip": 1.0, "gamma": 0.5, "learning-rate": 0.3},
+        2.0: {"clip": 1.0, "gamma": 0.5, "learning-rate": 0.3},
+        4.0: {"clip": 1.0, "gamma": 0.5, "learning-rate": 0.3},
+        8.0: {"clip": 1.0, "gamma": 0.5, "learning-rate": 0.3},
+    },
+    "rsdp-sgd": {
+        1.0: {"clip": 3.0, "learning-rate": 0.3},
+        2.0: {"clip": 1.0, "learning-rate": 1.0},
+        4.0: {"clip": 3.0, "learning-rate": 0.3},
+        8.0: {"clip": 3.0, "learning-rate": 0.3},
+    },
+}
 
 
 def tuned_value(algorithm: str, key: str, epsilon: float,
@@ -27,3 +131,9 @@ def tuned_value(algorithm: str, key: str, epsilon: float,
         return None
     nearest = min(by_epsilon, key=lambda e: (abs(math.log(e / epsilon)), e))
     return by_epsilon[nearest].get(key)
+
+
+def followed_keys(algorithm: str) -> set[str]:
+    """The keys whose ``"auto"`` value follows ε for ``algorithm`` (none where it was not
+    benchmarked)."""
+    return {key for point in POINTS.get(algorithm, {}).values() for key in point}

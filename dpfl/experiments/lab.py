@@ -39,6 +39,7 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dpfl.algorithms.tuned import followed_keys  # noqa: E402
 from dpfl.config import Value  # noqa: E402
 from dpfl.errors import UsageError  # noqa: E402
 from dpfl.runconfig import ALGORITHMS, RunConfig  # noqa: E402
@@ -213,7 +214,9 @@ class Lab:
         seen = set()
         for values in configs:
             config = RunConfig(values)
-            tuned = set(config.automatic) & set(ALGORITHMS.get(str(config["algorithm"])).defaults)
+            name = str(config["algorithm"])
+            tuned = set(config.automatic) & (set(ALGORITHMS.get(name).defaults)
+                                             | set(followed_keys(name)))
             if tuned:  # an archived run must not change meaning when the defaults are retuned
                 raise ValueError(f"an experiment leaves {', '.join(sorted(tuned))} to "
                                  f"{config['algorithm']}'s defaults: give them")
