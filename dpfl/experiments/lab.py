@@ -216,7 +216,7 @@ class Lab:
             config = RunConfig(values)
             name = str(config["algorithm"])
             tuned = set(config.automatic) & (set(ALGORITHMS.get(name).defaults)
-                                             | set(followed_keys(name)))
+                                             | followed_keys(name))
             if tuned:  # an archived run must not change meaning when the defaults are retuned
                 raise ValueError(f"an experiment leaves {', '.join(sorted(tuned))} to "
                                  f"{config['algorithm']}'s defaults: give them")
