@@ -143,6 +143,11 @@ def test_the_smoke_clients_experiment_tables_accuracy_and_clients_needed(tmp_pat
     for text in ("## Protocol", "| algorithm | n = 4, ε = 1 | n = 8, ε = 1 |",
                  "clients needed to come within 5 points", "| clip21-sgd2m |"):
         assert text in report, text
+    # without the reference in the run there is nothing to come within: '–'
+    assert main(["reproduce", "benchmark", "clients", "--smoke", "--only",
+                 "algorithm=clip21-sgd2m", "--results-dir", str(tmp_path / "alone")]) == 0
+    alone = next((tmp_path / "alone").glob("*/report.md")).read_text()
+    assert "| clip21-sgd2m | – | – |" in alone
 
 
 def test_an_extrapolation_far_past_the_measured_counts_gives_its_order_of_magnitude_only():

@@ -331,7 +331,7 @@ def test_alpha_normec_server_normalisation_keeps_g_unit_and_steps_gamma(small_co
     runs = {flag: _run(*_digits(small_config, "alpha-normec", noise_multiplier=1.0,
                                 normec_alpha=0.1, beta_hat=0.5, normec_normalize=flag), rounds=3)
             for flag in (False, True)}
-    gamma = small_config(algorithm="alpha-normec")["learning-rate"]
+    gamma = small_config(algorithm="alpha-normec", noise_multiplier=1.0)["learning-rate"]
     previous = torch.zeros_like(runs[True][0]["server"]["g"])
     for plain, normed in zip(runs[False], runs[True], strict=True):
         g = normed["server"]["g"]

@@ -389,13 +389,8 @@ def clients_needed(counts: list[int], accuracies: list[float], goal: float) -> f
     for n, acc in zip(counts, accuracies, strict=True):
         if acc >= goal:
             return float(n)
-    xs = [math.log10(n) for n in counts]
-    mx, my = statistics.fmean(xs), statistics.fmean(accuracies)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, accuracies, strict=True)) / sxx
-    if slope <= 0:
-        return None
-    return 10 ** (mx + (goal - my) / slope)
+    slope, intercept = statistics.linear_regression([math.log10(n) for n in counts], accuracies)
+    return 10 ** ((goal - intercept) / slope) if slope > 0 else None
 
 
 def needed_text(needed: float | None, largest: int) -> str:
@@ -457,9 +452,10 @@ measured points, an extrapolation past the largest count, stated as such.
             continue
         row = [a]
         for e in epsilons:
-            goal = statistics.fmean(tests[(REFERENCE, counts[0], e)]) - LEARNS_WITHIN
             means = [statistics.fmean(tests[(a, n, e)]) for n in counts]
-            needed = clients_needed(counts, means, goal) if REFERENCE in algorithms_run else None
+            needed = (clients_needed(counts, means, statistics.fmean(
+                tests[(REFERENCE, counts[0], e)]) - LEARNS_WITHIN)
+                if REFERENCE in algorithms_run else None)
             row.append(needed_text(needed, counts[-1]))
         rows.append(row)
     lab.table(f"clients needed to come within {LEARNS_WITHIN:g} points of {REFERENCE} with "

@@ -215,8 +215,8 @@ class Lab:
         for values in configs:
             config = RunConfig(values)
             name = str(config["algorithm"])
-            tuned = set(config.automatic) & (set(ALGORITHMS.get(name).defaults)
-                                             | followed_keys(name))
+            follows = followed_keys(name) if float(config["noise-multiplier"]) < 0 else set()
+            tuned = set(config.automatic) & (set(ALGORITHMS.get(name).defaults) | follows)
             if tuned:  # an archived run must not change meaning when the defaults are retuned
                 raise ValueError(f"an experiment leaves {', '.join(sorted(tuned))} to "
                                  f"{config['algorithm']}'s defaults: give them")
