@@ -222,6 +222,19 @@ COMMON: tuple[Param, ...] = (
           "Needed by nodes that train on their own data (node config data-path), whose sizes "
           "the server never learns; 0 = each client's own partition size.",
           check=at_least(0), symbol="n_min"),
+    Param("distributed-noise", False,
+          "Split each client's noise over the clients of an exchange: the server sees only the "
+          "sum of their uploads (secure aggregation: the engine emulates it; dpfl's Flower "
+          "runtimes do not run it yet), which holds the draws of at least min-survivors "
+          "clients, so each draws std/√min-survivors and the sum carries the release's std. "
+          "The run's ε holds against a server that follows the protocol; summary.json also "
+          "gives the ε left where it reads one client's upload (epsilon_if_unmasked). Only "
+          "for algorithms whose clients' noise never enters their later steps or state "
+          "(docs/privacy.md)."),
+    Param("min-survivors", 0,
+          "distributed-noise: the fewest clients whose noise every released sum holds (an "
+          "exchange left with fewer replies stops the run, releasing nothing); 0 = every "
+          "participant of an exchange.", check=at_least(0), symbol="n_s"),
     Param("secure-noise", False, "Draw every noise sample, batch and client sample from the "
           "OS CSPRNG, with Opacus' floating-point mitigation (not reproducible; use it in "
           "deployment)."),

@@ -96,14 +96,29 @@ class Problem:
     def releases(self, client: int) -> list[Release]:
         """The calibrated mechanisms of one round of ``client`` (calibrated once per distinct
         data size: a client calibrates from its own record count, or from the public lower
-        bound ``min-client-records`` where one is set)."""
+        bound ``min-client-records`` where one is set). With ``distributed-noise`` every
+        client calibrates alike (from that bound, else the smallest client's count: the sum's
+        noise must cover each of them) and draws a share of the noise
+        (:meth:`~dpfl.privacy.Release.split` over :attr:`survivors`)."""
         self._check_hosted([client])
-        size = int(self.config["min-client-records"]) or len(self.partitions[client])
+        size = int(self.config["min-client-records"]) or (
+            min(len(p) for p in self.partitions) if self.config["distributed-noise"]
+            else len(self.partitions[client]))
         if size not in self._releases:
             queries = self.algorithm.queries(size)
             check_schema(self.algorithm, queries)
-            self._releases[size] = self._calibrate(queries, size)
+            releases = self._calibrate(queries, size)
+            if self.config["distributed-noise"]:
+                releases = [r.split(self.survivors) for r in releases]
+            self._releases[size] = releases
         return self._releases[size]
+
+    @property
+    def survivors(self) -> int:
+        """``distributed-noise``: the fewest clients whose noise shares every released sum
+        holds (``min-survivors``, else every participant of an exchange)."""
+        return int(self.config["min-survivors"]) or self.algorithm.participants_per_round(
+            self.algorithm.hp, self.num_clients)
 
     def server_releases(self) -> list[Release]:
         """The calibrated mechanisms of the server's own noise in one round (client-level: its

@@ -116,6 +116,7 @@ class RunConfig(Mapping[str, Value]):
         self.hyperparameters: Any = build(algorithm.Hyperparameters, merged)
         self.calibration_options: Any = (None if calibration.options is None
                                          else build(calibration.options, merged))
+        check_distributed_noise(algorithm, self.hyperparameters, merged)
 
     def __getitem__(self, key: str) -> Value:
         return self._values[key]
@@ -138,6 +139,26 @@ class RunConfig(Mapping[str, Value]):
         return dict(self._values)
 
 
+def check_distributed_noise(algorithm: type[Algorithm], hp: Any,
+                            values: Mapping[str, Value]) -> None:
+    """Refuse ``distributed-noise`` for an algorithm whose noise cannot be split
+    (:meth:`~dpfl.algorithms.Algorithm.distributed_noise_refusal`), a ``min-survivors`` above
+    the clients of an exchange, and ``min-survivors`` without ``distributed-noise``."""
+    survivors = int(values["min-survivors"])
+    if not values["distributed-noise"]:
+        if survivors:
+            raise ConfigError("min-survivors", "is read only with distributed-noise=true",
+                              allowed="0")
+        return
+    if (reason := algorithm.distributed_noise_refusal(hp)) is not None:
+        raise ConfigError("distributed-noise", f"algorithm {algorithm.name!r} cannot split its "
+                          f"noise over the clients: {reason}", allowed="false")
+    participants = algorithm.participants_per_round(hp, int(values["num-partitions"]))
+    if survivors > participants:
+        raise ConfigError("min-survivors", f"{survivors} exceeds the {participants} clients of "
+                          f"an exchange", allowed=f"0..{participants}")
+
+
 def check_runtime(config: RunConfig, runtime: str) -> None:
     """Refuse settings the ``runtime`` ('engine' or 'flower') cannot honour, and a
     ``results-dir`` in which this process cannot create the run's folder (tried in its deepest
@@ -146,6 +167,11 @@ def check_runtime(config: RunConfig, runtime: str) -> None:
         raise ConfigError("engine-mode", f"{config['engine-mode']!r} is for the in-process "
                           "engine (dpfl run) only; under Flower every client adds its own noise",
                           ["exact"])
+    if runtime != "engine" and config["distributed-noise"]:
+        raise ConfigError("distributed-noise", "needs secure aggregation, which dpfl's Flower "
+                          "runtimes do not run yet (the engine, dpfl run, emulates it): under "
+                          "Flower the server sees each client's upload, so each adds its whole "
+                          "noise", ["false"])
     folder = Path(str(config["results-dir"])).expanduser()
     try:
         if any(len(os.fsencode(part)) > NAME_MAX for part in folder.parts):

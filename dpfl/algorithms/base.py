@@ -362,6 +362,36 @@ class Algorithm(ABC, Generic[H]):
         return {u.release: e.name for e in cls.exchanges for u in e.uploads.values()
                 if u.central}
 
+    @classmethod
+    def participants_per_round(cls, hp: H, num_clients: int) -> int:
+        """How many clients :meth:`participants` takes a round (every client by default)."""
+        return num_clients
+
+    @classmethod
+    def distributed_noise_refusal(cls, hp: H) -> str | None:
+        """Why the clients' noise cannot be split over an exchange's clients under secure
+        aggregation (run-config ``distributed-noise``), or None where it can.
+
+        The server's view is then the participants' sum of each exchange. Where the runtime
+        noises every upload after the client step, a client's noise never enters its state or
+        its later steps: each round's sum is the sum of functions of the clients' data and the
+        broadcast (public) plus the clients' independent draws, a Gaussian mechanism of the
+        release's sensitivity whose noise is the sum of the shares, composed adaptively over
+        rounds. Noise drawn inside the step (``post_processing`` uploads) feeds what the client
+        computes next (its later local steps, its momentum or control variate), which the server
+        never sees, so a record moves the sum through that hidden state by more than the
+        release's sensitivity and the summed noise alone does not cover it; central noise is the
+        server's, with nothing to split."""
+        if cls.noise_free:
+            return "it adds no noise"
+        uploads = [u for e in cls.exchanges for u in e.uploads.values()]
+        if any(u.central for u in uploads):
+            return "its noise is the server's (central DP): there is none on the clients to split"
+        if any(u.post_processing for u in uploads):
+            return ("its clients' noise enters their later steps or state, which the server's "
+                    "sum does not show, so the summed noise does not cover them")
+        return None
+
     def server_queries(self) -> list[Query]:
         """The Gaussian mechanisms the server runs itself each round (``side="server"``:
         central noise, drawn in ``server_step`` with ``ctx.privatize``); none by default."""
@@ -412,11 +442,16 @@ class Algorithm(ABC, Generic[H]):
         """Un-noised uploads ``[C, ...]`` and new client states ``[C, ...]``."""
 
 
+def sample_size(fraction: float, num_clients: int) -> int:
+    """s = round(fraction·n), at least 1: how many clients :func:`sample_clients` takes."""
+    return max(1, math.floor(fraction * num_clients + 0.5))
+
+
 def sample_clients(fraction: float, server_round: int, clients: list[int],
                    rng: Randomness) -> list[int]:
     """s = round(fraction·n) of ``clients`` (at least 1), uniformly without replacement from the
     server's stream of ``server_round``, sorted; all of them when s = n."""
-    s = max(1, math.floor(fraction * len(clients) + 0.5))
+    s = sample_size(fraction, len(clients))
     if s >= len(clients):
         return list(clients)
     order = rng.permutation(SERVER, server_round, "participants", len(clients))

@@ -86,6 +86,7 @@ from dpfl.algorithms.base import (
     State,
     Upload,
     sample_clients,
+    sample_size,
 )
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import (
@@ -262,6 +263,10 @@ class Clip21Family(Algorithm[Clip21Hyperparameters]):
         return [Query(name, "train", radius=self.radius(), relation=self.relation)]
 
     # ---- partial participation (Alg. 4) ------------------------------------------------------
+    @classmethod
+    def participants_per_round(cls, hp: Clip21Hyperparameters, num_clients: int) -> int:
+        return sample_size(hp.fraction_train, num_clients)
+
     def participants(self, server_round: int, clients: list[int], rng: Randomness) -> list[int]:
         """s = round(fraction-train·n) clients (at least 1), uniformly without replacement from
         the server's stream, sorted; all clients when fraction-train = 1."""

@@ -40,6 +40,7 @@ from dpfl.algorithms.base import (
     State,
     Upload,
     sample_clients,
+    sample_size,
 )
 from dpfl.config import (
     BATCH_SIZE,
@@ -248,6 +249,10 @@ class FederatedDPSGD(Algorithm[H]):
     # ---- server --------------------------------------------------------------------------
     def init_server_state(self, x0: Tensor) -> State:
         return {"x": x0.clone(), "radius": torch.tensor([self.hp.clip], dtype=torch.float32)}
+
+    @classmethod
+    def participants_per_round(cls, hp: H, num_clients: int) -> int:
+        return sample_size(hp.fraction_train, num_clients)
 
     def participants(self, server_round: int, clients: list[int], rng: Randomness) -> list[int]:
         return sample_clients(self.hp.fraction_train, server_round, clients, rng)

@@ -18,6 +18,10 @@ Threat model, from what the algorithm declares:
 * **client-level central DP** (the server adds the noise): the adversary sees the models the
   server releases; the canary is a whole client (one more client holding the canary record),
   and a run's score is the sum over rounds of the model update along the canary's gradient.
+* **distributed noise** (``distributed-noise``: each client draws a share of the noise and the
+  server should see only the sum): the record-level audit of one client's uploads read alone,
+  against the ledger's ε of that client's share (``epsilon_if_unmasked``), the guarantee left
+  where secure aggregation is broken.
 
 The runs are batched: record-level trials are clients of one engine federation; client-level
 trials are independent small runs. The bound is compared with the ε the ledger reports for
@@ -353,9 +357,11 @@ def client_level(source: Problem, client: int, trials: int, rounds: int,
     return scores[0], scores[1], worlds[1], [worlds[1].num_clients - 1], scored
 
 
-def ledger_epsilon(problem: Problem, clients: list[int], rounds: int) -> float:
+def ledger_epsilon(problem: Problem, clients: list[int], rounds: int, *,
+                   unmasked: bool = False) -> float:
     """The largest ε the ledger reports for ``clients`` after ``rounds`` rounds of every
-    exchange (central releases included)."""
+    exchange (central releases included; of each client's own share of split noise when
+    ``unmasked``)."""
     cfg, algorithm = problem.config, problem.algorithm
     accounting = Accounting(
         num_clients=problem.num_clients, releases=problem.releases,
@@ -366,6 +372,8 @@ def ledger_epsilon(problem: Problem, clients: list[int], rounds: int) -> float:
     for server_round in range(1, rounds + 1):
         for exchange in algorithm.round_exchanges(server_round):
             accounting.charge(clients, exchange.name)
+    if unmasked:
+        return max((accounting.report_unmasked() or {}).values())
     return max(accounting.epsilon(c) for c in clients)
 
 
@@ -384,6 +392,10 @@ THREATS = {
                record_level),
     "client": ("client-level central DP: the adversary sees every model the server releases",
                client_level),
+    # distributed noise: the server that reads one client's upload alone (secure aggregation
+    # broken) against the ledger's guarantee of that client's own share of the noise
+    "unmasked": ("record-level, distributed noise unmasked: the server reads every upload of "
+                 "the client alone, noised by its own share", record_level),
 }
 
 
@@ -406,7 +418,11 @@ def audit(config: RunConfig, *, trials: int = 1000, confidence: float = 0.95,
         raise ValueError(f"canary must be one of {CANARIES}, got {canary!r}")
     started = time.perf_counter()
     source = build_problem(config)
-    threat, measure = THREATS["client" if source.algorithm.central_releases() else "record"]
+    split = bool(config["distributed-noise"])
+    if split and not int(config["min-survivors"]):  # the run's shares, not the trials'
+        source = build_problem(config.replace(min_survivors=source.survivors))
+    threat, measure = THREATS["client" if source.algorithm.central_releases() else
+                              "unmasked" if split else "record"]
     rounds = int(config["num-server-rounds"])
     out, inn, problem, charged, scored = measure(source, client, trials, rounds, canary)
     delta = float(config["delta"])
@@ -416,7 +432,8 @@ def audit(config: RunConfig, *, trials: int = 1000, confidence: float = 0.95,
     return AuditResult(algorithm=source.algorithm.name, threat_model=threat, canary=canary,
                        bound=bound,
                        gaussian=fit(out, inn, delta=delta, confidence=confidence),
-                       epsilon_ledger=ledger_epsilon(problem, charged, rounds),
+                       epsilon_ledger=ledger_epsilon(problem, charged, rounds,
+                                                     unmasked=split),
                        epsilon_target=target, delta=delta, rounds=rounds,
                        seconds=time.perf_counter() - started, scores_out=out, scores_in=inn,
                        scored_uploads=tuple(sorted(scored)))

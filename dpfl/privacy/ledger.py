@@ -23,7 +23,11 @@ says which relation it holds.
 :class:`Accounting` keeps every client's ledger as the server sees it (the public releases of the
 rounds each client took part in) and, for an algorithm with server-side noise, the ledger of the
 server's own releases: the round loop stops a run on it before a round would exceed
-``max-epsilon``.
+``max-epsilon``. Where the clients' noise is split over an exchange's clients (distributed
+noise under secure aggregation, :attr:`~dpfl.privacy.Release.shares`), a client's ledger holds
+the guarantee against a server that follows the protocol (the sum's noise), and a second one,
+``unmasked``, the guarantee left where the server reads that client's upload alone (its own
+share of the noise).
 """
 
 from __future__ import annotations
@@ -96,9 +100,10 @@ class PrivacyLedger:
     relation: str
     history: list[Event] = field(default_factory=list)
 
-    def record(self, release: Release) -> None:
-        """One round of ``release``: its steps at its noise multiplier and sample rate."""
-        _merge(self.history, release.event)
+    def record(self, release: Release, *, local: bool = False) -> None:
+        """One round of ``release``: its steps at its noise multiplier and sample rate (one
+        client's share of it when ``local``: :attr:`~dpfl.privacy.Release.local_event`)."""
+        _merge(self.history, release.local_event if local else release.event)
 
     def epsilon(self, delta: float, accountant: str | None = None) -> float:
         """ε of the history at ``delta`` by the ledger's accountant (or ``accountant``)."""
@@ -160,6 +165,8 @@ class Accounting:
         self.clients = [PrivacyLedger(accountant, relation) for _ in range(num_clients)]
         self.server = PrivacyLedger(accountant, "client-level (server-side noise)")
         self.charged: set[int] = set()  # clients that released something
+        # each client's own share of split noise alone (recorded for split releases only)
+        self.unmasked = [PrivacyLedger(accountant, relation) for _ in range(num_clients)]
         # how many times each client was charged each release, by name (what its node reports)
         self.counts: list[Counter[str]] = [Counter() for _ in range(num_clients)]
 
@@ -168,10 +175,15 @@ class Accounting:
         return [r for r in [*self.releases(client), *self.central]
                 if (r.side is Side.CLIENT or r in self.central) and exchange in (None, r.exchange)]
 
+    def _record(self, client: int, release: Release) -> None:
+        self.clients[client].record(release)
+        if release.shares > 1:
+            self.unmasked[client].record(release, local=True)
+
     def charge(self, clients: Iterable[int], exchange: str) -> None:
         for c in clients:
             for release in self.client_releases(c, exchange):
-                self.clients[c].record(release)
+                self._record(c, release)
                 self.counts[c][release.name] += 1
                 self.charged.add(c)
 
@@ -186,7 +198,7 @@ class Accounting:
         releases = {r.name: r for r in self.client_releases(client)}
         for name, times in sorted(extra.items()):
             for _ in range(times):
-                self.clients[client].record(releases[name])
+                self._record(client, releases[name])
             own[name] += times
             self.charged.add(client)
         return any(int(reported.get(name, 0)) < n for name, n in own.items()), extra
@@ -215,6 +227,14 @@ class Accounting:
         """ε of every client that has released something, by client id."""
         return {c: self.epsilon(c) for c in sorted(self.charged)}
 
+    def report_unmasked(self) -> dict[int, float] | None:
+        """ε of every client that has released something from its own share of split noise
+        alone (the server reads its upload unmasked), by client id; None when no noise was
+        split."""
+        if not any(self.unmasked[c].history for c in self.charged):
+            return None
+        return {c: self.unmasked[c].epsilon(self.delta) for c in sorted(self.charged)}
+
     def report_by_accountant(self) -> dict[str, float]:
         """The largest client ε by each of ``accountants`` (the main one first), then by each
         ``independent`` one (NaN where one client's is: not computed)."""
@@ -231,7 +251,8 @@ class Accounting:
         """Every ledger and who has released something, as plain lists (a checkpoint's part)."""
         return {"clients": [ledger.state_dict() for ledger in self.clients],
                 "server": self.server.state_dict(), "charged": sorted(self.charged),
-                "counts": [dict(c) for c in self.counts]}
+                "counts": [dict(c) for c in self.counts],
+                "unmasked": [ledger.state_dict() for ledger in self.unmasked]}
 
     def load_state_dict(self, saved: dict) -> None:
         """Restore what :meth:`state_dict` gave."""
@@ -242,3 +263,6 @@ class Accounting:
         # a checkpoint of an older dpfl has no counts: a node's report then charges again what
         # this ledger already holds (never fewer releases than happened)
         self.counts = [Counter(c) for c in saved.get("counts", [{}] * len(self.clients))]
+        for ledger, history in zip(self.unmasked, saved.get("unmasked", [[]] * len(self.clients)),
+                                   strict=True):
+            ledger.load_state_dict(history)

@@ -12,7 +12,9 @@ multiplier. Three numbers describe the same noise, and only this module converts
 * the **Opacus multiplier** of the run-config key ``noise-multiplier``, ``std / radius``: the
   noise std on a sum of clipped vectors over the clip radius, whatever the relation — the
   add/remove multiplier, whose sensitivity is the radius (:meth:`Query.multiplier_of`);
-* the **std** actually drawn, ``noise multiplier · sensitivity`` (:meth:`Release.std`).
+* the **std** actually drawn, ``noise multiplier · sensitivity`` (:meth:`Release.std`), over
+  √shares where the noise is split over the clients whose uploads the server sees summed
+  (distributed noise: :attr:`Release.shares`).
 
 The sensitivity is ``radius`` times the relation's :attr:`Relation.factor`: replacing one record
 moves a sum of vectors of norm at most ``r`` by up to ``2r``, adding or removing one by ``r``.
@@ -21,6 +23,7 @@ moves a sum of vectors of norm at most ``r`` by up to ``2r``, adding or removing
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -128,31 +131,64 @@ class Query:
 
 @dataclass(frozen=True)
 class Release(Query):
-    """A calibrated :class:`Query`: ``noise_multiplier`` is std / sensitivity (0: no noise)."""
+    """A calibrated :class:`Query`: ``noise_multiplier`` is std / sensitivity (0: no noise) of
+    the noise the server's view of it carries.
+
+    ``shares`` > 1 is distributed noise (run-config ``distributed-noise``): the server sees only
+    the sum of the uploads (secure aggregation), which holds the draws of at least ``shares``
+    clients, so each client draws std/√shares and the sum's noise has at least the release's
+    std. The release's own event (:attr:`event`) is then the guarantee against a server that
+    follows the protocol; :attr:`local_event` is one client's draw alone, the guarantee that is
+    left where the server reads one client's upload unmasked."""
 
     noise_multiplier: float = 0.0
+    shares: int = 1
 
     @classmethod
     def of(cls, query: Query, noise_multiplier: float) -> Release:
         return cls(**dataclasses.asdict(query), noise_multiplier=float(noise_multiplier))
 
+    def record(self) -> dict[str, Any]:
+        """:meth:`Query.record` with the noise multiplier, and the shares where split."""
+        record = super().record()
+        if self.shares == 1:  # as every release was recorded before noise could be split
+            del record["shares"]
+        return record
+
+    def split(self, shares: int) -> Release:
+        """This release with its noise split over ``shares`` clients (distributed noise)."""
+        if shares < 1:
+            raise ValueError(f"release {self.name!r}: shares must be >= 1, got {shares}")
+        return dataclasses.replace(self, shares=int(shares))
+
     def std(self, radius: float | None = None) -> float:
-        """The noise std: the noise multiplier times the sensitivity for ``radius`` (the
-        release's own when None)."""
-        return self.noise_multiplier * self.sensitivity(radius)
+        """The noise std one client draws: the noise multiplier times the sensitivity for
+        ``radius`` (the release's own when None), over √shares."""
+        return self.noise_multiplier * self.sensitivity(radius) / math.sqrt(self.shares)
 
     @property
     def event(self) -> tuple[float, float, int]:
         """``(noise multiplier, sample rate, steps)``: one round of it, as Opacus' accountants
-        keep their history."""
+        keep their history (the server's view: the sum of every share, when split)."""
         return (self.noise_multiplier, self.sample_rate, self.steps)
+
+    @property
+    def local_event(self) -> tuple[float, float, int]:
+        """The event of one client's own draw: :attr:`event` when the noise is not split, else
+        at noise multiplier / √shares."""
+        if self.shares == 1:
+            return self.event
+        return (self.noise_multiplier / math.sqrt(self.shares), self.sample_rate, self.steps)
 
 
 def stds(releases: list[Release], radius: float | None = None) -> torch.Tensor:
-    """float32 noise stds ``[C]`` of one query for a cohort (``releases[i]`` is client i's
-    calibration of it; clients calibrate from their own data size, the sensitivity is the
-    query's and the same for every client)."""
+    """float32 noise stds ``[C]`` that a cohort's clients draw for one query (``releases[i]``
+    is client i's calibration of it, its share when split: :meth:`Release.std`; clients
+    calibrate from their own data size, the sensitivity is the query's and the same for every
+    client)."""
     sensitivity = releases[0].sensitivity(radius)
     if any(r.sensitivity(radius) != sensitivity for r in releases[1:]):
         raise ValueError(f"query {releases[0].name!r}: the clients' sensitivities differ")
-    return torch.tensor([r.noise_multiplier for r in releases], dtype=torch.float32) * sensitivity
+    return torch.tensor([r.noise_multiplier if r.shares == 1 else
+                         r.noise_multiplier / math.sqrt(r.shares) for r in releases],
+                        dtype=torch.float32) * sensitivity

@@ -44,6 +44,7 @@ from dpfl.rounds.report import ReportWriter
 from dpfl.rounds.statements import (
     calibration_check,
     calibration_name,
+    distributed_statement,
     failure,
     noise_sources,
     privacy_statement,
@@ -418,5 +419,7 @@ class RoundLoop:
                                                    self.rounds_done, self.stop_reason),
             "warnings": list(self.monitor.warnings),
         }
+        if self.config["distributed-noise"]:
+            summary["distributed_noise"] = distributed_statement(self.problem, self.accounting)
         self.report.finish(summary, self.algorithm.global_params(self.state).cpu())
         return summary

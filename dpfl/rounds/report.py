@@ -102,6 +102,12 @@ class ReportWriter:
             print(f"done: {summary['rounds_completed']} rounds in {summary['wall_seconds']:.1f} "
                   f"s{f' (stopped: {stop})' if stop else ''}; results in {self.path}", flush=True)
             note = summary["privacy"]["note"]
+            split = summary.get("distributed_noise")
+            if split:
+                print(f"distributed noise: ε={summary['epsilon_max']:.4g} against a server that "
+                      f"sees only sums of at least {split['min_survivors']} clients' uploads, "
+                      f"ε={split['epsilon_if_unmasked']:.4g} against one that reads a client's "
+                      f"upload alone", flush=True)
             for line in (summary["calibration_check"],
                          f"WARNING: {note}" if note in UNPROTECTED else
                          f"note: {note}" if note == SEEDED else None):

@@ -106,6 +106,25 @@ def privacy_statement(problem: Problem, sources: dict[str, int]) -> dict[str, An
     return {"guarantee_against_server": True, "note": SECRET, "noise": sources}
 
 
+def distributed_statement(problem: Problem, accounting: Accounting) -> dict[str, Any]:
+    """What a run with ``distributed-noise`` guarantees against which server: the ledger's ε
+    against one that sees only the sums (secure aggregation), and the ε of one client's share
+    of the noise alone, against one that reads that client's upload."""
+    unmasked = accounting.report_unmasked()
+    survivors = problem.survivors
+    return {
+        "min_survivors": survivors,
+        "secure_aggregation": "emulated (the engine sums the uploads; the server step reads "
+                              "only the sum)",
+        "epsilon_if_unmasked": max(unmasked.values()) if unmasked else None,
+        "note": (f"each client drew its noise at 1/√{survivors} of each release's std: the "
+                 f"ε (epsilon_max) holds against a server that sees only the sum of at least "
+                 f"{survivors} clients' uploads; one that reads a client's upload alone (secure "
+                 f"aggregation broken, or more clients colluding with it than the protocol "
+                 f"tolerates) holds epsilon_if_unmasked against it"),
+    }
+
+
 def calibration_name(problem: Problem) -> str:
     """How the run's noise was set: ``none`` (no noise), ``manual`` (noise-multiplier given),
     else its calibration."""
