@@ -222,10 +222,14 @@ COMMON: tuple[Param, ...] = (
           "Needed by nodes that train on their own data (node config data-path), whose sizes "
           "the server never learns; 0 = each client's own partition size.",
           check=at_least(0), symbol="n_min"),
+    Param("secure-aggregation", False,
+          "The server sees only the sum of each exchange's uploads: each client's noised upload "
+          "is quantised to integers (a grid from its release's radius and noise) and summed "
+          "through Flower's SecAgg+ between the nodes (the engine emulates it, bit for bit). "
+          "Only for algorithms whose every upload the runtime noises with a fixed radius."),
     Param("distributed-noise", False,
-          "Split each client's noise over the clients of an exchange: the server sees only the "
-          "sum of their uploads (secure aggregation: the engine emulates it; dpfl's Flower "
-          "runtimes do not run it yet), which holds the draws of at least min-survivors "
+          "With secure-aggregation: split each client's noise over the clients of an exchange, "
+          "whose sum holds the draws of at least min-survivors "
           "clients, so each draws std/√min-survivors and the sum carries the release's std. "
           "The run's ε holds against a server that follows the protocol; summary.json also "
           "gives the ε left where it reads one client's upload (epsilon_if_unmasked). Only "

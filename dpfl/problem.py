@@ -59,6 +59,9 @@ class Problem:
     device: torch.device
     hosted: tuple[int, ...] | None = None
     source: str = ""
+    #: the fewest records a client of the whole split holds, where this view holds only some
+    #: clients' rows (a node's, from the split it was built from); None: its own partitions'
+    split_smallest: int | None = None
     _releases: dict[int, list[Release]] = field(default_factory=dict)
     _server_releases: list[Release] | None = None
     _cohorts: dict[tuple[int, ...], Cohort] = field(default_factory=dict)
@@ -96,13 +99,14 @@ class Problem:
     def releases(self, client: int) -> list[Release]:
         """The calibrated mechanisms of one round of ``client`` (calibrated once per distinct
         data size: a client calibrates from its own record count, or from the public lower
-        bound ``min-client-records`` where one is set). With ``distributed-noise`` every
+        bound ``min-client-records`` where one is set). Under ``secure-aggregation`` every
         client calibrates alike (from that bound, else the smallest client's count: the sum's
-        noise must cover each of them) and draws a share of the noise
-        (:meth:`~dpfl.privacy.Release.split` over :attr:`survivors`)."""
+        noise must cover each of them, and every upload is quantised on one grid), and with
+        ``distributed-noise`` draws a share of the noise (:meth:`~dpfl.privacy.Release.split`
+        over :attr:`survivors`)."""
         self._check_hosted([client])
         size = int(self.config["min-client-records"]) or (
-            min(len(p) for p in self.partitions) if self.config["distributed-noise"]
+            self.smallest_client() if self.config["secure-aggregation"]
             else len(self.partitions[client]))
         if size not in self._releases:
             queries = self.algorithm.queries(size)
@@ -112,6 +116,17 @@ class Problem:
                 releases = [r.split(self.survivors) for r in releases]
             self._releases[size] = releases
         return self._releases[size]
+
+    def smallest_client(self) -> int:
+        """The fewest records a client of the run holds (a node's view: of the split it was
+        built from)."""
+        if self.split_smallest is not None:
+            return self.split_smallest
+        if self.hosted is not None:
+            raise ConfigError("min-client-records", "this node does not know every client's "
+                              "record count: secure aggregation calibrates every client from "
+                              "the run's public lower bound", allowed="an integer >= batch-size")
+        return min(len(p) for p in self.partitions)
 
     @property
     def survivors(self) -> int:
@@ -138,7 +153,8 @@ class Problem:
                 "num_clients": self.num_clients, "clients": list(clients),
                 "sizes": [len(self.partitions[c]) for c in clients],
                 "train_x": ds.train_x[rows].contiguous(), "train_y": ds.train_y[rows].contiguous(),
-                "public_x": ds.public_x, "public_y": ds.public_y}
+                "public_x": ds.public_x, "public_y": ds.public_y,
+                "smallest": self.smallest_client()}
 
     @classmethod
     def from_node_data(cls, config: RunConfig, data: dict[str, Any]) -> Problem:
@@ -161,7 +177,9 @@ class Problem:
         dataset = Dataset(data["name"], x, data["train_y"], x[:0], data["train_y"][:0],
                           task=data["task"], num_classes=data["num_classes"],
                           public_x=data["public_x"], public_y=data["public_y"])
-        return assemble(config, dataset, parts, hosted=tuple(clients))
+        problem = assemble(config, dataset, parts, hosted=tuple(clients))
+        problem.split_smallest = data.get("smallest")  # a site's data: None (its own count)
+        return problem
 
     def calibrations(self) -> dict[str, list[dict[str, Any]]]:
         """The releases calibrated so far, as JSON-ready records (:meth:`restore_calibrations`

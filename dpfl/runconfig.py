@@ -116,7 +116,7 @@ class RunConfig(Mapping[str, Value]):
         self.hyperparameters: Any = build(algorithm.Hyperparameters, merged)
         self.calibration_options: Any = (None if calibration.options is None
                                          else build(calibration.options, merged))
-        check_distributed_noise(algorithm, self.hyperparameters, merged)
+        check_secure_aggregation(algorithm, self.hyperparameters, merged)
 
     def __getitem__(self, key: str) -> Value:
         return self._values[key]
@@ -139,20 +139,28 @@ class RunConfig(Mapping[str, Value]):
         return dict(self._values)
 
 
-def check_distributed_noise(algorithm: type[Algorithm], hp: Any,
-                            values: Mapping[str, Value]) -> None:
-    """Refuse ``distributed-noise`` for an algorithm whose noise cannot be split
-    (:meth:`~dpfl.algorithms.Algorithm.distributed_noise_refusal`), a ``min-survivors`` above
-    the clients of an exchange, and ``min-survivors`` without ``distributed-noise``."""
+def check_secure_aggregation(algorithm: type[Algorithm], hp: Any,
+                             values: Mapping[str, Value]) -> None:
+    """Refuse ``secure-aggregation`` for an algorithm whose server cannot see only sums
+    (:meth:`~dpfl.algorithms.Algorithm.secure_aggregation_refusal`), ``distributed-noise``
+    without it, a ``min-survivors`` above the clients of an exchange, and ``min-survivors``
+    without ``distributed-noise``."""
     survivors = int(values["min-survivors"])
-    if not values["distributed-noise"]:
-        if survivors:
-            raise ConfigError("min-survivors", "is read only with distributed-noise=true",
-                              allowed="0")
+    if values["distributed-noise"] and not values["secure-aggregation"]:
+        raise ConfigError("distributed-noise", "each client would add a fraction of its noise "
+                          "to an upload the server sees: it needs secure-aggregation=true",
+                          allowed="false")
+    if survivors and not values["distributed-noise"]:
+        raise ConfigError("min-survivors", "is read only with distributed-noise=true",
+                          allowed="0")
+    if not values["secure-aggregation"]:
         return
-    if (reason := algorithm.distributed_noise_refusal(hp)) is not None:
-        raise ConfigError("distributed-noise", f"algorithm {algorithm.name!r} cannot split its "
-                          f"noise over the clients: {reason}", allowed="false")
+    if values["non-private-diagnostics"]:
+        raise ConfigError("non-private-diagnostics", "the clients' diagnostics would travel "
+                          "beside the securely summed uploads, in clear", allowed="false")
+    if (reason := algorithm.secure_aggregation_refusal(hp)) is not None:
+        raise ConfigError("secure-aggregation", f"algorithm {algorithm.name!r} cannot have "
+                          f"its uploads summed securely: {reason}", allowed="false")
     participants = algorithm.participants_per_round(hp, int(values["num-partitions"]))
     if survivors > participants:
         raise ConfigError("min-survivors", f"{survivors} exceeds the {participants} clients of "
@@ -167,11 +175,9 @@ def check_runtime(config: RunConfig, runtime: str) -> None:
         raise ConfigError("engine-mode", f"{config['engine-mode']!r} is for the in-process "
                           "engine (dpfl run) only; under Flower every client adds its own noise",
                           ["exact"])
-    if runtime != "engine" and config["distributed-noise"]:
-        raise ConfigError("distributed-noise", "needs secure aggregation, which dpfl's Flower "
-                          "runtimes do not run yet (the engine, dpfl run, emulates it): under "
-                          "Flower the server sees each client's upload, so each adds its whole "
-                          "noise", ["false"])
+    if config["secure-aggregation"] and config["engine-mode"] != "exact":
+        raise ConfigError("engine-mode", "secure aggregation quantises each client's noised "
+                          "upload, so every client draws its own noise", ["exact"])
     folder = Path(str(config["results-dir"])).expanduser()
     try:
         if any(len(os.fsencode(part)) > NAME_MAX for part in folder.parts):

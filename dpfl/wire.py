@@ -16,6 +16,13 @@ natively; nothing is sent that is not read.
   counts of the run's releases, ``diagnostics.<id>`` MetricRecords under
   non-private-diagnostics only, and ``node`` (``noise``: where its clients' noise came from,
   :data:`dpfl.privacy.randomness.MODES`);
+* node → server under secure aggregation (a ``train`` request that Flower's SecAgg+ carries,
+  with its ``secaggplus_configs``): :class:`SecureTrainReply` — the legacy fit result Flower's
+  ``secaggplus_mod`` reads (``fitres.parameters``: per upload, the sum of the node's
+  participants' quantised uploads; ``fitres.num_examples`` 1, a protocol constant: every
+  node's sum enters the masked total with weight one; empty ``fitres.metrics``, status OK),
+  which the mod masks and then clears, so the server receives only the masked vector, with
+  ``charged.<id>`` and ``node`` in clear;
 * node → server, to either request: a refusal — a ConfigRecord ``refused`` (``clients``,
   ``reason``: the node-policy key that refuses, one line computed from nothing private),
   decoded as :class:`~dpfl.rounds.ClientRefused`.
@@ -74,6 +81,13 @@ def _numbered(content: RecordDict, prefix: str) -> dict[int, object]:
             if name.startswith(prefix)}
 
 
+def _with_charged(content: RecordDict, charged: Counts) -> RecordDict:
+    """``content`` with one ``charged.<id>`` record a client."""
+    for c, counts in charged.items():
+        content[f"{CHARGED}{c}"] = ConfigRecord(counts)
+    return content
+
+
 def _charged(content: RecordDict) -> Counts:
     return {c: {k: int(v) for k, v in record.items()}  # type: ignore[attr-defined]
             for c, record in _numbered(content, CHARGED).items()}
@@ -115,10 +129,8 @@ class Hosted:
     charged: Counts = field(default_factory=dict)
 
     def encode(self) -> RecordDict:
-        content = RecordDict({"hosted": ConfigRecord({"clients": list(self.clients)})})
-        for c, counts in self.charged.items():
-            content[f"{CHARGED}{c}"] = ConfigRecord(counts)
-        return content
+        return _with_charged(RecordDict({"hosted": ConfigRecord({"clients": list(self.clients)})}),
+                             self.charged)
 
     @classmethod
     def decode(cls, content: RecordDict) -> Hosted | ClientRefused:
@@ -179,3 +191,41 @@ class TrainReply:
                    _charged(content), str(content[NODE]["noise"]),
                    {c: {k: float(v) for k, v in record.items()}  # type: ignore[attr-defined]
                     for c, record in _numbered(content, DIAGNOSTICS).items()})
+
+
+@dataclass(frozen=True)
+class SecureTrainReply:
+    """A node's answer to a :class:`TrainRequest` under secure aggregation: ``sums``, per
+    upload in the exchange's declared order, the float64 array Flower's SecAgg+ mod masks
+    (:func:`dpfl.rounds.secure_sum.node_vector`); its participants' counts of the run's releases
+    and where the node's noise came from, in clear (their uploads never leave it unmasked)."""
+
+    sums: list[np.ndarray]
+    charged: Counts
+    noise: str
+
+    def encode(self) -> RecordDict:
+        from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+        from flwr.compat.common.recorddict_compat import fitres_to_recorddict
+
+        content = fitres_to_recorddict(FitRes(Status(Code.OK, ""), ndarrays_to_parameters(
+            self.sums), num_examples=1, metrics={}), keep_input=True)
+        content[NODE] = ConfigRecord({"noise": self.noise})
+        return _with_charged(content, self.charged)
+
+    @classmethod
+    def decode(cls, content: RecordDict) -> SecureTrainReply | ClientRefused:
+        """What the server reads of a reply that Flower's mod masked (its arrays cleared)."""
+        if (refused := decode_refusal(content)) is not None:
+            return refused
+        return cls([], _charged(content), str(content[NODE]["noise"]))
+
+    @staticmethod
+    def refusal(refused: ClientRefused, uploads: int) -> RecordDict:
+        """A refusal in the fit shape the mod needs (one zero for each of the ``uploads``:
+        the masked sum broadcasts it, and the server stops before unmasking), so that its
+        reason reaches the server."""
+        content = SecureTrainReply([np.zeros(1)] * uploads, {}, "").encode()
+        del content[NODE]
+        content[REFUSED] = encode_refusal(refused)[REFUSED]
+        return content

@@ -8,6 +8,7 @@ at once; their replies wait to be pulled.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from uuid import uuid4
 
@@ -72,9 +73,10 @@ class InProcessGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None
                          ) -> Iterable[Message]:
         replies = []
-        for message in messages:
+        for message in messages:  # a copy each, as a real grid delivers them (Flower's SecAgg+
+            # workflow sends one record to every node, and its mod pops from it)
             node = message.metadata.dst_node_id
-            reply = self.app(message, self.contexts[node])
+            reply = self.app(copy.deepcopy(message), self.contexts[node])
             replies.append(reply)
         return replies
 

@@ -1,8 +1,9 @@
-"""Distributed noise (run-config ``distributed-noise``): each client draws its release's noise
-at 1/√n_s of the std, the server's view (the participants' sum) carries at least the whole
-std, the ledger charges the sum's guarantee and keeps the one of a client's own share beside
-it, and the algorithms whose clients' noise feeds their later steps, the Flower runtimes and a
-node refuse it in one line."""
+"""Secure aggregation and distributed noise (run-config ``secure-aggregation``,
+``distributed-noise``): each upload is quantised on a public grid and summed exactly; each
+client draws its release's noise at 1/√n_s of the std, the server's view (the participants'
+sum) carries at least the whole std, the ledger charges the sum's guarantee and keeps the one
+of a client's own share beside it, and the algorithms whose clients' noise feeds their later
+steps, the fast engine mode and diagnostics refuse it in one line."""
 
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ from dpfl.errors import ConfigError
 from dpfl.privacy import Accounting, Release, independent
 from dpfl.problem import build_problem
 from dpfl.rounds.client import ClientRuntime
+from dpfl.rounds.secure_sum import Quantisation, SecureSum, quantisations
 from dpfl.runconfig import RunConfig, check_runtime
 
 BASE = {"algorithm": "dpsgd-gc", "num-partitions": 8, "num-server-rounds": 4, "seed": 3,
         "batch-size": 16}
+
+SPLIT = {"secure-aggregation": True, "distributed-noise": True}
 
 #: the algorithms whose every upload the runtime noises after the client step
 SPLITTABLE = {"alpha-normec", "clip-sgd", "clip21-sgd", "clip21-sgd2m", "dpsgd-gc"}
@@ -48,7 +52,7 @@ def test_each_client_draws_a_share_of_the_noise(survivors):
     manual = {"noise-multiplier": 1.5}
     quiet, _ = uploads({**manual, "noise-multiplier": 0.0})
     whole, releases = uploads(manual)
-    split, shares = uploads({**manual, "distributed-noise": True, "min-survivors": survivors})
+    split, shares = uploads({**manual, **SPLIT, "min-survivors": survivors})
     n_s = survivors or BASE["num-partitions"]
     assert all(r.shares == n_s and r.noise_multiplier == w.noise_multiplier
                for r, w in zip(shares, releases, strict=True))
@@ -75,11 +79,11 @@ def test_the_ledger_keeps_both_guarantees(tmp_path):
     against Opacus and dp-accounting's PLD, above the run's; the summary says both."""
     values = {**BASE, "epsilon": 4.0, "min-client-records": 150, "results-dir": str(tmp_path)}
     whole = run(RunConfig({**values, "run-name": "whole"}), echo=False)
-    split = run(RunConfig({**values, "run-name": "split", "distributed-noise": True,
+    split = run(RunConfig({**values, "run-name": "split", **SPLIT,
                            "min-survivors": 4}), echo=False)
     assert split["epsilon_max"] == whole["epsilon_max"]
-    assert "distributed_noise" not in whole
-    statement = split["distributed_noise"]
+    assert "secure_aggregation" not in whole
+    statement = split["secure_aggregation"]["distributed_noise"]
     assert statement["min_survivors"] == 4
     release = Release(**split["releases"]["0"][0])
     assert release.shares == 4
@@ -93,7 +97,9 @@ def test_the_ledger_keeps_both_guarantees(tmp_path):
     pld = independent.epsilon("dp-accounting-pld", ((z, q, steps),), 1e-5)
     assert pld * 0.99 - 1e-3 <= unmasked
     saved = json.loads((tmp_path / "split" / "summary.json").read_text())
-    assert saved["distributed_noise"]["epsilon_if_unmasked"] == unmasked
+    assert saved["secure_aggregation"]["distributed_noise"]["epsilon_if_unmasked"] == unmasked
+    grid = saved["secure_aggregation"]["grids"]["train"]["c"]
+    assert grid["step"] <= Release(**saved["releases"]["0"][0]).std() / 1024
 
 
 def test_the_unmasked_ledger_survives_a_checkpoint():
@@ -121,43 +127,43 @@ def test_a_release_not_split_records_as_before():
 def test_each_algorithm_declares_whether_its_noise_can_be_split(name):
     """The algorithms whose uploads the runtime noises after the client step accept it; the
     others (noise inside the step, central noise, no noise) refuse, naming the key and why."""
-    values = {"algorithm": name, "distributed-noise": True}
+    values = {"algorithm": name, **SPLIT}
     if name in SPLITTABLE:
         assert RunConfig(values)["distributed-noise"] is True
         return
     with pytest.raises(ConfigError) as refused:
         RunConfig(values)
-    assert refused.value.key == "distributed-noise" and "cannot split" in str(refused.value)
+    assert refused.value.key == "secure-aggregation" and "cannot have" in str(refused.value)
 
 
-def test_min_survivors_is_checked():
+def test_min_survivors_and_distributed_noise_are_checked():
     with pytest.raises(ConfigError, match="read only with distributed-noise"):
         RunConfig({"min-survivors": 2})
+    with pytest.raises(ConfigError, match="distributed-noise.*needs secure-aggregation=true"):
+        RunConfig({"distributed-noise": True})
     with pytest.raises(ConfigError, match=r"exceeds the 5 clients .*allowed: 0\.\.5"):
-        RunConfig({"algorithm": "clip21-sgd2m", "distributed-noise": True,
-                   "fraction-train": 0.5, "min-survivors": 6})
-    assert RunConfig({"algorithm": "clip21-sgd2m", "distributed-noise": True,
-                      "fraction-train": 0.5, "min-survivors": 5})
+        RunConfig({"algorithm": "clip21-sgd2m", **SPLIT, "fraction-train": 0.5,
+                   "min-survivors": 6})
+    assert RunConfig({"algorithm": "clip21-sgd2m", **SPLIT, "fraction-train": 0.5,
+                      "min-survivors": 5})
 
 
-def test_the_flower_runtimes_and_a_node_refuse_it(tmp_path, monkeypatch):
-    """No secure aggregation under Flower yet: the ServerApp refuses the key before anything
-    starts, and a node refuses it on its own (the server may send any run config)."""
-    config = RunConfig({"distributed-noise": True, "results-dir": str(tmp_path)})
+def test_the_fast_engine_mode_and_diagnostics_refuse_it(tmp_path):
+    """The engine's fast mode pools the participants' noise, which cannot be put on each
+    client's grid; diagnostics would travel beside the secure sum in clear."""
+    config = RunConfig({**SPLIT, "results-dir": str(tmp_path)})
     check_runtime(config, "engine")
-    with pytest.raises(ConfigError, match="distributed-noise.*secure aggregation"):
-        check_runtime(config, "flower")
-    from dpfl.client.cache import node_problem
-
-    monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(ConfigError, match="distributed-noise.*this node"):
-        node_problem(tuple(sorted(config.items())), (0,), "")
+    check_runtime(config, "flower")
+    with pytest.raises(ConfigError, match="engine-mode.*its own noise"):
+        check_runtime(config.replace(engine_mode="fast"), "engine")
+    with pytest.raises(ConfigError, match="non-private-diagnostics.*in clear"):
+        RunConfig({**SPLIT, "non-private-diagnostics": True})
 
 
 def test_dpfl_run_refuses_in_one_line(capsys):
-    code = main(["run", "--run-config", 'algorithm="dp-fedavg" distributed-noise=true'])
+    code = main(["run", "--run-config", 'algorithm="dp-fedavg" secure-aggregation=true'])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "distributed-noise" in err[0]
+    assert code == 2 and len(err) == 1 and "secure-aggregation" in err[0]
 
 
 def test_the_audit_of_an_unmasked_upload_stays_below_its_shares_ledger():
@@ -168,10 +174,74 @@ def test_the_audit_of_an_unmasked_upload_stays_below_its_shares_ledger():
 
     config, client = full_batch({"algorithm": "dpsgd-gc", "model": "logistic",
                                  "num-server-rounds": 3, "num-partitions": 10, "epsilon": 1.0,
-                                 "distributed-noise": True})
+                                 **SPLIT})
     result = audit(config, trials=200, client=client)
     assert "unmasked" in result.threat_model
     assert result.epsilon_ledger > 3.0
     assert result.bound.epsilon <= result.epsilon_ledger
     assert result.gaussian.epsilon_lower <= result.epsilon_ledger
     assert result.gaussian.epsilon > 1.0
+
+
+# ---- the secure sum --------------------------------------------------------------------------
+
+def test_the_grid_rounds_to_nearest_and_clamps_at_its_range():
+    grid = Quantisation.of(radius=1.0, std=0.5)
+    assert grid.bits == 11 and grid.bound == math.ceil((1.0 + 8 * 0.5) * 2**11)
+    step = 2.0**-grid.bits
+    rows = torch.tensor([[0.0, 0.5 * step, 1.5 * step, -0.5 * step, 100.0, -100.0, 0.3]])
+    ints = grid.quantise(rows)
+    assert ints.dtype == torch.int64
+    assert (ints - grid.bound)[0, :6].tolist() == [0, 0, 2, 0, grid.bound, -grid.bound]
+    back = grid.dequantise(ints.sum(0), 1)
+    assert abs(back[6].item() - 0.3) <= step / 2
+    assert Quantisation.of(radius=2.0, std=0.0).bits == 9  # no noise: 1/1024 of the radius
+
+
+def test_the_secure_sum_is_the_same_bits_in_any_order_and_grouping():
+    """Integers sum exactly: any order of the rows and any blocks give the same sums (a float
+    sum does not), within half a step a row of the float64 sum."""
+    torch.manual_seed(0)
+    rows = torch.randn(300, 50) * 3
+    grids = {"c": Quantisation.of(radius=1.0, std=3.0)}
+    forward, backward = SecureSum(grids, torch.device("cpu")), SecureSum(grids,
+                                                                         torch.device("cpu"))
+    for part in (slice(0, 7), slice(7, 256), slice(256, 300)):
+        forward.add({"c": rows[part]})
+    backward.add({"c": rows.flip(0)})
+    assert torch.equal(forward.sums["c"], backward.sums["c"])
+    exact = rows.double().sum(0)
+    step = 2.0**-grids["c"].bits
+    assert (forward.sums["c"].double() - exact).abs().max() <= 300 * step / 2 + 1e-3
+
+
+def test_an_engine_run_with_secure_aggregation_is_the_float_run_to_rounding(tmp_path):
+    """The same run through the secure sum moves the model by about the grid's rounding: each
+    round's sum differs from the float sum by at most half a step a client."""
+    values = {**BASE, "results-dir": str(tmp_path), "min-client-records": 150}
+    problem = build_problem(RunConfig({**values, "secure-aggregation": True}))
+    grids = quantisations(problem, "train")
+    algorithm = problem.algorithm
+    state = algorithm.init_server_state(problem.x0)
+    out, _, _ = ClientRuntime.of(problem).step(
+        "train", 1, algorithm.broadcast("train", state, 1),
+        algorithm.init_client_state(problem.num_clients), problem.full_cohort())
+    secure = SecureSum(grids, torch.device("cpu"))
+    secure.add(out)
+    step = 2.0**-grids["c"].bits
+    plain = out["c"].double().sum(0)
+    assert 0 < (secure.sums["c"].double() - plain).abs().max() <= 8 * step / 2 + 1e-5
+    a = run(RunConfig({**values, "run-name": "plain"}), echo=False)
+    b = run(RunConfig({**values, "run-name": "secure", "secure-aggregation": True}), echo=False)
+    assert a["epsilon_max"] == b["epsilon_max"]
+    assert abs(a["test_loss"] - b["test_loss"]) < 1e-3
+
+
+def test_a_grid_that_would_wrap_the_modulus_is_refused():
+    """Noise far below the radius asks for a fine grid over a wide range, whose sum over the
+    participants would pass the range a node's sum is passed to SecAgg+ at (2^30, below its
+    modulus 2^32): refused, naming the key, before anything runs."""
+    problem = build_problem(RunConfig({**BASE, "secure-aggregation": True,
+                                       "noise-multiplier": 1e-6}))
+    with pytest.raises(ConfigError, match="secure-aggregation.*overflow the secure sum"):
+        quantisations(problem, "train")

@@ -28,6 +28,11 @@ CASES = {
     "prisma": {"algorithm": "prisma", "num-partitions": 4, "num-server-rounds": 3,
                "batch-size": 16, "seed": 5, "gamma": 0.3, "clip-diff": 0.2,
                "learning-rate": 0.5},
+    # secure aggregation: Flower's SecAgg+ stages for every exchange, each client's noise split
+    # over the 4 (distributed noise), the engine's quantised sum bit for bit
+    "secagg": {"algorithm": "dpsgd-gc", "num-partitions": 4, "num-server-rounds": 2,
+               "batch-size": 16, "seed": 6, "secure-aggregation": True,
+               "distributed-noise": True},
 }
 
 

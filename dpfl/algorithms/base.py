@@ -368,28 +368,34 @@ class Algorithm(ABC, Generic[H]):
         return num_clients
 
     @classmethod
-    def distributed_noise_refusal(cls, hp: H) -> str | None:
-        """Why the clients' noise cannot be split over an exchange's clients under secure
-        aggregation (run-config ``distributed-noise``), or None where it can.
+    def secure_aggregation_refusal(cls, hp: H) -> str | None:
+        """Why the server cannot see only the sum of each exchange's uploads under secure
+        aggregation (run-config ``secure-aggregation``, and ``distributed-noise``, which splits
+        the clients' noise under it), or None where it can.
 
-        The server's view is then the participants' sum of each exchange. Where the runtime
-        noises every upload after the client step, a client's noise never enters its state or
-        its later steps: each round's sum is the sum of functions of the clients' data and the
-        broadcast (public) plus the clients' independent draws, a Gaussian mechanism of the
-        release's sensitivity whose noise is the sum of the shares, composed adaptively over
-        rounds. Noise drawn inside the step (``post_processing`` uploads) feeds what the client
-        computes next (its later local steps, its momentum or control variate), which the server
-        never sees, so a record moves the sum through that hidden state by more than the
-        release's sensitivity and the summed noise alone does not cover it; central noise is the
-        server's, with nothing to split."""
+        Secure aggregation sums integers: each upload is quantised on a grid whose range comes
+        from its release (the radius that bounds the un-noised upload, plus the tail of its
+        noise), so every upload must be noised by the runtime with a fixed radius. That is
+        also what splitting the noise needs: where the runtime noises every upload after the
+        client step, a client's noise never enters its state or its later steps, and each
+        round's sum is a function of the data and the broadcast (public) plus the clients'
+        independent draws, a Gaussian mechanism of the release's sensitivity whose noise is the
+        sum of the shares, composed adaptively over rounds. Noise drawn inside the step
+        (``post_processing`` uploads) feeds what the client computes next (its later local
+        steps, its momentum or control variate), which the server never sees, so a record
+        moves the sum through that hidden state by more than the release's sensitivity and the
+        summed noise alone does not cover it; central uploads are noised by the server."""
         if cls.noise_free:
             return "it adds no noise"
         uploads = [u for e in cls.exchanges for u in e.uploads.values()]
         if any(u.central for u in uploads):
-            return "its noise is the server's (central DP): there is none on the clients to split"
+            return ("its noise is the server's (central DP): its clients' uploads carry none to "
+                    "split and no bound to quantise them by")
         if any(u.post_processing for u in uploads):
-            return ("its clients' noise enters their later steps or state, which the server's "
-                    "sum does not show, so the summed noise does not cover them")
+            return ("its uploads are built from noise drawn inside the client step, which "
+                    "feeds the client's later steps or state: no radius bounds them for the "
+                    "secure sum's grid, and a sum's noise would not cover what the server "
+                    "does not see")
         return None
 
     def server_queries(self) -> list[Query]:

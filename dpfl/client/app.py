@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import logging
 
-from flwr.app import Context, Message
+import torch
+from flwr.app import ConfigRecord, Context, Message
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
+from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 
 from dpfl.checkpoint import Lineage
 from dpfl.client.cache import node_problem
@@ -22,7 +27,15 @@ from dpfl.client.state_files import StateFiles, state_folder
 from dpfl.errors import ConfigError
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused
-from dpfl.wire import ClientsQuery, Hosted, TrainReply, TrainRequest, encode_refusal
+from dpfl.rounds.secure_sum import node_vector, quantisations
+from dpfl.wire import (
+    ClientsQuery,
+    Hosted,
+    SecureTrainReply,
+    TrainReply,
+    TrainRequest,
+    encode_refusal,
+)
 
 app = ClientApp()
 log = logging.getLogger("dpfl")
@@ -70,7 +83,35 @@ def hosted(msg: Message, context: Context) -> Message:
     return Message(Hosted(clients, counts).encode(), reply_to=msg)
 
 
-@app.train()
+#: the node's own record of its last SecAgg+ exchange: how many participants its sum held
+SECURE_STATE = "dpfl.secure"
+
+
+def secure_stages(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower's ``secaggplus_mod`` for the messages of its stages (they carry its configs), and
+    for those only: dpfl's plain requests go to the handler as they are. Before the unmask
+    stage the node checks its own rule for distributed noise: the sum about to be unmasked must
+    hold at least ``min-survivors`` clients' shares of the noise, which it counts as its own
+    participants plus one for every other node still active (each hosts at least one); else
+    it sends no share, so that nothing is unmasked."""
+    configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+    if configs is None:
+        return call_next(msg, context)
+    if configs.get(SecAggKey.STAGE) == Stage.UNMASK:
+        problem = _problem(context)
+        if problem.config["distributed-noise"]:
+            own = context.state.config_records.get(SECURE_STATE, {}).get("participants", 0)
+            held = int(own) + len(configs.get(SecAggKey.ACTIVE_NODE_ID_LIST, [])) - 1
+            if held < problem.survivors:
+                reason = (f"distributed-noise: the sum to unmask holds at least {held} clients' "
+                          f"noise shares, min-survivors={problem.survivors}: this node sends no "
+                          f"share to unmask it")
+                log.warning("dpfl: this node %s", reason)
+                raise ClientRefused(node_clients(context), reason)
+    return secaggplus_mod(msg, context, call_next)
+
+
+@app.train(mods=[secure_stages])
 def train(msg: Message, context: Context) -> Message:
     """One exchange of the configured algorithm (see :func:`reply`)."""
     return reply(msg, context, _problem(context))
@@ -85,14 +126,30 @@ def reply(msg: Message, context: Context, problem: Problem) -> Message:
     if tuple(request.broadcast) != spec.broadcast:
         raise ValueError(f"exchange {spec.name!r} broadcasts {spec.broadcast}, got "
                          f"{tuple(request.broadcast)}")
+    secure = RECORD_KEY_CONFIGS in msg.content.config_records  # through SecAgg+'s mod
     try:
+        if problem.config["distributed-noise"] and not secure:
+            raise ClientRefused(clients, "distributed-noise: this node adds a share of its "
+                                "noise only to uploads that Flower's SecAgg+ masks, and this "
+                                "request came without it")
         client = _client(request.lineage, context, problem, clients)
         uploads, _, metrics = client.fit(list(request.broadcast.values()),
                                          {"exchange": spec.name, "round": request.server_round})
-    except ClientRefused as refused:
-        return _refused(msg, refused, f"refuses clients {refused.clients}")
-    except ConfigError as error:  # the node's own config, or the run's on this node's data
-        return _refused(msg, ClientRefused(clients, str(error)), f"refuses clients {clients}")
+    except (ClientRefused, ConfigError) as error:  # ConfigError: the node's own config, or
+        # the run's on this node's data
+        refused = error if isinstance(error, ClientRefused) else ClientRefused(clients,
+                                                                               str(error))
+        log.warning("dpfl: this node refuses clients %s: %s", refused.clients, refused.reason)
+        content = (SecureTrainReply.refusal(refused, len(spec.uploads)) if secure
+                   else encode_refusal(refused))
+        return Message(content, reply_to=msg)
+    if secure:
+        grids = quantisations(problem, spec.name)
+        context.state.config_records[SECURE_STATE] = ConfigRecord({"participants": len(clients)})
+        return Message(SecureTrainReply(
+            [node_vector(grids[k], torch.as_tensor(u)) for k, u in zip(spec.uploads, uploads,
+                                                                        strict=True)],
+            {c: client.charged[c] for c in clients}, client.noise).encode(), reply_to=msg)
     return Message(TrainReply(
         {c: {k: u[i] for k, u in zip(spec.uploads, uploads, strict=True)}
          for i, c in enumerate(clients)},

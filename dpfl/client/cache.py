@@ -138,10 +138,6 @@ def node_problem(items: tuple[tuple[str, object], ...], clients: tuple[int, ...]
     (:mod:`dpfl.datasets.site`). Cached in-process too: a simulation's worker serves many
     messages of many virtual nodes."""
     config = RunConfig(dict(items))
-    if config["distributed-noise"]:  # the node's own rule, whatever the server sends
-        raise ConfigError("distributed-noise", "this node adds each client's whole noise to "
-                          "its uploads: a share of it needs secure aggregation, which dpfl's "
-                          "nodes do not run yet", allowed="false")
     if site and not int(config["min-client-records"]):
         raise ConfigError("min-client-records", "a node with its own data (data-path) needs "
                           "the run's public lower bound on every client's records",

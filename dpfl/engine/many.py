@@ -61,6 +61,7 @@ from dpfl.rounds import (
     sum_rows,
 )
 from dpfl.rounds.driver import Finished, advance
+from dpfl.rounds.secure_sum import reduction
 from dpfl.runconfig import ALGORITHMS, RunConfig
 
 #: run-config keys the runs of one batch may differ in, whatever the algorithm: the seed, where
@@ -223,7 +224,8 @@ class Fold:
                                              server_round=request.server_round,
                                              stream=releases[0].stream, pooled=True)
             run.keep(ids, {k: v[part] for k, v in rows.items()})
-            answers[run.index] = Replies(sum_rows(own, run.problem.device),
+            answers[run.index] = Replies(sum_rows(own, run.problem.device,
+                                                  reduction(run.problem, first.exchange)),
                                          per_client(ids, {k: v[part]
                                                           for k, v in diagnostics.items()}))
         return answers

@@ -21,7 +21,8 @@ from dpfl.problem import Problem, build_problem
 from dpfl.rounds.client import ClientRuntime
 from dpfl.rounds.driver import drive
 from dpfl.rounds.loop import RoundLoop
-from dpfl.rounds.transport import Replies, RowSum, blocks, per_client
+from dpfl.rounds.secure_sum import reduction
+from dpfl.rounds.transport import Replies, blocks, per_client
 from dpfl.runconfig import RunConfig
 
 
@@ -50,10 +51,11 @@ class EngineTransport:
                  participants: list[int]) -> Replies:
         """One exchange for ``participants``, a block of :data:`~dpfl.rounds.transport.BLOCK`
         clients at a time: each block's uploads are summed (the one reduction,
-        :class:`~dpfl.rounds.RowSum`) before the next block is computed, so a round holds
-        one block of uploads and noise whatever the number of clients."""
+        :class:`~dpfl.rounds.RowSum`, or under secure aggregation
+        :class:`~dpfl.rounds.secure_sum.SecureSum`) before the next block is computed, so a
+        round holds one block of uploads and noise whatever the number of clients."""
         everyone = len(participants) == self.problem.num_clients  # sorted: positions = ids
-        total = RowSum(self.problem.device)
+        total = reduction(self.problem, exchange)
         diagnostics: dict[int, dict[str, float]] = {}
         for part in blocks(len(participants)):
             ids = participants[part]

@@ -44,10 +44,10 @@ from dpfl.rounds.report import ReportWriter
 from dpfl.rounds.statements import (
     calibration_check,
     calibration_name,
-    distributed_statement,
     failure,
     noise_sources,
     privacy_statement,
+    secure_aggregation_statement,
 )
 from dpfl.rounds.transport import (
     Begin,
@@ -243,9 +243,10 @@ class RoundLoop:
             try:
                 replies: Replies = yield ExchangeRequest(exchange.name, server_round, broadcast,
                                                          ctx.participants)
-            except ClientRefused as refused:  # the others' noised uploads reached the server
+            except (ClientRefused, ClientsLost) as stopped:  # the others' noised uploads
+                # reached the server (masked, under secure aggregation: charged all the same)
                 self.pending = None
-                self.accounting.charge(refused.released, exchange.name)
+                self.accounting.charge(stopped.released, exchange.name)
                 raise
             # everyone sent the exchange is charged, replied or not: a lost reply may have been
             # computed, noised and sent
@@ -419,7 +420,8 @@ class RoundLoop:
                                                    self.rounds_done, self.stop_reason),
             "warnings": list(self.monitor.warnings),
         }
-        if self.config["distributed-noise"]:
-            summary["distributed_noise"] = distributed_statement(self.problem, self.accounting)
+        if self.config["secure-aggregation"]:
+            summary["secure_aggregation"] = secure_aggregation_statement(
+                self.problem, self.accounting, self.runtime)
         self.report.finish(summary, self.algorithm.global_params(self.state).cpu())
         return summary

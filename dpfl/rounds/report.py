@@ -102,7 +102,7 @@ class ReportWriter:
             print(f"done: {summary['rounds_completed']} rounds in {summary['wall_seconds']:.1f} "
                   f"s{f' (stopped: {stop})' if stop else ''}; results in {self.path}", flush=True)
             note = summary["privacy"]["note"]
-            split = summary.get("distributed_noise")
+            split = summary.get("secure_aggregation", {}).get("distributed_noise")
             if split:
                 print(f"distributed noise: ε={summary['epsilon_max']:.4g} against a server that "
                       f"sees only sums of at least {split['min_survivors']} clients' uploads, "

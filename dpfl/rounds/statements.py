@@ -106,16 +106,30 @@ def privacy_statement(problem: Problem, sources: dict[str, int]) -> dict[str, An
     return {"guarantee_against_server": True, "note": SECRET, "noise": sources}
 
 
-def distributed_statement(problem: Problem, accounting: Accounting) -> dict[str, Any]:
-    """What a run with ``distributed-noise`` guarantees against which server: the ledger's ε
-    against one that sees only the sums (secure aggregation), and the ε of one client's share
-    of the noise alone, against one that reads that client's upload."""
+def secure_aggregation_statement(problem: Problem, accounting: Accounting,
+                                 runtime: str) -> dict[str, Any]:
+    """How a run with ``secure-aggregation`` summed its uploads (each upload's grid) and, with
+    ``distributed-noise``, what it guarantees against which server: the ledger's ε against one
+    that sees only the sums, and the ε of one client's share of the noise alone, against one
+    that reads that client's upload."""
+    from dpfl.rounds.secure_sum import quantisations
+
+    grids = {e.name: {key: {"step": 2.0 ** -g.bits, "range": g.bound * 2.0 ** -g.bits}
+                      for key, g in quantisations(problem, e.name).items()}
+             for e in problem.algorithm.exchanges}
+    out: dict[str, Any] = {
+        "sum": ("emulated: the engine quantises every upload and sums the integers, as the "
+                "nodes' secure sum would" if runtime == "engine" else
+                "Flower's SecAgg+ between the nodes: each node's quantised sum masked, only "
+                "the total unmasked"),
+        "grids": grids,
+    }
+    if not problem.config["distributed-noise"]:
+        return out
     unmasked = accounting.report_unmasked()
     survivors = problem.survivors
-    return {
+    out["distributed_noise"] = {
         "min_survivors": survivors,
-        "secure_aggregation": "emulated (the engine sums the uploads; the server step reads "
-                              "only the sum)",
         "epsilon_if_unmasked": max(unmasked.values()) if unmasked else None,
         "note": (f"each client drew its noise at 1/√{survivors} of each release's std: the "
                  f"ε (epsilon_max) holds against a server that sees only the sum of at least "
@@ -123,6 +137,7 @@ def distributed_statement(problem: Problem, accounting: Accounting) -> dict[str,
                  f"aggregation broken, or more clients colluding with it than the protocol "
                  f"tolerates) holds epsilon_if_unmasked against it"),
     }
+    return out
 
 
 def calibration_name(problem: Problem) -> str:

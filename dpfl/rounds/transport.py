@@ -98,7 +98,13 @@ Request = ExchangeRequest | Begin | ClientStates
 
 
 class ClientsLost(RuntimeError):
-    """Fewer participants replied to an exchange than ``min-clients`` requires."""
+    """Fewer participants replied to an exchange than ``min-clients`` requires (or than secure
+    aggregation needs). ``released``: the participants whose noised uploads may have left them
+    all the same (charged for the exchange)."""
+
+    def __init__(self, message: str, released: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.released = list(released or [])
 
 
 class ClientRefused(RuntimeError):
@@ -127,6 +133,15 @@ def blocks(n: int) -> list[slice]:
     return [slice(start, min(start + BLOCK, n)) for start in range(0, n, BLOCK)]
 
 
+class Reduction(Protocol):
+    """How a transport sums uploads over participants: rows fed a block at a time, the sums
+    read at the end (:class:`RowSum`; :class:`dpfl.rounds.secure_sum.SecureSum`)."""
+
+    sums: State
+
+    def add(self, rows: State) -> None: ...
+
+
 class RowSum:
     """The one reduction of uploads over participants, so that every transport sums in the
     same order and with the same kernels (the engine equals Flower bit for bit): each block of
@@ -146,10 +161,11 @@ class RowSum:
         self.sums = {k: self.sums[k] + v for k, v in block.items()} if self.sums else block
 
 
-def sum_rows(rows: State, device: torch.device) -> State:
+def sum_rows(rows: State, device: torch.device, total: Reduction | None = None) -> State:
     """Each upload ``[S, ...]`` (rows in increasing client id) summed over the participants on
-    ``device``, by the one reduction (:class:`RowSum`)."""
-    total = RowSum(device)
+    ``device``, by the one reduction (:class:`RowSum`), or by ``total`` (an empty one:
+    :func:`dpfl.rounds.secure_sum.reduction`)."""
+    total = RowSum(device) if total is None else total
     for part in blocks(len(next(iter(rows.values()))) if rows else 0):
         total.add({k: v[part] for k, v in rows.items()})
     return total.sums

@@ -34,6 +34,7 @@ from dpfl.checkpoint import Lineage
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused, Replies, RoundLoop, RowSum, Stopped, blocks, drive
 from dpfl.rounds.evaluation import SET_METRICS
+from dpfl.strategies.secure import secure_exchange
 from dpfl.wire import (
     CLIENTS_QUERY,
     ClientsQuery,
@@ -83,6 +84,7 @@ class Dispatch:
     messages: list[Message]
     clients_of: dict[int, list[int]]
     unreached: dict[int, str]
+    requests: dict[int, TrainRequest]  # each message's, by node
 
     @property
     def pending(self) -> list[int]:
@@ -227,10 +229,11 @@ class AlgorithmStrategy(Strategy):
         for c in pending:
             clients_of.setdefault(self.node_of[c], []).append(c)
         arrays = {k: v.detach().cpu().numpy() for k, v in broadcast.items()}
-        messages = [Message(TrainRequest(exchange, server_round, ids, arrays,
-                                         self.lineage).encode(), node, MessageType.TRAIN)
-                    for node, ids in sorted(clients_of.items())]
-        return Dispatch(messages, clients_of, unreached)
+        requests = {node: TrainRequest(exchange, server_round, ids, arrays, self.lineage)
+                    for node, ids in sorted(clients_of.items())}
+        messages = [Message(request.encode(), node, MessageType.TRAIN)
+                    for node, request in requests.items()]
+        return Dispatch(messages, clients_of, unreached, requests)
 
     def collect(self, dispatch: Dispatch, replies: Iterable[Message]) -> Replies:
         """What the replies to ``dispatch`` hold: each upload summed over the participants
@@ -377,8 +380,16 @@ class FlowerTransport:
         self.check_stop()
         dispatch = self.strategy.dispatch(self.grid, exchange, server_round, broadcast,
                                           participants)
-        replies = self.wait(dispatch.messages, f"round {server_round}, exchange {exchange!r}")
-        return self.strategy.collect(dispatch, replies)
+        what = f"round {server_round}, exchange {exchange!r}"
+        problem = self.strategy.problem
+        if problem.config["secure-aggregation"] and dispatch.requests:
+            replies = secure_exchange(
+                problem, self.grid, lambda messages: self.wait(messages, what),
+                dispatch.requests, problem.survivors if problem.config["distributed-noise"]
+                else 0)
+            replies.unreached.update(dispatch.unreached)
+            return replies
+        return self.strategy.collect(dispatch, self.wait(dispatch.messages, what))
 
     def check_stop(self) -> None:
         """Raise :class:`Stopped` when Flower's exit asked the strategy to stop."""
