@@ -41,14 +41,18 @@ bench: install
 # The demo's nodes are throwaway: their ledgers (volumes node-N-state) go with them, so that the
 # next demo is not refused by the nodes' ε cap.
 # Without Docker Hub: BASE_IMAGE=$$(bash deploy/base-image.sh) make demo-compose
+# SECURE_AGGREGATION=true: the uploads summed through Flower's SecAgg+, each client's noise
+# split over the three (secure-aggregation=true distributed-noise=true)
 DEMO_NAME := compose-demo-$(shell date +%Y%m%d-%H%M%S)
+SECURE_AGGREGATION ?= false
+DEMO_SECAGG := $(if $(filter true,$(SECURE_AGGREGATION)),secure-aggregation=true distributed-noise=true)
 demo-compose: install
 	mkdir -p results .flwr-compose
 	printf '[superlink]\ndefault = "compose"\n\n[superlink.compose]\naddress = "127.0.0.1:9092"\ninsecure = true\n' > .flwr-compose/config.toml
 	export DPFL_USER=$$(id -u):$$(id -g); docker-compose build && docker-compose up -d && \
 	  until docker-compose logs superlink | grep -q "Uvicorn running"; do sleep 1; done && \
 	  FLWR_HOME=$(abspath .flwr-compose) $(VENV)/bin/flwr run . compose --stream \
-	    --run-config 'num-partitions=3 num-server-rounds=3 secure-noise=true run-name="$(DEMO_NAME)"'; \
+	    --run-config 'num-partitions=3 num-server-rounds=3 secure-noise=true $(DEMO_SECAGG) run-name="$(DEMO_NAME)"'; \
 	  status=$$?; docker-compose down --remove-orphans --volumes; \
 	  test $$status = 0 && echo "results in results/$(DEMO_NAME)"
 

@@ -1,6 +1,7 @@
 """docker-compose: the project's image, Flower's compose layout (SuperLink, the ServerApp's
 SuperExec, three SuperNodes with their ClientApp SuperExecs), 3 rounds of Clip21-SGD2M through
-``flwr run``; the model equals the engine's in the same image, bit for bit. Runs wherever a
+``flwr run``, its uploads summed by Flower's SecAgg+ with each client's noise split over the
+three; the model equals the engine's in the same image, bit for bit. Runs wherever a
 Docker daemon and docker-compose are reachable (skipped with the reason otherwise), on host
 networking: every container on the host's loopback. Every container it starts is removed."""
 
@@ -74,7 +75,7 @@ def test_compose_federation_equals_the_engine_bitwise(tmp_path):
                str(ROOT / "docker-compose.yml"), "-f",
                str(ROOT / "deploy" / "compose.host-network.yml")]
     overrides = {"algorithm": "clip21-sgd2m", "num-partitions": 3, "num-server-rounds": 3,
-                 "seed": 3}
+                 "seed": 3, "secure-aggregation": True, "distributed-noise": True}
     try:
         built = subprocess.run([*compose, "build"], env=env, cwd=ROOT, capture_output=True,
                                text=True, timeout=1800)

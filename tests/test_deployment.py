@@ -175,10 +175,16 @@ def test_real_supernodes_draw_secret_noise_and_keep_their_own_ledgers(tmp_path, 
 
 
 def test_tls_with_supernode_authentication(tmp_path, deployment, app):
-    """Over TLS with registered node keys the run equals the engine's; a SuperNode with an
-    unregistered key and a plaintext SuperNode are refused by the SuperLink."""
+    """Over TLS with registered node keys, through Flower's SecAgg+ with each client's noise
+    split over the three (secure aggregation and distributed noise), the run equals the
+    engine's; a SuperNode with an unregistered key and a plaintext SuperNode are refused by the
+    SuperLink."""
     env = deployment.start(NODES["dpsgd-gc"], tls=True, policy=TRUSTING)
-    _deployed_equals_engine(tmp_path, env, CASES["dpsgd-gc"], app)
+    _deployed_equals_engine(tmp_path, env, {**CASES["dpsgd-gc"], "secure-aggregation": True,
+                                            "distributed-noise": True}, app)
+    summary = json.loads((tmp_path / "results" / "deployed" / "summary.json").read_text())
+    assert summary["secure_aggregation"]["sum"].startswith("Flower's SecAgg+")
+    assert summary["secure_aggregation"]["distributed_noise"]["min_survivors"] == 3
     unregistered = deployment.supernode("unregistered", "0", *deployment.node_security(3))
     plaintext = deployment.supernode("plaintext", "0", "--insecure", "--max-retries", "2")
     assert unregistered.wait(timeout=120) == 1  # what the guide says: status 1, 305 in its log

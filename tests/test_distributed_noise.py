@@ -245,3 +245,16 @@ def test_a_grid_that_would_wrap_the_modulus_is_refused():
                                        "noise-multiplier": 1e-6}))
     with pytest.raises(ConfigError, match="secure-aggregation.*overflow the secure sum"):
         quantisations(problem, "train")
+
+
+@pytest.mark.smoke
+def test_the_gain_experiment_smoke_run_writes_its_table(tmp_path):
+    """``dpfl reproduce secagg gain --smoke``: both arms tuned alike, their paired difference,
+    the unmasked ε, and why PriSMA is not run."""
+    assert main(["reproduce", "secagg", "gain", "--smoke", "--results-dir", str(tmp_path),
+                 "--workers", "1"]) == 0
+    report = (tmp_path / "reproduce-secagg-gain-smoke" / "report.md").read_text()
+    assert "distributed − local (95% CI)" in report and "ε if one upload is read" in report
+    assert "`prisma`: its uploads are built from noise drawn inside the client step" in report
+    rows = [line for line in report.splitlines() if line.startswith("| dpsgd-gc")]
+    assert len(rows) == 4

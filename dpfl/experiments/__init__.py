@@ -16,6 +16,7 @@ from dpfl.experiments import (  # noqa: F401  (registers)
     pcdp_tuned,
     prisma,
     prisma_verdict,
+    secure,
 )
 from dpfl.experiments.lab import Lab
 from dpfl.experiments.registry import EXPERIMENTS, Experiment, experiment
