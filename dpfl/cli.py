@@ -108,6 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--confidence", type=float, default=0.95,
                    help="confidence of the lower bound (default: 0.95)")
     p.add_argument("--client", type=int, default=0, help="the client whose data is audited")
+    p.add_argument("--view", default=None,
+                   help="under secure-aggregation, what the audited server sees: 'sum' (every "
+                   "exchange's sum, as the protocol gives it; the default) or 'upload' (one "
+                   "client's uploads read alone: with distributed-noise, against "
+                   "epsilon_if_unmasked)")
     p.add_argument("--one-run", action="store_true",
                    help="audit one real run instead: --canaries gradient canaries, each in with "
                    "probability ½, and --guesses guesses (Steinke et al. 2023)")
@@ -227,7 +232,7 @@ AUDIT_DEFAULTS: dict[str, object] = {"model": "logistic", "num-server-rounds": 5
 
 def audit(args: argparse.Namespace) -> int:
     """``dpfl audit``: the canary audit of a configuration, written to its results folder."""
-    from dpfl.audit import CANARIES
+    from dpfl.audit import CANARIES, VIEWS
     from dpfl.audit import audit as run_audit
     from dpfl.audit.report import verdict, write
     from dpfl.results import results_path
@@ -241,13 +246,16 @@ def audit(args: argparse.Namespace) -> int:
         raise UsageError(f"--canary: {args.canary!r} (allowed: {', '.join(CANARIES)})")
     given = parse_overrides(args.run_config) if args.run_config else {}
     config = RunConfig({**AUDIT_DEFAULTS, **given})
+    if args.view is not None and (args.view not in VIEWS or not config["secure-aggregation"]):
+        raise UsageError(f"--view: {args.view!r} (allowed: {', '.join(VIEWS)}, with "
+                         f"secure-aggregation=true)")
     if not 0 <= args.client < int(config["num-partitions"]):
         raise UsageError(f"--client: {args.client} (allowed: 0.."
                          f"{int(config['num-partitions']) - 1})")
     if args.one_run:
         return audit_one_run(args, config)
     result = run_audit(config, trials=args.trials, confidence=args.confidence,
-                       client=args.client, canary=args.canary)
+                       client=args.client, canary=args.canary, view=args.view)
     folder = write(result, config, results_path(config, "audit"))
     print(verdict(result))
     print(f"audit of {2 * args.trials} runs in {result.seconds:.1f} s; results in {folder}")

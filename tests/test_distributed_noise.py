@@ -175,7 +175,7 @@ def test_the_audit_of_an_unmasked_upload_stays_below_its_shares_ledger():
     config, client = full_batch({"algorithm": "dpsgd-gc", "model": "logistic",
                                  "num-server-rounds": 3, "num-partitions": 10, "epsilon": 1.0,
                                  **SPLIT})
-    result = audit(config, trials=200, client=client)
+    result = audit(config, trials=200, client=client, view="upload")
     assert "unmasked" in result.threat_model
     assert result.epsilon_ledger > 3.0
     assert result.bound.epsilon <= result.epsilon_ledger
@@ -258,3 +258,24 @@ def test_the_gain_experiment_smoke_run_writes_its_table(tmp_path):
     assert "`prisma`: its uploads are built from noise drawn inside the client step" in report
     rows = [line for line in report.splitlines() if line.startswith("| dpsgd-gc")]
     assert len(rows) == 4
+
+
+def test_the_audit_of_the_secure_sum_stays_below_the_ledger():
+    """``dpfl audit`` under secure aggregation audits, by default, what a server that follows
+    the protocol sees: every exchange's sum over the whole federation, against the ledger's ε
+    (the fit is about the ledger's with distributed noise: docs/audit.md)."""
+    from dpfl.audit import audit, full_batch
+
+    config, client = full_batch({"algorithm": "dpsgd-gc", "model": "logistic",
+                                 "num-server-rounds": 2, "num-partitions": 3, "epsilon": 2.0,
+                                 **SPLIT})
+    result = audit(config, trials=200, client=client)
+    assert "sees only the sum" in result.threat_model and result.scored_uploads == ("c",)
+    assert math.isclose(result.epsilon_ledger, 2.0, rel_tol=0.02)
+    assert result.bound.epsilon <= result.epsilon_ledger
+    assert result.gaussian.epsilon_lower <= result.epsilon_ledger
+
+
+def test_dpfl_audit_refuses_a_view_without_secure_aggregation(capsys):
+    assert main(["audit", "--view", "sum", "--trials", "4"]) == 2
+    assert "--view: 'sum'" in capsys.readouterr().err

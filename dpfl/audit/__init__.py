@@ -200,6 +200,16 @@ class ControlVariateScorer(UploadScorer):
         self.scored.add("dc")
 
 
+class SumScorer(UploadScorer):
+    """Secure aggregation: the server sees each exchange's sum of the uploads, nothing else
+    (one score, of the run)."""
+
+    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
+                released: list[Released]) -> None:
+        super().observe(unit, broadcast, {k: v.sum(dim=0, keepdim=True)
+                                          for k, v in uploads.items()}, state, released)
+
+
 #: the record-level adversary's statistic where an algorithm's uploads are not its noisy
 #: releases themselves but a post-processing the server can undo (by algorithm name)
 RECORD_SCORERS: dict[str, type[UploadScorer]] = {"dp-scaffold": ControlVariateScorer}
@@ -342,19 +352,44 @@ def client_level(source: Problem, client: int, trials: int, rounds: int,
         record = craft(source, source.partitions[client], radius)
         worlds = (source, client_trials(source, record))
         direction, score = input_direction(worlds[1], record), ModelScorer
-    seeds = Randomness(int(source.config["seed"]))
-    scores, scored = [], set()
+    scores, scored = whole_runs(worlds, score, direction, trials, rounds,
+                                int(source.config["seed"]), bool(source.config["secure-noise"]),
+                                (rewrites[0], rewrites[1]))
+    return scores[0], scores[1], worlds[1], [worlds[1].num_clients - 1], scored
+
+
+def whole_runs(worlds: tuple[Problem, Problem], score: type[Scorer], direction: Direction,
+               trials: int, rounds: int, seed: int, secure: bool,
+               rewrites: tuple[Rewrite | None, Rewrite | None] = (None, None)
+               ) -> tuple[list[np.ndarray], set[str]]:
+    """``trials`` whole runs of each world, each with its own noise, every client in every
+    exchange: their scores, and what was scored."""
+    seeds, scores, scored = Randomness(seed), [], set()
     for side, problem in enumerate(worlds):
         runs = []
         for run in range(trials):
             scorer = score(problem, direction, 1)
-            rng = Randomness(seeds.key(run, 0, f"audit-world-{side}"),
-                             secure=bool(source.config["secure-noise"]))
+            rng = Randomness(seeds.key(run, 0, f"audit-world-{side}"), secure=secure)
             play(problem, rng, rounds, list(range(problem.num_clients)), scorer, rewrites[side])
             runs.append(float(scorer.scores[0]))
             scored |= scorer.scored
         scores.append(np.asarray(runs))
-    return scores[0], scores[1], worlds[1], [worlds[1].num_clients - 1], scored
+    return scores, scored
+
+
+def sum_level(source: Problem, client: int, trials: int, rounds: int,
+              canary: str) -> Measured:
+    """Out and in scores of ``trials`` whole federations each, client ``client``'s data
+    without and with the gradient canary (:func:`dpfl.audit.gradient_canary.sum_worlds`), each
+    scored on the sums a secure-aggregation server sees (:class:`SumScorer`)."""
+    if canary != "gradient":
+        raise ValueError("the secure sum's audit takes the gradient canary")
+    worlds = gradient_canary.sum_worlds(source, client, canary_radius(source))
+    direction = constant(gradient_canary.direction(worlds[1]))
+    (out, inn), scored = whole_runs(worlds, SumScorer, direction, trials, rounds,
+                                    int(source.config["seed"]),
+                                    bool(source.config["secure-noise"]))
+    return out, inn, worlds[1], [client], scored
 
 
 def ledger_epsilon(problem: Problem, clients: list[int], rounds: int, *,
@@ -392,6 +427,8 @@ THREATS = {
                record_level),
     "client": ("client-level central DP: the adversary sees every model the server releases",
                client_level),
+    "sum": ("record-level, secure aggregation: the server sees only the sum of every "
+            "exchange's uploads", sum_level),
     # distributed noise: the server that reads one client's upload alone (secure aggregation
     # broken) against the ledger's guarantee of that client's own share of the noise
     "unmasked": ("record-level, distributed noise unmasked: the server reads every upload of "
@@ -410,19 +447,36 @@ def constant(unit: torch.Tensor) -> Direction:
     return lambda params: unit
 
 
+#: what a secure-aggregation server is audited on: the sums it sees (following the protocol),
+#: or one client's uploads read alone
+VIEWS = ("sum", "upload")
+
+
 def audit(config: RunConfig, *, trials: int = 1000, confidence: float = 0.95,
-          client: int = 0, canary: str = "gradient") -> AuditResult:
+          client: int = 0, canary: str = "gradient", view: str | None = None) -> AuditResult:
     """Audit ``config``'s algorithm on client ``client``'s data with ``trials`` runs with and
-    ``trials`` runs without the canary (one of :data:`CANARIES`)."""
+    ``trials`` runs without the canary (one of :data:`CANARIES`); under secure aggregation,
+    ``view`` (:data:`VIEWS`) is the server's: the sums (by default: against the ledger's ε) or
+    one client's uploads (against ``epsilon_if_unmasked`` with distributed noise)."""
     if canary not in CANARIES:
         raise ValueError(f"canary must be one of {CANARIES}, got {canary!r}")
+    if view not in (None, *VIEWS):
+        raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
     started = time.perf_counter()
     source = build_problem(config)
-    split = bool(config["distributed-noise"])
-    if split and not int(config["min-survivors"]):  # the run's shares, not the trials'
-        source = build_problem(config.replace(min_survivors=source.survivors))
-    threat, measure = THREATS["client" if source.algorithm.central_releases() else
-                              "unmasked" if split else "record"]
+    secure, split = bool(config["secure-aggregation"]), bool(config["distributed-noise"])
+    if view == "sum" and not secure:
+        raise ValueError("the sum view is a secure-aggregation server's: the run has none")
+    if secure:  # the run's calibration and shares, not those of the trials' federations
+        pinned = {"min_client_records": int(config["min-client-records"])
+                  or source.smallest_client()}
+        if split:
+            pinned["min_survivors"] = source.survivors
+        source = build_problem(config.replace(**pinned))
+    key = ("client" if source.algorithm.central_releases() else
+           "sum" if secure and view != "upload" else "unmasked" if split else "record")
+    threat, measure = THREATS[key]
+    split = key == "unmasked"
     rounds = int(config["num-server-rounds"])
     out, inn, problem, charged, scored = measure(source, client, trials, rounds, canary)
     delta = float(config["delta"])

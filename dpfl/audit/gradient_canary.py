@@ -130,6 +130,29 @@ def record_trials(source: Problem, client: int, trials: int, radius: float) -> P
     return canary_problem(source, x, y, [out] * trials + [inn] * trials + [out], s)
 
 
+def sum_worlds(source: Problem, client: int, radius: float) -> tuple[Problem, Problem]:
+    """The record-level worlds of a server that sees only each exchange's sum (secure
+    aggregation): ``source``'s whole federation with the canary model, client ``client``'s data
+    D "out" and "in" as :func:`record_trials` has them (its first record replaced by the
+    anti-canary and by the canary under replace-one; without and with the canary under
+    add/remove), every other client's data as it is."""
+    ds, s = source.dataset, scale(source, radius)
+    zero = torch.zeros(1, *ds.input_shape, dtype=ds.train_x.dtype)
+    x = torch.cat([with_z(ds.train_x), with_z(zero, s), with_z(zero, -s)])
+    y = torch.cat([ds.train_y, ds.train_y[:1], ds.train_y[:1]])
+    rows, canary = source.partitions[client], ds.num_train
+    if source.algorithm.relation is Relation.REPLACE_ONE:
+        out, inn = np.concatenate([[canary + 1], rows[1:]]), np.concatenate([[canary], rows[1:]])
+    else:
+        out, inn = rows, np.concatenate([rows, [canary]])
+    worlds = []
+    for own in (out, inn):
+        parts = list(source.partitions)
+        parts[client] = own.astype(np.int64)
+        worlds.append(canary_problem(source, x, y, parts, s))
+    return worlds[0], worlds[1]
+
+
 def client_trials(source: Problem, radius: float) -> tuple[Problem, Problem]:
     """The client-level worlds: ``source``'s federation with the canary model, without and with
     one more client, the last, holding only canary records (as many as the smallest client's
