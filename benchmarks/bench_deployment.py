@@ -32,10 +32,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import round_seconds
+from common import flwr_run, round_seconds
 
-from dpfl.config import format_overrides
-from dpfl.federation import BIN, CONNECTION, LocalFederation
+from dpfl.federation import LocalFederation
 from dpfl.problem import data_dir
 from dpfl.runconfig import RunConfig
 
@@ -64,14 +63,6 @@ def mnist_arrow(folder: Path) -> Path:
     path = folder / "mnist-arrow"
     table.save_to_disk(str(path))
     return path
-
-
-def flwr_run(env: dict[str, str], app: Path, overrides: dict) -> None:
-    done = subprocess.run([str(BIN / "flwr"), "run", str(app), CONNECTION, "--stream",
-                           "--run-config", format_overrides(overrides)],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0 or "dpfl: error" in done.stdout:
-        raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
 
 
 def bare_rounds(env: dict[str, str], folder: Path, data: Path, name: str) -> list[float]:

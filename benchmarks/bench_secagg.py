@@ -18,29 +18,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from common import round_seconds
+from common import flwr_run, round_seconds
 
-from dpfl.config import format_overrides
 from dpfl.engine import run
-from dpfl.federation import BIN, CONNECTION, LocalFederation
+from dpfl.federation import LocalFederation
 from dpfl.flower_app import app_folder
 from dpfl.runconfig import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SECURE = {"secure-aggregation": True, "distributed-noise": True}
-
-
-def flwr_run(env: dict[str, str], app: Path, overrides: dict) -> None:
-    done = subprocess.run([str(BIN / "flwr"), "run", str(app), CONNECTION, "--stream",
-                           "--run-config", format_overrides(overrides)],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0 or "dpfl: error" in done.stdout:
-        raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
 
 
 def federation_rounds(nodes: int, rounds: int, repeats: int) -> dict[str, list[float]]:
@@ -59,7 +49,7 @@ def federation_rounds(nodes: int, rounds: int, repeats: int) -> dict[str, list[f
                 for arm, extra in (("plain", {}), ("secagg", SECURE)):
                     name = f"{arm}-{repeat}"
                     flwr_run(env, app, {**config, **extra, "run-name": name,
-                                        "results-dir": str(folder / "results")})
+                                        "results-dir": str(folder / "results")}, timeout=3600)
                     out[arm] += round_seconds(folder / "results" / name)[1:]
     return out
 

@@ -96,6 +96,22 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def flwr_run(env: dict[str, str], app: Path, overrides: dict, timeout: float = 900) -> None:
+    """``flwr run APP local-deployment --stream`` with ``overrides`` (raises with the output's
+    tail where it fails, or dpfl refused the configuration)."""
+    import subprocess
+
+    from dpfl.config import format_overrides
+    from dpfl.federation import BIN, CONNECTION
+
+    done = subprocess.run([str(BIN / "flwr"), "run", str(app), CONNECTION, "--stream",
+                           "--run-config", format_overrides(overrides)],
+                          env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=timeout)
+    if done.returncode != 0 or "dpfl: error" in done.stdout:
+        raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
+
+
 def round_seconds(run_folder: Path) -> list[float]:
     """The seconds of every round of the run whose results folder is ``run_folder`` (its
     ``rounds.jsonl``; the round driver's clock, evaluation included where a round evaluates)."""
