@@ -195,7 +195,9 @@ def test_a_node_refuses_a_replayed_round_it_would_answer_with_the_same_noise(tmp
     ({"relation": "add-remove"}, {"relations": "replace-one"},
      "node policy relations: relation 'add-remove' is not accepted"),
     ({}, {"min-noise-multiplier": 50.0}, "node policy min-noise-multiplier=50"),
-], ids=["no-noise", "diagnostics", "central", "relation", "min-noise"])
+    ({"secure-aggregation": True, "distributed-noise": True}, {},
+     "node policy distributed-noise=false"),
+], ids=["no-noise", "diagnostics", "central", "relation", "min-noise", "distributed"])
 def test_a_node_refuses_what_its_policy_does_not_accept(tmp_path, caplog, change, node, reason):
     """The server sets the run config; the node's policy (its node config) decides. The run
     stops with the node's one-line reason, which the node logs too; nothing is computed."""

@@ -72,7 +72,7 @@ log = logging.getLogger("dpfl")
 #: dpfl.client.cache and dpfl.client.state_files)
 PLACEMENT = ("partition-id", "num-partitions", "partition-ids", "data-path", "state-dir")
 POLICY = ("trust-server", "noise", "noise-key", "max-epsilon", "delta", "accountant",
-          "min-noise-multiplier", "diagnostics", "relations", "algorithms")
+          "min-noise-multiplier", "diagnostics", "distributed-noise", "relations", "algorithms")
 ACCOUNTANTS = ("rdp", "prv")
 #: a real node's ε cap when its node config sets none
 DEFAULT_MAX_EPSILON = 10.0
@@ -166,6 +166,7 @@ class NodePolicy:
     accountant: str
     min_noise_multiplier: float
     diagnostics: bool
+    distributed: bool
     relations: frozenset[str]
     algorithms: frozenset[str]
     state_dir: Path
@@ -207,6 +208,7 @@ class NodePolicy:
             accountant=accountant,
             min_noise_multiplier=_number(node_config, "min-noise-multiplier", 0.0, low=0.0),
             diagnostics=_flag(node_config, "diagnostics", trust),
+            distributed=_flag(node_config, "distributed-noise", trust),
             relations=_names(node_config, "relations", RELATION_NAMES, RELATION_NAMES),
             algorithms=_names(node_config, "algorithms",
                               ALGORITHMS.names() if trust else local_algorithms(),
@@ -227,6 +229,10 @@ class NodePolicy:
         if config["non-private-diagnostics"] and not self.diagnostics:
             return ("node policy diagnostics=false: exact, un-noised statistics "
                     "(non-private-diagnostics) may not leave this node")
+        if config["distributed-noise"] and not self.distributed:
+            return ("node policy distributed-noise=false: this node adds each client's whole "
+                    "noise (a share of it protects an upload only while the server follows "
+                    "SecAgg+)")
         return None
 
     def weak_noise(self, multipliers: Iterable[float]) -> str | None:
