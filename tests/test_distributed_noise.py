@@ -198,6 +198,24 @@ def test_the_grid_rounds_to_nearest_and_clamps_at_its_range():
     assert Quantisation.of(radius=2.0, std=0.0).bits == 9  # no noise: 1/1024 of the radius
 
 
+@pytest.mark.parametrize("std", [0.37, 1e-3, 1e-5])
+def test_a_blocks_sum_of_grid_points_is_the_float64_reference_exactly(std):
+    """:meth:`Quantisation.block_sum` (float32 points summed in groups that stay exact, or
+    float64) equals rounding and summing in float64 and int64, ties and saturation included:
+    for a grid whose 300 rows sum within 2^24 in one group, one that needs groups of 15 rows,
+    and one beyond float32's exact range (L > 2^24)."""
+    grid = Quantisation.of(radius=1.0, std=std)
+    torch.manual_seed(0)
+    rows = torch.randn(300, 2000) * std
+    rows[0, :100] = (torch.arange(100) + 0.5) * 2.0**-grid.bits  # ties: to even
+    rows[1, :10] = 1e6  # saturated
+    reference = (torch.round(rows.double() * 2.0**grid.bits).clamp(-grid.bound, grid.bound)
+                 .to(torch.int64) + grid.bound).sum(0)
+    assert (grid.bound <= 2**24) is (std > 1e-5)
+    assert torch.equal(grid.block_sum(rows), reference)
+    assert torch.equal(grid.quantise(rows).sum(0), reference)
+
+
 def test_the_secure_sum_is_the_same_bits_in_any_order_and_grouping():
     """Integers sum exactly: any order of the rows and any blocks give the same sums (a float
     sum does not), within half a step a row of the float64 sum."""

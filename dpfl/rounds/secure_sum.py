@@ -72,13 +72,35 @@ class Quantisation:
     def quantise(self, rows: Tensor) -> Tensor:
         """``rows`` ``[b, ...]`` as int64 grid points in [0, 2L] (saturated coordinates are
         clamped, and counted on this node's log)."""
-        scaled = torch.round(rows.double() * 2.0 ** self.bits)  # exact: a power of two
-        clamped = scaled.clamp(-self.bound, self.bound)
-        if (saturated := int((clamped != scaled).sum())) > 0:
+        return self._points(rows).to(torch.int64) + self.bound
+
+    def block_sum(self, rows: Tensor) -> Tensor:
+        """The int64 sum over ``rows`` ``[b, ...]`` of their grid points: the same integers as
+        :meth:`quantise`'s, summed where that is exact and fast — float32 points in groups of
+        rows whose sums stay within ±2^24 (every partial sum of integers there is exact, in any
+        order), float64 points whole (exact below 2^53)."""
+        points = self._points(rows)
+        if points.dtype == torch.float64:
+            return points.sum(dim=0).to(torch.int64) + len(rows) * self.bound
+        group = max(1, 2**24 // max(self.bound, 1))
+        total = points[:group].sum(dim=0).to(torch.int64)
+        for start in range(group, len(points), group):
+            total += points[start:start + group].sum(dim=0).to(torch.int64)
+        return total + len(rows) * self.bound
+
+    def _points(self, rows: Tensor) -> Tensor:
+        """round(u·2^k) clamped to ±L, integer-valued, in float32 where that is exact (float32
+        rows and L ≤ 2^24: multiplying by a power of two, rounding and clamping are then exact
+        there as in float64, and a pass over float32 costs half), else float64."""
+        exact = rows.dtype == torch.float32 and self.bound <= 2**24
+        points = (rows if exact else rows.double()) * 2.0 ** self.bits
+        low, high = torch.aminmax(points)  # one pass; the count only where some saturate
+        if low < -self.bound or high > self.bound:
+            saturated = int(torch.count_nonzero(points.abs() > self.bound))
             log.warning("secure aggregation: %d coordinate(s) of an upload beyond its grid's "
                         "range (radius + %g noise stds) were clamped; logged on this node only",
                         saturated, TAIL)
-        return clamped.to(torch.int64) + self.bound
+        return points.round_().clamp_(-self.bound, self.bound)
 
     def dequantise(self, total: Tensor, count: int) -> Tensor:
         """The float32 sum of ``count`` rows whose grid points sum to ``total`` (int64)."""
@@ -120,7 +142,7 @@ class SecureSum:
 
     def add(self, rows: State) -> None:
         for key, values in rows.items():
-            block = self.grids[key].quantise(values).sum(dim=0)
+            block = self.grids[key].block_sum(values)
             self.totals[key] = self.totals[key] + block if key in self.totals else block
         self.count += len(next(iter(rows.values()))) if rows else 0
 
@@ -133,7 +155,7 @@ class SecureSum:
 def node_vector(grid: Quantisation, rows: Tensor) -> np.ndarray:
     """What a node passes Flower's SecAgg+ mod for one upload of its participants ``rows``
     ``[m, ...]``: their grid points summed, K, as the float64 2K − T (:data:`FLOWER_RANGE`)."""
-    total = grid.quantise(rows).sum(dim=0)
+    total = grid.block_sum(rows)
     return (2 * total - FLOWER_RANGE).double().numpy()
 
 
