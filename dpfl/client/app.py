@@ -27,7 +27,7 @@ from dpfl.client.state_files import StateFiles, state_folder
 from dpfl.errors import ConfigError
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused
-from dpfl.rounds.secure_sum import node_vector, quantisations
+from dpfl.rounds.secure_sum import node_vector, quantisations, quiet_flower
 from dpfl.wire import (
     ClientsQuery,
     Hosted,
@@ -108,7 +108,8 @@ def secure_stages(msg: Message, context: Context, call_next: ClientAppCallable) 
                           f"share to unmask it")
                 log.warning("dpfl: this node %s", reason)
                 raise ClientRefused(node_clients(context), reason)
-    return secaggplus_mod(msg, context, call_next)
+    with quiet_flower():
+        return secaggplus_mod(msg, context, call_next)
 
 
 @app.train(mods=[secure_stages])

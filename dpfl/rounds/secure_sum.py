@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -167,6 +169,20 @@ def from_flower(grid: Quantisation, aggregate: np.ndarray, nodes: int, count: in
     the sum is :meth:`Quantisation.dequantise`'s, bit for bit the engine's."""
     total = np.rint((aggregate * nodes + nodes * FLOWER_RANGE) / 2).astype(np.int64)
     return grid.dequantise(torch.from_numpy(total), count)
+
+
+@contextmanager
+def quiet_flower() -> Iterator[None]:
+    """Flower's SecAgg+ workflow (server) and mod (node) log every stage at INFO and DEBUG (the
+    workflow's "configure_fit: strategy sampled 3 clients (out of 0)" counts its shim's empty
+    client manager): kept to warnings while dpfl drives them."""
+    logger = logging.getLogger("flwr")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def reduction(problem: Problem, exchange: str) -> Reduction:

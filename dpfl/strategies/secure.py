@@ -47,7 +47,13 @@ from flwr.serverapp import Grid
 
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused, Replies
-from dpfl.rounds.secure_sum import FLOWER_RANGE, MODULUS, from_flower, quantisations
+from dpfl.rounds.secure_sum import (
+    FLOWER_RANGE,
+    MODULUS,
+    from_flower,
+    quantisations,
+    quiet_flower,
+)
 from dpfl.rounds.transport import ClientsLost
 from dpfl.wire import SecureTrainReply, TrainRequest
 
@@ -146,6 +152,13 @@ def secure_exchange(problem: Problem, grid: Grid, wait: Callable[[list[Message]]
     unmasked), :class:`~dpfl.rounds.transport.ClientsLost` when fewer than two nodes, or
     participants holding fewer than ``survivors`` noise shares, would be summed, or SecAgg+
     could not unmask."""
+    with quiet_flower():
+        return _secure_exchange(problem, grid, wait, requests, survivors)
+
+
+def _secure_exchange(problem: Problem, grid: Grid,
+                     wait: Callable[[list[Message]], list[Message]],
+                     requests: dict[int, TrainRequest], survivors: int) -> Replies:
     first = next(iter(requests.values()))
     exchange, server_round = first.exchange, first.server_round
     where = f"round {server_round}, exchange {exchange!r}"
