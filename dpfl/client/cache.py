@@ -100,6 +100,11 @@ def _warn_unwritable(folder: Path, error: str) -> None:
                 "node's data; set %s to a writable folder", folder, error, CACHE_DIR_ENV)
 
 
+#: the layout of a node's cached split data (:meth:`Problem.node_data`); 2: with the split's
+#: smallest client ("smallest"), which secure aggregation calibrates every client from
+NODE_DATA_LAYOUT = 2
+
+
 def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
                site: str) -> tuple[dict[str, Any], str]:
     """The node's data (:meth:`Problem.node_data`) and its key (what decides it)."""
@@ -111,7 +116,7 @@ def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
     else:
         source = data_dir(config)
         key = _digest({k: config[k] for k in DATA_KEYS}, clients, source, _fingerprint(source),
-                      dpfl.__version__)
+                      dpfl.__version__, NODE_DATA_LAYOUT)
     path = folder / f"data-{key}.pt"
     try:
         data = torch.load(path, mmap=True, weights_only=True)
