@@ -23,10 +23,11 @@ exchange at a time (:func:`secure_exchange`):
    for bit.
 
 Every node shares with every other (``num_shares`` = all: SecAgg's complete graph, so that each
-node sees every node's status and can check :data:`~dpfl.client.app` 's survivor rule), and
-the masks are reconstructed from a majority of the nodes' shares (``reconstruction_threshold``
-one half). The protocol is Flower's semi-honest one: its public keys are not authenticated, so
-the server is trusted to follow it (docs/privacy.md).
+node sees every node's status and can check its survivor rule,
+:func:`dpfl.client.app.secure_stages`), and the masks are reconstructed from a majority of the
+nodes' shares (``reconstruction_threshold`` one half). The protocol is Flower's semi-honest
+one: its public keys are not authenticated, so the server is trusted to follow it
+(docs/privacy.md).
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ class _Shim(LegacyStrategy):
         self.contributed = 0
 
     def configure_fit(self, server_round, parameters, client_manager):  # type: ignore[override]
-        return [(GridClientProxy(n, self.grid, self.grid.run.run_id if _has_run(self.grid)
-                                 else 0), FitIns(Parameters([], ""), {})) for n in self.nodes]
+        # the workflow reads only each proxy's node id, and sends dpfl's payload (run id 0)
+        return [(GridClientProxy(n, self.grid, 0), FitIns(Parameters([], ""), {}))
+                for n in self.nodes]
 
     def aggregate_fit(self, server_round, results, failures):  # type: ignore[override]
         self.aggregate = parameters_to_ndarrays(results[0][1].parameters) if results else None
@@ -99,13 +101,6 @@ class _Shim(LegacyStrategy):
 
     def evaluate(self, server_round, parameters):  # type: ignore[override]
         return None
-
-
-def _has_run(grid: Grid) -> bool:
-    try:
-        return grid.run is not None
-    except (NotImplementedError, AttributeError):
-        return False
 
 
 class _Relay(Grid):
