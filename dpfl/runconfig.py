@@ -162,6 +162,10 @@ def check_secure_aggregation(algorithm: type[Algorithm], hp: Any,
         raise ConfigError("secure-aggregation", f"algorithm {algorithm.name!r} cannot have "
                           f"its uploads summed securely: {reason}", allowed="false")
     participants = algorithm.participants_per_round(hp, int(values["num-partitions"]))
+    if participants < 2:
+        raise ConfigError("secure-aggregation", f"{participants} client an exchange: the sum of "
+                          f"one upload is that upload", allowed="false, or at least 2 clients "
+                          "an exchange")
     if survivors > participants:
         raise ConfigError("min-survivors", f"{survivors} exceeds the {participants} clients of "
                           f"an exchange", allowed=f"0..{participants}")

@@ -146,6 +146,8 @@ def test_min_survivors_and_distributed_noise_are_checked():
                    "min-survivors": 6})
     assert RunConfig({"algorithm": "clip21-sgd2m", **SPLIT, "fraction-train": 0.5,
                       "min-survivors": 5})
+    with pytest.raises(ConfigError, match="secure-aggregation.*the sum of one upload"):
+        RunConfig({"secure-aggregation": True, "num-partitions": 1})
 
 
 def test_the_fast_engine_mode_and_diagnostics_refuse_it(tmp_path):
