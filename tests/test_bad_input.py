@@ -22,6 +22,11 @@ CASES = {
                                          "with calibration 'accountant'"),
     "eval_train_is_non_private": ("eval-train=true", "eval-train",
                                   "set non-private-diagnostics=true"),
+    "secure_aggregation_of_in_step_noise": (
+        'algorithm="dp-fedavg" secure-aggregation=true', "secure-aggregation",
+        "algorithm 'dp-fedavg' cannot have its uploads summed securely"),
+    "distributed_noise_without_secure_aggregation": (
+        "distributed-noise=true", "distributed-noise", "it needs secure-aggregation=true"),
     "gradient_noise_with_per_sample_clipping": (
         'algorithm="clip-sgd" clipping="per-sample" gradient-noise=0.1', "gradient-noise",
         "applies to clipping='client' only"),
