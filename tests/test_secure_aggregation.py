@@ -143,7 +143,7 @@ def test_a_node_sends_only_its_masked_sum_and_its_counts(tmp_path):
         assert dict(content.metric_records["fitres.num_examples"]) == {"num_examples": 1}
         counts = set(content.config_records) - {"fitres.metrics", "fitres.status", "node",
                                                 RECORD_KEY_CONFIGS}
-        assert counts and all(k.startswith("charged.") for k in counts)  # one per participant
+        assert counts and all(k.startswith("charged.") for k in counts)  # in clear
         assert set(content.config_records[RECORD_KEY_CONFIGS]) == {"masked_params"}
 
 
