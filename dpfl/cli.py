@@ -181,6 +181,10 @@ def keys(args: argparse.Namespace) -> int:
         return 0
     print()
     show(f"Keys of algorithm {algorithm.name}", params_of(algorithm.Hyperparameters))
+    refusal = algorithm.secure_aggregation_refusal(None)  # the declaration reads no key
+    print("\n" + textwrap.fill(
+        "secure-aggregation and distributed-noise: "
+        + ("accepted" if refusal is None else f"refused: {refusal}"), width))
     for name in CALIBRATIONS.offered(algorithm.name):
         options = CALIBRATIONS.get(name, algorithm.name).options
         if options is not None:

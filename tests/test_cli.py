@@ -116,3 +116,11 @@ def test_check_node_says_what_a_supernode_lacks_in_one_line(tmp_path, capsys, mo
     monkeypatch.setenv("PATH", bin_dir + os.pathsep + "/usr/bin:/bin")
     assert main(["check-node", "--node-config", 'partition-ids="0" secure-noise=true']) == 2
     assert capsys.readouterr().err.startswith("dpfl: error: node config key 'secure-noise'")
+
+
+def test_dpfl_keys_says_whether_the_algorithm_takes_secure_aggregation(capsys):
+    assert main(["keys", "clip21-sgd2m"]) == 0
+    assert "secure-aggregation and distributed-noise: accepted" in capsys.readouterr().out
+    assert main(["keys", "prisma"]) == 0
+    assert "secure-aggregation and distributed-noise: refused: its uploads are built from noise" \
+        in " ".join(capsys.readouterr().out.split())
