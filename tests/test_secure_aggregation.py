@@ -204,20 +204,37 @@ def test_too_few_survivors_for_the_noise_stops_before_anything_is_unmasked(tmp_p
 
 
 def test_a_node_refuses_to_unmask_a_sum_with_too_few_shares(tmp_path, monkeypatch):
-    """The node's own rule, with the server's check switched off: no node sends its shares,
-    SecAgg+ cannot unmask, nothing is released."""
+    """The rule of a node that does not trust the server, with the server's check switched
+    off: no node sends its shares, SecAgg+ cannot unmask, nothing is released."""
+    import dpfl.strategies.algorithm as algorithm
     import dpfl.strategies.secure as secure
 
     real = secure.secure_exchange
-    monkeypatch.setattr(secure, "secure_exchange", lambda problem, grid, wait, requests,
-                        survivors: real(problem, grid, wait, requests, 0))
-    import dpfl.strategies.algorithm as algorithm
-
-    monkeypatch.setattr(algorithm, "secure_exchange", secure.secure_exchange)
+    monkeypatch.setattr(algorithm, "secure_exchange", lambda problem, grid, wait, requests,
+                        survivors, **_: real(problem, grid, wait, requests, 0))
+    own = [{**n, "trust-server": False, "noise": "seeded", "distributed-noise": True,
+            "max-epsilon": "inf", "state-dir": str(tmp_path / f"state-{i}")}
+           for i, n in enumerate(NODES)]
     values = {**BASE, "results-dir": str(tmp_path), "distributed-noise": True,
               "run-name": "flower"}
     with pytest.raises(FederationError, match="could not unmask"):
-        run_flower_code_path(values, NODES, grid_class=Answering)
+        run_flower_code_path(values, own, grid_class=Answering)
+
+
+def test_in_a_simulation_the_server_counts_the_survivors_for_trusting_nodes(tmp_path):
+    """Flower's simulation (its grid) and nodes that trust the server: cohort nodes with the
+    default n_s (every participant) run, the server's exact count standing for theirs; the
+    engine's model bit for bit."""
+
+    class InMemoryGrid(InProcessGrid):  # the name Flower's simulation grid has
+        pass
+
+    values = {**BASE, "results-dir": str(tmp_path), "distributed-noise": True}
+    run(RunConfig({**values, "run-name": "engine"}), echo=False)
+    run_flower_code_path({**values, "run-name": "flower"}, NODES, grid_class=InMemoryGrid)
+    assert _models_equal(tmp_path, "engine", "flower")
+    assert _summary(tmp_path, "flower")["secure_aggregation"]["distributed_noise"][
+        "min_survivors"] == 5
 
 
 def test_a_refusing_node_stops_the_exchange_before_the_unmasking(tmp_path):

@@ -23,6 +23,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from dpfl.checkpoint import Lineage
 from dpfl.client.cache import node_problem
 from dpfl.client.numpy_client import AlgorithmClient, node_clients
+from dpfl.client.policy import NodePolicy
 from dpfl.client.state_files import StateFiles, state_folder
 from dpfl.errors import ConfigError
 from dpfl.problem import Problem
@@ -90,16 +91,19 @@ SECURE_STATE = "dpfl.secure"
 def secure_stages(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower's ``secaggplus_mod`` for the messages of its stages (they carry its configs), and
     for those only: dpfl's plain requests go to the handler as they are. Before the unmask
-    stage the node checks its own rule for distributed noise: the sum about to be unmasked must
-    hold at least ``min-survivors`` clients' shares of the noise, which it counts as its own
-    participants plus one for every other node still active (each hosts at least one); else
-    it sends no share, so that nothing is unmasked."""
+    stage a node that does not trust the server checks its own rule for distributed noise: the
+    sum about to be unmasked must hold at least ``min-survivors`` clients' shares of the noise,
+    which it counts as its own participants plus one for every other node still active (each
+    hosts at least one); else it sends no share, so that nothing is unmasked. A node that
+    trusts the server (node config ``trust-server``, a simulated one) leaves the count to the
+    server, which knows every node's participants."""
     configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
     if configs is None:
         return call_next(msg, context)
     if configs.get(SecAggKey.STAGE) == Stage.UNMASK:
         problem = _problem(context)
-        if problem.config["distributed-noise"]:
+        if problem.config["distributed-noise"] and not NodePolicy.of(
+                context.node_config, problem.config).trust_server:
             own = context.state.config_records.get(SECURE_STATE, {}).get("participants", 0)
             held = int(own) + len(configs.get(SecAggKey.ACTIVE_NODE_ID_LIST, [])) - 1
             if held < problem.survivors:

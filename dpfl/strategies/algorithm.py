@@ -386,7 +386,7 @@ class FlowerTransport:
             replies = secure_exchange(
                 problem, self.grid, lambda messages: self.wait(messages, what),
                 dispatch.requests, problem.survivors if problem.config["distributed-noise"]
-                else 0)
+                else 0, nodes_count=not simulated_grid(self.grid))
             replies.unreached.update(dispatch.unreached)
             return replies
         return self.strategy.collect(dispatch, self.wait(dispatch.messages, what))

@@ -138,7 +138,8 @@ class _Relay(Grid):
 
 
 def secure_exchange(problem: Problem, grid: Grid, wait: Callable[[list[Message]], list[Message]],
-                    requests: dict[int, TrainRequest], survivors: int) -> Replies:
+                    requests: dict[int, TrainRequest], survivors: int, *,
+                    nodes_count: bool = True) -> Replies:
     """One exchange of ``requests`` (one :class:`~dpfl.wire.TrainRequest` a node) through
     SecAgg+ (module docstring): the uploads' sums over the participants of the nodes whose
     masked vectors were unmasked, and their counts and noise sources; participants of nodes
@@ -146,14 +147,17 @@ def secure_exchange(problem: Problem, grid: Grid, wait: Callable[[list[Message]]
     Raises :class:`~dpfl.rounds.ClientRefused` when a node refused (before anything is
     unmasked), :class:`~dpfl.rounds.transport.ClientsLost` when fewer than two nodes, or
     participants holding fewer than ``survivors`` noise shares, would be summed, or SecAgg+
-    could not unmask."""
+    could not unmask. ``nodes_count``: the nodes check the survivors themselves
+    (:func:`dpfl.client.app.secure_stages`; not in Flower's simulation, whose nodes trust the
+    server), so an n_s no node can count is refused before the key exchange."""
     with quiet_flower():
-        return _secure_exchange(problem, grid, wait, requests, survivors)
+        return _secure_exchange(problem, grid, wait, requests, survivors, nodes_count)
 
 
 def _secure_exchange(problem: Problem, grid: Grid,
                      wait: Callable[[list[Message]], list[Message]],
-                     requests: dict[int, TrainRequest], survivors: int) -> Replies:
+                     requests: dict[int, TrainRequest], survivors: int,
+                     nodes_count: bool) -> Replies:
     first = next(iter(requests.values()))
     exchange, server_round = first.exchange, first.server_round
     where = f"round {server_round}, exchange {exchange!r}"
@@ -166,7 +170,7 @@ def _secure_exchange(problem: Problem, grid: Grid,
             raise ClientsLost(f"{where}: secure aggregation needs at least 2 nodes, "
                               f"{len(nodes)} answered")
         countable = min(len(clients_of[n]) for n in nodes) + len(nodes) - 1
-        if countable < survivors:  # a node would refuse to unmask (dpfl.client.app)
+        if nodes_count and countable < survivors:  # a node would refuse to unmask
             raise ClientsLost(f"{where}: min-survivors={survivors}, but a node hosting "
                               f"{min(len(clients_of[n]) for n in nodes)} of the participants "
                               f"on {len(nodes)} nodes can count only {countable} noise shares "
