@@ -15,7 +15,7 @@ from flwr.app import ConfigRecord, Error, Message
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from dpfl.engine import run
-from dpfl.rounds.transport import ClientRefused, ClientsLost
+from dpfl.rounds.transport import ClientRefused
 from dpfl.runconfig import RunConfig
 from dpfl.strategies import FederationError
 from tests.inprocess_grid import InProcessGrid, run_flower_code_path, train_message
@@ -268,7 +268,3 @@ def test_a_node_adds_a_noise_share_only_under_secagg_plus(tmp_path):
     reply = grid.send_and_receive([message])[0]
     refused = TrainReply.decode(reply.content)
     assert isinstance(refused, ClientRefused) and "distributed-noise" in refused.reason
-
-
-def test_clients_lost_is_the_exception_of_too_few_nodes():
-    assert issubclass(ClientsLost, RuntimeError)

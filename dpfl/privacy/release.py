@@ -161,10 +161,18 @@ class Release(Query):
             raise ValueError(f"release {self.name!r}: shares must be >= 1, got {shares}")
         return dataclasses.replace(self, shares=int(shares))
 
+    @property
+    def drawn_multiplier(self) -> float:
+        """The noise multiplier of one client's own draw: :attr:`noise_multiplier`, over
+        √shares where the noise is split."""
+        if self.shares == 1:
+            return self.noise_multiplier
+        return self.noise_multiplier / math.sqrt(self.shares)
+
     def std(self, radius: float | None = None) -> float:
-        """The noise std one client draws: the noise multiplier times the sensitivity for
-        ``radius`` (the release's own when None), over √shares."""
-        return self.noise_multiplier * self.sensitivity(radius) / math.sqrt(self.shares)
+        """The noise std one client draws: :attr:`drawn_multiplier` times the sensitivity for
+        ``radius`` (the release's own when None)."""
+        return self.drawn_multiplier * self.sensitivity(radius)
 
     @property
     def event(self) -> tuple[float, float, int]:
@@ -176,9 +184,7 @@ class Release(Query):
     def local_event(self) -> tuple[float, float, int]:
         """The event of one client's own draw: :attr:`event` when the noise is not split, else
         at noise multiplier / √shares."""
-        if self.shares == 1:
-            return self.event
-        return (self.noise_multiplier / math.sqrt(self.shares), self.sample_rate, self.steps)
+        return (self.drawn_multiplier, self.sample_rate, self.steps)
 
 
 def stds(releases: list[Release], radius: float | None = None) -> torch.Tensor:
@@ -189,6 +195,5 @@ def stds(releases: list[Release], radius: float | None = None) -> torch.Tensor:
     sensitivity = releases[0].sensitivity(radius)
     if any(r.sensitivity(radius) != sensitivity for r in releases[1:]):
         raise ValueError(f"query {releases[0].name!r}: the clients' sensitivities differ")
-    return torch.tensor([r.noise_multiplier if r.shares == 1 else
-                         r.noise_multiplier / math.sqrt(r.shares) for r in releases],
+    return torch.tensor([r.drawn_multiplier for r in releases],
                         dtype=torch.float32) * sensitivity

@@ -71,14 +71,10 @@ class Quantisation:
         bits = RESOLUTION_BITS - math.floor(math.log2(scale))
         return cls(bits, math.ceil(math.ldexp(radius + TAIL * std, bits)))
 
-    def quantise(self, rows: Tensor) -> Tensor:
-        """``rows`` ``[b, ...]`` as int64 grid points in [0, 2L] (saturated coordinates are
-        clamped, and counted on this node's log)."""
-        return self._points(rows).to(torch.int64) + self.bound
-
     def block_sum(self, rows: Tensor) -> Tensor:
-        """The int64 sum over ``rows`` ``[b, ...]`` of their grid points: the same integers as
-        :meth:`quantise`'s, summed where that is exact and fast — float32 points in groups of
+        """The int64 sum over ``rows`` ``[b, ...]`` of their grid points q = round(u·2^k)
+        clamped to ±L, plus L (each in [0, 2L]; saturated coordinates are counted on this
+        node's log), summed where that is exact and fast — float32 points in groups of
         rows whose sums stay within ±2^24 (every partial sum of integers there is exact, in any
         order), float64 points whole (exact below 2^53)."""
         points = self._points(rows)
