@@ -273,6 +273,36 @@ def test_a_client_recomputes_its_subspace_every_beta_steps_and_at_each_round_sta
     assert calls == [(c, r, i) for r in (1, 2) for i in (0, 1, 2) for c in (0, 1)]
 
 
+
+@pytest.mark.parametrize("changes, shared", [({}, True),
+                                             ({"public_batching": "ibs", "public_batch_size": 6},
+                                              True),
+                                             ({"public_batch_size": 20}, False)])
+def test_clients_at_one_point_on_the_same_public_records_share_one_eigenspace(
+        tmp_path, monkeypatch, changes, shared):
+    """At the round's first step every client is at the broadcast model: on all m public
+    records (or one IBS block) their eigenspaces are one computation, the same subspace each
+    client computes alone; RBS batches (per-client draws) and later steps (each client's own
+    iterate) are computed per client."""
+    import dpfl.algorithms.projected as projected
+
+    problem = build_problem(_config(tmp_path, num_partitions=4, local_steps=2, **changes))
+    source, rng = problem.algorithm.source, Randomness(0)
+    decompositions = []
+    real = projected.top_eigenspace
+    monkeypatch.setattr(projected, "top_eigenspace",
+                        lambda gram, k: decompositions.append(k) or real(gram, k))
+    points = problem.x0.expand(4, -1).clone()
+    spaces = source.subspaces(points, rng, [0, 1, 2, 3], 1, 0)
+    assert len(decompositions) == (1 if shared else 4)
+    alone = [source.subspace(points[c], rng, c, 1, 0) for c in range(4)]
+    for space, own in zip(spaces, alone, strict=True):
+        assert torch.equal(space.r, own.r)
+    decompositions.clear()
+    points[1] += 1e-3  # one client moved: its own eigenspace
+    source.subspaces(points, rng, [0, 1, 2, 3], 1, 0)
+    assert len(decompositions) == (2 if shared else 4)
+
 def test_momentum_adds_beta_times_the_previous_step(tmp_path):
     """Two noise-free steps of one client with heavy-ball β = 0.6: the second step is
     γ(βg₁ + g₂), so the result differs from plain SGD's by β times the first step."""

@@ -29,8 +29,11 @@ private forward and backward passes plus O(B_pub·B·(in + out)) per layer, not 
 projecting materialised gradients. A client computes V from the public records (public data:
 no privacy cost) at its current iterate at the first local step of every round and every
 ``projection-interval`` (β) steps after it, so a round of one epoch is Algorithm 1 with V reset
-at each epoch (line 3). Centralized training is a federation of one client; with several
-clients this is distributed PCDP-SGD (clients' models averaged).
+at each epoch (line 3). At the round's first step every client is at the broadcast model: on
+the same public records (all m, or one IBS block) their V is one computation, shared
+(:meth:`PublicEigenspace.subspaces`: the same numbers each client computes alone).
+Centralized training is a federation of one client; with several clients this is distributed
+PCDP-SGD (clients' models averaged).
 
 The baselines (§3.1), one code path with the projection a pluggable :class:`Projection` (a
 source of subspaces, and whether the step projects before clipping or after the noise):
@@ -73,7 +76,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -234,6 +237,12 @@ class SubspaceSource(ABC):
                  index: int) -> Subspace:
         """The subspace, on ``point``'s device."""
 
+    def subspaces(self, points: Tensor, rng: Randomness, owners: Sequence[int],
+                  server_round: int, index: int) -> list[Subspace]:
+        """Each owner's subspace at its point (``points [C, d]``, in the order of ``owners``)."""
+        return [self.subspace(points[i], rng, owner, server_round, index)
+                for i, owner in enumerate(owners)]
+
 
 class RandomBasis(SubspaceSource):
     """RPDP-SGD's: a Gaussian d×k' matrix orthonormalised by QR, from the owner's stream
@@ -330,10 +339,29 @@ class PublicEigenspace(SubspaceSource):
                  index: int) -> Subspace:
         """A client's ``index``-th subspace of the round (under IBS the block after those of
         its earlier rounds)."""
+        return self.subspaces(point[None], rng, [owner], server_round, index)[0]
+
+    def subspaces(self, points: Tensor, rng: Randomness, owners: Sequence[int],
+                  server_round: int, index: int) -> list[Subspace]:
+        """Owners whose public records and point coincide share one subspace: the same inputs
+        give the same eigenspace bit for bit, so each is computed once (every client's at the
+        round's first step, all at the broadcast model, where they project onto all m public
+        records or one IBS block), as each client alone would compute it."""
         hp = self.algorithm.hp
         if hp.public_batching == "ibs":
             index += (server_round - 1) * math.ceil(hp.local_steps / hp.projection_interval)
-        return self.at(point, self.rows(rng, owner, server_round, index))
+        computed: dict[tuple, list[tuple[Tensor, Tensor, Subspace]]] = {}
+        out: list[Subspace] = []
+        for point, owner in zip(points, owners, strict=True):
+            rows = self.rows(rng, owner, server_round, index)
+            same = computed.setdefault((len(rows), int(rows.sum()), float(point.sum())), [])
+            space = next((s for r, p, s in same if torch.equal(r, rows) and torch.equal(p, point)),
+                         None)
+            if space is None:
+                space = self.at(point, rows)
+                same.append((rows, point, space))
+            out.append(space)
+        return out
 
     def rows(self, rng: Randomness, owner: int, server_round: int, index: int) -> Tensor:
         """The public records behind subspace ``index`` (sorted positions in the public set):
@@ -438,8 +466,8 @@ class DPSGD(FederatedDPSGD[ProjectedHyperparameters]):
         if k % interval:
             return current
         assert self.source is not None
-        return [self.source.subspace(params[i], ctx.rng, c, ctx.server_round, k // interval)
-                for i, c in enumerate(cohort.ids)]
+        return self.source.subspaces(params, ctx.rng, cohort.ids, ctx.server_round,
+                                     k // interval)
 
     def projected_gradient(self, params: Tensor, batches: Batches, spaces: list[Subspace],
                            radius: float, k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
