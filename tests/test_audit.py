@@ -130,6 +130,43 @@ def test_the_gradient_canary_is_tight(name):
     assert abs(fitted.std_ratio - 1) < 0.1
 
 
+@pytest.mark.parametrize("loss, outputs", [("cross-entropy", 10), ("logistic", 1),
+                                           ("squared", 1)])
+def test_the_canary_model_of_a_linear_model_has_closed_form_gradients(loss, outputs):
+    """The audit's canary model on a linear module (the audit's default, logistic) is itself
+    linear in two blocks (the module on the features, θ on z): its mean and per-sample
+    gradients take the closed form, equal to autograd's in float64; on a deeper module it has
+    none."""
+    from torch import nn
+
+    from dpfl.audit.gradient_canary import CanaryModule, canary_loss, with_z
+    from dpfl.models import LOSSES, FlatModel
+
+    gen = torch.Generator().manual_seed(0)
+    module = CanaryModule(nn.Sequential(nn.Flatten(), nn.Linear(64, outputs)), (1, 8, 8))
+    closed = FlatModel(module.double(), canary_loss(LOSSES.get(loss)))
+    autograd = FlatModel(module.double(), canary_loss(LOSSES.get(loss)))
+    autograd.linear = None
+    assert closed.linear is not None and len(closed.linear.blocks) == 2
+    x = with_z(torch.randn(7, 1, 8, 8, dtype=torch.float64, generator=gen))
+    x[2, -1] = 50.0  # the canary: its gradient on θ is its z
+    y = (torch.randint(0, outputs, (7,), generator=gen) if outputs > 1
+         else torch.randint(0, 2, (7,), generator=gen).double() * 2 - 1)
+    point = torch.randn(closed.d, dtype=torch.float64, generator=gen)
+    torch.testing.assert_close(closed.batch_gradients(point, x[None], y[None]),
+                               autograd.batch_gradients(point, x[None], y[None]),
+                               rtol=0, atol=1e-12)
+
+    def rows(model):
+        return torch.cat([r for _, _, r in model.per_sample_gradient_chunks(
+            point[None], x[None], y[None])])
+    torch.testing.assert_close(rows(closed), rows(autograd), rtol=0, atol=1e-12)
+    assert rows(closed)[2, -1] == 50.0 and rows(closed)[0, -1] == 0.0
+    deeper = CanaryModule(nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.Tanh(),
+                                        nn.Linear(8, outputs)), (1, 8, 8))
+    assert FlatModel(deeper, canary_loss(LOSSES.get(loss))).linear is None
+
+
 @pytest.mark.parametrize("name", ["dpsgd-gc", "clip21-sgd2m", "dp-fedavg-quantile"])
 def test_the_input_canary_is_sound(name):
     result = reduced_audit(name, canary="input")

@@ -35,6 +35,7 @@ public records ignore them.
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ from torch import Tensor, nn
 
 from dpfl.datasets.base import Dataset
 from dpfl.models import FlatModel
+from dpfl.models.flat import LinearBlock, linear_of
 from dpfl.models.losses import Loss
 from dpfl.privacy import Relation
 from dpfl.problem import Problem, assemble
@@ -65,6 +67,16 @@ class CanaryModule(nn.Module):
         self.canary = nn.Linear(slots, 1, bias=False)
         nn.init.zeros_(self.canary.weight)
 
+    def linear_blocks(self) -> list[LinearBlock] | None:
+        """Two blocks where ``module`` is linear (the closed form of a linear model's
+        gradients, :class:`~dpfl.models.linear.ClosedFormLinear`): ``module`` on the features,
+        θ on z; else None."""
+        layer = linear_of(self.module)
+        features = math.prod(self.input_shape)
+        return None if layer is None else [
+            LinearBlock(layer, slice(0, features)),
+            LinearBlock(self.canary, slice(features, features + self.slots))]
+
     def forward(self, x: Tensor) -> Tensor:
         n = x.shape[0]
         out = self.module(x[:, :-self.slots].reshape(n, *self.input_shape)).reshape(n, -1)
@@ -73,9 +85,12 @@ class CanaryModule(nn.Module):
 
 def canary_loss(base: Loss) -> Loss:
     """``base`` on every output column but the last, plus the last (z·θ)."""
-    correct = base.correct
+    correct, output_grad = base.correct, base.output_grad
     return Loss(per_sample=lambda out, y: base.per_sample(out[:, :-1], y) + out[:, -1],
-                correct=None if correct is None else lambda out, y: correct(out[:, :-1], y))
+                correct=None if correct is None else lambda out, y: correct(out[:, :-1], y),
+                output_grad=None if output_grad is None else lambda out, y: torch.cat(
+                    [output_grad(out[:, :-1], y).reshape(len(out), -1),
+                     out.new_ones(len(out), 1)], dim=1))
 
 
 def with_z(x: Tensor, z: float = 0.0, slots: int = 1, slot: int | None = 0) -> Tensor:

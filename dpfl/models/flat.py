@@ -4,6 +4,7 @@ sits in it, the module called at a flat point, and its losses there."""
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -109,14 +110,35 @@ class FlatParameters:
     def reg_grad(self, point: Tensor) -> Tensor:
         return self.nonconvex_reg * point / (1 + point.square()).square()
 
-    def linear_layer(self) -> nn.Linear | None:
-        """The ``Linear`` layer of a linear model (``Linear`` or ``Sequential(Flatten,
-        Linear)``), which :class:`~dpfl.models.linear.ClosedFormLinear` differentiates by hand
-        when the loss has a closed-form output gradient; else None."""
-        module = self.module
-        layers = list(module) if isinstance(module, nn.Sequential) else [module]
-        if (isinstance(layers[-1], nn.Linear) and all(type(m) is nn.Flatten for m in layers[:-1])
-                and layers[-1].weight.requires_grad
-                and (layers[-1].bias is None or layers[-1].bias.requires_grad)):
-            return layers[-1]
-        return None
+    def linear_blocks(self) -> list[LinearBlock] | None:
+        """The blocks of a linear model, which :class:`~dpfl.models.linear.ClosedFormLinear`
+        differentiates by hand when the loss has a closed-form output gradient: a ``Linear``
+        or ``Sequential(Flatten, Linear)`` is one block; a module may declare its own
+        (``linear_blocks()``, e.g. an audit's canary model: the model and one more scalar);
+        else None."""
+        declared = getattr(self.module, "linear_blocks", None)
+        if callable(declared):
+            return declared()
+        layer = linear_of(self.module)
+        return None if layer is None else [LinearBlock(layer)]
+
+
+@dataclass(frozen=True)
+class LinearBlock:
+    """A ``Linear`` layer on the columns ``inputs`` of the flattened input (None: every
+    column). A model of blocks outputs their outputs side by side, in block order, and its
+    trainable parameters are the blocks', in the same order."""
+
+    layer: nn.Linear
+    inputs: slice | None = None
+
+
+def linear_of(module: nn.Module) -> nn.Linear | None:
+    """The ``Linear`` layer of a linear module (``Linear`` or ``Sequential(Flatten, Linear)``,
+    every parameter trainable), else None."""
+    layers = list(module) if isinstance(module, nn.Sequential) else [module]
+    if (isinstance(layers[-1], nn.Linear) and all(type(m) is nn.Flatten for m in layers[:-1])
+            and layers[-1].weight.requires_grad
+            and (layers[-1].bias is None or layers[-1].bias.requires_grad)):
+        return layers[-1]
+    return None

@@ -129,9 +129,9 @@ class FlatModel:
         self.d = self.flat.d
         self.dropped = Dropped()  # records dropped for a non-finite gradient
         self.tapes = TapeEngine(self.flat, self.dropped)
-        layer = self.flat.linear_layer()
-        self.linear = (ClosedFormLinear(self.flat, layer, self.dropped)
-                       if layer is not None and self.loss.output_grad is not None else None)
+        blocks = self.flat.linear_blocks()
+        self.linear = (ClosedFormLinear(self.flat, blocks, self.dropped)
+                       if blocks is not None and self.loss.output_grad is not None else None)
         self._sample_bytes: dict[tuple[torch.Size, torch.dtype, bool], int] = {}
 
     # ----------------------------------------------------------------------------- parameters

@@ -13,56 +13,88 @@ from collections.abc import Iterator
 from functools import partial
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from dpfl.models.flat import FlatParameters
+from dpfl.models.flat import FlatParameters, LinearBlock
 from dpfl.models.rows import Dropped, aligned, chunks, non_finite_rows
 from dpfl.privacy.clipping import clip_factors
 
 
 class ClosedFormLinear:
-    """The per-sample gradients of the linear model ``flat`` (its ``layer``), in closed form;
-    non-finite records are zeroed and counted in ``dropped``."""
+    """The per-sample gradients of the linear model ``flat`` made of ``blocks`` (one for a
+    plain linear model), in closed form; non-finite records are zeroed and counted in
+    ``dropped``. Each block's trainable parameters sit in the flat vector in block order
+    (:meth:`~dpfl.models.flat.FlatParameters.linear_blocks`)."""
 
-    def __init__(self, flat: FlatParameters, layer: nn.Linear, dropped: Dropped) -> None:
+    def __init__(self, flat: FlatParameters, blocks: list[LinearBlock],
+                 dropped: Dropped) -> None:
         assert flat.loss.output_grad is not None, "a closed form needs the output gradient"
         self.flat = flat
-        self.layer = layer
         self.dropped = dropped
+        layers = {id(layer.module): layer for layer in flat.layers}
+        self.blocks = [(block.inputs, layers[id(block.layer)]) for block in blocks]
+        order = [s for _, layer in self.blocks for s in layer.slices]
+        assert [s.start for s in order] == [0, *(s.stop for s in order[:-1])] \
+            and order[-1].stop == flat.d, "blocks must hold the flat vector in order"
+        #: the layer of a one-block model (a plain linear model), else None
+        self.layer = blocks[0].layer if len(blocks) == 1 else None
+        self.out_features = sum(block.layer.out_features for block in blocks)
 
-    def outputs(self, point: Tensor, x: Tensor) -> tuple[Tensor, Tensor, bool]:
-        """``(a, o, has bias)`` at ``point``: the flattened inputs ``a`` and the outputs
-        ``o = aWᵀ + b``."""
-        a = x.reshape(len(x), -1)
-        weight = point[: self.layer.weight.numel()].view(self.layer.weight.shape)
-        bias = point[self.layer.weight.numel():] if self.layer.bias is not None else None
-        return a, torch.nn.functional.linear(a, weight, bias), bias is not None
+    def _inputs(self, a: Tensor) -> list[Tensor]:
+        """Each block's columns of the flattened inputs ``a``."""
+        return [a if cols is None else a[:, cols] for cols, _ in self.blocks]
+
+    def outputs(self, point: Tensor, x: Tensor) -> tuple[list[Tensor], Tensor]:
+        """``(a, o)`` at ``point``: each block's flattened inputs ``a_k`` and the outputs
+        ``o = [a_k W_kᵀ + b_k]_k`` side by side."""
+        inputs = self._inputs(x.reshape(len(x), -1))
+        outputs = [torch.nn.functional.linear(a, *layer.parts(point))
+                   for a, (_, layer) in zip(inputs, self.blocks, strict=True)]
+        return inputs, outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def _deltas(self, delta: Tensor) -> list[Tensor]:
+        """Each block's columns of the output gradients ``δ`` ``[n, outputs]``."""
+        if len(self.blocks) == 1:
+            return [delta]
+        widths = [layer.module.out_features for _, layer in self.blocks]
+        return list(delta.split(widths, dim=1))
 
     def per_sample(self, point: Tensor, x: Tensor, y: Tensor,
                    losses_out: Tensor | None = None) -> Tensor:
         """``[n, d]``: the per-sample loss gradients (without the regulariser), in the
-        parameters' flat order (weight row-major, then bias); the per-sample losses go to
-        ``losses_out`` if given."""
+        parameters' flat order (each block's weight row-major, then its bias); the per-sample
+        losses go to ``losses_out`` if given."""
         loss = self.flat.loss
-        a, outputs, has_bias = self.outputs(point, x)
+        inputs, outputs = self.outputs(point, x)
+        n = len(x)
         if losses_out is not None:
             losses_out.copy_(loss.per_sample(outputs, y))
-        delta = loss.output_grad(outputs, y).reshape(len(a), -1)
-        weight = (delta.unsqueeze(2) * a.unsqueeze(1)).reshape(len(a), -1)
-        return torch.cat([weight, delta], dim=1) if has_bias else weight
+        deltas = self._deltas(loss.output_grad(outputs, y).reshape(n, -1))
+        parts = []
+        for a, delta, (_, layer) in zip(inputs, deltas, self.blocks, strict=True):
+            weight, bias = layer.trainable
+            if weight:
+                parts.append((delta.unsqueeze(2) * a.unsqueeze(1)).reshape(n, -1))
+            if bias:
+                parts.append(delta)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def gradient(self, point: Tensor, x: Tensor, y: Tensor, out: Tensor,
                  losses_out: Tensor | None) -> None:
-        """The mean-loss gradient into ``out``: with ``δ = ∂loss_j/∂o_j / n``, ``∇W = δᵀa``,
-        ``∇b = Σ_j δ_j``, plus the regulariser's gradient."""
-        loss, numel = self.flat.loss, self.layer.weight.numel()
-        a, outputs, has_bias = self.outputs(point, x)
+        """The mean-loss gradient into ``out``: with ``δ = ∂loss_j/∂o_j / n``, ``∇W_k = δ_kᵀa_k``,
+        ``∇b_k = Σ_j δ_kj``, plus the regulariser's gradient."""
+        loss = self.flat.loss
+        inputs, outputs = self.outputs(point, x)
         if losses_out is not None:
             losses_out.copy_(loss.per_sample(outputs, y))
-        delta = loss.output_grad(outputs, y).reshape(len(a), -1) / len(a)
-        torch.mm(delta.t(), a, out=out[:numel].view(self.layer.weight.shape))
-        if has_bias:
-            torch.sum(delta, dim=0, out=out[numel:])
+        deltas = self._deltas(loss.output_grad(outputs, y).reshape(len(x), -1) / len(x))
+        for a, delta, (_, layer) in zip(inputs, deltas, self.blocks, strict=True):
+            targets = iter(layer.parts(out))
+            weight, bias = layer.trainable
+            if weight:
+                torch.mm(delta.t(), a, out=next(targets))
+            if bias:
+                torch.sum(delta, dim=0, out=next(targets))
         if self.flat.nonconvex_reg:
             out += self.flat.reg_grad(point)
 
@@ -137,4 +169,4 @@ class ClosedFormLinear:
         """Bytes one sample of ``x [C, b, ...]`` adds to a chunk: its row, its input, and the
         output and its gradient."""
         features = math.prod(x.shape[2:])
-        return x.element_size() * (self.flat.d + features + 2 * self.layer.out_features)
+        return x.element_size() * (self.flat.d + features + 2 * self.out_features)
