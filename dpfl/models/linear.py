@@ -3,7 +3,9 @@
 For ``o = aWᵀ + b`` and a loss whose output gradient ``δ_j = ∂loss_j/∂o_j`` has a closed form,
 ``∇W_j = δ_j a_jᵀ`` and ``∇b_j = δ_j``: the rows are products, which matters for the thousands
 of tiny rounds of a logistic-regression sweep. A client's samples form one chunk (unless a byte
-budget says otherwise), and the clipped sums are one matrix-vector product per chunk.
+budget says otherwise), and the clipped sums are one matrix-vector product per chunk. A model
+of several such blocks on disjoint input columns, outputs side by side (an audit's canary
+model: :mod:`dpfl.audit.gradient_canary`), has each block's rows side by side.
 """
 
 from __future__ import annotations
