@@ -277,6 +277,13 @@ def test_the_gain_experiment_smoke_run_writes_its_table(tmp_path):
     assert "`prisma`: its uploads are built from noise drawn inside the client step" in report
     rows = [line for line in report.splitlines() if line.startswith("| dpsgd-gc")]
     assert len(rows) == 4
+    # the archive alone writes the same report (the unmasked ε is archived with each run)
+    first = tmp_path / "reproduce-secagg-gain-smoke"
+    assert main(["reproduce", "secagg", "gain", "--smoke", "--results-dir", str(tmp_path / "b"),
+                 "--workers", "1", "--reuse", str(first / "runs.jsonl.gz")]) == 0
+    again = tmp_path / "b" / "reproduce-secagg-gain-smoke"
+    assert not (again / "runs").exists()
+    assert (again / "report.md").read_text().split("\n", 3)[3] == report.split("\n", 3)[3]
 
 
 def test_the_audit_of_the_secure_sum_stays_below_the_ledger():

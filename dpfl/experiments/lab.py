@@ -50,7 +50,7 @@ DATA_KEYS = ("dataset", "dataset-options", "data-dir", "download", "seed")
 # The summary fields an archive keeps: what experiments and reports read of a finished run.
 ARCHIVED = ("rounds_completed", "stopped_early", "test_loss", "test_accuracy", "validation_loss",
             "validation_accuracy", "epsilon_max", "wall_seconds", "seconds_per_round",
-            "calibration_check", "derived")
+            "calibration_check", "secure_aggregation", "derived")
 
 
 def worker_pool(count: int) -> ProcessPoolExecutor:
