@@ -40,7 +40,8 @@ class ClosedFormLinear:
             and order[-1].stop == flat.d, "blocks must hold the flat vector in order"
         #: the layer of a one-block model (a plain linear model), else None
         self.layer = blocks[0].layer if len(blocks) == 1 else None
-        self.out_features = sum(block.layer.out_features for block in blocks)
+        self.widths = [block.layer.out_features for block in blocks]  # each block's outputs
+        self.out_features = sum(self.widths)
 
     def _inputs(self, a: Tensor) -> list[Tensor]:
         """Each block's columns of the flattened inputs ``a``."""
@@ -56,10 +57,7 @@ class ClosedFormLinear:
 
     def _deltas(self, delta: Tensor) -> list[Tensor]:
         """Each block's columns of the output gradients ``δ`` ``[n, outputs]``."""
-        if len(self.blocks) == 1:
-            return [delta]
-        widths = [layer.module.out_features for _, layer in self.blocks]
-        return list(delta.split(widths, dim=1))
+        return [delta] if len(self.blocks) == 1 else list(delta.split(self.widths, dim=1))
 
     def per_sample(self, point: Tensor, x: Tensor, y: Tensor,
                    losses_out: Tensor | None = None) -> Tensor:
