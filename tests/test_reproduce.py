@@ -173,6 +173,43 @@ def test_an_interrupted_sweep_leaves_an_archive_of_the_runs_it_finished(tmp_path
     assert [s["test_accuracy"] for s in resumed] == [0, 1, 2, 3]
 
 
+def test_a_resumed_sweep_stopped_early_keeps_its_later_stages_archived(tmp_path, monkeypatch):
+    """A sweep's stages (e.g. successive halving's rungs) each call ``run_many``: resumed in
+    a folder whose archive holds every stage, and stopped again during the first, the archive
+    still holds the later stages' runs (they were only dropped once the report was written)."""
+    from dpfl.experiments import Lab
+    from dpfl.experiments import lab as lab_module
+
+    stop_at = set()
+
+    def fake_run(values):
+        if values["seed"] in stop_at:
+            raise KeyboardInterrupt
+        folder = Path(values["results-dir"]) / values["run-name"]
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps({"test_accuracy": values["seed"]}))
+
+    monkeypatch.setattr(lab_module, "_run_one", fake_run)
+    first, later = [{**POINT, "seed": s} for s in (0, 1)], [{**POINT, "seed": 5}]
+    lab = Lab(tmp_path / "a", smoke=True)
+    lab.run_many(first)
+    lab.run_many(later)
+    lab.write("both stages")
+    archive = tmp_path / "a" / "runs.jsonl.gz"
+    for folder in (tmp_path / "a" / "runs").iterdir():  # only the archive is left
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+    stop_at.add(2)
+    with pytest.raises(KeyboardInterrupt):
+        Lab(tmp_path / "a", smoke=True).run_many([*first, *[{**POINT, "seed": s} for s in (3, 2)]])
+    assert sorted(r["config"]["seed"] for r in read_archive(archive).values()) == [0, 1, 3, 5]
+    resumed = Lab(tmp_path / "a", smoke=True)
+    resumed.run_many(first)
+    resumed.write("the first stage only")  # the report's runs, and no others
+    assert sorted(r["config"]["seed"] for r in read_archive(archive).values()) == [0, 1]
+
+
 @pytest.mark.smoke
 def test_an_edited_archive_is_refused_naming_reuse(smoke, tmp_path, capsys):
     import gzip

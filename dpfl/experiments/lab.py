@@ -171,8 +171,15 @@ class Lab:
         self.workers = max(1, workers)
         self.only = dict(only or {})
         self.archived: dict[str, dict[str, Any]] = {}
-        for path in [p for p in [folder / ARCHIVE] if p.exists()] + list(reuse):
+        # the folder's own archive, kept whole by every rewrite until the report is written:
+        # a sweep stopped early must not lose the runs of a stage it has not reached again
+        self.kept: dict[str, tuple[dict[str, Value], dict[str, Any]]] = {}
+        if (folder / ARCHIVE).exists():
+            own = read_archive(folder / ARCHIVE)
+            self.kept = {k: (r["config"], r["summary"]) for k, r in own.items()}
+        for path in reuse:
             self.archived.update(read_archive(Path(path)))
+        self.archived.update({k: {"config": c, "summary": s} for k, (c, s) in self.kept.items()})
         # every run reported on: key -> (its configuration, its summary)
         self.used: dict[str, tuple[dict[str, Value], dict[str, Any]]] = {}
         self.sections: list[str] = []
@@ -380,9 +387,11 @@ class Lab:
         (self.folder / "report.json").write_text(json.dumps(
             {"title": title, "smoke": self.smoke, "wall_seconds": wall, "runs": len(self.used),
              "run_seconds": self.run_seconds(), "only": self.only}, indent=2))
-        self.write_archive()
+        self.write_archive(final=True)
         return path
 
-    def write_archive(self) -> Path:
-        """``runs.jsonl.gz``: every run reported on (:func:`write_archive`)."""
-        return write_archive(self.folder / ARCHIVE, self.used)
+    def write_archive(self, *, final: bool = False) -> Path:
+        """``runs.jsonl.gz`` (:func:`write_archive`): every run reported on; until the report is
+        written (not ``final``), also every run the folder's archive held before."""
+        return write_archive(self.folder / ARCHIVE,
+                             self.used if final else {**self.kept, **self.used})
