@@ -178,6 +178,13 @@ def test_linear_models_closed_form_gradients_equal_autograd(model, loss, classes
     assert torch.allclose(per_fast, auto.per_sample_gradients(flat, x, y), rtol=1e-5, atol=1e-6)
     assert torch.allclose(per_fast.mean(dim=1), fast, rtol=1e-5, atol=1e-6)
     assert torch.equal(closed.per_sample_gradients(flat, x[1:2], y[1:2])[0], per_fast[1])
+    # the tape a gradient span is built from (inputs, output gradients), against autograd's
+    tape = closed.linear.record(flat, x[0], y[0])
+    reference = auto.tapes.record(auto.flat.params(flat), x[0], y[0])
+    assert [layer.slices for layer, _, _ in tape] == [layer.slices for layer, _, _ in reference]
+    for (_, a, delta), (_, a_auto, delta_auto) in zip(tape, reference, strict=True):
+        assert torch.equal(a, a_auto)
+        assert torch.allclose(delta, delta_auto, rtol=1e-5, atol=1e-6)
 
 
 def test_random_feature_options_keep_the_default_model_and_offer_the_unstated_readings():

@@ -555,13 +555,15 @@ def _float64_model(name, input_shape, reg=0.0, chunk_size=256):
 @pytest.mark.cpu_only("a float64 reference on the CPU")
 @pytest.mark.parametrize("name, shape, reg, chunk", [("mlp", (1, 8, 8), 0.0, 256),
                                                      ("mlp", (1, 8, 8), 0.3, 7),
+                                                     ("logistic", (1, 8, 8), 0.3, 7),
                                                      ("pcdp-cnn", (1, 28, 28), 0.0, 256)])
 def test_the_projection_from_tapes_equals_the_materialised_one_in_float64(name, shape, reg,
                                                                           chunk):
     """V = GᵀR over 30 public records and the coordinates Vᵀh_j of 45 private ones at another
     point, the lift Va and Vᵀg of a vector: from the tapes (no [m, d] or [b, d] matrix:
-    (δ_i·δ_j)(a_i·a_j) per Linear layer, materialised conv layers, the regulariser's terms)
-    equal to the materialised gradients' to 1e-10 of their scale, in chunks or not."""
+    (δ_i·δ_j)(a_i·a_j) per Linear layer, materialised conv layers, the regulariser's terms;
+    a linear model's tapes in closed form) equal to the materialised gradients' to 1e-10 of
+    their scale, in chunks or not."""
     model = _float64_model(name, shape, reg, chunk)
     gen = torch.Generator().manual_seed(4)
     public_point = model.initial_params().double()

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dpfl.models.flat import FlatParameters, LinearBlock
-from dpfl.models.rows import Dropped, aligned, chunks, non_finite_rows
+from dpfl.models.rows import Dropped, Layer, aligned, chunks, non_finite_rows
 from dpfl.privacy.clipping import clip_factors
 
 
@@ -58,6 +58,15 @@ class ClosedFormLinear:
     def _deltas(self, delta: Tensor) -> list[Tensor]:
         """Each block's columns of the output gradients ``δ`` ``[n, outputs]``."""
         return [delta] if len(self.blocks) == 1 else list(delta.split(self.widths, dim=1))
+
+    def record(self, point: Tensor, x: Tensor, y: Tensor) -> list[tuple[Layer, Tensor, Tensor]]:
+        """The tape :meth:`~dpfl.models.tape.TapeEngine.record` makes by autograd, in closed
+        form: (layer, its flattened inputs ``a_k``, the per-sample output gradients ``δ_k``)
+        per block."""
+        inputs, outputs = self.outputs(point, x)
+        deltas = self._deltas(self.flat.loss.output_grad(outputs, y).reshape(len(x), -1))
+        return [(layer, a, delta)
+                for a, delta, (_, layer) in zip(inputs, deltas, self.blocks, strict=True)]
 
     def per_sample(self, point: Tensor, x: Tensor, y: Tensor,
                    losses_out: Tensor | None = None) -> Tensor:

@@ -98,12 +98,14 @@ class GradientSpan:
 
     def _factors(self, point: Tensor, x: Tensor, y: Tensor,
                  dtype: torch.dtype | None = None) -> list[Factors]:
-        """Each trainable layer's factors of the records ``x`` at ``point`` (one tape; a layer
-        the forward pass does not use is absent: its gradients are zero), in ``dtype``
-        (default: the point's)."""
-        flat, dtype = self.model.flat, dtype or point.dtype
+        """Each trainable layer's factors of the records ``x`` at ``point`` (one tape, in
+        closed form for a linear model; a layer the forward pass does not use is absent: its
+        gradients are zero), in ``dtype`` (default: the point's)."""
+        model, dtype = self.model, dtype or point.dtype
+        tape = (model.tapes.record(model.flat.params(point.detach()), x, y)
+                if model.linear is None else model.linear.record(point.detach(), x, y))
         factors = []
-        for layer, a, g in self.model.tapes.record(flat.params(point.detach()), x, y):
+        for layer, a, g in tape:
             if grad_sample.has_ghost(layer.module, a):
                 factors.append(Factors(layer, a=a.to(dtype), delta=g.to(dtype)))
             else:
