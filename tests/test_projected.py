@@ -565,6 +565,7 @@ def test_the_projection_from_tapes_equals_the_materialised_one_in_float64(name, 
     a linear model's tapes in closed form) equal to the materialised gradients' to 1e-10 of
     their scale, in chunks or not."""
     model = _float64_model(name, shape, reg, chunk)
+    assert (model.linear is not None) == (name == "logistic")  # the closed-form tapes' case
     gen = torch.Generator().manual_seed(4)
     public_point = model.initial_params().double()
     point = public_point + 0.05 * torch.randn(model.d, generator=gen, dtype=torch.float64)

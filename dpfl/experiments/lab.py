@@ -171,15 +171,13 @@ class Lab:
         self.workers = max(1, workers)
         self.only = dict(only or {})
         self.archived: dict[str, dict[str, Any]] = {}
-        # the folder's own archive, kept whole by every rewrite until the report is written:
-        # a sweep stopped early must not lose the runs of a stage it has not reached again
-        self.kept: dict[str, tuple[dict[str, Value], dict[str, Any]]] = {}
-        if (folder / ARCHIVE).exists():
-            own = read_archive(folder / ARCHIVE)
-            self.kept = {k: (r["config"], r["summary"]) for k, r in own.items()}
         for path in reuse:
             self.archived.update(read_archive(Path(path)))
-        self.archived.update({k: {"config": c, "summary": s} for k, (c, s) in self.kept.items()})
+        own = read_archive(folder / ARCHIVE) if (folder / ARCHIVE).exists() else {}
+        self.archived.update(own)
+        # the folder's own archive, kept whole by every rewrite until the report is written:
+        # a sweep stopped early must not lose the runs of a stage it has not reached again
+        self.kept = {k: (r["config"], r["summary"]) for k, r in own.items()}
         # every run reported on: key -> (its configuration, its summary)
         self.used: dict[str, tuple[dict[str, Value], dict[str, Any]]] = {}
         self.sections: list[str] = []
