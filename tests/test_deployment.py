@@ -53,7 +53,7 @@ CASES = {
     "dpsgd-gc": {"algorithm": "dpsgd-gc", "num-partitions": 3, "num-server-rounds": 2,
                  "seed": 2},
     # client state (the momentum buffers) kept in each SuperNode's Context.state
-    "clip21-sgd2m": {"algorithm": "clip21-sgd2m", "num-partitions": 3, "num-server-rounds": 2,
+    "clip21-sgd2m": {"algorithm": "clip21-sgd2m", "num-partitions": 4, "num-server-rounds": 2,
                      "seed": 2},
     "prisma": {"algorithm": "prisma", "num-partitions": 4, "num-server-rounds": 2,
                "batch-size": 16, "seed": 5, "gamma": 0.3, "clip-diff": 0.2,
@@ -72,12 +72,12 @@ CASES = {
 }
 
 
-# one node per client: three SuperNodes
-NODES = {"dpsgd-gc": ["0", "1", "2"], "clip21-sgd2m": ["0", "1", "2"]}
+# one node per client: the three SuperNodes dpsgd-gc's case runs on
+NODES = ["0", "1", "2"]
 # nodes whose operators trust the server: the run's seeded noise, its ε and diagnostics
 TRUSTING = "trust-server=true"
 
-# two clients a node: the federation the cases without NODES run on
+# two clients a node: the federation the other cases run on
 COHORTS = ["0,1", "2,3"]
 
 
@@ -117,17 +117,13 @@ def _deployed_equals_engine(tmp_path: Path, env: dict[str, str], case: dict,
 # every stateful case's client state from one round into the next
 @pytest.mark.xdist_group("deployment-cohorts")  # one worker starts the cohorts, once
 @pytest.mark.parametrize("case", sorted(set(CASES) - {"dpsgd-gc"}))
-def test_real_supernodes_equal_the_engine_bitwise(tmp_path, request, app, case):
-    if case in NODES:
-        nodes, cache = NODES[case], tmp_path / "cache"
-        env = request.getfixturevalue("deployment").start(nodes, policy=TRUSTING)
-    else:
-        nodes, (env, cache) = COHORTS, request.getfixturevalue("cohorts")
+def test_real_supernodes_equal_the_engine_bitwise(tmp_path, cohorts, app, case):
+    env, cache = cohorts
     before = set((cache / "nodes").glob("data-*.pt"))
     _deployed_equals_engine(tmp_path, env, CASES[case], app)
     # each node built this run's data once, on its first message, and read it from its cache
     # after
-    assert len(set((cache / "nodes").glob("data-*.pt")) - before) == len(nodes)
+    assert len(set((cache / "nodes").glob("data-*.pt")) - before) == len(COHORTS)
 
 
 def test_a_site_with_its_own_data(tmp_path, deployment, app):
@@ -138,7 +134,7 @@ def test_a_site_with_its_own_data(tmp_path, deployment, app):
     site = tmp_path / "site-2.npz"
     assert main(["export-partition", str(site), "-c", format_overrides(case),
                  "--partition-id", "2"]) == 0
-    env = deployment.start(NODES["dpsgd-gc"], node_config={2: f'data-path="{site}"'},
+    env = deployment.start(NODES, node_config={2: f'data-path="{site}"'},
                            policy=TRUSTING)
     _deployed_equals_engine(tmp_path, env, case, app)
 
@@ -151,7 +147,7 @@ def test_real_supernodes_draw_secret_noise_and_keep_their_own_ledgers(tmp_path, 
     each node charged its client's releases in its own ledger, which the server's matches."""
     from dpfl.client.node_ledger import NodeLedger
 
-    env = deployment.start(NODES["dpsgd-gc"])
+    env = deployment.start(NODES)
     case = {**CASES["dpsgd-gc"], "results-dir": str(tmp_path / "results"), "run-name": "real"}
     done = subprocess.run(
         [str(BIN / "flwr"), "run", str(app), "local-deployment", "--stream", "--run-config",
@@ -178,9 +174,11 @@ def test_tls_with_supernode_authentication(tmp_path, deployment, app):
     """Over TLS with registered node keys, through Flower's SecAgg+ with each client's noise
     split over the three (secure aggregation and distributed noise), the run equals the
     engine's; a SuperNode with an unregistered key and a plaintext SuperNode are refused by the
-    SuperLink."""
-    env = deployment.start(NODES["dpsgd-gc"], tls=True, policy=TRUSTING)
-    _deployed_equals_engine(tmp_path, env, {**CASES["dpsgd-gc"], "secure-aggregation": True,
+    SuperLink. One round (SecAgg+'s four stages are a ClientApp process each; rounds after the
+    first are checked under simulation, test_flower's ``secagg`` case)."""
+    env = deployment.start(NODES, tls=True, policy=TRUSTING)
+    _deployed_equals_engine(tmp_path, env, {**CASES["dpsgd-gc"], "num-server-rounds": 1,
+                                            "secure-aggregation": True,
                                             "distributed-noise": True}, app)
     summary = json.loads((tmp_path / "results" / "deployed" / "summary.json").read_text())
     assert summary["secure_aggregation"]["sum"].startswith("Flower's SecAgg+")
@@ -195,43 +193,47 @@ def test_tls_with_supernode_authentication(tmp_path, deployment, app):
     assert "No SuperNode found with the given public key" in link
 
 
-def test_a_federation_missing_a_client_stops_early_in_one_line(tmp_path, deployment, app):
-    """num-partitions=4 with three SuperNodes hosting clients 0-2: once they have answered and
+@pytest.mark.xdist_group("deployment-cohorts")
+def test_a_federation_missing_a_client_stops_early_in_one_line(tmp_path, cohorts, app):
+    """num-partitions=5 with two SuperNodes hosting clients 0-3: once they have answered and
     no other SuperNode came for 10 s, one line naming the missing client, no traceback; the
     run is finished:failed (`flwr run --stream` exits 0 whatever happened, as the guide says)."""
-    env = deployment.start(["0", "1", "2"], policy=TRUSTING)
+    env, _ = cohorts
     done = subprocess.run(
         [str(BIN / "flwr"), "run", str(app), "local-deployment", "--stream", "--run-config",
-         format_overrides({**CASES["dpsgd-gc"], "num-partitions": 4,
+         format_overrides({**CASES["dpsgd-gc"], "num-partitions": 5,
                            "results-dir": str(tmp_path / "results")})],
         env=env, cwd=ROOT, timeout=300, capture_output=True, text=True)
     out = done.stdout + done.stderr
     errors = [line for line in out.splitlines() if "dpfl: error:" in line]
     assert len(errors) == 1, out[-3000:]
-    found = re.search(r"num-partitions=4, but no SuperNode hosts clients \[3\] \(the 3 "
-                      r"SuperNodes that answered in (\d+) s host \[0-2\]\)", errors[0])
+    found = re.search(r"num-partitions=5, but no SuperNode hosts clients \[4\] \(the 2 "
+                      r"SuperNodes that answered in (\d+) s host \[0-3\]\)", errors[0])
     assert found, errors[0]
     assert "Traceback" not in out
     # the server's own clock, not this test's (which counts packaging and process starts):
-    # once the three have answered, 10 s without a fourth ends discovery, before the 120 s
-    # timeout (the three answering can take a minute on a loaded machine: a ClientApp process
+    # once the two have answered, 10 s without a third ends discovery, before the 120 s
+    # timeout (the two answering can take a minute on a loaded machine: a ClientApp process
     # per node starts to answer)
     assert int(found.group(1)) < CONNECT_TIMEOUT, errors[0]
-    listed = subprocess.run([str(BIN / "flwr"), "ls", "local-deployment", "--format", "json"],
+    run_id = re.search(r"Successfully started run (\d+)", out)
+    assert run_id, out[-3000:]
+    listed = subprocess.run([str(BIN / "flwr"), "ls", "local-deployment", "--run-id",
+                             run_id.group(1), "--format", "json"],
                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert [r["status"] for r in json.loads(listed.stdout)["runs"]] == ["finished:failed"]
 
 
 def test_killed_supernodes_min_clients(tmp_path, deployment, app):
-    """Four SuperNodes of one client each, ``min-clients=3``: the first node killed (SIGKILL:
-    Flower reports it unavailable once its heartbeats stop) mid-run, the run goes on with three;
-    the second stopped (SIGTERM: it leaves the federation at once), the run stops with one line
-    naming the lost clients and keeps its last complete round. Every client sent an exchange
+    """Three SuperNodes of one client each, ``min-clients=2``: one node killed (SIGKILL:
+    Flower reports it unavailable once its heartbeats stop) after a round, the run goes on with
+    two; a second stopped (SIGTERM: it leaves the federation at once), the run stops with one
+    line naming the lost clients and keeps its last complete round. Every client sent an exchange
     is charged, replied or not; a client whose node is known to be gone is not sent one."""
-    env = deployment.start(["0", "1", "2", "3"], policy=TRUSTING)
+    env = deployment.start(NODES, policy=TRUSTING)
     results = tmp_path / "results"
-    overrides = {"algorithm": "dpsgd-gc", "num-partitions": 4, "num-server-rounds": 40,
-                 "noise-multiplier": 1.0, "min-clients": 3, "seed": 1,
+    overrides = {"algorithm": "dpsgd-gc", "num-partitions": 3, "num-server-rounds": 40,
+                 "noise-multiplier": 1.0, "min-clients": 2, "seed": 1,
                  "results-dir": str(results), "run-name": "faults"}
     with open(tmp_path / "flwr-run.log", "w") as out:
         flwr = subprocess.Popen(
@@ -245,11 +247,11 @@ def test_killed_supernodes_min_clients(tmp_path, deployment, app):
         return [json.loads(line) for line in text.splitlines()]
 
     try:
-        wait_for(lambda: len(rounds()) >= 2, "no second round", [flwr], timeout=300)
-        os.killpg(deployment.nodes[3].pid, signal.SIGKILL)
+        wait_for(lambda: len(rounds()) >= 1, "no first round", [flwr], timeout=300)
+        os.killpg(deployment.nodes[2].pid, signal.SIGKILL)
         wait_for(lambda: any(r.get("lost_clients") for r in rounds()),
               "the run did not go on without the killed node", [flwr], timeout=300)
-        os.killpg(deployment.nodes[2].pid, signal.SIGTERM)
+        os.killpg(deployment.nodes[1].pid, signal.SIGTERM)
         flwr.wait(timeout=400)
     finally:
         stop_process(flwr)
@@ -257,18 +259,18 @@ def test_killed_supernodes_min_clients(tmp_path, deployment, app):
     summary = json.loads((results / "faults" / "summary.json").read_text())
     done = rounds()
     lost = [r["round"] for r in done if r.get("lost_clients")]
-    assert lost and all(r["lost_clients"] == [3] and r["participants"] == 3
+    assert lost and all(r["lost_clients"] == [2] and r["participants"] == 2
                         for r in done if r.get("lost_clients")), done
-    assert "going on with 3 of 4 participants" in log
+    assert "going on with 2 of 3 participants" in log
     stop = [line for line in log.splitlines() if line.startswith("dpfl: error: stopped after")]
-    assert len(stop) == 1 and "min-clients=3 needs 3" in stop[0] and "clients [2]" in stop[0]
-    assert "clients [3]: node" in stop[0] and "offline" in stop[0]
+    assert len(stop) == 1 and "min-clients=2 needs 2" in stop[0] and "clients [1]" in stop[0]
+    assert "clients [2]: node" in stop[0] and "offline" in stop[0]
     assert summary["rounds_completed"] == len(done) < 40
     epsilon, last = summary["epsilon"], done[-1]["epsilon"]
-    # the stopping round was sent to clients 0 and 1 (charged), to client 2 only if its node
-    # had not left yet, never to client 3, whose node was known to be gone
-    assert epsilon["0"] > last["0"] and epsilon["1"] > last["1"]
-    assert epsilon["2"] >= last["2"] and epsilon["3"] == last["3"]
+    # the stopping round was sent to client 0 (charged), to client 1 only if its node had not
+    # left yet, never to client 2, whose node was known to be gone
+    assert epsilon["0"] > last["0"]
+    assert epsilon["1"] >= last["1"] and epsilon["2"] == last["2"]
 
 
 def test_superlink_restart_does_not_reset_the_ledger(tmp_path, deployment, app):
@@ -290,7 +292,7 @@ def test_superlink_restart_does_not_reset_the_ledger(tmp_path, deployment, app):
     def rounds() -> int:
         return len(rounds_file.read_text().splitlines()) if rounds_file.exists() else 0
 
-    wait_for(lambda: rounds() >= 2, "no second round", [], timeout=300)
+    wait_for(lambda: rounds() >= 1, "no first round", [], timeout=300)
     deployment.restart_superlink()
     wait_for(lambda: (results / "restart" / "summary.json").exists(),
           "the ServerApp did not close its results", [], timeout=300)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,30 +40,37 @@ CASES = {
 SUPERNODES = {"clip21-sgd2m": 4}  # fewer virtual SuperNodes than clients: cohort SuperNodes
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_flower_simulation_equals_engine_bitwise(tmp_path, case):
-    overrides = {**CASES[case], "results-dir": str(tmp_path / "results")}
-    home = tmp_path / "flwr-home"
-    code = flwr_run({**overrides, "run-name": "flower"}, num_supernodes=SUPERNODES.get(case),
-                    flwr_home=home, timeout=600)
-    assert code == 0
-    assert started_processes(home) == []  # the managed SuperLink was stopped
-    run(RunConfig({**overrides, "run-name": "engine"}), echo=False)
-    flower = torch.load(tmp_path / "results" / "flower" / "model.pt")
-    engine = torch.load(tmp_path / "results" / "engine" / "model.pt")
+def _equals_engine(results: Path, case: dict) -> None:
+    """The engine's run of ``case`` (run name ``engine``) equals the Flower run in ``results``
+    (run name ``flower``): model bit for bit, every round's numbers (but their wall times)."""
+    run(RunConfig({**case, "results-dir": str(results), "run-name": "engine"}), echo=False)
+    flower = torch.load(results / "flower" / "model.pt")
+    engine = torch.load(results / "engine" / "model.pt")
     assert flower.keys() == engine.keys()
     for k in flower:
         assert torch.equal(flower[k], engine[k]), k
-    f_rounds = (tmp_path / "results" / "flower" / "rounds.jsonl").read_text().splitlines()
-    e_rounds = (tmp_path / "results" / "engine" / "rounds.jsonl").read_text().splitlines()
+    f_rounds = (results / "flower" / "rounds.jsonl").read_text().splitlines()
+    e_rounds = (results / "engine" / "rounds.jsonl").read_text().splitlines()
     for f, e in zip(f_rounds, e_rounds, strict=True):
         f, e = json.loads(f), json.loads(e)
         f.pop("seconds"), e.pop("seconds")
         assert f == e  # losses, accuracy, ε per client, clipped fraction: all identical
     # the virtual SuperNodes ran in Ray actors, so they trusted the server, as the summary says
-    summary = json.loads((tmp_path / "results" / "flower" / "summary.json").read_text())
-    assert summary["privacy"]["noise"] == {"seeded": CASES[case]["num-partitions"]}
+    summary = json.loads((results / "flower" / "summary.json").read_text())
+    assert summary["privacy"]["noise"] == {"seeded": case["num-partitions"]}
     assert summary["privacy"]["guarantee_against_server"] is False
+
+
+# dpsgd-gc's case runs twice at once (test_two_runs_at_once_each_get_a_superlink_of_their_own)
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"dpsgd-gc"}))
+def test_flower_simulation_equals_engine_bitwise(tmp_path, case):
+    results = tmp_path / "results"
+    home = tmp_path / "flwr-home"
+    code = flwr_run({**CASES[case], "results-dir": str(results), "run-name": "flower"},
+                    num_supernodes=SUPERNODES.get(case), flwr_home=home, timeout=600)
+    assert code == 0
+    assert started_processes(home) == []  # the managed SuperLink was stopped
+    _equals_engine(results, CASES[case])
 
 
 def test_two_runs_at_once_each_get_a_superlink_of_their_own(tmp_path):
@@ -77,11 +85,7 @@ def test_two_runs_at_once_each_get_a_superlink_of_their_own(tmp_path):
                               cases))
     assert codes == [0, 0]
     for case in cases:
-        run(RunConfig({**case, "run-name": "engine"}), echo=False)
-        results = tmp_path / case["results-dir"]
-        flower = torch.load(results / "flower" / "model.pt")
-        engine = torch.load(results / "engine" / "model.pt")
-        assert all(torch.equal(flower[k], engine[k]) for k in engine)
+        _equals_engine(Path(case["results-dir"]), case)
 
 
 def test_a_federation_of_the_wrong_size_fails_the_run_at_once(tmp_path, capfd):

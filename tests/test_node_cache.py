@@ -1,6 +1,7 @@
 """The node-local cache (``dpfl.client.cache``): a node's view of a run equals the whole run's
-for its clients; a message with a warm cache loads no dataset library and no accountant; a
-changed data file, an unreadable entry or an unwritable folder never serve wrong data."""
+for its clients; a message with a warm cache loads no dataset library and no accountant (a node
+checking its budget: no Opacus package); a changed data file, an unreadable entry or an
+unwritable folder never serve wrong data."""
 
 from __future__ import annotations
 
@@ -57,19 +58,40 @@ def test_node_view_equals_the_run(folder):
     assert len(list(folder.glob("releases-*.json"))) == 2
 
 
-def test_a_warm_message_loads_no_dataset_library_and_no_accountant(folder):
+def test_a_warm_message_loads_no_dataset_library_and_no_opacus_package(folder):
+    """A message with a warm cache loads no dataset library and no accountant; a default-policy
+    node's budget check after it (ε of its ledger with the round's releases) runs Opacus' RDP
+    analysis without Opacus' package ``__init__`` (its PrivacyEngine, optimizers and
+    scipy.stats: about 2 s of CPU a message) and gets the ε of Opacus' own accountant."""
+    from opacus.accountants import RDPAccountant
+
+    from dpfl.privacy import rdp
+
     script = (
         "import sys, dpfl.client.app\n"
         "from dpfl.client.cache import node_problem\n"
+        "from dpfl.client.node_ledger import NodeLedger\n"
         "from dpfl.runconfig import RunConfig\n"
-        f"node_problem(tuple(sorted(RunConfig({DIGITS!r}).as_dict().items())), (0,))\n"
+        f"problem = node_problem(tuple(sorted(RunConfig({DIGITS!r}).as_dict().items())), (0,))\n"
         "heavy = ('opacus', 'torchvision', 'flwr_datasets', 'datasets', 'sklearn', 'pandas',"
         " 'scipy', 'matplotlib')\n"
-        "print(sorted(m for m in heavy if m in sys.modules))\n")
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+        "ledger = NodeLedger()\n"
+        "ledger.charge('run', 1, problem.releases(0), every=1)\n"
+        "print(repr(ledger.epsilon('rdp', 1e-5, problem.releases(0))))\n"
+        "print(sorted(m for m in ('opacus', 'scipy.stats') if m in sys.modules))\n")
     cold, warm = (subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                                 check=True).stdout.strip() for _ in range(2))
-    assert "opacus" in cold and "sklearn" in cold  # the first message calibrates and loads
-    assert warm == "[]"
+                                 check=True).stdout.splitlines() for _ in range(2))
+    assert "sklearn" in cold[0] and "opacus" not in cold[0]  # the first message calibrates
+    assert warm[0] == "[]" and warm[2] == "[]", warm
+    accountant = RDPAccountant()
+    for release in 2 * cached_problem(_items(DIGITS)).releases(0):
+        z, q, steps = release.event
+        for _ in range(steps):
+            accountant.step(noise_multiplier=z, sample_rate=q)
+    # an interior order of Opacus' defaults: bit for bit
+    assert float(cold[1]) == float(warm[1]) == accountant.get_epsilon(1e-5)
+    assert rdp.DEFAULT_ORDERS == tuple(RDPAccountant.DEFAULT_ALPHAS)
 
 
 def _svmlight(folder, rows: int) -> None:

@@ -102,8 +102,6 @@ def accountant_noise_multiplier(*, epsilon: float, delta: float, sample_rate: fl
     """Smallest multiplier with ε(accountant; multiplier, sample_rate, steps) ≤ epsilon, by
     Opacus' ``get_noise_multiplier`` (for ``rdp`` its search with the ledger's ε, whose orders
     extend Opacus' defaults: :func:`dpfl.privacy.rdp.noise_multiplier`)."""
-    from opacus.accountants.utils import get_noise_multiplier  # imported on use
-
     if accountant == "prv" and epsilon > PRV_EPSILON_MAX:
         raise ConfigError("epsilon", f"{epsilon:g} is beyond what the prv accountant's search "
                           f"handles (it does not end)", allowed=f"at most {PRV_EPSILON_MAX:g} "
@@ -112,6 +110,9 @@ def accountant_noise_multiplier(*, epsilon: float, delta: float, sample_rate: fl
         if accountant == "rdp":
             return rdp.noise_multiplier(epsilon_target=epsilon, delta=delta,
                                         sample_rate=sample_rate, steps=steps)
+        # imported on use: the whole of Opacus loads with it (dpfl.privacy.rdp)
+        from opacus.accountants.utils import get_noise_multiplier
+
         with warnings.catch_warnings():  # PRV's numerics warn at tiny ε
             warnings.simplefilter("ignore", UserWarning)
             return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta,

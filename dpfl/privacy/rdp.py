@@ -34,13 +34,22 @@ for bit; a calibration, which evaluates many multipliers, runs about 1.7× faste
 :func:`noise_multiplier` is Opacus' ``get_noise_multiplier`` (the same doubling and bisection)
 with this ε, so a multiplier calibrated for ε gives the ledger ε ≤ target; where the default
 orders' optimum is interior both are Opacus' values bit for bit.
+
+The analysis is Opacus' module ``opacus.accountants.analysis.rdp``, loaded
+from its file alone (:func:`analysis`): importing it the usual way runs Opacus' package
+``__init__``, which loads its ``PrivacyEngine``, every optimizer and ``scipy.stats``, about 2 s
+of CPU that a SuperNode checking its own budget would pay on every message (Flower starts a
+ClientApp process per message).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import warnings
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -56,11 +65,29 @@ _TOP, _BELOW_TOP, _BOTTOM = 63, 62, 1.1
 MAX_NOISE_MULTIPLIER = 1e6
 
 
-def default_orders() -> tuple[float, ...]:
-    """Opacus' ``RDPAccountant.DEFAULT_ALPHAS`` (imported on use)."""
-    from opacus.accountants import RDPAccountant
+#: Opacus' ``RDPAccountant.DEFAULT_ALPHAS`` (1.1 to 10.9 by tenths, the integers 12 to 63),
+#: written out because reading it imports the whole of Opacus (a test holds it equal)
+DEFAULT_ORDERS = tuple(1 + x / 10.0 for x in range(1, 100)) + tuple(range(12, 64))
 
-    return tuple(RDPAccountant.DEFAULT_ALPHAS)
+
+@functools.cache
+def analysis() -> ModuleType:
+    """Opacus' ``opacus.accountants.analysis.rdp``, its file loaded alone (it imports only
+    numpy and ``scipy.special``), without running Opacus' package ``__init__`` (module
+    docstring): the same code, so the same numbers."""
+    package = importlib.util.find_spec("opacus")  # found, not imported
+    assert package is not None and package.origin is not None, "opacus is a dependency"
+    path = Path(package.origin).parent / "accountants" / "analysis" / "rdp.py"
+    spec = importlib.util.spec_from_file_location(f"{__name__}._opacus_rdp", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def default_orders() -> tuple[float, ...]:
+    """Opacus' ``RDPAccountant.DEFAULT_ALPHAS``: :data:`DEFAULT_ORDERS`."""
+    return DEFAULT_ORDERS
 
 
 def orders() -> tuple[float, ...]:
@@ -84,9 +111,7 @@ def _order_rdp(noise_multiplier: float, sample_rate: float, alpha: float) -> flo
     order, not by the tuple of orders asked: the orders a history's ε evaluates change from
     one history to the next (:func:`_default_best` prunes by the history's own values), while
     a run's rounds keep asking for the same (σ, q, α)."""
-    from opacus.accountants.analysis import rdp as rdp_analysis
-
-    return float(rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier,
+    return float(analysis().compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier,
                                           steps=1, orders=[alpha])[0])
 
 
@@ -147,11 +172,9 @@ def _conversion_at(alpha: float, delta: float) -> float:
 
 
 def _best(alphas: tuple[float, ...], rdp: np.ndarray, delta: float) -> float:
-    from opacus.accountants.analysis import rdp as rdp_analysis
-
     with warnings.catch_warnings():  # "optimal order is the smallest/largest alpha"
         warnings.simplefilter("ignore", UserWarning)
-        eps, _ = rdp_analysis.get_privacy_spent(orders=list(alphas), rdp=rdp, delta=delta)
+        eps, _ = analysis().get_privacy_spent(orders=list(alphas), rdp=rdp, delta=delta)
     return float(eps)
 
 
