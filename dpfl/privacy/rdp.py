@@ -35,11 +35,11 @@ for bit; a calibration, which evaluates many multipliers, runs about 1.7× faste
 with this ε, so a multiplier calibrated for ε gives the ledger ε ≤ target; where the default
 orders' optimum is interior both are Opacus' values bit for bit.
 
-The analysis is Opacus' module ``opacus.accountants.analysis.rdp``, loaded
-from its file alone (:func:`analysis`): importing it the usual way runs Opacus' package
-``__init__``, which loads its ``PrivacyEngine``, every optimizer and ``scipy.stats``, about 2 s
-of CPU that a SuperNode checking its own budget would pay on every message (Flower starts a
-ClientApp process per message).
+The analysis is Opacus' module ``opacus.accountants.analysis.rdp``, loaded from its file alone
+(:func:`analysis`): importing it the usual way runs Opacus' package ``__init__``, which loads
+its ``PrivacyEngine``, every optimizer and ``scipy.stats``, about 2 s of CPU that a SuperNode
+checking its own budget would pay on every message (Flower starts a ClientApp process per
+message).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _order_rdp(noise_multiplier: float, sample_rate: float, alpha: float) -> flo
     one history to the next (:func:`_default_best` prunes by the history's own values), while
     a run's rounds keep asking for the same (σ, q, α)."""
     return float(analysis().compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier,
-                                          steps=1, orders=[alpha])[0])
+                                        steps=1, orders=[alpha])[0])
 
 
 def _rdp(history: tuple[Event, ...], alphas: tuple[float, ...]) -> np.ndarray:
