@@ -152,15 +152,15 @@ def _opacus_default(history):
     from opacus.accountants import RDPAccountant
     from opacus.accountants.analysis import rdp as rdp_analysis
 
-    curve = sum(rdp.curve(z, q, rdp.default_orders()) * k for z, q, k in history)
+    curve = sum(rdp.curve(z, q, rdp.DEFAULT_ORDERS) * k for z, q, k in history)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        _, best = rdp_analysis.get_privacy_spent(orders=list(rdp.default_orders()), rdp=curve,
+        _, best = rdp_analysis.get_privacy_spent(orders=list(rdp.DEFAULT_ORDERS), rdp=curve,
                                                  delta=DELTA)
         accountant = RDPAccountant()
         accountant.history = list(history)
-        return accountant.get_epsilon(DELTA), best in (rdp.default_orders()[0],
-                                                       rdp.default_orders()[-1])
+        return accountant.get_epsilon(DELTA), best in (rdp.DEFAULT_ORDERS[0],
+                                                       rdp.DEFAULT_ORDERS[-1])
 
 
 @pytest.mark.parametrize("history", EDGES, ids=lambda h: "z{:g}-q{:g}-k{}".format(*h[0]))
@@ -194,7 +194,7 @@ def test_the_fractional_orders_left_out_by_the_bound_never_held_the_minimum(hist
     one of them is evaluated (multi-mechanism histories, q = 1, no noise: RDP infinite)."""
     import numpy as np
 
-    orders = rdp.default_orders()
+    orders = rdp.DEFAULT_ORDERS
     everything = rdp._best(orders, sum(rdp.curve(z, q, orders) * k for z, q, k in history),
                            DELTA)
     pruned, _ = rdp._default_best(history, DELTA)

@@ -85,15 +85,10 @@ def analysis() -> ModuleType:
     return module
 
 
-def default_orders() -> tuple[float, ...]:
-    """Opacus' ``RDPAccountant.DEFAULT_ALPHAS``: :data:`DEFAULT_ORDERS`."""
-    return DEFAULT_ORDERS
-
-
 def orders() -> tuple[float, ...]:
     """Every order :func:`epsilon` minimises over: the low extension, Opacus' defaults, the
     high extension."""
-    return LOW_ORDERS + default_orders() + HIGH_ORDERS
+    return LOW_ORDERS + DEFAULT_ORDERS + HIGH_ORDERS
 
 
 def curve(noise_multiplier: float, sample_rate: float, alphas: tuple[float, ...]) -> np.ndarray:
@@ -133,7 +128,7 @@ def _default_best(history: tuple[Event, ...], delta: float) -> tuple[float, dict
     RDP of the history at its integer orders (2–63). A fractional order is evaluated only if
     the convexity of f(α) = (α − 1)·RDP(α) leaves room for it below the best ε so far (module
     docstring); the result is the minimum over all of them, bit for bit."""
-    defaults = default_orders()
+    defaults = DEFAULT_ORDERS
     integers = tuple(a for a in defaults if float(a).is_integer())
     fractions = [a for a in defaults if not float(a).is_integer()]
     known = dict(zip(_BOUND_ORDERS + integers, _rdp(history, _BOUND_ORDERS + integers),
