@@ -628,6 +628,10 @@ def test_the_products_run_in_the_models_dtype_only_where_the_public_gradients_ar
     assert torch.allclose(fast, slow, rtol=0, atol=1e-5 * float(slow.abs().max()))
     a = torch.randn(12, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(space.lift(a), exact.lift(a), rtol=0, atol=1e-5 * float(a.abs().max()))
+    for basis in (space, exact):  # written in place, in the products' dtype or converted once
+        row = torch.full((2, model.d), float("nan"))
+        basis.lift_into(a, row[1])
+        assert torch.equal(row[1], basis.lift(a)) and row[0].isnan().all()
 
     every = build_problem(_config(tmp_path, "k40", projection_dim=40)).algorithm  # k = m
     px, py = every.public

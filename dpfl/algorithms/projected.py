@@ -485,7 +485,10 @@ class DPSGD(FederatedDPSGD[ProjectedHyperparameters]):
             coords = torch.stack(sums) / b
             clipped = torch.stack(clipped)
         noisy = ctx.privatize("train", coords, radius=radius / b, step=k)
-        return torch.stack([s.lift(a) for s, a in zip(spaces, noisy, strict=True)]), clipped
+        lifted = params.new_empty(params.shape)
+        for space, a, row in zip(spaces, noisy, lifted, strict=True):
+            space.lift_into(a, row)
+        return lifted, clipped
 
     def projected_clipped_sum(self, point: Tensor, xb: Tensor, yb: Tensor, space: Subspace,
                               radius: float, ctx: ClientContext) -> tuple[Tensor, Tensor]:

@@ -28,6 +28,10 @@ class Subspace(ABC):
     def lift(self, a: Tensor) -> Tensor:
         """``[..., k]`` → ``[..., d]``: Va."""
 
+    def lift_into(self, a: Tensor, out: Tensor) -> None:
+        """Write Va (``a [k]``) into ``out [d]``, in ``out``'s dtype."""
+        out.copy_(self.lift(a))
+
     def sample_coords(self, model: FlatModel, point: Tensor, x: Tensor,
                       y: Tensor) -> Iterator[Tensor]:
         """``[n, k]``, chunk by chunk: Vᵀ∇ℓ(point, x_j) for the records ``x [b, ...]``, ``y
@@ -90,6 +94,15 @@ class GradientBasis(Subspace):
         rows = a.reshape(-1, a.shape[-1]).double()
         out = torch.stack([self.span.combine(w, self.dtype) for w in rows @ self.r.t()])
         return out.reshape(*a.shape[:-1], out.shape[-1]).to(a.dtype)
+
+    def lift_into(self, a: Tensor, out: Tensor) -> None:
+        """:meth:`lift`'s arithmetic (the same bits) with the weighted sum written in place:
+        into ``out`` where it has the products' dtype, else converted into it once."""
+        (w,) = a.reshape(1, -1).double() @ self.r.t()
+        if out.dtype == self.dtype:
+            self.span.combine(w, self.dtype, out=out)
+        else:
+            out.copy_(self.span.combine(w, self.dtype))
 
     def sample_coords(self, model: FlatModel, point: Tensor, x: Tensor,
                       y: Tensor) -> Iterator[Tensor]:
