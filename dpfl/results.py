@@ -87,14 +87,15 @@ class ResultsWriter:
         self._rounds_file.write(_line(record))
 
     def finish(self, summary: dict[str, Any], state_dict: dict[str, torch.Tensor], *,
-               title: str, chance: float | None) -> None:
-        """Plot (``summary.png``, named ``title``, ``chance`` the chance accuracy) and model
-        first, ``summary.json`` last: its presence marks a finished run (``dpfl reproduce``
-        reuses such runs). The model is saved on the CPU whatever the run's device, so that it
-        loads anywhere."""
-        from dpfl.plots import plot_summary
-
+               title: str, chance: float | None, plot: bool = True) -> None:
+        """Plot (``summary.png``, named ``title``, ``chance`` the chance accuracy; unless not
+        ``plot``) and model first, ``summary.json`` last: its presence marks a finished run
+        (``dpfl reproduce`` reuses such runs). The model is saved on the CPU whatever the run's
+        device, so that it loads anywhere."""
         self._rounds_file.close()
-        plot_summary(self.rounds, self.path, title=title, chance=chance)
+        if plot:
+            from dpfl.plots import plot_summary
+
+            plot_summary(self.rounds, self.path, title=title, chance=chance)
         torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, self.path / "model.pt")
         (self.path / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))

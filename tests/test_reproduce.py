@@ -54,6 +54,10 @@ def test_smoke_reproduction_writes_a_report(name, smoke):
     for method in ("clip-sgd", "clip21-sgd2m"):
         assert f"| {method} |" in report
     assert list(folder.glob("*.png"))
+    # a run's folder holds what `dpfl run` writes but its plot (the report draws the figures)
+    runs = [run for run in (folder / "runs").iterdir() if (run / "summary.json").exists()]
+    assert runs and all((run / "model.pt").exists() for run in runs)
+    assert not list((folder / "runs").glob("*/summary.png"))
 
 
 @pytest.mark.smoke

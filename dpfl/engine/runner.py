@@ -82,8 +82,10 @@ class EngineTransport:
         return self.blocks[key]
 
 
-def run(config: RunConfig, *, echo: bool = True) -> dict[str, Any]:
-    """Run ``config`` to the end (or to ``max-epsilon``); returns the summary."""
+def run(config: RunConfig, *, echo: bool = True, plot: bool = True) -> dict[str, Any]:
+    """Run ``config`` to the end (or to ``max-epsilon``); returns the summary. ``plot``:
+    draw the results folder's ``summary.png`` (a sweep's runs skip it: their report draws
+    the figures)."""
     problem = build_problem(config)
     transport = EngineTransport(problem, pooled_noise=config["engine-mode"] == "fast")
-    return drive(RoundLoop(problem, "engine", echo=echo), transport)
+    return drive(RoundLoop(problem, "engine", echo=echo, plot=plot), transport)

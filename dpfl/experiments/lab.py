@@ -121,7 +121,7 @@ def _run_one(values: dict[str, Value]) -> dict[str, Any]:
     from dpfl.engine import run
 
     with one_thread():
-        return run(RunConfig(values), echo=False)
+        return run(RunConfig(values), echo=False, plot=False)
 
 
 def _simulate(simulate: Callable[[list[dict[str, Value]]], list[dict[str, Any]]],

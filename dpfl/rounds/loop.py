@@ -118,10 +118,11 @@ class RoundLoop:
     """One problem's run to the end (or to ``max-epsilon``), as a generator (:meth:`run`).
 
     ``runtime`` ('engine' or 'flower') names the results folder and refuses settings the
-    runtime cannot honour; ``x0`` is the initial model (the problem's by default). A run with
+    runtime cannot honour; ``x0`` is the initial model (the problem's by default); ``echo``
+    puts the rounds on the console and ``plot`` draws ``summary.png``. A run with
     ``resume=true`` is checked against its checkpoint here, before anything starts."""
 
-    def __init__(self, problem: Problem, runtime: str, *, echo: bool = True,
+    def __init__(self, problem: Problem, runtime: str, *, echo: bool = True, plot: bool = True,
                  x0: torch.Tensor | None = None) -> None:
         check_runtime(problem.config, runtime)
         self.problem = problem
@@ -142,7 +143,7 @@ class RoundLoop:
         self.checkpointer.check_releases(releases_of(problem))
         self.monitor = RunMonitor(problem, echo)
         self.evaluate = Evaluator(problem)
-        self.report = ReportWriter(problem, runtime, self.checkpointer.path, echo)
+        self.report = ReportWriter(problem, runtime, self.checkpointer.path, echo, plot)
         self.echo = echo
         self.stop_reason = ""
         self.rounds_done = 0

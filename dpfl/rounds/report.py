@@ -21,14 +21,17 @@ log = logging.getLogger("dpfl")
 
 
 class ReportWriter:
-    """Writes one run's results folder ``path`` (:class:`~dpfl.results.ResultsWriter`) and,
-    when ``echo``, says what it writes on the console."""
+    """Writes one run's results folder ``path`` (:class:`~dpfl.results.ResultsWriter`; its
+    ``summary.png`` only where ``plot``) and, when ``echo``, says what it writes on the
+    console."""
 
-    def __init__(self, problem: Problem, runtime: str, path: Path, echo: bool) -> None:
+    def __init__(self, problem: Problem, runtime: str, path: Path, echo: bool,
+                 plot: bool = True) -> None:
         self.problem = problem
         self.runtime = runtime
         self.path = path
         self.echo = echo
+        self.plot = plot
         self.records: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] = {}  # the latest evaluation's values
         self.results: ResultsWriter | None = None
@@ -96,7 +99,7 @@ class ReportWriter:
             0.5 if data.task == "binary" else None)
         assert self.results is not None, "open() first"
         self.results.finish(summary, p.model.load_into(params).state_dict(), title=title,
-                            chance=chance)
+                            chance=chance, plot=self.plot)
         if self.echo:
             stop = summary["stopped_early"]
             print(f"done: {summary['rounds_completed']} rounds in {summary['wall_seconds']:.1f} "
