@@ -334,12 +334,22 @@ def test_partition_is_fixed_by_the_seed(name):
 
 
 def test_partition_is_a_pure_function_across_processes():
+    """A fresh process splits as this one does; there flwr-datasets' partitioners come without
+    the package's visualisation and metrics (seaborn), and a later import of the package is
+    whole and splits the same."""
     script = f"""
-import json
+import json, sys
 from dpfl.datasets import load_dataset, partition
+module = sys.modules["dpfl.datasets.partition"]  # the package's name "partition" is the function
 d = load_dataset("digits", seed=0, data_dir={DATA_DIR!r})
 names = ("iid", "dirichlet", "shards")
 split = {{n: partition(d, partitioner=n, num_partitions=6, seed=4) for n in names}}
+assert not {{"seaborn", "flwr_datasets"}} & set(sys.modules), "imported"
+import flwr_datasets
+assert flwr_datasets.FederatedDataset and flwr_datasets.partitioner is module.partitioners()
+module.partitioners.cache_clear(), module._split.cache_clear()
+again = {{n: partition(d, partitioner=n, num_partitions=6, seed=4) for n in names}}
+assert all((a == b).all() for n in names for a, b in zip(split[n], again[n], strict=True))
 print(json.dumps({{n: [p.tolist() for p in parts] for n, parts in split.items()}}))
 """
     out = subprocess.run(

@@ -32,9 +32,13 @@ as two classes, and regression datasets have no labels to split by.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 import warnings
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache, lru_cache
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -124,6 +128,28 @@ def _split(
     return tuple(parts)
 
 
+@cache
+def partitioners() -> ModuleType:
+    """``flwr_datasets.partitioner``. The package's own ``__init__`` also imports its
+    visualisation and metrics modules (seaborn, scipy.stats, matplotlib: about 1.5 s of CPU in
+    a fresh process, paid by every ``dpfl run`` and every Flower node's first message of a
+    run), which a split never uses. Unless the package is imported already, the partitioners
+    are imported beneath a stand-in for the package (its spec, not executed) that is removed
+    right after: a later ``import flwr_datasets`` runs the package's ``__init__`` as usual and
+    finds the same partitioner modules. Should the partitioners ever need a name that only the
+    package's ``__init__`` defines, the plain import is used."""
+    package = "flwr_datasets"
+    if package not in sys.modules and (spec := importlib.util.find_spec(package)) is not None:
+        sys.modules[package] = importlib.util.module_from_spec(spec)
+        try:
+            return importlib.import_module(f"{package}.partitioner")
+        except ImportError:
+            pass
+        finally:
+            del sys.modules[package]
+    return importlib.import_module(f"{package}.partitioner")
+
+
 def _table(dataset: Dataset, *, labels: bool = False) -> hf.Dataset:
     import datasets as hf
 
@@ -144,26 +170,21 @@ def _indices(table: hf.Dataset, partitioner: Partitioner) -> list[np.ndarray]:
 
 @PARTITIONERS.register("iid")
 def _iid(dataset: Dataset, *, num_partitions: int, seed: int, **_: object) -> list[np.ndarray]:
-    from flwr_datasets.partitioner import IidPartitioner
-
-    return _indices(_table(dataset).shuffle(seed=seed), IidPartitioner(num_partitions))
+    iid = partitioners().IidPartitioner(num_partitions)
+    return _indices(_table(dataset).shuffle(seed=seed), iid)
 
 
 @PARTITIONERS.register("contiguous")
 def _contiguous(dataset: Dataset, *, num_partitions: int, **_: object) -> list[np.ndarray]:
-    from flwr_datasets.partitioner import IidPartitioner
-
-    return _indices(_table(dataset), IidPartitioner(num_partitions))
+    return _indices(_table(dataset), partitioners().IidPartitioner(num_partitions))
 
 
 @PARTITIONERS.register("dirichlet")
 def _dirichlet(
     dataset: Dataset, *, num_partitions: int, seed: int, alpha: float, **_: object
 ) -> list[np.ndarray]:
-    from flwr_datasets.partitioner import DirichletPartitioner
-
     min_size = min(10, dataset.num_train // num_partitions)
-    partitioner = DirichletPartitioner(
+    partitioner = partitioners().DirichletPartitioner(
         num_partitions,
         partition_by="label",
         alpha=float(alpha),
@@ -200,9 +221,7 @@ def _shards(
             f"partitions of {dataset.num_train} rows",
             allowed=f"1..{dataset.num_train // num_partitions}",
         )
-    from flwr_datasets.partitioner import ShardPartitioner
-
-    partitioner = ShardPartitioner(
+    partitioner = partitioners().ShardPartitioner(
         num_partitions,
         partition_by="label",
         num_shards_per_partition=shards_per_partition,
