@@ -88,8 +88,8 @@ class ResultsWriter:
 
     def finish(self, summary: dict[str, Any], state_dict: dict[str, torch.Tensor], *,
                title: str, chance: float | None, plot: bool = True) -> None:
-        """Plot (``summary.png``, named ``title``, ``chance`` the chance accuracy; unless not
-        ``plot``) and model first, ``summary.json`` last: its presence marks a finished run
+        """The plot (``summary.png``, named ``title``, ``chance`` the chance accuracy; where
+        ``plot``) and the model first, ``summary.json`` last: its presence marks a finished run
         (``dpfl reproduce`` reuses such runs). The model is saved on the CPU whatever the run's
         device, so that it loads anywhere."""
         self._rounds_file.close()

@@ -136,8 +136,10 @@ def partitioners() -> ModuleType:
     run), which a split never uses. Unless the package is imported already, the partitioners
     are imported beneath a stand-in for the package (its spec, not executed) that is removed
     right after: a later ``import flwr_datasets`` runs the package's ``__init__`` as usual and
-    finds the same partitioner modules. Should the partitioners ever need a name that only the
-    package's ``__init__`` defines, the plain import is used."""
+    finds the same partitioner modules (another thread importing the package in that moment
+    would see the stand-in; neither dpfl nor Flower's runtimes import it elsewhere). Should the
+    partitioners ever need a name that only the package's ``__init__`` defines, the plain
+    import is used."""
     package = "flwr_datasets"
     if package not in sys.modules and (spec := importlib.util.find_spec(package)) is not None:
         sys.modules[package] = importlib.util.module_from_spec(spec)
