@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,38 @@ def test_results_folder_has_every_artifact(small_config):
     state = torch.load(folder / "model.pt")
     assert all(isinstance(v, torch.Tensor) for v in state.values())
     assert (folder / "summary.png").stat().st_size > 0
+
+
+def test_a_pause_adds_to_the_wall_time_not_to_the_cpu_time(small_config, monkeypatch):
+    """A run's ``cpu_seconds`` is its process's CPU time: a second the run spends stopped (a
+    paused or suspended sweep; here a sleep in its first exchange) is in its wall time and not
+    in its CPU time; a checkpoint carries both, and one written before CPU time was counted
+    leaves it unknown."""
+    import time
+
+    from dpfl.engine.runner import EngineTransport
+    from dpfl.rounds.report import ReportWriter
+
+    exchange, slept = EngineTransport.send_and_receive, []
+
+    def paused(self, *args, **kwargs):
+        if not slept:
+            slept.append(time.sleep(1.0))
+        return exchange(self, *args, **kwargs)
+
+    monkeypatch.setattr(EngineTransport, "send_and_receive", paused)
+    summary = run(small_config(), echo=False)
+    wall, cpu = summary["wall_seconds"], summary["cpu_seconds"]
+    assert wall > 1.0 and 0 < cpu < wall - 0.9
+    assert json.loads((Path(summary["results"]) / "summary.json").read_text())[
+        "cpu_seconds"] == summary["cpu_seconds"]
+
+    writer = ReportWriter(None, "engine", Path("unused"), echo=False)
+    writer.load_state_dict({"records": [], "last_eval": {}, "wall_seconds": 5.0,
+                            "cpu_seconds": 4.0, "round": 2})
+    assert writer.cpu_seconds() >= 4.0 and writer.state_dict()["cpu_seconds"] >= 4.0
+    writer.load_state_dict({"records": [], "last_eval": {}, "wall_seconds": 5.0, "round": 2})
+    assert writer.cpu_seconds() is None and writer.wall_seconds() >= 5.0
 
 
 def test_same_seed_same_model_different_seed_different_model(small_config, tmp_path):

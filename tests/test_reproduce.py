@@ -51,6 +51,7 @@ def test_smoke_reproduction_writes_a_report(name, smoke):
     folder = smoke(name)
     report = (folder / "report.md").read_text()
     assert "wall time" in report and "dpfl run --run-config" in report
+    assert " of CPU)" in report  # every run behind it counted its CPU time
     for method in ("clip-sgd", "clip21-sgd2m"):
         assert f"| {method} |" in report
     assert list(folder.glob("*.png"))

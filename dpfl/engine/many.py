@@ -344,10 +344,10 @@ def fold(configs: Sequence[RunConfig]) -> Fold:
 
 def run_fold(batch: Fold, *, echo: bool = False) -> list[dict[str, Any]]:
     """Run every run of ``batch`` to its end; their summaries in order. A run's
-    ``wall_seconds`` and ``seconds_per_round`` are its share of the batch's wall time (the
-    runs advance together, so each one's own clock runs for the whole batch), in its summary
-    and its ``summary.json``; its rounds' ``seconds`` are the batch's. Raises the first run's
-    failure, in order, after every run has ended."""
+    ``wall_seconds``, ``seconds_per_round`` and ``cpu_seconds`` are its share of the batch's
+    (the runs advance together, so each one's own clocks run for the whole batch), in its
+    summary and its ``summary.json``; its rounds' ``seconds`` are the batch's. Raises the
+    first run's failure, in order, after every run has ended."""
     out: list[Any] = [None] * len(batch.runs)
     loops: dict[int, Rounds] = {}
     waiting: dict[int, Request] = {}
@@ -368,7 +368,7 @@ def run_fold(batch: Fold, *, echo: bool = False) -> list[dict[str, Any]]:
             waiting[index] = Request(run, done.exchange, done.server_round, done.broadcast,
                                      done.participants)
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for index in range(len(batch.runs)):
         step(index)
     while waiting:
@@ -383,13 +383,14 @@ def run_fold(batch: Fold, *, echo: bool = False) -> list[dict[str, Any]]:
         if isinstance(result, BaseException):
             raise result
     share = (time.perf_counter() - started) / len(out)
+    cpu = (time.process_time() - cpu_started) / len(out)
     for summary in out:
-        summary.update(wall_seconds=share,
-                       seconds_per_round=share / max(summary["rounds_completed"], 1))
+        shares = {"wall_seconds": share, "cpu_seconds": cpu,
+                  "seconds_per_round": share / max(summary["rounds_completed"], 1)}
+        summary.update(shares)
         path = Path(summary["results"]) / "summary.json"
         written = json.loads(path.read_text())
-        written.update(wall_seconds=summary["wall_seconds"],
-                       seconds_per_round=summary["seconds_per_round"])
+        written.update(shares)
         path.write_text(json.dumps(written, indent=2))
     return out
 

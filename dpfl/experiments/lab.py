@@ -50,7 +50,7 @@ DATA_KEYS = ("dataset", "dataset-options", "data-dir", "download", "seed")
 # The summary fields an archive keeps: what experiments and reports read of a finished run.
 ARCHIVED = ("rounds_completed", "stopped_early", "test_loss", "test_accuracy", "validation_loss",
             "validation_accuracy", "epsilon_max", "wall_seconds", "seconds_per_round",
-            "calibration_check", "secure_aggregation", "derived")
+            "cpu_seconds", "calibration_check", "secure_aggregation", "derived")
 
 
 def worker_pool(count: int) -> ProcessPoolExecutor:
@@ -347,6 +347,13 @@ class Lab:
         """Single-thread run time behind the report: the runs' own wall times."""
         return sum(float(s.get("wall_seconds") or 0.0) for _, s in self.used.values())
 
+    def cpu_seconds(self) -> float | None:
+        """The runs' own CPU time (which a paused or suspended sweep does not inflate, as it
+        does their wall time), where every run behind the report has it, else None (runs
+        archived before runs counted it, batched simulators)."""
+        cpu = [s.get("cpu_seconds") for _, s in self.used.values()]
+        return None if None in cpu or not cpu else sum(float(c) for c in cpu)
+
     def rounds(self, values: dict[str, Value]) -> list[dict[str, Any]]:
         path = self.folder / "runs" / run_key(values) / "rounds.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()]
@@ -371,20 +378,23 @@ class Lab:
 
     def write(self, title: str) -> Path:
         wall = time.perf_counter() - self.started
+        cpu = self.cpu_seconds()
+        cpu_text = "" if cpu is None else f" ({_duration(cpu)} of CPU)"
         only = f"; restricted to {self.restriction()} (--only)" if self.only else ""
         header = (f"# {title}\n\nMode: {'smoke (reduced)' if self.smoke else 'full'}{only}; "
                   f"wall time of this invocation {wall:.1f} s on {os.cpu_count()} CPU cores "
                   f"({self.workers} worker processes; runs finished by an earlier invocation "
                   f"are reused, not re-timed). Compute behind this report: "
                   f"{len(self.used)} runs, {_duration(self.run_seconds())} of single-"
-                  f"thread run time in total; every run's configuration and result are in "
-                  f"`{ARCHIVE}`.\n")
+                  f"thread run time in total{cpu_text}; every run's configuration and result "
+                  f"are in `{ARCHIVE}`.\n")
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / "report.md"
         path.write_text("\n".join([header, *self.sections]))
         (self.folder / "report.json").write_text(json.dumps(
             {"title": title, "smoke": self.smoke, "wall_seconds": wall, "runs": len(self.used),
-             "run_seconds": self.run_seconds(), "only": self.only}, indent=2))
+             "run_seconds": self.run_seconds(), "only": self.only,
+             **({} if cpu is None else {"cpu_seconds": cpu})}, indent=2))
         self.write_archive(final=True)
         return path
 

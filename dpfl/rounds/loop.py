@@ -416,6 +416,7 @@ class RoundLoop:
             "releases": releases_of(self.problem),
             "wall_seconds": wall,
             "seconds_per_round": wall / max(self.rounds_done, 1),
+            "cpu_seconds": self.report.cpu_seconds(),
             "results": str(self.path),
             "calibration_check": calibration_check(self.problem, self.accounting,
                                                    self.rounds_done, self.stop_reason),

@@ -37,7 +37,9 @@ class ReportWriter:
         self.results: ResultsWriter | None = None
         self.first_round = 1
         self.earlier_seconds = 0.0  # wall time of the rounds a resumed run took over
+        self.earlier_cpu: float | None = 0.0  # their CPU time (None: a checkpoint without it)
         self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
 
     def open(self, meta: dict[str, Any]) -> None:
         """Create the results folder with ``meta`` (a resumed run's: reopen it with its
@@ -55,13 +57,24 @@ class ReportWriter:
             say(meta["privacy"]["note"], self.echo)
 
     def start_clock(self) -> None:
-        """The rounds start now (their ETA, and the run's wall time, count from here)."""
+        """The rounds start now (their ETA, and the run's wall and CPU time, count from
+        here)."""
         self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
 
     def wall_seconds(self) -> float:
         """The run's wall time so far, a resumed run's earlier attempts up to their
         checkpoint included."""
         return self.earlier_seconds + time.perf_counter() - self.started
+
+    def cpu_seconds(self) -> float | None:
+        """The CPU time this process (every thread of it) spent on the run so far, a resumed
+        run's earlier attempts included; None where their checkpoint predates this count.
+        Unlike the wall time, a run paused or suspended does not add to it; under Flower it is
+        the ServerApp's alone (the clients compute in other processes)."""
+        if self.earlier_cpu is None:
+            return None
+        return self.earlier_cpu + time.process_time() - self.cpu_started
 
     def add(self, record: dict[str, Any]) -> None:
         """Append round ``record`` (to ``rounds.jsonl``, and the console)."""
@@ -121,10 +134,12 @@ class ReportWriter:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the report."""
         return {"records": self.records, "last_eval": self.last_eval,
-                "wall_seconds": self.wall_seconds()}
+                "wall_seconds": self.wall_seconds(), "cpu_seconds": self.cpu_seconds()}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.records = list(saved["records"])
         self.last_eval = dict(saved["last_eval"])
         self.earlier_seconds = float(saved["wall_seconds"])
+        cpu = saved.get("cpu_seconds")  # absent from checkpoints written before it was kept
+        self.earlier_cpu = None if cpu is None else float(cpu)
         self.first_round = int(saved["round"]) + 1
