@@ -47,7 +47,8 @@ def test_a_pause_adds_to_the_wall_time_not_to_the_cpu_time(small_config, monkeyp
 
     def paused(self, *args, **kwargs):
         if not slept:
-            slept.append(time.sleep(1.0))
+            slept.append(1.0)
+            time.sleep(1.0)
         return exchange(self, *args, **kwargs)
 
     monkeypatch.setattr(EngineTransport, "send_and_receive", paused)

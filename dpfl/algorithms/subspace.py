@@ -91,13 +91,15 @@ class GradientBasis(Subspace):
         return out.reshape(*g.shape[:-1], self.r.shape[1]).to(g.dtype)
 
     def lift(self, a: Tensor) -> Tensor:
-        rows = a.reshape(-1, a.shape[-1]).double()
-        out = torch.stack([self.span.combine(w, self.dtype) for w in rows @ self.r.t()])
-        return out.reshape(*a.shape[:-1], out.shape[-1]).to(a.dtype)
+        rows = a.reshape(-1, a.shape[-1])
+        out = rows.new_empty(len(rows), self.span.model.d)
+        for row, target in zip(rows, out, strict=True):
+            self.lift_into(row, target)
+        return out.reshape(*a.shape[:-1], out.shape[-1])
 
     def lift_into(self, a: Tensor, out: Tensor) -> None:
-        """:meth:`lift`'s arithmetic (the same bits) with the weighted sum written in place:
-        into ``out`` where it has the products' dtype, else converted into it once."""
+        """Va: the weights w = Ra (float64), then Σ_i w_i g_i written in place, into ``out``
+        where it has the products' dtype, else converted into it once."""
         (w,) = a.reshape(1, -1).double() @ self.r.t()
         if out.dtype == self.dtype:
             self.span.combine(w, self.dtype, out=out)
