@@ -628,12 +628,14 @@ def test_the_products_run_in_the_models_dtype_only_where_the_public_gradients_ar
     assert torch.allclose(fast, slow, rtol=0, atol=1e-5 * float(slow.abs().max()))
     a = torch.randn(12, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(space.lift(a), exact.lift(a), rtol=0, atol=1e-5 * float(a.abs().max()))
-    for basis in (space, exact):  # written in place, in the products' dtype or converted once
-        row = torch.full((2, model.d), float("nan"))
-        basis.lift_into(a, row[1])
+    for basis in (space, exact):  # in the products' dtype, then into the row
         w = (a.reshape(1, -1).double() @ basis.r.t())[0]
-        assert torch.equal(row[1], basis.span.combine(w, basis.dtype).float())
-        assert row[0].isnan().all()
+        alone = basis.span.combine(w, basis.dtype).float()
+        stack = torch.full((5, model.d), float("nan"))  # rows at the offsets a stack gives
+        for i in range(1, 5):
+            basis.lift_into(a, stack[i])
+            assert torch.equal(stack[i], alone), i  # wherever the row lies in memory
+        assert stack[0].isnan().all()
 
     every = build_problem(_config(tmp_path, "k40", projection_dim=40)).algorithm  # k = m
     px, py = every.public

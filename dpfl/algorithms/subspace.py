@@ -98,13 +98,12 @@ class GradientBasis(Subspace):
         return out.reshape(*a.shape[:-1], out.shape[-1])
 
     def lift_into(self, a: Tensor, out: Tensor) -> None:
-        """Va: the weights w = Ra (float64), then Σ_i w_i g_i written in place, into ``out``
-        where it has the products' dtype, else converted into it once."""
+        """Va: the weights w = Ra (float64), then Σ_i w_i g_i in the products' dtype, copied
+        into ``out``. Not summed in place: a GEMM writing into a row of a stacked tensor may
+        round by where the row lies in memory (seen on an AMD EPYC), and the engine's rows of
+        many clients must equal a node's one client bit for bit."""
         (w,) = a.reshape(1, -1).double() @ self.r.t()
-        if out.dtype == self.dtype:
-            self.span.combine(w, self.dtype, out=out)
-        else:
-            out.copy_(self.span.combine(w, self.dtype))
+        out.copy_(self.span.combine(w, self.dtype))
 
     def sample_coords(self, model: FlatModel, point: Tensor, x: Tensor,
                       y: Tensor) -> Iterator[Tensor]:

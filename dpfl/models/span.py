@@ -138,11 +138,10 @@ class GradientSpan:
         dots = _vector_dots(self.factors_in(dtype), v, self.m)
         return dots + torch.dot(self.reg.to(dtype), v) if self.reg is not None else dots
 
-    def combine(self, w: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
-        """``[d]`` (``dtype``): Σ_i w_i (g_i + r) for ``w [m]``, written into ``out`` (``[d]``,
-        ``dtype``) where given."""
+    def combine(self, w: Tensor, dtype: torch.dtype) -> Tensor:
+        """``[d]`` (``dtype``): Σ_i w_i (g_i + r) for ``w [m]``."""
         w = w.to(dtype)
-        out = w.new_zeros(self.model.d) if out is None else out.zero_()
+        out = w.new_zeros(self.model.d)
         for f in self.factors_in(dtype):
             f.add_weighted(w, out)
         if self.reg is not None:
