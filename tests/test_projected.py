@@ -631,11 +631,14 @@ def test_the_products_run_in_the_models_dtype_only_where_the_public_gradients_ar
     for basis in (space, exact):  # in the products' dtype, then into the row
         w = (a.reshape(1, -1).double() @ basis.r.t())[0]
         alone = basis.span.combine(w, basis.dtype).float()
-        stack = torch.full((5, model.d), float("nan"))  # rows at the offsets a stack gives
-        for i in range(1, 5):
-            basis.lift_into(a, stack[i])
-            assert torch.equal(stack[i], alone), i  # wherever the row lies in memory
-        assert stack[0].isnan().all()
+        # a row of a stack starts wherever its index times d puts it: every float offset
+        # within 64 bytes, whatever d is
+        buffer = torch.full((model.d + 16,), float("nan"))
+        for offset in range(16):
+            row = buffer[offset:offset + model.d]
+            basis.lift_into(a, row)
+            assert torch.equal(row, alone), offset  # wherever the row lies in memory
+        assert buffer[model.d + 15:].isnan().all()
 
     every = build_problem(_config(tmp_path, "k40", projection_dim=40)).algorithm  # k = m
     px, py = every.public
