@@ -8,6 +8,7 @@ run on it; docs/deployment.md shows the same commands for machines of your own.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -22,11 +23,25 @@ BIN = Path(sys.executable).parent
 CONNECTION = "local-deployment"
 
 
+#: Where :func:`free_port` draws from: above Ray's worker ports (10002-19999) and below the
+#: ports systems hand out themselves (Linux from 32768, BSD, macOS and Windows from 49152).
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on loopback now, drawn at random from :data:`PORTS`. Not one the system
+    hands out (``bind`` to port 0): the system hands the same range to every outgoing
+    connection, Ray's and other runs' included, and one of them could take the port between
+    this check and the server's bind (a managed SuperLink then exits at start)."""
+    for _ in range(100):
+        port = PORTS[secrets.randbelow(len(PORTS))]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise OSError(f"no free loopback port in {PORTS.start}-{PORTS.stop - 1} after 100 draws")
 
 
 def stop(process: subprocess.Popen) -> None:
