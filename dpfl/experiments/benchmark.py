@@ -261,6 +261,9 @@ def rounds_per_cell(plan: Plan, algorithm: str) -> int:
                for (share, _), n in zip(RUNGS, entering, strict=True))
 
 
+MARKERS = "osD^v<>pPX*hH8d"  # the figure's markers, one per line in turn
+
+
 def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Config],
                    results: dict[Cell, list[dict[str, Any]]]) -> None:
     tests = {cell: [final_accuracy(s) for s in runs] for cell, runs in results.items()
@@ -288,16 +291,22 @@ def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Co
               f"{', '.join(map(str, plan.seeds))} at each algorithm's selected point; the best "
               f"per ε in bold, (tie): its paired {LEVEL:.0%} interval against the best contains 0",
               ["algorithm", *[f"ε = {e:g}" for e in plan.epsilons]], rows)
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for a in plan.algorithms:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colours = plt.get_cmap("tab20").colors  # a colour and a marker of its own for each line
+    for i, a in enumerate(plan.algorithms):
         stats = [mean_std(tests[(setting, a, e)]) for e in plan.epsilons]
         means = [m for m, _ in stats]
-        ax.plot(plan.epsilons, means, marker="o", label=a)
+        colour = colours[i % len(colours)]
+        ax.plot(plan.epsilons, means, marker=MARKERS[i % len(MARKERS)], color=colour, label=a,
+                linestyle="-" if i % 2 == 0 else "--")
         ax.fill_between(plan.epsilons, [m - s for m, s in stats], [m + s for m, s in stats],
-                        alpha=0.15)
+                        color=colour, alpha=0.12)
     ax.set(xscale="log", xlabel="ε (δ = 1e-5, RDP accountant)", ylabel="test accuracy (%)",
            title=title)
-    ax.legend(fontsize=6, ncol=2)
+    ax.set_xticks(plan.epsilons, [f"{e:g}" for e in plan.epsilons])
+    ax.minorticks_off()
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.tight_layout()
     name = f"accuracy-{setting.dataset}-{setting.federation}"
     lab.figure(name, fig, f"{title}: test accuracy against ε, mean ± std over the seeds")
     def selected(algorithm: str, epsilon: float) -> str:
