@@ -5,7 +5,9 @@ reproduction runs it and at its default, a rotation redrawn every step), one
 torch thread, and the parts of a PCDP-SGD step (the public tape and its Gram matrix, the
 eigendecomposition, the private records' coordinates from their tapes, the lift; beside them
 the materialised route they replace), and RPDP-SGD's random subspace drawn each
-step by QR or as rows of a structured random rotation (``random-basis``).
+step by QR, as rows of a structured random rotation, or as rows of a per-layer Kronecker
+rotation read from the tapes (``random-basis``); and a round of PCDP-SGD and of RPDP-SGD's two
+fast subspaces on the matched-ε benchmark's MNIST MLP federation (``--mlp-rounds``).
 
     .venv/bin/python benchmarks/bench_projected.py [--rounds 1] [--parts-only]
 
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import scratch  # noqa: E402
 
 from dpfl.algorithms.projected import (  # noqa: E402
+    KroneckerRotation,
     RandomBasis,
     RandomRotation,
     top_eigenspace,
@@ -43,7 +46,17 @@ METHODS = (("dp-sgd", "dp-sgd", {}), ("rsdp-sgd", "rsdp-sgd", {}), ("pdp-sgd", "
            ("pcdp-sgd", "pcdp-sgd", {}),
            ("rpdp-sgd (QR once an epoch)", "rpdp-sgd", {}),
            ("rpdp-sgd (rotation every step: its default)", "rpdp-sgd",
-            {"random-basis": "rotation", "projection-interval": 1}))
+            {"random-basis": "rotation", "projection-interval": 1}),
+           ("rpdp-sgd (Kronecker rows every step)", "rpdp-sgd",
+            {"random-basis": "kronecker", "projection-interval": 1}))
+# the matched-ε benchmark's round (docs/benchmark.md): the MNIST MLP (d = 203,530), 10 IID
+# clients, one local step of about 32 records each
+MLP_ROUND = {"dataset": "mnist", "partitioner": "iid", "num-partitions": 10, "epsilon": 2.0,
+             "calibration": "accountant", "calibration-rounds": 200,
+             "dataset-options": "num_validation=5000", "learning-rate": 1.0, "clip": 0.3}
+MLP_METHODS = (("pcdp-sgd", "pcdp-sgd", {"dataset-options": "num_public=100 num_validation=5000"}),
+               ("rpdp-sgd (rotation)", "rpdp-sgd", {"random-basis": "rotation"}),
+               ("rpdp-sgd (Kronecker rows)", "rpdp-sgd", {"random-basis": "kronecker"}))
 
 
 def timed(fn, repeat: int = 5) -> float:
@@ -58,6 +71,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--parts-only", action="store_true", help="only the parts of a step")
+    parser.add_argument("--mlp-rounds", type=int, default=3,
+                        help="rounds of each method on the benchmark's MLP federation (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     tmp = scratch("dpfl-bench-pcdp-")
@@ -71,6 +86,15 @@ def main() -> None:
         summary = run(RunConfig(values), echo=False)
         per_step = summary["seconds_per_round"] / 40
         print(f"| {row} | {per_step:.3f} | {per_step * 3200:.0f} |", flush=True)
+    if args.mlp_rounds and not args.parts_only:
+        print("\n| method, MNIST MLP, 10 clients | s per round |\n|---|---:|")
+        for row, method, overrides in MLP_METHODS:
+            rows.append(row)
+            rounds = args.mlp_rounds
+            values = {**MLP_ROUND, "algorithm": method, **overrides, "num-server-rounds": rounds,
+                      "eval-every": rounds, "results-dir": str(tmp), "run-name": f"row{len(rows)}"}
+            summary = run(RunConfig(values), echo=False)
+            print(f"| {row} | {summary['seconds_per_round']:.3f} |", flush=True)
     problem = build_problem(RunConfig(config_of(setting, "pcdp-sgd", 10, 0, "code")))
     model, x = problem.model, problem.x0
     source = problem.algorithm.source
@@ -85,6 +109,7 @@ def main() -> None:
     coords = torch.cat(list(space.sample_coords(model, x, xb, yb)))
     rpdp = build_problem(RunConfig(config_of(setting, "rpdp-sgd", 10, 0, "code"))).algorithm
     qr, rotation, rng = RandomBasis(rpdp), RandomRotation(rpdp), Randomness(0)
+    kronecker = KroneckerRotation(rpdp)
     basis = qr.subspace(x, rng, 0, 1, 0)
     parts = {
         "public tape (100 records) and its Gram matrix, float64": lambda: GradientSpan(
@@ -107,6 +132,9 @@ def main() -> None:
             basis.coords(rows).sum(0)),
         "RPDP subspace by rotation: draw, Vᵀg (250), lift": lambda: (lambda r: r.lift(
             r.coords(rows).sum(0)))(rotation.subspace(x, rng, 0, 1, 0)),
+        "RPDP subspace by Kronecker rows: draw, Vᵀg from the tapes (250), lift": lambda: (
+            lambda r: r.lift(torch.cat(list(r.sample_coords(model, x, xb, yb))).sum(0)))(
+            kronecker.subspace(x, rng, 0, 1, 0)),
     }
     print("\n| part of a step | seconds |\n|---|---:|")
     for name, fn in parts.items():

@@ -81,7 +81,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dpfl.algorithms.base import (
     Batches,
@@ -101,7 +101,7 @@ from dpfl.algorithms.local_dpsgd import (
     NoisyStep,
 )
 from dpfl.algorithms.registry import ALGORITHMS
-from dpfl.algorithms.rotation import ROUNDS, RotatedRows, Rotation
+from dpfl.algorithms.rotation import ROUNDS, KroneckerRows, LayerRotation, RotatedRows, Rotation
 from dpfl.algorithms.subspace import Basis, Coordinates, GradientBasis, Subspace
 from dpfl.config import FRACTION_TRAIN, Param, at_least, hyperparameter
 from dpfl.errors import ConfigError
@@ -124,9 +124,12 @@ PROJECTION_INTERVAL = Param("projection-interval", 1, "Steps (rounds, for FedPCD
                             check=at_least(1), symbol="β")
 RANDOM_BASIS = Param("random-basis", "rotation", "RPDP-SGD: how its random k'-subspace is "
                      "drawn: 'rotation', k' rows of a structured random rotation (exactly "
-                     "orthonormal, O(d log d) a vector: docs/algorithms.md), or 'qr', a Gaussian "
-                     "d×k' matrix orthonormalised by QR (Haar-distributed, O(dk'²) a draw).",
-                     choices=("rotation", "qr"))
+                     "orthonormal, O(d log d) a vector: docs/algorithms.md); 'kronecker', k' "
+                     "rows of a rotation per layer, R_out ⊗ R_in for a Linear layer, whose "
+                     "coordinates come from the tapes without per-sample gradients (the "
+                     "fastest); or 'qr', a Gaussian d×k' matrix orthonormalised by QR "
+                     "(Haar-distributed, O(dk'²) a draw).",
+                     choices=("rotation", "qr", "kronecker"))
 PUBLIC_BATCH = Param("public-batch-size", 0, "Public records behind one subspace; 0 = all m "
                      "(the paper's setting).", check=at_least(0), symbol="B_pub")
 PUBLIC_BATCHING = Param("public-batching", "rbs", "How the public batch is drawn (§4.3, App. "
@@ -258,6 +261,18 @@ class RandomBasis(SubspaceSource):
         return Basis(torch.linalg.qr(gaussian).Q.to(point.device))
 
 
+def draw_rotation(rng: Randomness, owner: int, server_round: int, purpose: str, n: int,
+                  device: torch.device) -> Rotation:
+    """A structured random rotation of R^n (:mod:`dpfl.algorithms.rotation`): its permutations
+    and signs from the owner's streams ``<purpose>-p<r>``, ``<purpose>-s<r>`` of the round."""
+    permutations = [rng.permutation(owner, server_round, f"{purpose}-p{r}", n).to(device)
+                    for r in range(ROUNDS)]
+    signs = [torch.where(rng.normal([owner], server_round, f"{purpose}-s{r}", (n,),
+                                    torch.ones(1))[0] < 0, -1.0, 1.0).to(device)
+             for r in range(ROUNDS)]
+    return Rotation(permutations, signs)
+
+
 class RandomRotation(SubspaceSource):
     """RPDP-SGD's with ``random-basis="rotation"``: k' distinct rows of a structured random
     rotation (:mod:`dpfl.algorithms.rotation`), its permutations and signs from the owner's
@@ -269,19 +284,53 @@ class RandomRotation(SubspaceSource):
     def subspace(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
                  index: int) -> Subspace:
         purpose = f"subspace-{index}"
-        permutations = [rng.permutation(owner, server_round, f"{purpose}-p{r}", self.d)
-                        for r in range(ROUNDS)]
-        signs = [torch.where(rng.normal([owner], server_round, f"{purpose}-s{r}", (self.d,),
-                                        torch.ones(1))[0] < 0, -1.0, 1.0) for r in range(ROUNDS)]
+        rotation = draw_rotation(rng, owner, server_round, purpose, self.d, point.device)
         kept = rng.permutation(owner, server_round, purpose, self.d)[:min(self.k, self.d)]
-        dev = point.device
-        return RotatedRows(Rotation([p.to(dev) for p in permutations],
-                                    [s.to(dev) for s in signs]), kept.to(dev))
+        return RotatedRows(rotation, kept.to(point.device))
+
+
+class KroneckerRotation(SubspaceSource):
+    """RPDP-SGD's with ``random-basis="kronecker"``: k' rows of Q = diag(R_out,ℓ ⊗ R_in,ℓ) over
+    the layers (:class:`~dpfl.algorithms.rotation.KroneckerRows`; a layer other than ``Linear``
+    rotated as one vector), each factor a structured random rotation. The k' rows are spread
+    over the layers by systematic sampling — layer ℓ of d_ℓ parameters gets ⌊k'D_ℓ/d + u⌋ −
+    ⌊k'D_{ℓ−1}/d + u⌋ of them (D_ℓ = d_1 + … + d_ℓ, one u uniform on [0, 1)), so k'd_ℓ/d on
+    average and within one of it — and drawn uniformly within the layer: every row of Q is kept
+    with probability k'/d, so E[VVᵀ] = (k'/d)·I as for a Haar V. All from the owner's streams
+    ``subspace-<index>-…`` of the round (public randomness)."""
+
+    def __init__(self, algorithm: DPSGD) -> None:
+        self.d, self.k = algorithm.model.d, min(algorithm.hp.projection_dim, algorithm.model.d)
+        self.layers = algorithm.model.flat.layers
+
+    def subspace(self, point: Tensor, rng: Randomness, owner: int, server_round: int,
+                 index: int) -> Subspace:
+        purpose, dev = f"subspace-{index}", point.device
+        z = rng.normal([owner], server_round, f"{purpose}-u", (1,), torch.ones(1),
+                       dtype=torch.float64)
+        u = float(torch.special.ndtr(z))
+        blocks, before = [], 0
+        for i, layer in enumerate(self.layers):
+            numel = sum(shape.numel() for shape in layer.shapes)
+            count = (math.floor(self.k * (before + numel) / self.d + u)
+                     - math.floor(self.k * before / self.d + u))
+            before += numel
+            name = f"{purpose}-l{i}"
+            rows = None
+            width = numel
+            if type(layer.module) is nn.Linear:
+                out = layer.shapes[0][0]
+                width = numel // out
+                rows = draw_rotation(rng, owner, server_round, f"{name}-out", out, dev)
+            cols = draw_rotation(rng, owner, server_round, f"{name}-in", width, dev)
+            kept = rng.permutation(owner, server_round, name, numel)[:count].sort().values
+            blocks.append(LayerRotation(layer, rows, cols, kept.to(dev)))
+        return KroneckerRows(blocks, self.d)
 
 
 #: RPDP-SGD's random bases, by ``random-basis``
-RANDOM_BASES: dict[str, Callable[[DPSGD], SubspaceSource]] = {"qr": RandomBasis,
-                                                              "rotation": RandomRotation}
+RANDOM_BASES: dict[str, Callable[[DPSGD], SubspaceSource]] = {
+    "qr": RandomBasis, "rotation": RandomRotation, "kronecker": KroneckerRotation}
 
 
 class RandomMask(SubspaceSource):

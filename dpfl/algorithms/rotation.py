@@ -31,12 +31,19 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dpfl.algorithms.subspace import Subspace
+from dpfl.models.rows import Layer, chunks, non_finite_rows
+from dpfl.models.span import layer_factors
+
+if TYPE_CHECKING:
+    from dpfl.models import FlatModel
 
 #: mixing rounds H·D·P (three, as in structured orthogonal random features)
 ROUNDS = 3
@@ -132,3 +139,134 @@ class RotatedRows(Subspace):
         rows = a.new_zeros(d, a.numel() // a.shape[-1])
         rows[self.kept] = a.reshape(-1, a.shape[-1]).T
         return self.rotation.transpose(rows).T.reshape(*a.shape[:-1], d)
+
+
+# ---- a rotation per layer, Kronecker-factored ----------------------------------------------------
+
+@dataclass
+class LayerRotation:
+    """One layer's block of a :class:`KroneckerRows` rotation. A ``Linear`` layer's gradient is
+    the ``[out, cols]`` matrix M = [W b] (cols = in + 1; in without a bias, 1 for a bias
+    alone), rotated to R_out·M·R_inᵀ by ``rows`` (R_out) and ``cols`` (R_in); another layer's
+    (convolution, norm) is its ``numel`` entries rotated as one vector by ``cols`` (``rows``
+    None). ``kept``: the entries of the rotated block the subspace keeps (row-major)."""
+
+    layer: Layer
+    rows: Rotation | None
+    cols: Rotation
+    kept: Tensor
+
+    def __post_init__(self) -> None:
+        self.numel = sum(shape.numel() for shape in self.layer.shapes)
+        width = len(self.cols.permutations[0])
+        self.row_of, self.col_of = self.kept // width, self.kept % width
+
+    def matrix(self, flat: Tensor) -> Tensor:
+        """``[n, numel]`` (the layer's entries, weight then bias) → M ``[n, out, cols]``."""
+        weight, bias = self.layer.trainable
+        out = self.layer.shapes[0][0]
+        parts = ([flat[:, :flat.shape[1] - bias * out].reshape(len(flat), out, -1)]
+                 if weight else [])
+        return torch.cat(parts + ([flat[:, -out:, None]] if bias else []), dim=2)
+
+    def coords_of(self, flat: Tensor) -> Tensor:
+        """``[n, k_ℓ]``: the kept rotated entries of the layer's gradients ``flat [n, numel]``."""
+        if self.rows is None:
+            return self.cols.apply(flat.T.contiguous())[self.kept].T
+        m = self.matrix(flat)
+        n, out, width = m.shape
+        left = self.rows.apply(m.transpose(0, 1).reshape(out, n * width))  # R_out·M, [out, n·cols]
+        both = self.cols.apply(left.view(out, n, width).permute(2, 1, 0).reshape(width, n * out))
+        return both.view(width, n, out)[self.col_of, :, self.row_of].T
+
+    def coords_of_factors(self, a: Tensor, delta: Tensor) -> Tensor:
+        """``[n, k_ℓ]`` from a ``Linear`` layer's tape (inputs ``a [n, in]``, output gradients
+        ``delta [n, out]``): the rotated δ·ãᵀ is (R_out δ)(R_in ã)ᵀ, ã = [a; 1], so an entry
+        is one product — no per-sample gradient formed."""
+        assert self.rows is not None
+        weight, bias = self.layer.trainable
+        inputs = [a] if weight else []
+        tilde = torch.cat(inputs + ([a.new_ones(len(a), 1)] if bias else []), dim=1)
+        left = self.rows.apply(delta.T.contiguous())
+        right = self.cols.apply(tilde.T.contiguous())
+        return (left[self.row_of] * right[self.col_of]).T
+
+    def lift_into(self, a: Tensor, out: Tensor) -> None:
+        """Write the layer's part of Va (``a [k_ℓ]``) into its positions of ``out [d]``."""
+        if self.rows is None:
+            rotated = a.new_zeros(self.numel, 1)
+            rotated[self.kept, 0] = a
+            flat = self.cols.transpose(rotated)[:, 0]
+        else:
+            out_dim, width = len(self.rows.permutations[0]), len(self.cols.permutations[0])
+            c = a.new_zeros(width, out_dim)  # Cᵀ
+            c[self.col_of, self.row_of] = a
+            right = self.cols.transpose(c)  # R_inᵀCᵀ = (C·R_in)ᵀ
+            m = self.rows.transpose(right.T.contiguous())  # R_outᵀ·C·R_in, [out, cols]
+            weight, bias = self.layer.trainable
+            flat = torch.cat(([m[:, :width - bias].reshape(-1)] if weight else [])
+                             + ([m[:, -1]] if bias else []))
+        start = 0
+        for target in self.layer.parts(out):
+            target.copy_(flat[start:start + target.numel()].view_as(target))
+            start += target.numel()
+
+
+@dataclass
+class KroneckerRows(Subspace):
+    """The span of k rows of the block-diagonal orthogonal Q = diag(R_out,ℓ ⊗ R_in,ℓ) over
+    the layers ℓ (module docstring of :mod:`dpfl.algorithms.projected`, ``random-basis=
+    "kronecker"``): a ``Linear`` layer's per-sample gradient δ·ãᵀ has coordinates
+    (R_out δ)_i·(R_in ã)_j, read from the tapes without forming the gradient, so a step costs
+    O(b·(out + in)·log) a layer instead of O(b·d·log d) on materialised gradients."""
+
+    blocks: list[LayerRotation]
+    d: int
+
+    def coords(self, g: Tensor) -> Tensor:
+        rows = g.reshape(-1, self.d)
+        parts = [block.coords_of(torch.cat([rows[:, s] for s in block.layer.slices], dim=1))
+                 for block in self.blocks]
+        return torch.cat(parts, dim=1).reshape(*g.shape[:-1], -1)
+
+    def lift(self, a: Tensor) -> Tensor:
+        rows = a.reshape(-1, a.shape[-1])
+        out = rows.new_empty(len(rows), self.d)
+        for row, target in zip(rows, out, strict=True):
+            self.lift_into(row, target)
+        return out.reshape(*a.shape[:-1], self.d)
+
+    def lift_into(self, a: Tensor, out: Tensor) -> None:
+        start = 0
+        for block in self.blocks:
+            block.lift_into(a[start:start + len(block.kept)], out)
+            start += len(block.kept)
+
+    def sample_coords(self, model: FlatModel, point: Tensor, x: Tensor,
+                      y: Tensor) -> Iterator[Tensor]:
+        """``[n, k]``, chunk by chunk, from the tapes (a layer without ghost products, or a
+        ``Linear`` on more than 2-D inputs, from its materialised per-sample gradients; a layer
+        the forward pass does not use contributes zeros). A record whose coordinates are not
+        finite gets a zero row, dropped and counted as in
+        :meth:`~dpfl.models.FlatModel.per_sample_gradient_chunks`."""
+        size = model.chunk_length(point, x[None], y[None], rows=False)
+        reg = model.flat.reg_grad(point) if model.flat.nonconvex_reg else None
+        towards = None if reg is None else self.coords(reg)
+        for _, xs, ys in chunks(x[None], y[None], 0, size):
+            factors = {id(f.layer): f for f in layer_factors(model, point, xs, ys)}
+            parts = []
+            for block in self.blocks:
+                f = factors.get(id(block.layer))
+                if f is None:
+                    parts.append(point.new_zeros(len(ys), len(block.kept)))
+                elif f.grads is not None:
+                    parts.append(block.coords_of(f.grads))
+                else:
+                    assert f.a is not None and f.delta is not None
+                    parts.append(block.coords_of_factors(f.a, f.delta))
+            coords = torch.cat(parts, dim=1)
+            if towards is not None:
+                coords += towards
+            if (bad := non_finite_rows(coords)) is not None:
+                model.dropped.drop(bad, coords)
+            yield coords

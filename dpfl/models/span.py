@@ -75,6 +75,24 @@ class Factors:
                                            targets, beta=0.0)
 
 
+def layer_factors(model: FlatModel, point: Tensor, x: Tensor, y: Tensor,
+                  dtype: torch.dtype | None = None) -> list[Factors]:
+    """Each trainable layer's factors of the per-sample gradients of the records ``x`` at
+    ``point`` (one tape, in closed form for a linear model; a layer the forward pass does not
+    use is absent: its gradients are zero), in ``dtype`` (default: the point's)."""
+    dtype = dtype or point.dtype
+    tape = (model.tapes.record(model.flat.params(point.detach()), x, y)
+            if model.linear is None else model.linear.record(point.detach(), x, y))
+    factors = []
+    for layer, a, g in tape:
+        if grad_sample.has_ghost(layer.module, a):
+            factors.append(Factors(layer, a=a.to(dtype), delta=g.to(dtype)))
+        else:
+            grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
+            factors.append(Factors(layer, grads=torch.cat(grads, dim=1).to(dtype)))
+    return factors
+
+
 class GradientSpan:
     """The per-sample gradients ``g_i + r`` (``r`` the nonconvex regulariser's gradient, if
     any) of the ``m`` records ``x [m, ...]``, ``y [m]`` at ``point [d]``, kept as their layers'
@@ -87,7 +105,7 @@ class GradientSpan:
         self.m = len(y)
         self.device = point.device
         self.reg = self._reg(point)
-        factors = self._factors(point, x, y)
+        factors = layer_factors(model, point, x, y)
         if (bad := _non_finite(factors)) is not None:
             factors = [zeroed(f, bad) for f in factors]
         self.factors = {point.dtype: factors}
@@ -95,23 +113,6 @@ class GradientSpan:
     def _reg(self, point: Tensor) -> Tensor | None:
         flat = self.model.flat
         return flat.reg_grad(point) if flat.nonconvex_reg else None
-
-    def _factors(self, point: Tensor, x: Tensor, y: Tensor,
-                 dtype: torch.dtype | None = None) -> list[Factors]:
-        """Each trainable layer's factors of the records ``x`` at ``point`` (one tape, in
-        closed form for a linear model; a layer the forward pass does not use is absent: its
-        gradients are zero), in ``dtype`` (default: the point's)."""
-        model, dtype = self.model, dtype or point.dtype
-        tape = (model.tapes.record(model.flat.params(point.detach()), x, y)
-                if model.linear is None else model.linear.record(point.detach(), x, y))
-        factors = []
-        for layer, a, g in tape:
-            if grad_sample.has_ghost(layer.module, a):
-                factors.append(Factors(layer, a=a.to(dtype), delta=g.to(dtype)))
-            else:
-                grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
-                factors.append(Factors(layer, grads=torch.cat(grads, dim=1).to(dtype)))
-        return factors
 
     def factors_in(self, dtype: torch.dtype) -> list[Factors]:
         """The span's factors in ``dtype``."""
@@ -161,7 +162,7 @@ class GradientSpan:
         towards_reg = None if reg is None else self.dot_vector(reg, dtype)
         own_reg = None if self.reg is None else self.reg.to(dtype)
         for _, xs, ys in chunks(x[None], y[None], 0, size):
-            factors = self._factors(point, xs, ys, dtype)
+            factors = layer_factors(model, point, xs, ys, dtype)
             dots = self._cross(factors, len(ys), dtype)
             if own_reg is not None:
                 dots = dots + _vector_dots(factors, own_reg, len(ys))[:, None]
