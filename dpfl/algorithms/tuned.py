@@ -113,6 +113,12 @@ POINTS: dict[str, dict[float, dict[str, float]]] = {
         4.0: {"clip": 1.0, "gamma": 0.5, "learning-rate": 0.3},
         8.0: {"clip": 1.0, "gamma": 0.5, "learning-rate": 0.3},
     },
+    "rpdp-sgd": {
+        1.0: {"clip": 0.3, "learning-rate": 30.0},
+        2.0: {"clip": 0.1, "learning-rate": 300.0},
+        4.0: {"clip": 0.1, "learning-rate": 300.0},
+        8.0: {"clip": 0.1, "learning-rate": 300.0},
+    },
     "rsdp-sgd": {
         1.0: {"clip": 3.0, "learning-rate": 0.3},
         2.0: {"clip": 1.0, "learning-rate": 1.0},
