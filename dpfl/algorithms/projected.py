@@ -44,8 +44,10 @@ source of subspaces, and whether the step projects before clipping or after the 
 * ``rpdp-sgd``: PCDP-SGD with a random subspace instead of the public one, redrawn every β
   steps (every step by default, as the paper's algorithm) from a public stream: k' rows of a
   structured random rotation (:mod:`dpfl.algorithms.rotation`: exactly orthonormal, O(d log d)
-  a vector), or with ``random-basis="qr"`` a Gaussian d×k' matrix orthonormalised by QR (a Haar
-  subspace, O(dk'²) a draw; our reading: the paper states neither construction nor placement).
+  a vector), with ``random-basis="kronecker"`` k' rows of a rotation per layer (R_out ⊗ R_in for
+  a Linear layer: :class:`KroneckerRotation`, coordinates read from the tapes), or with
+  ``random-basis="qr"`` a Gaussian d×k' matrix orthonormalised by QR (a Haar subspace, O(dk'²) a
+  draw; our reading: the paper states neither construction nor placement).
 * ``rsdp-sgd``: random sparsification before clipping (Zhu & Blaschko 2021): a coordinate mask
   that drops a fraction ``sparsity`` of the d coordinates, shared by the batch and redrawn every β
   steps; noise on the kept coordinates only.

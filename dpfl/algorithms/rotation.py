@@ -215,8 +215,8 @@ class LayerRotation:
 @dataclass
 class KroneckerRows(Subspace):
     """The span of k rows of the block-diagonal orthogonal Q = diag(R_out,ℓ ⊗ R_in,ℓ) over
-    the layers ℓ (module docstring of :mod:`dpfl.algorithms.projected`, ``random-basis=
-    "kronecker"``): a ``Linear`` layer's per-sample gradient δ·ãᵀ has coordinates
+    the layers ℓ (``random-basis="kronecker"``; which rows: :class:`~dpfl.algorithms.projected.
+    KroneckerRotation`): a ``Linear`` layer's per-sample gradient δ·ãᵀ has coordinates
     (R_out δ)_i·(R_in ã)_j, read from the tapes without forming the gradient, so a step costs
     O(b·(out + in)·log) a layer instead of O(b·d·log d) on materialised gradients."""
 
