@@ -301,17 +301,20 @@ def test_a_kronecker_subspace_keeps_a_gradients_share_on_average_and_a_bounded_s
     over draws, whatever Q. The spread: a dense vector's about a Haar V's; a per-sample gradient
     (rank one in each layer: entries are products of two rotated vectors', and the small last
     layer keeps few rows) spreads wider, 4.0× Haar's std here (3.4-4.7× on the MNIST MLP at
-    k' = 800, docs/algorithms.md), bounded at 6×."""
+    k' = 800, docs/algorithms.md), bounded at 6×, as is a single coordinate's (which rows of an
+    unrotated Q would keep whole or not at all)."""
     model = _float64_model("mlp", (1, 8, 8))
     gen = torch.Generator().manual_seed(6)
     point = model.initial_params().double()
     x, y = torch.randn(1, 1, 8, 8, generator=gen, dtype=torch.float64), torch.tensor([3])
     rank_one = model.per_sample_gradients(point[None], x[None], y[None])[0, 0]
     dense = torch.randn(model.d, generator=gen, dtype=torch.float64)
+    one_hot = torch.zeros(model.d, dtype=torch.float64)
+    one_hot[100] = 1.0  # unrotated rows would keep all of it or none: a spread ~100× Haar's
     d, k, draws = model.d, 200, 150
     source = _kronecker_source(model, k)
     haar = math.sqrt(2 * (k / d) * (1 - k / d) / (d + 2))
-    for u, widest in ((rank_one, 6.0), (dense, 1.3)):
+    for u, widest in ((rank_one, 6.0), (one_hot, 6.0), (dense, 1.3)):
         u = u / torch.linalg.vector_norm(u)
         shares = torch.tensor([source.subspace(point, Randomness(s), 0, 1, 0).coords(u)
                                .square().sum() for s in range(draws)])

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dpfl.algorithms.subspace import Subspace
+from dpfl.algorithms.subspace import Subspace, lift_rows
 from dpfl.models.rows import Layer, chunks, non_finite_rows
 from dpfl.models.span import layer_factors
 
@@ -230,11 +230,7 @@ class KroneckerRows(Subspace):
         return torch.cat(parts, dim=1).reshape(*g.shape[:-1], -1)
 
     def lift(self, a: Tensor) -> Tensor:
-        rows = a.reshape(-1, a.shape[-1])
-        out = rows.new_empty(len(rows), self.d)
-        for row, target in zip(rows, out, strict=True):
-            self.lift_into(row, target)
-        return out.reshape(*a.shape[:-1], self.d)
+        return lift_rows(self, a, self.d)
 
     def lift_into(self, a: Tensor, out: Tensor) -> None:
         start = 0

@@ -91,11 +91,7 @@ class GradientBasis(Subspace):
         return out.reshape(*g.shape[:-1], self.r.shape[1]).to(g.dtype)
 
     def lift(self, a: Tensor) -> Tensor:
-        rows = a.reshape(-1, a.shape[-1])
-        out = rows.new_empty(len(rows), self.span.model.d)
-        for row, target in zip(rows, out, strict=True):
-            self.lift_into(row, target)
-        return out.reshape(*a.shape[:-1], out.shape[-1])
+        return lift_rows(self, a, self.span.model.d)
 
     def lift_into(self, a: Tensor, out: Tensor) -> None:
         """Va: the weights w = Ra (float64), then Σ_i w_i g_i in the products' dtype, copied
@@ -109,3 +105,13 @@ class GradientBasis(Subspace):
                       y: Tensor) -> Iterator[Tensor]:
         for dots in self.span.sample_dots(point, x, y, self.dtype):
             yield (dots.double() @ self.r).to(point.dtype)
+
+
+def lift_rows(space: Subspace, a: Tensor, d: int) -> Tensor:
+    """``[..., k]`` → ``[..., d]``: Va row by row through ``space.lift_into``, for a subspace
+    whose lift is built for one vector at a time."""
+    rows = a.reshape(-1, a.shape[-1])
+    out = rows.new_empty(len(rows), d)
+    for row, target in zip(rows, out, strict=True):
+        space.lift_into(row, target)
+    return out.reshape(*a.shape[:-1], d)

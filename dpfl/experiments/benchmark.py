@@ -70,7 +70,7 @@ EXCLUDED = ("non-prisma",)  # PriSMA's noise-free ablation: ε = ∞
 PUBLIC = ("pcdp-sgd", "pdp-sgd", "fedpcdp", "fedpdp")  # project onto 100 public records
 # keys fixed for an algorithm in every run, outside its grid: RPDP-SGD's subspace is redrawn
 # every step as rows of a per-layer Kronecker rotation, read from the tapes (its default
-# rotation materialises every per-sample gradient: about 50x the round on this MLP)
+# rotation materialises every per-sample gradient: 20-52x the round on this MLP)
 FIXED: dict[str, Config] = {"rpdp-sgd": {"random-basis": "kronecker"}}
 
 # Each algorithm's own 16 configurations: its step size × its clip radius (× one key of its own).
