@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import csv
 
+import numpy as np
 import pytest
 
+from dpfl import problem
 from dpfl.algorithms import ALGORITHMS
+from dpfl.config import parse_options
 from dpfl.errors import UsageError
 from dpfl.experiments.benchmark import (
     EXCLUDED,
@@ -57,12 +60,35 @@ def test_a_user_narrows_it_to_their_dataset_and_epsilons(tmp_path):
                                                     "epsilon": ["3", "0.5"],
                                                     "federation": ["silo-iid"]}))
     assert plan.settings == (Setting("digits", "silo-iid"),) and plan.epsilons == (3.0, 0.5)
+    # a small dataset keeps nine tenths to train on: digits has 1,437 training images
+    config = plan.config((plan.settings[0], "pcdp-sgd", 3.0), plan.points("pcdp-sgd")[0], 1)
+    assert config["dataset-options"] == "num_public=100 num_validation=143"
     for only, message in (({"dataset": ["imagenet"]}, "unknown dataset 'imagenet'"),
+                          ({"dataset": ["npz"]}, "or FILE.npz"),
+                          ({"dataset": [str(tmp_path / "absent.npz")]}, "is not a file"),
                           ({"epsilon": ["x"]}, "numbers > 0"),
                           ({"epsilon": ["-1"]}, "numbers > 0"),
                           ({"federation": ["device"]}, "allowed: silo-iid, silo-dirichlet")):
         with pytest.raises(UsageError, match=message):
             plan_of(Lab(tmp_path, smoke=False, only=only))
+
+
+def test_a_user_runs_it_on_their_own_arrays(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "mine.npz", train_x=rng.normal(size=(600, 5)),
+             train_y=rng.integers(0, 2, 600), test_x=rng.normal(size=(50, 5)),
+             test_y=rng.integers(0, 2, 50))
+    monkeypatch.chdir(tmp_path)  # a path on the command line is the user's, made absolute
+    plan = plan_of(Lab(tmp_path, smoke=False, only={"dataset": ["mine.npz"],
+                                                    "federation": ["silo-iid"]}))
+    setting = Setting("npz", "silo-iid", str(tmp_path / "mine.npz"))
+    assert plan.settings == (setting,) and setting.name == "mine"
+    config = plan.config((setting, "dp-sgd", 2.0), plan.points("dp-sgd")[0], 1)
+    assert config["dataset"] == "npz"
+    assert parse_options(config["dataset-options"]) == {"path": str(tmp_path / "mine.npz"),
+                                                        "num_validation": 60}
+    dataset = problem.dataset_of(RunConfig(config))
+    assert (dataset.num_validation, dataset.num_train) == (60, 540)
 
 
 @pytest.mark.smoke

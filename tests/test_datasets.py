@@ -72,6 +72,7 @@ def test_registered_dataset_names():
             "duke",
             "fashion-mnist",
             "mnist",
+            "npz",
             "prisma-least-squares",
             "quadratic",
             "synthetic-cifar10",
@@ -403,6 +404,93 @@ def test_missing_local_file_names_it(tmp_path):
     with pytest.raises(ConfigError, match="no download source") as error:
         load_dataset("bank-marketing", seed=0, data_dir=str(tmp_path), download=True)
     assert error.value.key == "download"
+
+
+def _arrays(path, n=60, m=20, **extra):
+    rng = np.random.default_rng(0)
+    arrays = {"train_x": rng.normal(size=(n, 3, 4)), "train_y": rng.integers(0, 3, n),
+              "test_x": rng.normal(size=(m, 3, 4)), "test_y": rng.integers(0, 3, m)}
+    np.savez(path, **{**arrays, **extra})
+    return arrays
+
+
+def test_a_users_npz_is_read_as_float32_features_and_int64_classes(tmp_path):
+    arrays = _arrays(tmp_path / "mine.npz")
+    data = load_dataset("npz", seed=0, path=str(tmp_path / "mine.npz"))
+    assert (data.name, data.task, data.num_classes, data.input_shape) == (
+        "npz", "classification", 3, (3, 4))
+    assert data.train_x.dtype == torch.float32 and data.train_y.dtype == torch.int64
+    assert torch.equal(data.train_x, torch.from_numpy(arrays["train_x"].astype(np.float32)))
+    assert torch.equal(data.test_y, torch.from_numpy(arrays["test_y"]))
+    # a relative path is read from the data folder; held-out splits as for every dataset
+    held = load_dataset("npz", seed=1, data_dir=str(tmp_path), path="mine.npz", num_public=5,
+                        num_validation=10)
+    assert (held.num_public, held.num_validation, held.num_train) == (5, 10, 45)
+    _arrays(tmp_path / "k.npz", num_classes=7)
+    assert load_dataset("npz", seed=0, path=str(tmp_path / "k.npz")).num_classes == 7
+
+
+@pytest.mark.parametrize("task, labels", [("binary", [-1.0, 1.0]), ("regression", [0.5, -2.5])])
+def test_a_users_npz_poses_a_binary_or_regression_task(tmp_path, task, labels):
+    y = np.resize(np.array(labels), 60)
+    _arrays(tmp_path / "t.npz", train_y=y, test_y=y[:20], task=task)
+    data = load_dataset("npz", seed=0, path=str(tmp_path / "t.npz"))
+    assert (data.task, data.num_classes, data.train_y.dtype) == (task, 1, torch.float32)
+    assert data.train_y.tolist() == y.tolist()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"train_x": None}, "lacks train_x"),
+    ({"test_x": np.zeros((20, 4, 3))}, "one input shape for both"),
+    ({"train_x": np.zeros(60)}, r"train_x must be real numbers \[n, \*input_shape\]"),
+    ({"test_x": np.full((20, 3, 4), np.nan)}, "NaN"),
+    ({"train_y": np.zeros(59, dtype=int)}, r"one label per row, shape \(60,\)"),
+    ({"train_y": np.full(60, 0.5)}, "classification labels are integers"),
+    ({"test_y": np.full(20, -1)}, "classification labels are integers"),
+    ({"num_classes": 2}, "the labels reach 2, num_classes is 2"),
+    ({"task": "ranking"}, "task 'ranking' is not a task"),
+    ({"task": "binary"}, "binary labels are -1 and \\+1"),
+    ({"train_x": np.array(["a"] * 60).reshape(60, 1)}, "real numbers"),
+])
+def test_a_bad_npz_is_one_config_error_naming_dataset_options(tmp_path, extra, message):
+    arrays = _arrays(tmp_path / "ok.npz")
+    np.savez(tmp_path / "bad.npz", **{k: v for k, v in {**arrays, **extra}.items()
+                                      if v is not None})
+    with pytest.raises(ConfigError, match=message) as error:
+        load_dataset("npz", seed=0, path=str(tmp_path / "bad.npz"))
+    assert error.value.key == "dataset-options" and "\n" not in str(error.value)
+
+
+def test_the_data_guides_own_data_command_runs_as_written(tmp_path, monkeypatch):
+    import shlex
+
+    from dpfl.cli import main
+
+    guide = (Path(__file__).parents[1] / "docs" / "data.md").read_text()
+    section = guide[guide.index("### Your own data"):guide.index("### Held-out splits")]
+    (line,) = [c for c in section.splitlines() if c.startswith("dpfl run")]
+    (tmp_path / "data").mkdir()
+    _arrays(tmp_path / "data" / "mine.npz", n=1200)  # in the data folder, as the guide says
+    monkeypatch.setenv("DPFL_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.chdir(tmp_path)
+    assert main(shlex.split(line)[1:]) == 0
+    (summary,) = tmp_path.glob("results/*/summary.json")
+    assert "validation_accuracy" in json.loads(summary.read_text())
+
+
+def test_an_npz_that_is_not_there_or_not_one_or_pickled_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="give path=FILE"):
+        load_dataset("npz", seed=0)
+    with pytest.raises(ConfigError, match="does not exist .a relative path is read from the "
+                       "data folder"):
+        load_dataset("npz", seed=0, data_dir=str(tmp_path), path="absent.npz")
+    (tmp_path / "text.npz").write_text("not a zip")
+    with pytest.raises(ConfigError, match="not a readable .npz"):
+        load_dataset("npz", seed=0, path=str(tmp_path / "text.npz"))
+    arrays = _arrays(tmp_path / "ok.npz")
+    np.savez(tmp_path / "pickled.npz", **{**arrays, "train_y": np.array([object()] * 60)})
+    with pytest.raises(ConfigError, match="without pickles"):
+        load_dataset("npz", seed=0, path=str(tmp_path / "pickled.npz"))
 
 
 def test_unknown_dataset_lists_the_registered_names():

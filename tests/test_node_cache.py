@@ -10,6 +10,7 @@ import logging
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,6 +109,26 @@ def test_a_changed_data_file_is_not_served_from_the_cache(folder, tmp_path):
               "data-dir": str(data)}
     before = node_problem(_items(values), (0,))
     _svmlight(data, 30)
+    for cached in (node_problem, cached_problem, loading._load):  # a fresh message's process
+        cached.cache_clear()
+    after = node_problem(_items(values), (0,))
+    assert (len(before.dataset.train_y), len(after.dataset.train_y)) == (10, 15)
+    assert len(list(folder.glob("data-*.pt"))) == 2
+
+
+def test_a_changed_npz_outside_the_data_folder_is_not_served_from_the_cache(folder, tmp_path):
+    rng = np.random.default_rng(0)
+
+    def write(n: int) -> None:
+        np.savez(tmp_path / "mine.npz", train_x=rng.normal(size=(n, 4)),
+                 train_y=rng.integers(0, 2, n), test_x=rng.normal(size=(5, 4)),
+                 test_y=rng.integers(0, 2, 5))
+
+    write(20)
+    values = {**DIGITS, "dataset": "npz", "num-partitions": 2,
+              "dataset-options": f'path="{tmp_path / "mine.npz"}"'}
+    before = node_problem(_items(values), (0,))
+    write(30)
     for cached in (node_problem, cached_problem, loading._load):  # a fresh message's process
         cached.cache_clear()
     after = node_problem(_items(values), (0,))

@@ -8,7 +8,8 @@ Linux; :func:`dpfl.datasets.loading.user_cache`):
 * ``data-<key>.pt``: its clients' training rows and the public records
   (:meth:`Problem.node_data`), keyed by the run-config keys that decide them
   (:data:`dpfl.problem.DATA_KEYS`), the clients it hosts, the data folder and the size and time
-  of every file in it (two levels deep), and dpfl's version; for a node with its own data
+  of every file in it (two levels deep) and of the file a dataset option ``path`` names, and
+  dpfl's version; for a node with its own data
   (node config ``data-path``), keyed by that file, its size and time. Built on the first
   message (load the dataset, partition it, keep the node's rows), memory-mapped by the later
   ones: a dataset is never loaded or re-partitioned per message.
@@ -38,6 +39,8 @@ import torch
 
 import dpfl
 from dpfl.atomic import write_atomically
+from dpfl.config import parse_options
+from dpfl.datasets import arrays
 from dpfl.datasets.loading import CACHE_DIR_ENV, user_cache
 from dpfl.datasets.site import site_node_data
 from dpfl.errors import ConfigError
@@ -65,6 +68,16 @@ def _fingerprint(folder: str) -> list[tuple[str, int, int]]:
                 stat = path.stat()
                 found.append((str(path), stat.st_size, stat.st_mtime_ns))
     return found
+
+
+def _named_file(config: RunConfig, source: str) -> tuple[int, int] | None:
+    """Size and time of the file a dataset option ``path`` names (the ``npz`` dataset's, which
+    may lie outside the data folder), None without one."""
+    try:
+        path = parse_options(str(config["dataset-options"])).get("path")
+    except ValueError:  # the run's own checks name the key
+        return None
+    return arrays.stamp(arrays.source(str(path), Path(source))) if path else None
 
 
 def _digest(*parts: object) -> str:
@@ -116,7 +129,7 @@ def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
     else:
         source = data_dir(config)
         key = _digest({k: config[k] for k in DATA_KEYS}, clients, source, _fingerprint(source),
-                      dpfl.__version__, NODE_DATA_LAYOUT)
+                      _named_file(config, source), dpfl.__version__, NODE_DATA_LAYOUT)
     path = folder / f"data-{key}.pt"
     try:
         data = torch.load(path, mmap=True, weights_only=True)

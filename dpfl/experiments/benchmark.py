@@ -23,24 +23,28 @@ same accountant ε, under one protocol:
   tie.
 
 ``--only dataset=NAME`` runs it on any registered dataset with a validation split (e.g.
-``digits``), ``--only epsilon=3,5`` at any ε; ``federation``, ``algorithm`` and ``seed``
-restrict the rest.
+``digits``) or on a user's own arrays (``--only dataset=FILE.npz``, the ``npz`` dataset), the
+validation split then 5,000 training records or a tenth of them where that is fewer;
+``--only epsilon=3,5`` at any ε; ``federation``, ``algorithm`` and ``seed`` restrict the rest.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
 
 from dpfl.algorithms import ALGORITHMS
 from dpfl.algorithms.tuned import tuned_value
-from dpfl.datasets import DATASETS
+from dpfl.config import format_options
+from dpfl.datasets import DATASETS, load_dataset
 from dpfl.errors import UsageError
 from dpfl.experiments.lab import Lab
 from dpfl.experiments.registry import experiment
@@ -104,10 +108,44 @@ def algorithms() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Setting:
-    """One table of the benchmark: a dataset and a federation."""
+    """One table of the benchmark: a dataset (``path``: the ``npz`` dataset's file) and a
+    federation."""
 
     dataset: str
     federation: str
+    path: str = ""
+
+    @property
+    def name(self) -> str:
+        """What the tables and figures call it: the dataset, or the ``npz`` file's stem."""
+        return Path(self.path).stem if self.path else self.dataset
+
+    @property
+    def options(self) -> Config:
+        return {"path": self.path} if self.path else {}
+
+
+def dataset_axis(value: str) -> tuple[str, str]:
+    """An ``--only dataset=`` value as (dataset, file): a registered name, or a user's ``.npz``
+    (the ``npz`` dataset; the file absolute, as every worker reads it)."""
+    if value.endswith(".npz"):
+        file = Path(value).expanduser().absolute()
+        if not file.is_file():
+            raise UsageError(f"--only dataset: {value} is not a file (a dataset name, or an "
+                             f".npz of train_x, train_y, test_x, test_y)")
+        return "npz", str(file)
+    if value not in DATASETS or value == "npz":
+        raise UsageError(f"--only dataset: unknown dataset {value!r} (allowed: "
+                         f"{', '.join(d for d in DATASETS if d != 'npz')}, or FILE.npz)")
+    return value, ""
+
+
+@functools.cache
+def validation_size(setting: Setting, most: int) -> int:
+    """The validation split: ``most`` training records, or a tenth of them where that is
+    fewer (a small dataset keeps nine tenths to train on)."""
+    rows = load_dataset(setting.dataset, seed=SELECTION_SEED, **setting.options).num_train
+    return min(most, rows // 10)
 
 
 Cell = tuple[Setting, str, float]  # (setting, algorithm, ε)
@@ -135,9 +173,10 @@ class Plan:
         with the full-length run's noise, evaluated at its last round only."""
         setting, algorithm, epsilon = cell
         rounds = self.rounds // share
-        public = "num_public=100 " if algorithm in PUBLIC else ""
+        held = {"num_public": 100} if algorithm in PUBLIC else {}
+        held["num_validation"] = validation_size(setting, self.validation)
         return {"algorithm": algorithm, "dataset": setting.dataset,
-                "dataset-options": f"{public}num_validation={self.validation}",
+                "dataset-options": format_options({**setting.options, **held}),
                 **FEDERATIONS[setting.federation], "epsilon": epsilon, "delta": 1e-5,
                 "calibration": "accountant", "num-server-rounds": rounds,
                 "calibration-rounds": self.rounds, "eval-every": rounds, "seed": seed,
@@ -148,11 +187,8 @@ def plan_of(lab: Lab) -> Plan:
     """What ``--only`` leaves of the benchmark (``--smoke``: digits, two algorithms, ε = 2 and 8,
     a 2 × 2 grid, 8 rounds)."""
     smoke = lab.smoke
-    datasets = lab.only.get("dataset") or ([SMOKE["dataset"]] if smoke else list(DATASETS_RUN))
-    for name in datasets:
-        if name not in DATASETS:
-            raise UsageError(f"--only dataset: unknown dataset {name!r} (allowed: "
-                             f"{', '.join(DATASETS)})")
+    datasets = [dataset_axis(d) for d in lab.only.get("dataset") or (
+        [SMOKE["dataset"]] if smoke else list(DATASETS_RUN))]
     try:
         epsilons = tuple(float(e) for e in lab.only["epsilon"]) if "epsilon" in lab.only else (
             SMOKE["epsilons"] if smoke else EPSILONS)
@@ -165,7 +201,7 @@ def plan_of(lab: Lab) -> Plan:
     chosen = lab.restrict("algorithm", offered) if "algorithm" in lab.only else (
         SMOKE_ALGORITHMS if smoke else offered)
     seeds = tuple(int(s) for s in lab.restrict("seed", SMOKE["seeds"] if smoke else SEEDS))
-    return Plan(tuple(Setting(d, f) for d in datasets for f in federations), tuple(chosen),
+    return Plan(tuple(Setting(d, f, p) for d, p in datasets for f in federations), tuple(chosen),
                 epsilons, seeds, SMOKE["rounds"] if smoke else ROUNDS,
                 SMOKE["validation"] if smoke else NUM_VALIDATION, smoke)
 
@@ -291,7 +327,7 @@ def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Co
                     text += " (tie)"
             row.append(text)
         rows.append(row)
-    title = f"{setting.dataset}, {setting.federation}"
+    title = f"{setting.name}, {setting.federation}"
     lab.table(f"{title}: test accuracy (%), mean ± std over seeds "
               f"{', '.join(map(str, plan.seeds))} at each algorithm's selected point; the best "
               f"per ε in bold, (tie): its paired {LEVEL:.0%} interval against the best contains 0",
@@ -312,7 +348,7 @@ def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Co
     ax.minorticks_off()
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
-    name = f"accuracy-{setting.dataset}-{setting.federation}"
+    name = f"accuracy-{setting.name}-{setting.federation}"
     lab.figure(name, fig, f"{title}: test accuracy against ε, mean ± std over the seeds")
     def selected(algorithm: str, epsilon: float) -> str:
         point = chosen[(setting, algorithm, epsilon)]
@@ -337,7 +373,7 @@ def write_tried(lab: Lab, tried: Tried) -> None:
                       "configuration", "validation accuracy (%)"])
         for (setting, algorithm, epsilon), runs in tried.items():
             for share, point, accuracy in runs:
-                out.writerow([setting.dataset, setting.federation, algorithm, epsilon,
+                out.writerow([setting.name, setting.federation, algorithm, epsilon,
                               f"1/{share}", " ".join(f"{k}={v:g}" for k, v in point.items()),
                               f"{accuracy:.2f}"])
     count = sum(len(r) for r in tried.values())
@@ -350,12 +386,13 @@ def write_selected(lab: Lab, plan: Plan, chosen: dict[Cell, Config]) -> None:
     :mod:`dpfl.algorithms.tuned` takes as the ``"auto"`` defaults that follow ε."""
     out: dict[str, dict[str, dict[str, Config]]] = {}
     for (setting, algorithm, epsilon), point in chosen.items():
-        table = out.setdefault(f"{setting.dataset} {setting.federation}", {})
+        table = out.setdefault(f"{setting.name} {setting.federation}", {})
         table.setdefault(algorithm, {})[f"{epsilon:g}"] = point
     (lab.folder / "selected.json").write_text(json.dumps(out, indent=1, sort_keys=True))
 
 
 def report_protocol(lab: Lab, plan: Plan) -> None:
+    held = {s.name: validation_size(s, plan.validation) for s in plan.settings}
     lab.text(f"""
 ## Protocol
 
@@ -363,8 +400,9 @@ Record-level (ε, δ = 1e-5) per client, replace-one neighbours, the noise calib
 accountant for the {plan.rounds}-round run; {len(plan.settings)} setting(s) of 10 clients taking
 part in every round; the default MLP, batch 32. Each algorithm's own {len(plan.points(
         plan.algorithms[0]))} configurations by successive halving on a validation split of
-{plan.validation} training images at seed {SELECTION_SEED} (a quarter of the rounds, the best 4
-half, the best 2 all; every proxy with the full-length run's noise), then seeds
+{", ".join(f"{n:,} training records ({name})" for name, n in held.items())} at seed
+{SELECTION_SEED} (a quarter of the rounds, the best 4 half, the best 2 all; every proxy with
+the full-length run's noise), then seeds
 {', '.join(map(str, plan.seeds))}. The selection never reads the test set.
 """)
     fixed = [f"{a}: " + ", ".join(f'{k}="{v}"' for k, v in FIXED[a].items())
@@ -428,7 +466,8 @@ def needed_text(needed: float | None, largest: int) -> str:
             "benchmark-selected point", axes=("dataset", "algorithm", "clients", "epsilon",
                                                "seed"))
 def clients(lab: Lab) -> str:
-    dataset = (lab.only.get("dataset") or ["digits" if lab.smoke else "mnist"])[0]
+    dataset, path = dataset_axis((lab.only.get("dataset") or ["digits" if lab.smoke
+                                                              else "mnist"])[0])
     algorithms_run = lab.restrict("algorithm", ("clip21-sgd2m", "dp-fedavg-quantile", REFERENCE)
                                   if lab.smoke else (*CANNOT_LEARN, REFERENCE))
     counts = [int(n) for n in lab.restrict("clients", (4, 8) if lab.smoke else CLIENTS)]
@@ -437,7 +476,9 @@ def clients(lab: Lab) -> str:
     rounds = SMOKE["rounds"] if lab.smoke else ROUNDS
 
     def config(algorithm: str, n: int, epsilon: float, seed: int) -> Config:
-        return {"algorithm": algorithm, "dataset": dataset, "partitioner": "iid",
+        return {"algorithm": algorithm, "dataset": dataset,
+                **({"dataset-options": format_options({"path": path})} if path else {}),
+                "partitioner": "iid",
                 "num-partitions": n, "epsilon": epsilon, "delta": 1e-5,
                 "calibration": "accountant", "num-server-rounds": rounds, "eval-every": rounds,
                 "seed": seed, **selected_point(algorithm, epsilon)}
@@ -448,9 +489,10 @@ def clients(lab: Lab) -> str:
     lab.text(f"""
 ## Protocol
 
-{dataset}, IID, {rounds} rounds, every client every round, record-level (ε, δ = 1e-5) per client
-by the RDP accountant (client-level for dp-fedavg-quantile), each algorithm at the point `dpfl
-reproduce benchmark epsilon` selected for 10 clients at that ε (seeds:
+{Path(path).stem if path else dataset}, IID, {rounds} rounds, every client every round,
+record-level (ε, δ = 1e-5) per client by the RDP accountant (client-level for
+dp-fedavg-quantile), each algorithm at the point `dpfl reproduce benchmark epsilon` selected
+for 10 clients at that ε (seeds:
 {", ".join(map(str, seeds))}). With n clients the noise on the mean of the uploads falls
 as 1/√n for record-level message clipping (each client's noise is set by ε and the rounds
 alone: it releases its whole message every round) and as 1/n for client-level noise (the
