@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dpfl.algorithms import ALGORITHMS, Algorithm
-from dpfl.algorithms.tuned import tuned_value
+from dpfl.algorithms.tuned import points_of, tuned_value
 from dpfl.config import AUTO, COMMON, Param, Value, build, params_of
 from dpfl.datasets import DATASETS, PARTITIONERS
 from dpfl.errors import ConfigError, did_you_mean
@@ -51,14 +51,16 @@ def defaults() -> dict[str, Value]:
     return {key: p.config_default for key, p in all_params().items()}
 
 
-def algorithm_default(algorithm: type[Algorithm], param: Param,
-                      epsilon: float | None = None) -> Value:
+def algorithm_default(algorithm: type[Algorithm], param: Param, epsilon: float | None = None,
+                      setting: tuple[str, str] = ("", "")) -> Value:
     """``algorithm``'s value of ``param`` when the run leaves it at its default: at the run's
-    ``epsilon`` the benchmark's selected point (:mod:`dpfl.algorithms.tuned`) where it has
-    one, else the algorithm's own default, else the key's."""
+    ``epsilon`` the benchmark's selected point (:mod:`dpfl.algorithms.tuned`) for its
+    ``setting`` (dataset, partitioner) where it has one, else the algorithm's own default, else
+    the key's."""
     if not param.per_algorithm:
         return param.default
-    tuned = None if epsilon is None else tuned_value(algorithm.name, param.key, epsilon)
+    tuned = None if epsilon is None else tuned_value(algorithm.name, param.key, epsilon,
+                                                     points_of(*setting))
     return tuned if tuned is not None else algorithm.defaults.get(param.key, param.default)
 
 
@@ -105,7 +107,8 @@ class RunConfig(Mapping[str, Value]):
         # the ε the noise is calibrated to; a run that gives its noise multiplier has none
         target = float(merged["epsilon"]) if float(merged["noise-multiplier"]) < 0 else None
         for key in self.automatic:
-            merged[key] = algorithm_default(algorithm, params[key], target)
+            merged[key] = algorithm_default(algorithm, params[key], target,
+                                            (str(merged["dataset"]), str(merged["partitioner"])))
         for key in ("eval-train", "eval-norm-quantiles"):
             if merged[key] and not merged["non-private-diagnostics"]:
                 raise ConfigError(key, "the server would evaluate on the clients' training "

@@ -185,21 +185,43 @@ def test_an_extrapolation_far_past_the_measured_counts_gives_its_order_of_magnit
     assert needed_text(None, 1000) == "–"
 
 
-def test_the_committed_points_are_the_benchmark_reports_selection():
-    """tuned.POINTS is reports/benchmark-epsilon/selected.json's MNIST cross-silo IID table,
-    every value a point of the algorithm's benchmark grid (so a run at a benchmarked ε starts
-    where the benchmark's selection ended)."""
+@pytest.mark.parametrize("report, table, setting", [
+    ("benchmark-epsilon", "mnist silo-iid", None),
+    ("benchmark-epsilon", "mnist silo-dirichlet", ("mnist", "dirichlet")),
+    ("benchmark-epsilon-fashion-mnist", "fashion-mnist silo-iid", ("fashion-mnist", "iid")),
+])
+def test_the_committed_points_are_the_benchmark_reports_selection(report, table, setting):
+    """tuned.POINTS is reports/benchmark-epsilon/selected.json's MNIST cross-silo IID table and
+    tuned.SETTINGS the other benchmarked tables, every value a point of the algorithm's
+    benchmark grid, so that a run at a benchmarked ε in a benchmarked setting starts where the
+    benchmark's selection ended."""
     import json
     from pathlib import Path
 
     from dpfl.algorithms import tuned
 
-    report = Path(__file__).resolve().parents[1] / "reports" / "benchmark-epsilon"
-    selected = json.loads((report / "selected.json").read_text())["mnist silo-iid"]
-    assert {a: {float(e): p for e, p in by.items()} for a, by in selected.items()} == tuned.POINTS
-    for algorithm, by_epsilon in tuned.POINTS.items():
+    folder = Path(__file__).resolve().parents[1] / "reports" / report
+    selected = json.loads((folder / "selected.json").read_text())[table]
+    points = tuned.POINTS if setting is None else tuned.SETTINGS[setting]
+    assert {a: {float(e): p for e, p in by.items()} for a, by in selected.items()} == points
+    dataset, partitioner = setting or ("mnist", "iid")
+    for algorithm, by_epsilon in points.items():
         for point in by_epsilon.values():
             for key, value in point.items():
                 assert value in GRIDS[algorithm].get(key, (value,)), (algorithm, key, value)
-            config = RunConfig({"algorithm": algorithm, "epsilon": min(by_epsilon)})
-            assert all(config[k] == v for k, v in by_epsilon[min(by_epsilon)].items())
+        for epsilon, point in by_epsilon.items():
+            config = RunConfig({"algorithm": algorithm, "epsilon": epsilon, "dataset": dataset,
+                                "partitioner": partitioner})
+            assert all(config[k] == v for k, v in point.items()), (algorithm, epsilon)
+
+
+def test_a_run_outside_the_benchmarked_settings_takes_mnist_iids_points():
+    from dpfl.algorithms import tuned
+
+    iid = tuned.POINTS["dp-fedavg"][2.0]
+    assert tuned.SETTINGS[("fashion-mnist", "iid")]["dp-fedavg"][2.0] != iid  # they differ here
+    for dataset, partitioner in (("digits", "iid"), ("fashion-mnist", "dirichlet"),
+                                 ("mnist", "shards"), ("cifar10", "iid")):
+        config = RunConfig({"algorithm": "dp-fedavg", "epsilon": 2, "dataset": dataset,
+                            "partitioner": partitioner})
+        assert {k: config[k] for k in iid} == iid
