@@ -152,6 +152,9 @@ def test_the_clients_experiment_runs_each_family_at_its_benchmarked_point(monkey
         8.0: {"learning-rate": 0.01, "clip": 0.1, "momentum": 0.9}}})
     assert selected_point("clip21-sgd2m", 6.0) == {"learning-rate": 0.01, "clip": 0.1}
     assert set(selected_point("clip21-sgd2m", 6.0)) == set(GRIDS["clip21-sgd2m"])
+    # on a benchmarked dataset its own IID table's point
+    fashion = tuned.SETTINGS[("fashion-mnist", "iid")]["dp-sgd"][2.0]
+    assert selected_point("dp-sgd", 2.0, "fashion-mnist") == fashion
 
 
 @pytest.mark.smoke

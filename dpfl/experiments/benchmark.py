@@ -42,7 +42,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from dpfl.algorithms import ALGORITHMS
-from dpfl.algorithms.tuned import tuned_value
+from dpfl.algorithms.tuned import points_of, tuned_value
 from dpfl.config import format_options
 from dpfl.datasets import DATASETS, load_dataset
 from dpfl.errors import UsageError
@@ -426,10 +426,12 @@ CLIENT_SEEDS = (1,)
 LEARNS_WITHIN = 5.0
 
 
-def selected_point(algorithm: str, epsilon: float) -> Config:
+def selected_point(algorithm: str, epsilon: float, dataset: str = "mnist") -> Config:
     """``algorithm``'s point selected by the benchmark at the benchmarked ε nearest ``epsilon``
-    (:mod:`dpfl.algorithms.tuned`), written out so that an archived run keeps its meaning."""
-    point = {key: tuned_value(algorithm, key, epsilon) for key in GRIDS[algorithm]}
+    for ``dataset`` with IID clients (:func:`dpfl.algorithms.tuned.points_of`: MNIST's where
+    that setting was not benchmarked), written out so that an archived run keeps its meaning."""
+    points = points_of(dataset, "iid")
+    point = {key: tuned_value(algorithm, key, epsilon, points) for key in GRIDS[algorithm]}
     missing = [key for key, value in point.items() if value is None]
     if missing:
         raise UsageError(f"benchmark clients: {algorithm} has no benchmarked {missing[0]} "
@@ -481,7 +483,7 @@ def clients(lab: Lab) -> str:
                 "partitioner": "iid",
                 "num-partitions": n, "epsilon": epsilon, "delta": 1e-5,
                 "calibration": "accountant", "num-server-rounds": rounds, "eval-every": rounds,
-                "seed": seed, **selected_point(algorithm, epsilon)}
+                "seed": seed, **selected_point(algorithm, epsilon, dataset)}
 
     cells = [(a, n, e) for a in algorithms_run for n in counts for e in epsilons]
     summaries = iter(lab.run_many([config(a, n, e, s) for a, n, e in cells for s in seeds]))
