@@ -157,7 +157,8 @@ def keys(args: argparse.Namespace) -> int:
         for p in params:
             if algorithm is not None and p.per_algorithm:  # what "auto" gives this algorithm
                 value = algorithm_default(algorithm, p, epsilon)
-                mine = (f": follows ε, here ε = {epsilon:g} (docs/benchmark.md)"
+                mine = (f": follows ε, here ε = {epsilon:g}, MNIST IID's point (a benchmarked "
+                        f"setting's own: docs/benchmark.md)"
                         if tuned_value(algorithm.name, p.key, epsilon) is not None
                         else f": {algorithm.name}'s own" if p.key in algorithm.defaults else "")
                 head = f"  {format_overrides({p.key: value})}  [{AUTO}{mine}]"
