@@ -41,7 +41,7 @@ import dpfl
 from dpfl.atomic import write_atomically
 from dpfl.config import parse_options
 from dpfl.datasets import arrays
-from dpfl.datasets.loading import CACHE_DIR_ENV, user_cache
+from dpfl.datasets.loading import CACHE_DIR_ENV, stamp, user_cache
 from dpfl.datasets.site import site_node_data
 from dpfl.errors import ConfigError
 from dpfl.problem import DATA_KEYS, Problem, cached_problem, data_dir
@@ -77,7 +77,7 @@ def _named_file(config: RunConfig, source: str) -> tuple[int, int] | None:
         path = parse_options(str(config["dataset-options"])).get("path")
     except ValueError:  # the run's own checks name the key
         return None
-    return arrays.stamp(arrays.source(str(path), Path(source))) if path else None
+    return stamp(arrays.source(str(path), Path(source))) if path else None
 
 
 def _digest(*parts: object) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from dpfl.datasets.base import TASKS, Dataset, hold_out
-from dpfl.datasets.loading import DATASETS
+from dpfl.datasets.loading import DATASETS, stamp
 from dpfl.errors import ConfigError
 
 ARRAYS = ("train_x", "train_y", "test_x", "test_y")
@@ -44,16 +44,6 @@ def source(path: str, data_dir: Path) -> Path:
     ``data_dir``."""
     given = Path(path).expanduser()
     return given if given.is_absolute() else Path(data_dir) / given
-
-
-def stamp(file: Path) -> tuple[int, int] | None:
-    """Size and modification time of ``file`` (None: not there), so that a file changed on disk
-    is read again; the node cache keys a node's data by it too."""
-    try:
-        st = file.stat()
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns
 
 
 @DATASETS.register("npz")

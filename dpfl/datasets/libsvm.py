@@ -15,14 +15,13 @@ split (``num_validation``); duke and w8a refuse one, which their test set would 
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dpfl.datasets.base import Dataset, hold_out
-from dpfl.datasets.loading import DATASETS, Loader, local_file
+from dpfl.datasets.loading import DATASETS, Loader, local_file, stamp
 from dpfl.errors import ConfigError
 
 
@@ -36,20 +35,12 @@ def _read(path: Path, n_features: int, normalize: bool) -> tuple[torch.Tensor, t
     return x, torch.from_numpy(np.where(labels > 0, 1.0, -1.0).astype(np.float32))
 
 
-def _stat(path: Path) -> os.stat_result | None:
-    try:
-        return path.stat()
-    except OSError:
-        return None
-
-
 def _libsvm_loader(name: str, train_file: str, test_file: str | None, n_features: int) -> Loader:
-    def stamp(data_dir: Path) -> tuple[tuple[int, int] | None, ...]:
+    def stamps(data_dir: Path) -> tuple[tuple[int, int] | None, ...]:
         """Size and modification time of each file (None: not there yet), so that a file
         changed on disk is read again."""
         paths = [data_dir / "libsvm" / f for f in (train_file, test_file) if f]
-        return tuple((st.st_size, st.st_mtime_ns) if (st := _stat(path)) else None
-                     for path in paths)
+        return tuple(stamp(path) for path in paths)
 
     @functools.lru_cache(maxsize=2)
     def whole(data_dir: Path, download: bool, normalize: bool,
@@ -69,7 +60,7 @@ def _libsvm_loader(name: str, train_file: str, test_file: str | None, n_features
         if num_validation and test_file is None:
             raise ConfigError("dataset-options", f"num_validation: {name} tests on its training "
                               f"set, so a validation split would be in the test set", allowed="0")
-        return hold_out(whole(data_dir, download, normalize, stamp(data_dir)), seed,
+        return hold_out(whole(data_dir, download, normalize, stamps(data_dir)), seed,
                         num_validation=num_validation)
 
     test = (f"test on {test_file}; ``num_validation``: training rows held out as a validation "

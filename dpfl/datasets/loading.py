@@ -146,6 +146,16 @@ def local_file(data_dir: Path, relative: str, *, dataset: str, download: bool) -
                       f"{path} does not exist; {fix}")
 
 
+def stamp(file: Path) -> tuple[int, int] | None:
+    """Size and modification time of ``file`` (None: not there), so that a file changed on disk
+    is read again (and a node's cache keys its data by it)."""
+    try:
+        st = file.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
 def positive_int(key: str, value: object) -> int:
     """``value`` as an int >= 1, or a ConfigError for the option ``key``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
