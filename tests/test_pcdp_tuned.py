@@ -13,7 +13,7 @@ import pytest
 
 from dpfl.errors import UsageError
 from dpfl.experiments.lab import Lab
-from dpfl.experiments.pcdp import SETTINGS
+from dpfl.experiments.pcdp import LABEL, SETTINGS, verdict
 from dpfl.experiments.pcdp_tuned import (
     SELECTION_SEED,
     SERVER_LRS,
@@ -21,7 +21,6 @@ from dpfl.experiments.pcdp_tuned import (
     edge,
     paired,
     plan_of,
-    verdict,
 )
 from dpfl.runconfig import RunConfig
 
@@ -153,3 +152,39 @@ def test_the_local_settings_report_dp_fedavg_at_each_beside_the_paper(tmp_path):
                  "# B = 100, 32 local steps a round", "### Selection, seed 0"):
         assert text in report, text
     assert "B = 200" not in report
+
+
+def test_the_centralized_report_pairs_pcdp_sgd_with_pdp_sgd_and_dp_sgd_seed_by_seed(tmp_path):
+    """§6.4's orderings with more than one seed: per σ, PCDP-SGD − PDP-SGD and PCDP-SGD − DP-SGD
+    seed by seed, their mean, t-interval and verdict; a seed whose run has no final accuracy
+    drops out of both sides; one seed gives no table."""
+    from dpfl.experiments.pcdp import Sweep, report_paired
+
+    def runs(*values):
+        return [{"derived": {"final_accuracy": v}} for v in values]
+
+    lab = Lab(tmp_path, smoke=False, only={"seed": ["0", "1", "2"], "sigma": ["6", "30"],
+                                           "method": ["dp-sgd", "pdp-sgd", "pcdp-sgd"]})
+    sweep = Sweep(lab, SETTINGS["centralized-mnist"])
+    results = {("pcdp-sgd", 6.0): runs(87.0, 88.0, 87.5), ("pdp-sgd", 6.0): runs(87.0, 87.5, 87.5),
+               ("dp-sgd", 6.0): runs(91.0, 92.0, 91.5),
+               ("pcdp-sgd", 30.0): runs(84.0, 84.5, None), ("pdp-sgd", 30.0): runs(83.0, 83.2, 1.0),
+               ("dp-sgd", 30.0): runs(33.0, 35.0, 30.0)}
+    report_paired(lab, sweep, results)
+    (table,) = lab.sections
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| PCDP")]
+    assert [(r[0], r[1]) for r in rows] == [("| PCDP-SGD − PDP-SGD", "6"),
+                                            ("| PCDP-SGD − PDP-SGD", "30"),
+                                            ("| PCDP-SGD − DP-SGD", "6"),
+                                            ("| PCDP-SGD − DP-SGD", "30")]
+    assert rows[0][2:4] == ["+0.00 +0.50 +0.00", "+0.17"]
+    half = 4.302653 * math.sqrt((2 * (1 / 6) ** 2 + (1 / 3) ** 2) / 2 / 3)
+    assert rows[0][4] == f"[{1 / 6 - half:+.2f}, {1 / 6 + half:+.2f}]"
+    assert rows[0][5] == "undecided (interval contains 0) |"
+    assert rows[1][2] == "+1.00 +1.30"  # seed 2 has no PCDP-SGD accuracy: out of both sides
+    assert rows[2][5] == "DP-SGD better |" and rows[3][5] == "PCDP-SGD better |"
+
+    one = Lab(tmp_path / "one", smoke=False, only={"seed": ["0"]})
+    report_paired(one, Sweep(one, SETTINGS["centralized-mnist"]),
+                  {(m, s): runs(80.0) for m in LABEL for s in SETTINGS["centralized-mnist"].sigmas})
+    assert one.sections == []

@@ -31,13 +31,16 @@ reported on its own (``--only reading=plain``).
 
 Every report gives the test accuracy (final and best over the epochs, mean ± std over the runs)
 beside the paper's revealed cells, the ε of each σ by the paper's conversion (``rdp-classical``),
-Opacus' RDP and PRV from the runs' ledgers, the orderings of §6.4 checked, accuracy against ε,
+Opacus' RDP and PRV from the runs' ledgers, the orderings of §6.4 checked (with more than one
+seed, seed by seed: the paired differences and their t-interval, :func:`report_paired`),
+accuracy against ε,
 uplink bytes per round, the ``dpfl run`` lines and the wall times. The cost is estimated first
 from one epoch (round) per method.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,7 +50,7 @@ import matplotlib.pyplot as plt
 
 from dpfl.experiments.lab import Lab
 from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import Config, command
+from dpfl.experiments.selection import LEVEL, Config, Paired, command, paired
 
 READINGS = {"code": {"momentum": 0.9}, "plain": {}}
 OPTIMIZER = {"code": "SGD with momentum 0.9, the learning rate ÷10 at half and ÷100 at three "
@@ -275,6 +278,7 @@ def reproduce(lab: Lab, name: str) -> str:
     report_table(lab, sweep, results)
     report_epsilon(lab, sweep, results)
     report_orderings(lab, sweep, results)
+    report_paired(lab, sweep, results)
     report_figure(lab, sweep, results)
     first = sweep.sigmas[0]
     lab.text("## Runs\n\n" + "\n".join(
@@ -358,6 +362,48 @@ def report_orderings(lab: Lab, sweep: Sweep,
             lines.append(f"- {LABEL[m]} falls as σ grows: {'yes' if falling else 'no'} "
                          f"({', '.join(f'σ = {s:g}: {v:.1f}' for s, v in zip(noisy, values))})")
     lab.text("## The orderings of §6.4\n\n" + "\n".join(lines))
+
+
+def verdict(result: Paired, ours: str, theirs: str) -> str:
+    """"<ours> better" when the interval lies above 0, "<theirs> better" below it, else
+    undecided."""
+    if math.isnan(result.low):
+        return "undecided (one seed: no interval)"
+    if result.low > 0:
+        return f"{LABEL[ours]} better"
+    if result.high < 0:
+        return f"{LABEL[theirs]} better"
+    return "undecided (interval contains 0)"
+
+
+def report_paired(lab: Lab, sweep: Sweep,
+                  results: dict[tuple[str, float], list[dict[str, Any]]]) -> None:
+    """§6.4's orderings decided seed by seed: PCDP-SGD (FedPCDP) against PDP-SGD (FedPDP), the
+    projection before clipping against after it, and against DP-SGD (DP-FedAvg), at each σ. One
+    seed gives every method the same private subset, public records, partition and initial
+    model; a run without a final accuracy leaves its seed out of both sides."""
+    ours, rivals = (("fedpcdp", ("fedpdp", "dp-fedavg")) if sweep.setting.federated
+                    else ("pcdp-sgd", ("pdp-sgd", "dp-sgd")))
+    rows = []
+    for theirs in rivals:
+        if len(sweep.seeds) < 2 or ours not in sweep.methods or theirs not in sweep.methods:
+            continue
+        for s in sweep.sigmas:
+            pairs = [(a["derived"]["final_accuracy"], b["derived"]["final_accuracy"])
+                     for a, b in zip(results[(ours, s)], results[(theirs, s)], strict=True)]
+            pairs = [p for p in pairs if None not in p]
+            if len(pairs) < 2:
+                continue
+            result = paired(*zip(*pairs, strict=True))
+            rows.append([f"{LABEL[ours]} − {LABEL[theirs]}", f"{s:g}",
+                         " ".join(f"{d:+.2f}" for d in result.differences),
+                         f"{result.mean:+.2f}", f"[{result.low:+.2f}, {result.high:+.2f}]",
+                         verdict(result, ours, theirs)])
+    if rows:
+        lab.table(f"Paired differences of the final test accuracy (points), seed by seed "
+                  f"(seeds {', '.join(map(str, sweep.seeds))}), their mean and {LEVEL:.0%} "
+                  f"t-interval", ["difference", "σ", "by seed", "mean",
+                                  f"{LEVEL:.0%} t-interval", "verdict"], rows)
 
 
 def report_figure(lab: Lab, sweep: Sweep,

@@ -44,12 +44,12 @@ from dpfl.experiments.pcdp import (
     config_of,
     derive,
     mean_std,
+    verdict,
 )
 from dpfl.experiments.registry import experiment
 from dpfl.experiments.selection import (
     LEVEL,
     Config,
-    Paired,
     Split,
     command,
     edge_axes,
@@ -164,18 +164,6 @@ def edge(server_lr: float, grid: Sequence[float]) -> str:
     if not edge_axes({"server-lr": server_lr}, [{"server-lr": g} for g in grid]):
         return ""
     return "edge (lowest γ_g)" if server_lr == min(grid) else "edge (highest γ_g)"
-
-
-def verdict(result: Paired, ours: str, theirs: str) -> str:
-    """"<ours> better" when the interval lies above 0, "<theirs> better" below it, else
-    undecided."""
-    if math.isnan(result.low):
-        return "undecided (one seed: no interval)"
-    if result.low > 0:
-        return f"{LABEL[ours]} better"
-    if result.high < 0:
-        return f"{LABEL[theirs]} better"
-    return "undecided (interval contains 0)"
 
 
 # ---- the protocol ------------------------------------------------------------------------------
