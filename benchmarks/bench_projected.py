@@ -1,7 +1,7 @@
 """The PCDP-SGD reproduction's workload: seconds per local step of each method of the projection
 family on the paper's centralized setting (MNIST, 10,000 private and 100 public images, the
 26,010-parameter CNN, Poisson batches of expected size 250, k = 100, RPDP-SGD k' = 800 as the
-reproduction runs it and at its default, a rotation redrawn every step), one
+reproduction runs it, and redrawn every step as a rotation and as Kronecker rows, its default), one
 torch thread, and the parts of a PCDP-SGD step (the public tape and its Gram matrix, the
 eigendecomposition, the private records' coordinates from their tapes, the lift; beside them
 the materialised route they replace), and RPDP-SGD's random subspace drawn each
@@ -41,13 +41,13 @@ from dpfl.problem import build_problem  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
 
 # (row, method, overrides of the reproduction's run): the reproduction's RPDP-SGD redraws a
-# QR subspace once an epoch; the algorithm's default redraws a rotation's every step
+# QR subspace once an epoch; the algorithm's default redraws Kronecker rows every step
 METHODS = (("dp-sgd", "dp-sgd", {}), ("rsdp-sgd", "rsdp-sgd", {}), ("pdp-sgd", "pdp-sgd", {}),
            ("pcdp-sgd", "pcdp-sgd", {}),
            ("rpdp-sgd (QR once an epoch)", "rpdp-sgd", {}),
-           ("rpdp-sgd (rotation every step: its default)", "rpdp-sgd",
+           ("rpdp-sgd (rotation every step)", "rpdp-sgd",
             {"random-basis": "rotation", "projection-interval": 1}),
-           ("rpdp-sgd (Kronecker rows every step)", "rpdp-sgd",
+           ("rpdp-sgd (Kronecker rows every step: its default)", "rpdp-sgd",
             {"random-basis": "kronecker", "projection-interval": 1}))
 # the matched-ε benchmark's round (docs/benchmark.md): the MNIST MLP (d = 203,530), 10 IID
 # clients, one local step of about 32 records each

@@ -242,17 +242,17 @@ def test_a_rotated_subspace_keeps_a_gradients_share_as_a_haar_one_does():
 
 
 def test_rpdp_with_the_rotation_steps_in_its_subspace_and_learns(tmp_path):
-    """``random-basis="rotation"`` (the default): the step lies in the drawn subspace (seeded
-    from the same streams on every run), and a short run lowers the test loss."""
+    """``random-basis="rotation"``: the step lies in the drawn subspace (seeded from the same
+    streams on every run), and a short run lowers the test loss."""
     problem = build_problem(_config(tmp_path, algorithm="rpdp-sgd", local_steps=1,
-                                    dataset_options=""))
+                                    dataset_options="", random_basis="rotation"))
     assert problem.algorithm.hp.random_basis == "rotation"
     space = problem.algorithm.source.subspace(problem.x0, Randomness(0), 0, 1, 0)
     step = _step(problem)[0] - problem.x0
     torch.testing.assert_close(space.lift(space.coords(step)), step, rtol=0, atol=1e-6)
     assert torch.equal(_step(problem), _step(problem))
     summary = run(_config(tmp_path, algorithm="rpdp-sgd", dataset_options="",
-                          num_server_rounds=4), echo=False)
+                          random_basis="rotation", num_server_rounds=4), echo=False)
     assert summary["test_loss"] < summary["initial_test_loss"]
 
 

@@ -42,12 +42,13 @@ source of subspaces, and whether the step projects before clipping or after the 
 * ``pdp-sgd``: clip, add noise, *then* project (Zhou et al. 2021): w − (γ/B)·VVᵀ(Σ clip_c(g_i)
   + N(0, c²σ²I_d)), drawn as V(VᵀΣ clip_c(g_i) + z), z ~ N(0, c²σ²I_k) (the same law).
 * ``rpdp-sgd``: PCDP-SGD with a random subspace instead of the public one, redrawn every β
-  steps (every step by default, as the paper's algorithm) from a public stream: k' rows of a
-  structured random rotation (:mod:`dpfl.algorithms.rotation`: exactly orthonormal, O(d log d)
-  a vector), with ``random-basis="kronecker"`` k' rows of a rotation per layer (R_out ⊗ R_in for
-  a Linear layer: :class:`KroneckerRotation`, coordinates read from the tapes), or with
-  ``random-basis="qr"`` a Gaussian d×k' matrix orthonormalised by QR (a Haar subspace, O(dk'²) a
-  draw; our reading: the paper states neither construction nor placement).
+  steps (every step by default, as the paper's algorithm) from a public stream: by default k'
+  rows of a rotation per layer (R_out ⊗ R_in for a Linear layer: :class:`KroneckerRotation`,
+  coordinates read from the tapes), with ``random-basis="rotation"`` k' rows of a structured
+  random rotation of the whole vector (:mod:`dpfl.algorithms.rotation`: exactly orthonormal,
+  O(d log d) a vector), or with ``random-basis="qr"`` a Gaussian d×k' matrix orthonormalised by
+  QR (a Haar subspace, O(dk'²) a draw; our reading: the paper states neither construction nor
+  placement).
 * ``rsdp-sgd``: random sparsification before clipping (Zhu & Blaschko 2021): a coordinate mask
   that drops a fraction ``sparsity`` of the d coordinates, shared by the batch and redrawn every β
   steps; noise on the kept coordinates only.
@@ -124,13 +125,14 @@ PROJECTION_INTERVAL = Param("projection-interval", 1, "Steps (rounds, for FedPCD
                             "that reuse one subspace before it is recomputed (App. G.3); a "
                             "client also recomputes at the first step of every round.",
                             check=at_least(1), symbol="β")
-RANDOM_BASIS = Param("random-basis", "rotation", "RPDP-SGD: how its random k'-subspace is "
-                     "drawn: 'rotation', k' rows of a structured random rotation (exactly "
-                     "orthonormal, O(d log d) a vector: docs/algorithms.md); 'kronecker', k' "
-                     "rows of a rotation per layer, R_out ⊗ R_in for a Linear layer, whose "
-                     "coordinates come from the tapes without per-sample gradients (the "
-                     "fastest); or 'qr', a Gaussian d×k' matrix orthonormalised by QR "
-                     "(Haar-distributed, O(dk'²) a draw).",
+RANDOM_BASIS = Param("random-basis", "kronecker", "RPDP-SGD: how its random k'-subspace is "
+                     "drawn: 'kronecker', k' rows of a rotation per layer, R_out ⊗ R_in for a "
+                     "Linear layer, whose coordinates come from the tapes without per-sample "
+                     "gradients (the fastest; the same mean share of a gradient as a Haar "
+                     "subspace, a wider spread); 'rotation', k' rows of a structured random "
+                     "rotation of the whole vector (exactly orthonormal, O(d log d) a vector: "
+                     "docs/algorithms.md); or 'qr', a Gaussian d×k' matrix orthonormalised by "
+                     "QR (Haar-distributed, O(dk'²) a draw).",
                      choices=("rotation", "qr", "kronecker"))
 PUBLIC_BATCH = Param("public-batch-size", 0, "Public records behind one subspace; 0 = all m "
                      "(the paper's setting).", check=at_least(0), symbol="B_pub")

@@ -81,9 +81,9 @@ PAPER = {
 }
 # The sweep's RPDP-SGD draws a fresh Haar subspace by QR (random-basis="qr") once an epoch
 # (40 steps), not every step: the QR of a 26,010 × 1,000 Gaussian matrix takes seconds, which
-# every step would have made 1.7 h of a run (the algorithm's default since, a structured
-# rotation redrawn every step, costs 0.62 s a step). V does not depend on the data, so neither
-# choice changes an ε.
+# every step would have made 1.7 h of a run (the algorithm's default since redraws every step:
+# a structured rotation at 0.62 s a step, then per-layer Kronecker rows at about half that on
+# this CNN). V does not depend on the data, so no choice changes an ε.
 RPDP_INTERVAL = 40
 # γ_g of the IID federations (the first is the default). On MNIST, seed 0, DP-FedAvg is best
 # at 8 at both σ = 4 and 10 (91.4 and 88.2%); 50 comes closest to the paper's two revealed
