@@ -364,6 +364,11 @@ def report_orderings(lab: Lab, sweep: Sweep,
     lab.text("## The orderings of §6.4\n\n" + "\n".join(lines))
 
 
+def interval(result: Paired) -> str:
+    """The paired differences' t-interval in points, "–" with one seed."""
+    return "–" if math.isnan(result.low) else f"[{result.low:+.2f}, {result.high:+.2f}]"
+
+
 def verdict(result: Paired, ours: str, theirs: str) -> str:
     """"<ours> better" when the interval lies above 0, "<theirs> better" below it, else
     undecided."""
@@ -397,8 +402,7 @@ def report_paired(lab: Lab, sweep: Sweep,
             result = paired(*zip(*pairs, strict=True))
             rows.append([f"{LABEL[ours]} − {LABEL[theirs]}", f"{s:g}",
                          " ".join(f"{d:+.2f}" for d in result.differences),
-                         f"{result.mean:+.2f}", f"[{result.low:+.2f}, {result.high:+.2f}]",
-                         verdict(result, ours, theirs)])
+                         f"{result.mean:+.2f}", interval(result), verdict(result, ours, theirs)])
     if rows:
         lab.table(f"Paired differences of the final test accuracy (points), seed by seed "
                   f"(seeds {', '.join(map(str, sweep.seeds))}), their mean and {LEVEL:.0%} "

@@ -27,7 +27,6 @@ runs train as with an evaluation every round): the protocol reads final accuraci
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,6 +42,7 @@ from dpfl.experiments.pcdp import (
     Setting,
     config_of,
     derive,
+    interval,
     mean_std,
     verdict,
 )
@@ -276,15 +276,14 @@ def report_verdicts(lab: Lab, plan: Plan, chosen: dict[Cell, float], seeds: Seed
             if a not in seeds or b not in seeds:
                 continue
             result = paired(tests(seeds[a]), tests(seeds[b]))
-            interval = ("–" if math.isnan(result.low)
-                        else f"[{result.low:+.2f}, {result.high:+.2f}]")
             rows.append([f"{LABEL[ours]} − {LABEL[BASELINE]}", f"{sigma:g}",
                          f"{chosen[a]:g} / {chosen[b]:g}",
                          *[f"{d:+.2f}" for d in result.differences], f"{result.mean:+.2f}",
-                         interval, verdict(result, ours, BASELINE)])
+                         interval(result), verdict(result, ours, BASELINE)])
             if ours == COMPARED[0]:
                 lines.append(f"- σ = {sigma:g}: {verdict(result, ours, BASELINE)} "
-                             f"({result.mean:+.2f} points, {LEVEL:.0%} interval {interval})")
+                             f"({result.mean:+.2f} points, {LEVEL:.0%} interval "
+                             f"{interval(result)})")
     lab.text(f"## Does {LABEL[COMPARED[0]]} beat {LABEL[BASELINE]}?\n\n"
              + ("\n".join(lines) or "(no σ > 0 with both methods in this invocation: "
                                      "see --only)"))
