@@ -48,7 +48,8 @@ def plot_summary(rounds: list[dict[str, Any]], folder: Path, *, title: str,
     if losses and min(losses) > 0 and max(losses) > 20 * min(losses):
         ax.set_yscale("log")
     ax.set(xlabel="round", ylabel="loss")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=2, frameon=False)
+    if losses:  # a run stopped before its first evaluation has none
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=2, frameon=False)
     ax = axes[-1]
     ax.plot(*_series(rounds, "epsilon_max"), label="most spent client")
     ax.plot(*_series(rounds, "epsilon_min"), linestyle="--", label="least spent client")

@@ -41,6 +41,23 @@ def small_config(tmp_path):
     return make
 
 
+def _placeholder_plot(rounds, folder: Path, *, title: str, chance) -> None:
+    """An empty ``summary.png`` where a run would draw it."""
+    (folder / "summary.png").touch()
+
+
+@pytest.fixture(autouse=True)
+def summary_plot(request, monkeypatch):
+    """Runs in a test's own process write an empty ``summary.png`` instead of drawing it (the
+    drawing is about 0.25 s of CPU a run, a sixth of ``make test-fast``); whether a run writes
+    one is still seen. Tests marked ``summary_plot`` draw it: the figure is checked by
+    ``tests/test_plots.py``. The processes a test starts draw it as usual."""
+    if request.node.get_closest_marker("summary_plot") is None:
+        from dpfl import plots
+
+        monkeypatch.setattr(plots, "plot_summary", _placeholder_plot)
+
+
 @pytest.fixture
 def device(request) -> str:
     """This session's device (``--device``), for a test to pass on to the processes it starts:

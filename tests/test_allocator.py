@@ -15,34 +15,42 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
-# a fresh interpreter (the setting is once per process): the allocator's answer, then a short
-# engine run whose final model goes to the file named by argv[1]
-PROGRAM = """
+# a short engine run (the defaults' dataset and algorithm)
+RUN = {"num-partitions": 40, "num-server-rounds": 2, "batch-size": 8}
+# a fresh interpreter (the setting is once per process): the allocator's answer, then RUN
+# with its final model in the folder named by argv[1]
+PROGRAM = f"""
 import sys, torch
 from dpfl.allocator import keep_freed_memory
 from dpfl.engine import run
 from dpfl.runconfig import RunConfig
 print("kept" if keep_freed_memory() else "system")
-summary = run(RunConfig({"num-partitions": 40, "num-server-rounds": 2, "batch-size": 8,
-                         "results-dir": sys.argv[1], "run-name": "r"}), echo=False)
+summary = run(RunConfig({{**{RUN!r}, "results-dir": sys.argv[1], "run-name": "r"}}), echo=False)
 """
 
 
-def _run(tmp_path: Path, name: str, malloc: str | None) -> tuple[str, dict]:
-    env = {k: v for k, v in os.environ.items() if k != "DPFL_MALLOC"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    if malloc is not None:
-        env["DPFL_MALLOC"] = malloc
-    out = subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path / name)], env=env,
+def _run_with_system_malloc(folder: Path) -> tuple[str, dict]:
+    env = {**os.environ, "DPFL_MALLOC": "system",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", PROGRAM, str(folder)], env=env,
                          capture_output=True, text=True, timeout=300, check=True)
-    return out.stdout.split()[0], torch.load(tmp_path / name / "r" / "model.pt")
+    return out.stdout.split()[0], torch.load(folder / "r" / "model.pt")
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt only")
-def test_kept_by_default_off_with_system_and_the_model_is_the_same(tmp_path):
-    kept, model = _run(tmp_path, "kept", None)
-    system, reference = _run(tmp_path, "system", "system")
-    assert (kept, system) == ("kept", "system")
+def test_kept_by_default_off_with_system_and_the_model_is_the_same(tmp_path, monkeypatch):
+    """The default in this process (a test worker), ``DPFL_MALLOC=system`` in a fresh one (a
+    process of its own costs seconds of imports)."""
+    from dpfl.allocator import keep_freed_memory
+    from dpfl.engine import run
+    from dpfl.runconfig import RunConfig
+
+    monkeypatch.delenv("DPFL_MALLOC", raising=False)
+    assert keep_freed_memory()
+    run(RunConfig({**RUN, "results-dir": str(tmp_path / "kept"), "run-name": "r"}), echo=False)
+    model = torch.load(tmp_path / "kept" / "r" / "model.pt")
+    system, reference = _run_with_system_malloc(tmp_path / "system")
+    assert system == "system"
     assert model.keys() == reference.keys()
     assert all(torch.equal(model[k], reference[k]) for k in model)
 

@@ -11,6 +11,7 @@ import torch
 from dpfl.engine import run
 
 
+@pytest.mark.summary_plot
 def test_results_folder_has_every_artifact(small_config):
     summary = run(small_config(), echo=False)
     path = summary["results"]

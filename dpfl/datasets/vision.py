@@ -36,10 +36,13 @@ from dpfl.errors import ConfigError
 def _standardised(
     pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]
 ) -> torch.Tensor:
-    """uint8 ``[n, c, h, w]`` pixels to float32, scaled to [0, 1], then per-channel standardised."""
+    """uint8 ``[n, c, h, w]`` pixels to float32, scaled to [0, 1], then per-channel standardised
+    (in the one float32 copy: MNIST's 60,000 images are 188 MB, and a fresh tensor per
+    operation cost three times as much, in page faults; the same values)."""
     shape = (1, len(mean), 1, 1)
-    scaled = pixels.to(torch.float32) / 255.0
-    return ((scaled - torch.tensor(mean).view(shape)) / torch.tensor(std).view(shape)).contiguous()
+    scaled = pixels.to(torch.float32).div_(255.0)
+    scaled.sub_(torch.tensor(mean).view(shape)).div_(torch.tensor(std).view(shape))
+    return scaled.contiguous()
 
 
 IDX_SCALINGS = ("standardised", "unit", "raw")
