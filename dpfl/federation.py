@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from dpfl.certs import generate
@@ -65,18 +65,28 @@ class FederationError(RuntimeError):
 
 
 def wait_for(done: Callable[[], bool], message: str, watched: list[subprocess.Popen],
-             timeout: float = 120) -> None:
+             timeout: float = 120, logs: Mapping[int, Path] | None = None) -> None:
     """Poll ``done`` until it holds; :class:`FederationError` with ``message`` after
-    ``timeout`` seconds, or as soon as one of ``watched`` exits."""
+    ``timeout`` seconds, or as soon as one of ``watched`` exits (with the last line of its
+    log, where ``logs`` has one for its pid)."""
     deadline = time.monotonic() + timeout
     while not done():
         if time.monotonic() >= deadline:
             raise FederationError(f"{message} after {timeout:g} s")
         exited = [p for p in watched if p.poll() is not None]
         if exited:
-            raise FederationError(f"{message}: {exited[0].args[0]} exited with status "
-                                  f"{exited[0].returncode}")
+            process = exited[0]
+            log = (logs or {}).get(process.pid)
+            said = f" ({log.name}: {last_line(log)})" if log is not None else ""
+            raise FederationError(f"{message}: {process.args[0]} exited with status "
+                                  f"{process.returncode}{said}")
         time.sleep(0.5)
+
+
+def last_line(log: Path) -> str:
+    """The last line of ``log`` that is not blank (at most 300 characters), or "empty"."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    return next((line[:300] for line in reversed(lines) if line), "empty")
 
 
 class LocalFederation:
@@ -93,6 +103,7 @@ class LocalFederation:
         self.certs = folder / "certs"
         self.port = free_port()
         self.started: list[subprocess.Popen] = []
+        self.logs: dict[int, Path] = {}  # each started process's log, by pid
         self.nodes: list[subprocess.Popen] = []
         self.env = dict(env if env is not None else os.environ, FLWR_HOME=str(self.home),
                         PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
@@ -104,6 +115,7 @@ class LocalFederation:
             self.started.append(subprocess.Popen(
                 [str(BIN / program), *args], stdout=out, stderr=subprocess.STDOUT, env=self.env,
                 cwd=self.folder, start_new_session=True))
+        self.logs[self.started[-1].pid] = self.folder / log
         return self.started[-1]
 
     def supernode(self, name: str, ids: str, *security: str,
@@ -148,13 +160,14 @@ class LocalFederation:
                 wait_for(lambda i=i: subprocess.run(
                     [str(BIN / "flwr"), "supernode", "register", str(self.certs / f"node-{i}.pub"),
                      CONNECTION], env=self.env, capture_output=True).returncode == 0,
-                    "the SuperLink did not register the node keys", self.started)
+                    "the SuperLink did not register the node keys", self.started,
+                    logs=self.logs)
         extra = node_config or {}
         self.nodes = [self.supernode(f"supernode-{i}", ids, *self.node_security(i),
                                      node_config=f"{extra.get(i, '')} {policy}".strip())
                       for i, ids in enumerate(nodes)]
         wait_for(lambda: (self.folder / "superlink.log").read_text().count("Activated node_id")
-                 >= len(nodes), "the SuperNodes did not connect", self.started)
+                 >= len(nodes), "the SuperNodes did not connect", self.started, logs=self.logs)
         return self.env
 
     def restart_superlink(self) -> None:

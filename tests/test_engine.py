@@ -67,6 +67,32 @@ def test_a_pause_adds_to_the_wall_time_not_to_the_cpu_time(small_config, monkeyp
     assert writer.cpu_seconds() is None and writer.wall_seconds() >= 5.0
 
 
+def test_ctrl_c_between_the_loops_steps_still_closes_the_results_folder(small_config,
+                                                                        monkeypatch):
+    """Ctrl-C lands wherever the process is: here in the driver, after round 3's first exchange
+    was answered and before the loop was sent the answer (outside the loop's own code). The
+    loop is thrown the interrupt, closes the results folder with the two rounds done and raises
+    it again."""
+    from dpfl.rounds import driver
+
+    answered = driver.answered
+
+    def interrupted(request, transport):
+        answer = answered(request, transport)
+        if isinstance(request, driver.ExchangeRequest) and request.server_round == 3:
+            raise KeyboardInterrupt
+        return answer
+
+    monkeypatch.setattr(driver, "answered", interrupted)
+    config = small_config(num_server_rounds=5)
+    with pytest.raises(KeyboardInterrupt):
+        run(config, echo=False)
+    folder = Path(str(config["results-dir"])) / str(config["run-name"])
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["stopped_early"] == "interrupted in round 3"
+    assert summary["rounds_completed"] == 2 and (folder / "model.pt").exists()
+
+
 def test_same_seed_same_model_different_seed_different_model(small_config, tmp_path):
     a = torch.load(run(small_config(run_name="a"), echo=False)["results"] + "/model.pt")
     b = torch.load(run(small_config(run_name="b"), echo=False)["results"] + "/model.pt")

@@ -1,11 +1,13 @@
-"""The local federation's ports: drawn outside the range the system hands out itself."""
+"""The local federation: its ports drawn outside the range the system hands out itself; a
+process that exits while it comes up named with the last line of its log."""
 
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from dpfl.federation import PORTS, free_port
+from dpfl.federation import PORTS, FederationError, LocalFederation, free_port, wait_for
 
 
 def test_free_ports_lie_outside_the_systems_own_range_and_are_free():
@@ -26,3 +28,17 @@ def test_a_taken_port_is_never_returned(monkeypatch):
         monkeypatch.setattr("dpfl.federation.PORTS", range(port, port + 1))  # only that one
         with pytest.raises(OSError, match=f"no free loopback port in {port}-{port}"):
             free_port()
+
+
+def test_a_process_that_exits_while_the_federation_comes_up_is_named_with_its_log(tmp_path):
+    federation = LocalFederation(tmp_path)
+    process = federation.spawn("node.log", "python", "-c",
+                               "print('starting'); print('ERROR: port 1234 taken'); print()")
+    process.wait(timeout=60)
+    with pytest.raises(FederationError) as error:
+        wait_for(lambda: False, "the SuperNodes did not connect", federation.started,
+                 logs=federation.logs)
+    assert str(error.value).endswith(
+        "python exited with status 0 (node.log: ERROR: port 1234 taken)")
+    with pytest.raises(FederationError, match="status 0$"):  # no log known: the status alone
+        wait_for(lambda: False, "down", [subprocess.Popen(["true"])], timeout=60)

@@ -3,6 +3,7 @@ its next exchange, which is how :func:`dpfl.engine.many.run_fold` interleaves ma
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,14 @@ def drive(loop: RoundLoop, transport: Transport) -> dict[str, Any]:
     transport, and what the transport raises is raised in the loop (which closes the results
     folder and goes on failing). Returns the run's summary."""
     rounds = loop.run()
-    step = advance(rounds, transport)
-    while isinstance(step, ExchangeRequest):
-        step = advance(rounds, transport, *answered(step, transport))
+    try:
+        step = advance(rounds, transport)
+        while isinstance(step, ExchangeRequest):
+            step = advance(rounds, transport, *answered(step, transport))
+    except BaseException as exc:
+        if inspect.getgeneratorstate(rounds) == inspect.GEN_SUSPENDED:
+            # raised here between the loop's steps (Ctrl-C at that moment), not by the loop:
+            # thrown in, the loop closes its results folder and raises it again
+            advance(rounds, transport, error=exc)
+        raise
     return step.summary

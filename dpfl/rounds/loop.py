@@ -168,26 +168,29 @@ class RoundLoop:
         """Every round (after the checkpoint's, when resuming), then the summary (also written
         to ``summary.json``)."""
         yield from self.open()
-        for server_round in range(self.report.first_round,
-                                  int(self.config["num-server-rounds"]) + 1):
-            before = self.state
-            try:
+        # the state at the start of round server_round, whatever line an exception (Ctrl-C)
+        # interrupts, between rounds included
+        server_round, before = self.report.first_round, self.state
+        try:
+            for server_round in range(self.report.first_round,
+                                      int(self.config["num-server-rounds"]) + 1):
                 if not (yield from self.play_round(server_round)):
                     break
-            except GeneratorExit:  # abandoned by its holder: nothing to close
-                raise
-            except BaseException as exc:  # the transport failed, or Flower exits the process:
-                # close the results folder with the rounds completed, then go on failing
-                if self.rounds_done < server_round:
-                    self.state = before
-                self.stop_reason = failure(server_round, exc)
-                self.charge_pending()
-                try:
-                    self.finish()
-                except Exception as error:  # the caller must see the failure, not this
-                    log.error("dpfl: the results folder %s could not be closed: %s",
-                              self.path, error)
-                raise
+                before = self.state
+        except GeneratorExit:  # abandoned by its holder: nothing to close
+            raise
+        except BaseException as exc:  # the transport failed, or Flower exits the process:
+            # close the results folder with the rounds completed, then go on failing
+            if self.rounds_done < server_round:
+                self.state = before
+            self.stop_reason = failure(server_round, exc)
+            self.charge_pending()
+            try:
+                self.finish()
+            except Exception as error:  # the caller must see the failure, not this
+                log.error("dpfl: the results folder %s could not be closed: %s",
+                          self.path, error)
+            raise
         return self.finish()
 
     def play_round(self, server_round: int) -> Generator[Request, Any, bool]:
