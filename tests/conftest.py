@@ -49,9 +49,9 @@ def _placeholder_plot(rounds, folder: Path, *, title: str, chance) -> None:
 @pytest.fixture(autouse=True)
 def summary_plot(request, monkeypatch):
     """Runs in a test's own process write an empty ``summary.png`` instead of drawing it (the
-    drawing is about 0.25 s of CPU a run, a sixth of ``make test-fast``); whether a run writes
-    one is still seen. Tests marked ``summary_plot`` draw it: the figure is checked by
-    ``tests/test_plots.py``. The processes a test starts draw it as usual."""
+    drawing is about 0.25 s of CPU a run: a fifth of ``make test-fast`` by a profile); whether
+    a run writes one is still seen. Tests marked ``summary_plot`` draw it: the figure is checked
+    by ``tests/test_plots.py``. The processes a test starts draw it as usual."""
     if request.node.get_closest_marker("summary_plot") is None:
         from dpfl import plots
 

@@ -40,5 +40,7 @@ def test_a_process_that_exits_while_the_federation_comes_up_is_named_with_its_lo
                  logs=federation.logs)
     assert str(error.value).endswith(
         "python exited with status 0 (node.log: ERROR: port 1234 taken)")
+    other = subprocess.Popen(["true"])
+    other.wait(timeout=60)
     with pytest.raises(FederationError, match="status 0$"):  # no log known: the status alone
-        wait_for(lambda: False, "down", [subprocess.Popen(["true"])], timeout=60)
+        wait_for(lambda: False, "down", [other], timeout=60)

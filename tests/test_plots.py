@@ -1,7 +1,7 @@
 """``summary.png`` (dpfl/plots.py) for every kind of run: with test accuracy (three panels) and
 without (two), losses spanning more than a factor 20 (log axis) or not, values that are
-missing or not finite, a run stopped before its first round; no warning. Elsewhere the tests' own runs
-write an empty one (tests/conftest.py)."""
+missing or not finite, a run stopped before its first round; no warning. Elsewhere the tests'
+own runs write an empty one (tests/conftest.py)."""
 
 from __future__ import annotations
 
