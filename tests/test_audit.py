@@ -186,7 +186,8 @@ def skip_clipping(monkeypatch) -> None:
         monkeypatch.setattr(module, "clip_by_norm", lambda vectors, clip: vectors)
     monkeypatch.setattr(dpfl.algorithms.clip21, "compress", lambda compressor, diff, hp:
                         (diff, dpfl.algorithms.clip21.row_norms(diff)))
-    monkeypatch.setattr(dpfl.algorithms.quantile, "clip_update", lambda update, clip: False)
+    monkeypatch.setattr(dpfl.algorithms.quantile, "clip_update",
+                        lambda update, clip, norm=None: False)
 
 
 def shrink_noise(monkeypatch, factor: float) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.app import Context, RecordDict
+from opacus.accountants import RDPAccountant
 
 from dpfl.algorithms import ServerContext
 from dpfl.checkpoint import Lineage
@@ -26,7 +27,7 @@ from dpfl.client.app import app as client_app
 from dpfl.client.node_ledger import NodeLedger, stream_context
 from dpfl.client.policy import NodeConfigError, NodePolicy, simulated
 from dpfl.engine import run
-from dpfl.privacy import Randomness, add_noise, stds
+from dpfl.privacy import Randomness, Release, add_noise, stds
 from dpfl.problem import build_problem
 from dpfl.runconfig import RunConfig
 from dpfl.strategies import FederationError
@@ -230,6 +231,24 @@ def test_a_nodes_cap_spans_every_run_it_serves_by_its_own_ledger(tmp_path):
                                       .read_text())
         assert 8.0 < ledger.epsilon("rdp", 1e-5) <= 10.0
         assert len(ledger.runs) == 2
+
+
+def test_a_nodes_ledger_keeps_each_mechanism_once_whatever_the_order_of_its_releases():
+    """Releases that alternate (two runs on one node, or two releases a round) are gathered by
+    mechanism: the node's history does not grow with the rounds, and its ε is Opacus' ε of
+    every release made."""
+    ledger = NodeLedger()
+    made = []
+    for r in range(1, 41):
+        releases = [Release(name=name, exchange="train", radius=1.0, relation="replace-one",
+                            sample_rate=q, steps=1, noise_multiplier=z)
+                    for name, z, q in (("a", 2.0, 0.1), ("b", 1.5, 0.05))]
+        ledger.charge("run", r, releases, every=0)
+        made += [(r.event[0], r.event[1], 1) for r in releases]
+    assert [e[1:] for e in ledger.events] == [[2.0, 0.1, 40], [1.5, 0.05, 40]]
+    opacus = RDPAccountant()
+    opacus.history = made  # every release, in order (step() merges the last event only)
+    assert ledger.epsilon("rdp", 1e-5) == pytest.approx(opacus.get_epsilon(1e-5), rel=1e-12)
 
 
 # ---- item 2: nothing derived from the record count ----------------------------------------------

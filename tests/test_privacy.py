@@ -23,6 +23,7 @@ from dpfl.privacy import (
     clip_by_norm,
     stds,
 )
+from dpfl.privacy.ledger import PRV_MAX_POINTS, _prv_points, composed
 
 
 def _release(noise_multiplier, sample_rate, steps=1, relation="replace-one"):
@@ -138,6 +139,53 @@ def test_prv_ledger_matches_opacus_prv_accountant():
     acc = PRVAccountant()
     acc.history = [(1.2, 0.05, 200)]
     assert ledger.epsilon(1e-5) == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-9)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
+                            "ignore:Optimal order:UserWarning")  # Opacus' numerics
+def test_a_ledger_of_alternating_releases_gives_opacus_epsilon_of_its_raw_history():
+    """Two releases a round, one after the other (the quantile family's update and count):
+    the ledger keeps each mechanism once with its steps, where Opacus' accountant would keep
+    every release (it merges a step into the last event only), and its ε equals Opacus' ε of
+    that raw history; a history that repeats a mechanism (a node's, an older checkpoint's) is
+    composed alike."""
+    ledger = PrivacyLedger(accountant="rdp", relation="add-remove")
+    acc = RDPAccountant()
+    for _ in range(150):
+        for z in (3.0, 0.9):
+            ledger.record(_release(z, 1.0, relation="add-remove"))
+            acc.history.append((z, 1.0, 1))  # Opacus' step() would merge neither
+    assert ledger.history == [(3.0, 1.0, 150), (0.9, 1.0, 150)] and len(acc.history) == 300
+    assert ledger.epsilon(1e-5) == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-12)
+    assert composed(acc.history) == tuple(ledger.history)
+    raw = PrivacyLedger(accountant="rdp", relation="add-remove", history=list(acc.history))
+    assert raw.epsilon(1e-5) == ledger.epsilon(1e-5)
+    after = [_release(3.0, 1.0, relation="add-remove")]
+    acc.history.append((3.0, 1.0, 1))
+    assert ledger.epsilon_after(after, 1e-5) == pytest.approx(acc.get_epsilon(delta=1e-5),
+                                                              rel=1e-12)
+    prv = PRVAccountant()
+    prv.history = acc.history[:40]  # Opacus' PRV of 40 raw events (a slow path: 1 s)
+    short = PrivacyLedger(accountant="prv", relation="add-remove", history=acc.history[:40])
+    assert short.epsilon(1e-5) == pytest.approx(prv.get_epsilon(delta=1e-5), rel=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
+                            "ignore:Optimal order:UserWarning")  # Opacus' numerics
+def test_a_prv_history_whose_grid_is_too_large_is_given_infinite_epsilon():
+    """Opacus' PRV accountant discretises a history on a grid whose length grows as the noise
+    shrinks: at noise multiplier 0.01 two steps need 10⁷ points (gigabytes, minutes); the
+    ledger gives ε = inf without making it, and a history of useful noise as Opacus does."""
+    tiny = PRVAccountant()
+    tiny.history = [(0.01, 0.004, 2)]
+    assert _prv_points(tiny, 1e-5) > PRV_MAX_POINTS
+    ledger = PrivacyLedger(accountant="prv", relation="add-remove", history=[(0.01, 0.004, 2)])
+    assert math.isinf(ledger.epsilon(1e-5))
+    useful = PRVAccountant()
+    useful.history = [(1.0, 0.01, 10_000)]
+    assert _prv_points(useful, 1e-5) < PRV_MAX_POINTS / 4
+    ledger = PrivacyLedger(accountant="prv", relation="add-remove", history=[(1.0, 0.01, 10_000)])
+    assert ledger.epsilon(1e-5) == useful.get_epsilon(delta=1e-5)
 
 
 # ---- releases: the one place noise multipliers and stds are converted ------------------------

@@ -105,11 +105,17 @@ def update_multiplier(multiplier: float, count_stddev: float) -> float:
     return (multiplier ** (-2) - (2 * count_stddev) ** (-2)) ** -0.5
 
 
-def clip_update(update: np.ndarray, clip: float) -> bool:
-    """Scale ``update`` in place to ℓ2 norm at most ``clip`` (Algorithm 1's
-    Δ·min(1, C/‖Δ‖), the norm computed as Flower's ``get_norm``: the square root of the squared
-    float32 norm); whether it was scaled (the norm exceeded C)."""
-    norm = float(np.sqrt(np.linalg.norm(update.flat) ** 2))
+def update_norm(update: np.ndarray) -> float:
+    """‖Δ‖ of a flat update as Flower's ``get_norm`` computes it: the square root of the squared
+    float32 norm."""
+    return float(np.sqrt(np.linalg.norm(update) ** 2))
+
+
+def clip_update(update: np.ndarray, clip: float, norm: float | None = None) -> bool:
+    """Scale the flat ``update`` in place to ℓ2 norm at most ``clip`` (Algorithm 1's
+    Δ·min(1, C/‖Δ‖), ``norm`` its :func:`update_norm` where known); whether it was scaled (the
+    norm exceeded C)."""
+    norm = update_norm(update) if norm is None else norm
     factor = min(1, clip / norm)
     update *= factor
     return factor < 1
@@ -209,15 +215,16 @@ class QuantileDPFedAvg(Algorithm[QuantileHyperparameters]):
             return self.model.batch_gradients(params, xb.to(ctx.device), yb.to(ctx.device))
 
         params, _ = local_sgd(x, len(cohort), hp.local_steps, gradient, hp.learning_rate)
-        deltas = (params - x).cpu().numpy().copy()
+        deltas = (params - x).cpu().numpy()
         unclipped = np.ones((len(cohort), 1), dtype=np.float32)
         for row, bit in zip(deltas, unclipped, strict=True):
+            norm = update_norm(row)  # finite unless an entry is not, or the squares overflow
             # local steps that overflowed (a record's NaN is already dropped by the gradient):
             # the runtime sends the row as zeros and logs it, so its bit is a zero update's
-            if not np.isfinite(row).all():
+            if not math.isfinite(norm) and not np.isfinite(row).all():
                 continue
-            if np.any(row):  # Flower's clip divides by the norm
-                bit[0] = not clip_update(row, clip)
+            if norm > 0:  # Flower's clip divides by the norm; a zero update stays as it is
+                bit[0] = not clip_update(row, clip, norm)
         return {"delta": torch.from_numpy(deltas), "unclipped": torch.from_numpy(unclipped)}, {}
 
 

@@ -3,8 +3,8 @@
 A node charges its clients for every release before the reply that carries it leaves, in a
 ledger that nothing the server sends can roll back:
 
-* **events**: each release as (relation, noise multiplier, sample rate, steps), merged; the ε of
-  the whole history at the node's δ, by the node's accountant, is what the node's cap
+* **events**: each mechanism (relation, noise multiplier, sample rate) once, with its steps;
+  the ε of the whole history at the node's δ, by the node's accountant, is what the node's cap
   (:class:`~dpfl.client.policy.NodePolicy` ``max-epsilon``) is checked against. Releases under
   both relations compose as replace-one ones (an add/remove release of multiplier z, Poisson
   sampled or not sampled, is a replace-one release of multiplier z/2);
@@ -112,10 +112,12 @@ class NodeLedger:
             record["total"][release.name] = record["total"].get(release.name, 0) + 1
             record["recent"].append([server_round, release.name])
             z, q, steps = release.event
-            if self.events and self.events[-1][:3] == [release.relation, z, q]:
-                self.events[-1][3] += steps
+            mechanism = [release.relation, z, q]
+            same = next((e for e in self.events if e[:3] == mechanism), None)
+            if same is not None:  # each mechanism once (its history never grows with rounds)
+                same[3] += steps
             elif steps > 0:
-                self.events.append([release.relation, z, q, steps])
+                self.events.append([*mechanism, steps])
         floor = _floor(max(r for r, _ in record["recent"]), every) if record["recent"] else 0
         if floor > record["floor"]:
             record["floor"] = floor
