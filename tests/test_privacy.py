@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
 
 from dpfl.privacy import (
     Accounting,
@@ -175,17 +176,29 @@ def test_a_ledger_of_alternating_releases_gives_opacus_epsilon_of_its_raw_histor
 def test_a_prv_history_whose_grid_is_too_large_is_given_infinite_epsilon():
     """Opacus' PRV accountant discretises a history on a grid whose length grows as the noise
     shrinks: at noise multiplier 0.01 two steps need 10⁷ points (gigabytes, minutes); the
-    ledger gives ε = inf without making it, and a history of useful noise as Opacus does."""
-    tiny = PRVAccountant()
-    tiny.history = [(0.01, 0.004, 2)]
-    assert _prv_points(tiny, 1e-5) > PRV_MAX_POINTS
-    ledger = PrivacyLedger(accountant="prv", relation="add-remove", history=[(0.01, 0.004, 2)])
-    assert math.isinf(ledger.epsilon(1e-5))
-    useful = PRVAccountant()
-    useful.history = [(1.0, 0.01, 10_000)]
+    ledger's bound on that length, never above Opacus' own, gives ε = inf without making the
+    grid, and a history of useful noise its Opacus ε."""
+    def opacus_points(history):  # the domain PRVAccountant.get_epsilon(1e-5) discretises on
+        prvs = [PoissonSubsampledGaussianPRV(q, z) for z, q, _ in history]
+        steps = [n for *_, n in history]
+        domain = PRVAccountant()._get_domain(prvs=prvs, num_self_compositions=steps,
+                                             eps_error=0.01, delta_error=1e-8)
+        return domain.size
+
+    for history in (((0.01, 0.004, 2),), ((0.0078, 1.0, 200), (30.7, 1.0, 200)),
+                    ((1.0, 0.01, 10_000),), ((12.0, 1.0, 200), (1.0, 1.0, 200))):
+        points = opacus_points(history)
+        assert 0.9 * points <= _prv_points(history, 1e-5) <= points
+    for tiny in (((0.01, 0.004, 2),), ((0.0078, 1.0, 200), (30.7, 1.0, 200))):
+        assert _prv_points(tiny, 1e-5) > PRV_MAX_POINTS
+        ledger = PrivacyLedger(accountant="prv", relation="add-remove", history=list(tiny))
+        assert math.isinf(ledger.epsilon(1e-5))
+    useful = ((1.0, 0.01, 10_000),)
     assert _prv_points(useful, 1e-5) < PRV_MAX_POINTS / 4
-    ledger = PrivacyLedger(accountant="prv", relation="add-remove", history=[(1.0, 0.01, 10_000)])
-    assert ledger.epsilon(1e-5) == useful.get_epsilon(delta=1e-5)
+    ledger = PrivacyLedger(accountant="prv", relation="add-remove", history=list(useful))
+    opacus = PRVAccountant()
+    opacus.history = list(useful)
+    assert ledger.epsilon(1e-5) == opacus.get_epsilon(delta=1e-5)
 
 
 # ---- releases: the one place noise multipliers and stds are converted ------------------------

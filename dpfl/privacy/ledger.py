@@ -72,6 +72,8 @@ def _epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float
         # RDPAccountant.get_epsilon, with each (z, q) curve computed once (the RDP of `steps`
         # compositions is `steps` times the one-step curve, as in Opacus), over more orders
         return rdp.epsilon(history, delta)
+    if accountant == "prv" and _prv_points(history, delta) > PRV_MAX_POINTS:
+        return math.inf
     # Opacus is imported on use: a ClientApp that only records releases never loads it
     from opacus.accountants import create_accountant
 
@@ -79,8 +81,6 @@ def _epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float
     acc.history = list(history)
     with warnings.catch_warnings():  # PRV's numerics warn (and give inf) at tiny noise
         warnings.simplefilter("ignore")
-        if accountant == "prv" and _prv_points(acc, delta) > PRV_MAX_POINTS:
-            return math.inf
         return float(acc.get_epsilon(delta=delta))
 
 
@@ -88,23 +88,24 @@ def _epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float
 #: several float64 arrays of that length). Its safe domain spans at least the RDP ε of the
 #: history at δ/4,000, so a history over the limit has an RDP ε in the thousands (noise far too
 #: small to protect anything); its grid would take gigabytes and minutes (a DPSGD-GC run at
-#: noise multiplier 0.01: 6 s, 67 s and 212 s for the ε of rounds 1–3, then a 173 GiB
-#: allocation), and its PRV ε is given as inf, a valid bound. Runs with any useful noise stay
-#: far below it (σ = 1, q = 0.01, 10,000 steps: 7.8·10⁵ points).
+#: noise multiplier 0.01 spent 6, 67 and 212 s on the ε of rounds 1–3; the quantile family's
+#: calibration asked for 173 GiB at z ≈ 0.008), and its PRV ε is given as inf, a valid bound.
+#: Runs with any useful noise stay far below it (σ = 1, q = 0.01, 10,000 steps: 7.8·10⁵ points).
 PRV_MAX_POINTS = 2**22
 
 
-def _prv_points(acc: object, delta: float) -> int:
-    """The size of the grid ``acc`` (Opacus' ``PRVAccountant`` holding a history) would
-    discretise the history on for ``get_epsilon(delta)`` at its default error tolerances, from
-    its own domain computation (no grid is made)."""
-    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
-
-    eps_error, delta_error = 0.01, delta / 1000  # get_epsilon's defaults
-    prvs = [PoissonSubsampledGaussianPRV(q, z) for z, q, _ in acc.history]
-    domain = acc._get_domain(prvs=prvs, num_self_compositions=[n for *_, n in acc.history],
-                             eps_error=eps_error, delta_error=delta_error)
-    return domain.size
+def _prv_points(history: tuple[Event, ...], delta: float) -> float:
+    """A lower bound on the length of the grid Opacus' PRV accountant discretises ``history``
+    on for ``get_epsilon(delta)`` at its default tolerances (ε error 0.01, δ error δ/1000): its
+    safe domain [−L, L] has L ≥ 3 + the RDP ε of the history at a quarter of the δ error,
+    which :func:`dpfl.privacy.rdp.epsilon` bounds from below (it minimises over more orders
+    than Opacus' RDP accountant there), and its mesh is the ε error over
+    √(T·ln(12/δ error)/2) for T steps (``PRVAccountant._get_domain``). No grid is made, and the
+    RDP curves are the ledger's cached ones."""
+    eps_error, delta_error = 0.01, delta / 1000
+    half_width = 3 + max(rdp.epsilon(history, delta_error / 4), eps_error)
+    steps = sum(n for *_, n in history)
+    return 2 * half_width * math.sqrt(steps * math.log(12 / delta_error) / 2) / eps_error
 
 
 def composed(history: Iterable[Event]) -> tuple[Event, ...]:
@@ -121,21 +122,14 @@ def composed(history: Iterable[Event]) -> tuple[Event, ...]:
 
 
 def _merge(history: list[Event], event: Event) -> None:
-    """Add ``event``'s steps to the event of the same mechanism (noise multiplier, sample
-    rate), or append it: a ledger's history holds each mechanism once, in the order of its
-    first release. Opacus' accountants merge a step into the last event only, so releases that
-    alternate (the quantile family's update and count, every round) grew a history by two
-    events a round, and the ε of every round with it (RDP: 38 ms at round 1,000 and 100 ms at
-    3,000 where gathered histories take 0.8 and 1.2 ms; PRV: 502 s at round 200, against
-    2.5 s)."""
-    z, q, steps = event
-    if steps <= 0:
-        return
-    for i, (z0, q0, n) in enumerate(history):
-        if (z0, q0) == (z, q):
-            history[i] = (z, q, n + steps)
-            return
-    history.append((z, q, steps))
+    """Record ``event`` in ``history`` as :func:`composed` keeps it: its steps added to the
+    event of the same mechanism, or appended. Opacus' accountants merge a step into the last
+    event only, so releases that alternate (the quantile family's update and count, every
+    round) grew a history by two events a round, and the ε of every round with it (RDP: 38 ms
+    at round 1,000 and 100 ms at 3,000 where gathered histories take 0.8 and 1.2 ms; PRV:
+    502 s at round 200, against 2.5 s)."""
+    if event[2] > 0:
+        history[:] = composed([*history, event])
 
 
 @dataclass
