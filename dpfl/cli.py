@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse", action="append", default=[], metavar="ARCHIVE", type=Path,
                    help="a runs.jsonl.gz written beside an earlier report (e.g. in reports/): "
                    "its runs count as finished and are not run again")
+    p.add_argument("--plan", action="store_true",
+                   help="run and write nothing: say which stage of the experiment has runs "
+                   "left to do, how many, and their run time at the finished runs' pace")
     p.add_argument("--list", action="store_true", help="list the experiments")
     p = sub.add_parser("certs", help="generate a CA, a SuperLink certificate and SuperNode "
                        "keys for a federation over TLS with node authentication")
@@ -287,6 +290,7 @@ def audit_one_run(args: argparse.Namespace, config) -> int:
 
 def reproduce(args: argparse.Namespace) -> int:
     from dpfl.experiments import EXPERIMENTS, Lab
+    from dpfl.experiments.lab import Pending
 
     if args.list or not args.paper:
         for key in EXPERIMENTS.names():
@@ -308,8 +312,18 @@ def reproduce(args: argparse.Namespace) -> int:
         only[axis] = [v.strip() for v in values.split(",") if v.strip()]
     suffix = "-smoke" if args.smoke else ""
     lab = Lab(Path(args.results_dir) / f"reproduce-{exp.paper}-{exp.name}{suffix}",
-              smoke=args.smoke, workers=args.workers, only=only, reuse=args.reuse)
-    title = exp.run(lab)
+              smoke=args.smoke, workers=args.workers, only=only, reuse=args.reuse,
+              plan=args.plan)
+    try:
+        title = exp.run(lab)
+    except Pending as pending:
+        print(f"plan of {name} in {lab.folder} (nothing run or written):\n{pending.describe()}")
+        return 0
+    if args.plan:
+        print(f"plan of {name} in {lab.folder} (nothing run or written): every run of its "
+              f"{lab.stages} stages is finished; without --plan the report is written from "
+              f"them")
+        return 0
     print(f"report: {lab.write(title)}")
     return 0
 

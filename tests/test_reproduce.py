@@ -299,6 +299,103 @@ def test_only_restricts_the_experiment_and_refuses_what_it_does_not_have(smoke, 
         assert not refused.exists()
 
 
+@pytest.mark.smoke
+def test_plan_runs_and_writes_nothing_and_names_the_first_stage_with_runs_to_do(
+        smoke, tmp_path, capsys):
+    """``--plan`` over a partial archive: the stages whose runs are all archived pass, the
+    first with runs to do is named with its count and an estimate at the archived runs' pace;
+    over the whole archive it says every stage is finished; nothing is run or written."""
+    from dpfl.experiments.lab import read_archive, write_archive
+
+    archive = read_archive(smoke("mnist-dp") / "runs.jsonl.gz")
+    half = dict(sorted(archive.items())[: len(archive) // 2])
+    partial = write_archive(tmp_path / "half.jsonl.gz",
+                            {k: (r["config"], r["summary"]) for k, r in half.items()})
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["reproduce", "clip21", "mnist-dp", "--smoke", "--results-dir", str(out),
+                 "--workers", "2", "--reuse", str(partial), "--plan"]) == 0
+    said = capsys.readouterr().out
+    assert "(nothing run or written)" in said
+    assert "- stage 1, the first with runs to do: " in said  # the grid: half of it archived
+    todo = int(said.split("the first with runs to do: ")[1].split(" of ")[0])
+    assert 0 < todo < len(archive)
+    assert "of single-thread run time (at the finished runs' seconds per round)" in said
+    assert " on 2 workers" in said
+    assert not out.exists()
+    assert main(["reproduce", "clip21", "mnist-dp", "--smoke", "--results-dir", str(out),
+                 "--reuse", str(smoke("mnist-dp") / "runs.jsonl.gz"), "--plan"]) == 0
+    said = capsys.readouterr().out
+    assert "every run of its" in said and "stages is finished" in said
+    assert not out.exists()  # not even the report's figures or cells.json
+
+
+def test_a_plans_estimate_is_each_runs_rounds_at_the_pace_of_runs_like_it():
+    from dpfl.experiments.lab import seconds_at_pace
+
+    def done(wall, rounds, **config):
+        return {**POINT, "dataset": "mnist", **config}, {"wall_seconds": wall,
+                                                         "rounds_completed": rounds}
+
+    finished = [done(10.0, 10, **{"batch-size": 64}),  # 1 s a round
+                done(30.0, 10, **{"batch-size": 64}),  # 3 s: the median is 2
+                done(40.0, 4, **{"batch-size": 32})]  # 10 s a round
+    todo = [{**POINT, "dataset": "mnist", "batch-size": 64, "num-server-rounds": 5},
+            {**POINT, "dataset": "mnist", "batch-size": 32, "num-server-rounds": 2}]
+    assert seconds_at_pace(todo, finished) == pytest.approx(5 * 2.0 + 2 * 10.0)
+    # no finished run of its batch size: the pace of its algorithm, dataset and model
+    other = {**POINT, "dataset": "mnist", "batch-size": 16, "num-server-rounds": 3}
+    assert seconds_at_pace([other], finished) == pytest.approx(3 * 3.0)  # median of 1, 3, 10
+    assert seconds_at_pace([{**other, "algorithm": "clip21-sgd2m"}], finished) is None
+
+
+def test_a_plan_of_batched_runs_goes_by_the_experiments_cost_model(tmp_path):
+    """Batched runs share their work, so a finished one's time is no pace for another: a
+    planning lab estimates them by the cost model the experiment gives, else not at all."""
+    from dpfl.experiments import Lab
+    from dpfl.experiments.lab import Pending
+
+    configs = [{**POINT, "seed": s} for s in range(3)]
+
+    def never(group):
+        raise AssertionError("a planning lab runs nothing")
+
+    with pytest.raises(Pending) as stop:
+        Lab(tmp_path, smoke=True, workers=3, plan=True).run_batched(
+            configs, federation=lambda c: c["seed"], simulate=never,
+            cost=lambda todo: 7200.0 * len(todo))
+    assert (stop.value.stage, len(stop.value.todo), stop.value.total) == (1, 3, 3)
+    assert "≈ 6.00 h of single-thread run time (by the experiment's cost model), ≈ 2.00 h " \
+        "on 3 workers" in stop.value.describe()
+    with pytest.raises(Pending) as stop:
+        Lab(tmp_path, smoke=True, plan=True).run_batched(
+            configs, federation=lambda c: c["seed"], simulate=never)
+    assert "no estimate: batched runs share their work" in stop.value.describe()
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_docs_plan_line_finds_every_stage_of_its_committed_archive_finished(tmp_path,
+                                                                                 capsys):
+    """The `--plan` line of docs/reproductions.md, run as a reader copies it (the report's
+    archive is complete, so every stage passes and nothing is written)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    lines = [line for block in re.findall(r"^```bash\n(.*?)^```",
+                                          (root / "docs" / "reproductions.md").read_text(),
+                                          re.S | re.M)
+             for line in block.splitlines() if line.startswith("dpfl reproduce ")
+             and "--plan" in line]
+    assert lines
+    for line in lines:
+        capsys.readouterr()
+        args = [a if not a.startswith("reports/") else str(root / a)
+                for a in shlex.split(line)[1:]]
+        assert main([*args, "--results-dir", str(tmp_path)]) == 0
+        assert "stages is finished" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
 class StandInLab:
     """A lab whose runs end as ``outcome(config)`` says (a summary), recording every config."""
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import io
 import json
 import math
 import statistics
@@ -366,16 +367,16 @@ def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Co
 
 def write_tried(lab: Lab, tried: Tried) -> None:
     """``configurations.csv``: every configuration tried, its rung and validation accuracy."""
-    lab.folder.mkdir(parents=True, exist_ok=True)
-    with open(lab.folder / "configurations.csv", "w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(["dataset", "federation", "algorithm", "epsilon", "rounds share",
-                      "configuration", "validation accuracy (%)"])
-        for (setting, algorithm, epsilon), runs in tried.items():
-            for share, point, accuracy in runs:
-                out.writerow([setting.name, setting.federation, algorithm, epsilon,
-                              f"1/{share}", " ".join(f"{k}={v:g}" for k, v in point.items()),
-                              f"{accuracy:.2f}"])
+    table = io.StringIO(newline="")
+    out = csv.writer(table)
+    out.writerow(["dataset", "federation", "algorithm", "epsilon", "rounds share",
+                  "configuration", "validation accuracy (%)"])
+    for (setting, algorithm, epsilon), runs in tried.items():
+        for share, point, accuracy in runs:
+            out.writerow([setting.name, setting.federation, algorithm, epsilon,
+                          f"1/{share}", " ".join(f"{k}={v:g}" for k, v in point.items()),
+                          f"{accuracy:.2f}"])
+    lab.attach("configurations.csv", table.getvalue())
     count = sum(len(r) for r in tried.values())
     lab.text(f"Every configuration tried ({count} runs), with its rung and validation "
              f"accuracy: `configurations.csv`.")
@@ -388,7 +389,7 @@ def write_selected(lab: Lab, plan: Plan, chosen: dict[Cell, Config]) -> None:
     for (setting, algorithm, epsilon), point in chosen.items():
         table = out.setdefault(f"{setting.name} {setting.federation}", {})
         table.setdefault(algorithm, {})[f"{epsilon:g}"] = point
-    (lab.folder / "selected.json").write_text(json.dumps(out, indent=1, sort_keys=True))
+    lab.attach("selected.json", json.dumps(out, indent=1, sort_keys=True))
 
 
 def report_protocol(lab: Lab, plan: Plan) -> None:

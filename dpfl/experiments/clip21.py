@@ -356,8 +356,7 @@ def report_table1(lab: Lab, cells: dict[Cell, Any], models: Sequence[str],
                 "; ".join(f"{acc:.1f} (step {step:.3g})" for acc, step, _ in c["proxy"]),
                 f"`{command(c['selected'])}`"]
                for (m, a, e), c in sorted(cells.items())])
-    lab.folder.mkdir(parents=True, exist_ok=True)
-    (lab.folder / cells_file).write_text(json.dumps(
+    lab.attach(cells_file, json.dumps(
         [{"model": m, "method": a, "epsilon": e, **{k: v for k, v in c.items()}}
          for (m, a, e), c in sorted(cells.items())], indent=2, default=str))
 

@@ -15,6 +15,12 @@ a report can be regenerated or extended on another machine, or in a later sessio
 running again what is archived (the committed ``reports/`` keep theirs). The archive is
 rewritten as each run finishes, so an interrupted sweep leaves one of every run it finished,
 and the lab reads its own folder's archive when it starts: a sweep run again resumes.
+
+A planning lab (``plan=True``, ``dpfl reproduce --plan``) runs and writes nothing: the
+experiment goes through its stages (each call of :meth:`Lab.run_many` or
+:meth:`Lab.run_batched`) on their finished runs, and at the first stage with runs left to do
+the lab raises :class:`Pending`, which says how many and what they would cost at the finished
+runs' pace. Later stages are not counted: which runs they hold depends on that stage's results.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json
 import math
 import multiprocessing
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -159,14 +166,73 @@ class Progress:
         print(line, flush=True)
 
 
+class Pending(Exception):
+    """A planning lab's stop (:class:`Lab`, ``plan=True``): stage ``stage`` (counted from 1) has
+    ``todo`` of its ``total`` configurations left to run, every run of the stages before it is
+    finished. ``estimate``: single-thread seconds of ``todo`` by ``source`` (the experiment's
+    cost model, or the finished runs' pace: :func:`seconds_at_pace`), None where neither
+    gives one."""
+
+    def __init__(self, stage: int, total: int, todo: Sequence[dict[str, Value]],
+                 estimate: float | None, source: str, workers: int) -> None:
+        super().__init__(f"stage {stage}: {len(todo)} of {total} runs to do")
+        self.stage, self.total, self.todo = stage, total, list(todo)
+        self.estimate, self.source, self.workers = estimate, source, workers
+
+    def describe(self) -> str:
+        lines = [f"- stages with every run finished: {self.stage - 1}",
+                 (f"- stage {self.stage}, the first with runs to do: {len(self.todo)} of its "
+                  f"{self.total} runs")]
+        if self.estimate is None:
+            lines.append(f"  no estimate: {self.source}")
+        else:
+            lines.append(f"  ≈ {_duration(self.estimate)} of single-thread run time "
+                         f"({self.source}), ≈ {_duration(self.estimate / self.workers)} on "
+                         f"{self.workers} worker{'s' if self.workers > 1 else ''}")
+        lines.append("- the stages after it depend on its results: not counted")
+        return "\n".join(lines)
+
+
+#: what a run's pace depends on most (:func:`seconds_at_pace`), finest first
+PACE_KEYS = (("algorithm", "dataset", "model", "dataset-options", "batch-size", "local-steps",
+              "num-partitions"), ("algorithm", "dataset", "model"))
+
+
+def seconds_at_pace(todo: Sequence[dict[str, Value]],
+                    finished: Sequence[tuple[dict[str, Value], dict[str, Any]]]) -> float | None:
+    """Single-thread seconds of the runs ``todo``: each run's rounds (``num-server-rounds``)
+    times the median seconds per round (wall seconds over rounds completed) of the
+    ``finished`` runs (configuration, summary) that share its values of the first of
+    :data:`PACE_KEYS` any finished run shares; None where a run shares none."""
+    paces: list[dict[tuple[str, ...], list[float]]] = [{} for _ in PACE_KEYS]
+    for config, summary in finished:
+        wall, rounds = summary.get("wall_seconds"), summary.get("rounds_completed")
+        if wall and rounds:
+            for keys, by_kind in zip(PACE_KEYS, paces, strict=True):
+                kind = tuple(str(config.get(k)) for k in keys)
+                by_kind.setdefault(kind, []).append(float(wall) / float(rounds))
+    total = 0.0
+    for config in todo:
+        pace = next((statistics.median(by_kind[kind]) for keys, by_kind in zip(
+            PACE_KEYS, paces, strict=True)
+            if (kind := tuple(str(config.get(k)) for k in keys)) in by_kind), None)
+        if pace is None:
+            return None
+        total += pace * float(RunConfig(config)["num-server-rounds"])
+    return total
+
+
 class Lab:
     """Runs and reports one experiment."""
 
     def __init__(self, folder: Path, *, smoke: bool, workers: int = 1,
                  only: dict[str, list[str]] | None = None,
-                 reuse: Sequence[Path] = ()) -> None:
-        """``reuse``: archives (``runs.jsonl.gz``) whose runs count as finished."""
+                 reuse: Sequence[Path] = (), plan: bool = False) -> None:
+        """``reuse``: archives (``runs.jsonl.gz``) whose runs count as finished. ``plan``: run
+        and write nothing, raise :class:`Pending` at the first stage with runs to do."""
         self.folder = folder
+        self.plan = plan
+        self.stages = 0  # calls of run_many / run_batched so far
         self.smoke = smoke
         self.workers = max(1, workers)
         self.only = dict(only or {})
@@ -210,6 +276,33 @@ class Lab:
         return "; ".join(f"{k} = {', '.join(v)}" for k, v in self.only.items())
 
     # ---- runs ----------------------------------------------------------------------------
+    def _stage(self, configs: Sequence[dict[str, Value]], todo: Sequence[dict[str, Value]],
+               cost: Callable[[list[dict[str, Value]]], float] | None = None,
+               batched: bool = False) -> None:
+        """Count a stage; a planning lab stops at the first with runs to do (:class:`Pending`),
+        its estimate by ``cost`` (the experiment's cost model: single-thread seconds of a list
+        of configurations) where given, else, for runs that are not batched, at the finished
+        runs' pace."""
+        self.stages += 1
+        if not (self.plan and todo):
+            return
+        for c in todo:
+            RunConfig(c)  # a plan validates what it would run
+        if cost is not None:
+            estimate, source = cost(list(todo)), "by the experiment's cost model"
+        elif batched:
+            estimate, source = None, ("batched runs share their work, so a finished run's "
+                                      "time is no pace for another, and this experiment gives "
+                                      "no cost model")
+        else:
+            known = {k: (r["config"], r["summary"]) for k, r in self.archived.items()}
+            known.update(self.used)
+            estimate = seconds_at_pace(todo, list(known.values()))
+            source = ("at the finished runs' seconds per round" if estimate is not None else
+                      "a run to do has no finished run of its algorithm, dataset and model "
+                      "to go by")
+        raise Pending(self.stages, len(configs), todo, estimate, source, self.workers)
+
     def _check(self, configs: Sequence[dict[str, Value]]) -> None:
         """Validate ``configs`` and load each distinct dataset once, before anything is run or
         written: bad input, or data that is not there, stops the experiment with its one line
@@ -265,6 +358,7 @@ class Lab:
                 derive is None or "derived" in archived["summary"])
 
         todo = [c for c in configs if not finished(c)]
+        self._stage(configs, todo)
         self._check(todo)
         for c in todo:  # a half-written folder from an interrupted run is started again
             folder = self.folder / "runs" / run_key(c)
@@ -273,7 +367,8 @@ class Lab:
                     f.unlink()
                 folder.rmdir()
         prepared = [self._values(c) for c in todo]  # all validated before the first run
-        self.folder.mkdir(parents=True, exist_ok=True)
+        if todo:
+            self.folder.mkdir(parents=True, exist_ok=True)
 
         recorded: dict[str, dict[str, Any]] = {}
 
@@ -312,11 +407,14 @@ class Lab:
     def run_batched(self, configs: Sequence[dict[str, Value]], *,
                     federation: Callable[[dict[str, Value]], Any],
                     simulate: Callable[[list[dict[str, Value]]], list[dict[str, Any]]],
+                    cost: Callable[[list[dict[str, Value]]], float] | None = None,
                     ) -> list[dict[str, Any]]:
         """Like :meth:`run_many`, for configurations a batched simulator runs together (e.g.
         :func:`~dpfl.experiments.least_squares.simulate`): the unfinished ones are grouped by
         ``federation(config)`` (what a group shares), each group is one job of the worker pool,
-        and each configuration's summary is archived as its group finishes (no run folders)."""
+        and each configuration's summary is archived as its group finishes (no run folders).
+        ``cost``: the simulator's cost model (single-thread seconds of a list of
+        configurations), for a planning lab's estimate."""
         todo: dict[Any, list[dict[str, Value]]] = {}
         for c in configs:
             key = run_key(c)
@@ -324,8 +422,10 @@ class Lab:
                 self.used[key] = (dict(c), dict(self.archived[key]["summary"]))
             elif key not in self.used:
                 todo.setdefault(federation(c), []).append(dict(c))
+        self._stage(configs, [c for group in todo.values() for c in group], cost, batched=True)
         self._check([c for group in todo.values() for c in group])
-        self.folder.mkdir(parents=True, exist_ok=True)
+        if todo:
+            self.folder.mkdir(parents=True, exist_ok=True)
 
         def record(group: list[dict[str, Value]], summaries: list[dict[str, Any]]) -> None:
             for c, summary in zip(group, summaries, strict=True):
@@ -369,6 +469,9 @@ class Lab:
         self.sections.append("\n".join(lines) + "\n")
 
     def figure(self, name: str, fig: plt.Figure, caption: str) -> None:
+        if self.plan:  # a planning lab writes nothing
+            plt.close(fig)
+            return
         self.folder.mkdir(parents=True, exist_ok=True)
         if fig.get_layout_engine() is None:  # a figure laid out by its maker keeps its layout
             fig.tight_layout()
@@ -376,7 +479,20 @@ class Lab:
         plt.close(fig)
         self.sections.append(f"![{caption}]({name}.png)\n\n*{caption}*\n")
 
+    def attach(self, name: str, text: str) -> None:
+        """A file of the report beside ``report.md`` (e.g. a table as CSV or JSON); nothing
+        in a planning lab."""
+        if self.plan:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / name).write_text(text)
+
     def write(self, title: str) -> Path:
+        """Write ``report.md``, ``report.json`` and the archive; returns the report's path
+        (a planning lab writes nothing: an experiment that writes its report as each part
+        finishes runs on)."""
+        if self.plan:
+            return self.folder / "report.md"
         wall = time.perf_counter() - self.started
         cpu = self.cpu_seconds()
         cpu_text = "" if cpu is None else f" ({_duration(cpu)} of CPU)"

@@ -162,7 +162,8 @@ class Figure1:
         self.searched: dict[Cell, dict[str, tuple[dict[str, Any], Config]]] = {}
 
     def run(self, configs: list[Config]) -> list[dict[str, Any]]:
-        return self.lab.run_batched(configs, federation=batch_key, simulate=self.simulate)
+        return self.lab.run_batched(configs, federation=batch_key, simulate=self.simulate,
+                                    cost=estimate_seconds)
 
     def tuned(self, method: str) -> dict[str, tuple[float, ...]]:
         """The axes searched within a cell (all but T)."""
