@@ -19,8 +19,9 @@ and the lab reads its own folder's archive when it starts: a sweep run again res
 A planning lab (``plan=True``, ``dpfl reproduce --plan``) runs and writes nothing: the
 experiment goes through its stages (each call of :meth:`Lab.run_many` or
 :meth:`Lab.run_batched`) on their finished runs, and at the first stage with runs left to do
-the lab raises :class:`Pending`, which says how many and what they would cost at the finished
-runs' pace. Later stages are not counted: which runs they hold depends on that stage's results.
+the lab raises :class:`Pending`, which says how many and what they would cost (by the
+experiment's cost model where it gives one, else at the finished runs' pace). Later stages are
+not counted: which runs they hold depends on that stage's results.
 """
 
 from __future__ import annotations
