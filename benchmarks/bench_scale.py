@@ -19,7 +19,11 @@ backward pass of the ``nn.Module`` over its 16 samples (mean loss, ``backward()`
 one ``torch.randn`` of BLOCK·d). The overhead is the difference: per-sample clipping, per-client
 keyed streams, copies and the bookkeeping.
 
-    .venv/bin/python benchmarks/bench_scale.py [--quick] [--rows FILE]
+On the CPU by default; ``--device cuda`` runs the engine and the arithmetic on the GPU (the
+noise is drawn on the CPU from the keyed streams whatever the device, and copied over: there it
+is part of the overhead, while the arithmetic draws its Gaussians on the GPU).
+
+    .venv/bin/python benchmarks/bench_scale.py [--quick] [--rows FILE] [--device cuda]
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit, interleaved, scratch  # noqa: E402
+from common import Row, arguments, emit, interleaved, parse, scratch, synchronize  # noqa: E402
 
 from dpfl.datasets.base import Dataset  # noqa: E402
 from dpfl.engine.runner import EngineTransport  # noqa: E402
@@ -50,13 +54,13 @@ QUICK_SIZES = (1, 10, 100, 1_000)
 WORKLOAD = f"dpsgd-gc, MNIST MLP, batch {BATCH}, {RECORDS} records/client, all clients"
 
 
-def problem_of(clients: int, folder: Path) -> Problem:
-    """The workload's run for ``clients`` clients (see the module docstring)."""
+def problem_of(clients: int, folder: Path, device: str) -> Problem:
+    """The workload's run for ``clients`` clients on ``device`` (see the module docstring)."""
     config = RunConfig({"dataset": "mnist", "model": "mlp", "algorithm": "dpsgd-gc",
                         "batch-size": BATCH, "num-partitions": clients, "clip": 1.0,
                         "noise-multiplier": 1.0, "num-server-rounds": 10_000,
                         "eval-every": 10_000, "results-dir": str(folder),
-                        "run-name": f"scale-{clients}"})
+                        "run-name": f"scale-{clients}", "device": device})
     mnist = dataset_of(config)
     rows = torch.arange(RECORDS * clients) % mnist.num_train
     data = Dataset("mnist", mnist.train_x[rows], mnist.train_y[rows], mnist.test_x[:1000],
@@ -83,41 +87,44 @@ def arithmetic(problem: Problem, clients: int) -> float:
     """Seconds of one client's unavoidable arithmetic (see the module docstring), measured
     over ``clients`` clients at once; the best of 3."""
     module = problem.model.load_into(problem.x0)
-    x = problem.dataset.train_x[:BATCH].repeat(clients, 1, 1, 1)
-    y = problem.dataset.train_y[:BATCH].repeat(clients)
+    x = problem.dataset.train_x[:BATCH].repeat(clients, 1, 1, 1).to(problem.device)
+    y = problem.dataset.train_y[:BATCH].repeat(clients).to(problem.device)
     best = float("inf")
     for _ in range(3):
+        synchronize()
         start = time.perf_counter()
         F.cross_entropy(module(x), y).backward()
-        torch.randn(clients, problem.model.d)
+        torch.randn(clients, problem.model.d, device=problem.device)
+        synchronize()
         best = min(best, time.perf_counter() - start)
     return best / clients
 
 
 def main() -> None:
-    parser = arguments(__doc__.split("\n\n")[0])
+    parser = arguments(__doc__.split("\n\n")[0], device=True)
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per size")
-    args = parser.parse_args()
+    args = parse(parser)
     sizes = QUICK_SIZES if args.quick else SIZES
     repeats = args.repeats or (2 if args.quick else 3)
     torch.set_num_threads(1)
     folder = scratch("dpfl-bench-scale-")
-    problems = {c: problem_of(c, folder) for c in sizes}
+    problems = {c: problem_of(c, folder, args.device) for c in sizes}
     times = interleaved({str(c): Rounds(p) for c, p in problems.items()}, repeats)
     medians = np.array([float(np.median(times[str(c)])) for c in sizes])
     per_client, fixed = np.polyfit(np.array(sizes, dtype=float), medians, 1)
     own = [arithmetic(problems[max(sizes)], transport.BLOCK) for _ in range(repeats)]
-    rows = [Row.of(SECTION, "engine s/round", f"{WORKLOAD}, C = {c:,}", "prisma",
+    workload = WORKLOAD + (", on the GPU" if args.device == "cuda" else "")
+    rows = [Row.of(SECTION, "engine s/round", f"{workload}, C = {c:,}", "prisma",
                    times[str(c)], "s") for c in sizes]
     rows += [
-        Row.of(SECTION, "per-client cost (fit)", f"{WORKLOAD}, C = {sizes[0]}–{sizes[-1]:,}",
+        Row.of(SECTION, "per-client cost (fit)", f"{workload}, C = {sizes[0]}–{sizes[-1]:,}",
                "prisma", [per_client * 1e6], "µs"),
         Row.of(SECTION, "fixed cost per round (fit)",
-               f"{WORKLOAD}, C = {sizes[0]}–{sizes[-1]:,}", "prisma", [fixed], "s"),
+               f"{workload}, C = {sizes[0]}–{sizes[-1]:,}", "prisma", [fixed], "s"),
         Row.of(SECTION, "per-client arithmetic (plain fwd+bwd of 16 + d Gaussians)",
                f"MNIST MLP, batched over {transport.BLOCK} clients", "", [t * 1e6 for t in own],
                "µs"),
-        Row.of(SECTION, "per-client overhead (fit − arithmetic)", WORKLOAD, "prisma",
+        Row.of(SECTION, "per-client overhead (fit − arithmetic)", workload, "prisma",
                [per_client * 1e6 - t * 1e6 for t in own], "µs"),
     ]
     emit(rows, args.rows)

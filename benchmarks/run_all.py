@@ -4,10 +4,13 @@ Each benchmark prints its own table and appends its rows to one file; this scrip
 the whole table, headed by the machine it was measured on, to ``benchmarks/results.md`` (the
 README links to it and summarises it). ``--quick`` runs every benchmark in its reduced form
 (fewer repeats, smaller sizes), ``--only`` some of them; either leaves the file alone unless
-``--write``.
+``--write``. ``--device cuda`` runs the benchmarks whose models can run on a GPU
+(:data:`ON_DEVICE`: the hardware limit, per-sample clipping, memory, scale) there and writes
+``benchmarks/results-cuda.md`` beside the CPU table (the others time Flower's processes and
+CPU-side batching: their figures are the CPU's).
 A benchmark that fails stops the whole, with its name; nothing is written then.
 
-    .venv/bin/python benchmarks/run_all.py [--quick] [--write] [--only NAME ...]
+    .venv/bin/python benchmarks/run_all.py [--quick] [--write] [--only NAME ...] [--device cuda]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ TITLE = "# Benchmarks (`make bench`)"
 BENCHMARKS = ("bench_limit", "bench_engine_vs_flower", "bench_flower_vs_bare", "bench_per_sample",
               "bench_memory", "bench_scale", "bench_flower_scale", "bench_many_runs",
               "bench_engine_modes")
+ON_DEVICE = ("bench_limit", "bench_per_sample", "bench_memory", "bench_scale")  # --device
 
 
 def machine() -> str:
@@ -46,15 +50,26 @@ def main() -> None:
     parser.add_argument("--write", action="store_true",
                         help="with --quick or --only: write results.md all the same")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the models run: cuda runs the benchmarks of ON_DEVICE on "
+                        "the GPU and writes results-cuda.md")
     parser.add_argument("--rows-from", type=Path, metavar="FILE",
                         help="go on from the rows an interrupted run left in FILE (its path "
                         "is printed when a benchmark fails)")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    if cuda and (off := [n for n in args.only or () if n not in ON_DEVICE]):
+        parser.exit(2, f"{parser.prog}: --device cuda: {', '.join(off)} runs on the CPU only "
+                    f"(allowed: {', '.join(ON_DEVICE)})\n")
+    if cuda and not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: --device cuda, but torch sees no CUDA device\n")
+    results = RESULTS.with_name("results-cuda.md") if cuda else RESULTS
     rows_file = args.rows_from or Path(tempfile.mkstemp(prefix="dpfl-bench-rows-",
                                                         suffix=".jsonl")[1])
-    for name in args.only or BENCHMARKS:
+    for name in args.only or (ON_DEVICE if cuda else BENCHMARKS):
         print(f"## {name}\n", flush=True)
-        command = [sys.executable, str(HERE / f"{name}.py"), "--rows", str(rows_file)]
+        command = [sys.executable, str(HERE / f"{name}.py"), "--rows", str(rows_file),
+                   *(["--device", "cuda"] if cuda else [])]
         if subprocess.run(command + (["--quick"] if args.quick else [])).returncode != 0:
             sys.exit(f"make bench: {name} failed; nothing written (the rows so far: "
                      f"{rows_file}, for --rows-from)")
@@ -67,8 +82,9 @@ def main() -> None:
     print("\n".join([intro, "", *table]))
     if (args.quick or args.only) and not (args.write or args.rows_from):
         return
-    RESULTS.write_text("\n".join([TITLE, "", intro, "", *table, ""]))
-    print(f"wrote {RESULTS}")
+    title = f"{TITLE} on the GPU (`--device cuda`)" if cuda else TITLE
+    results.write_text("\n".join([title, "", intro, "", *table, ""]))
+    print(f"wrote {results}")
 
 
 if __name__ == "__main__":

@@ -1,22 +1,52 @@
-"""Every benchmark script imports what it uses (``make bench`` runs them only at the end of a
-long run, where a broken import would stop it)."""
+"""``make bench``'s GPU form: ``benchmarks/run_all.py --device cuda`` (run where a GPU is; here
+only its refusals, one line each, before any benchmark starts)."""
 
 from __future__ import annotations
 
-import importlib.util
+import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+RUN_ALL = ROOT / "benchmarks" / "run_all.py"
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))
-def test_the_benchmark_script_imports(script, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(f"benchmark_{script[:-3]}", BENCHMARKS / script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
+def _run_all(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RUN_ALL), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_cpu_only_benchmark_on_the_gpu_is_refused_naming_the_ones_that_run_there():
+    done = _run_all("--device", "cuda", "--only", "bench_scale", "bench_flower_scale")
+    assert done.returncode == 2 and not done.stdout
+    assert done.stderr.strip() == (
+        "run_all.py: --device cuda: bench_flower_scale runs on the CPU only (allowed: "
+        "bench_limit, bench_per_sample, bench_memory, bench_scale)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without one")
+def test_the_gpu_form_without_a_gpu_stops_in_one_line_before_any_benchmark():
+    done = _run_all("--device", "cuda")
+    assert done.returncode == 2 and not done.stdout
+    assert done.stderr.strip() == "run_all.py: --device cuda, but torch sees no CUDA device"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without one")
+def test_the_gpu_commands_of_the_performance_guide_name_what_exists():
+    """docs/performance.md's GPU block: its test module exists, and its `run_all.py` line
+    parses as written (here, without a GPU, it stops at the device in one line)."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    block = next(b for b in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+                 if "--device cuda" in b)
+    pytest_line, bench_line = block.strip().splitlines()
+    assert (ROOT / shlex.split(pytest_line)[-1]).exists()
+    words = shlex.split(bench_line)
+    assert words[:2] == [".venv/bin/python", "benchmarks/run_all.py"]
+    done = _run_all(*words[2:])
+    assert done.returncode == 2
+    assert done.stderr.strip() == "run_all.py: --device cuda, but torch sees no CUDA device"
