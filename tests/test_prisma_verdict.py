@@ -20,6 +20,7 @@ from dpfl.experiments.prisma_verdict import (
     claim_faster,
     extended,
     per_n,
+    pool,
     trial_slopes,
 )
 from dpfl.experiments.selection import Paired, paired
@@ -106,6 +107,49 @@ def test_the_accountant_arm_spends_the_target_and_theorem_3_does_not():
     assert results[0]["derived"] != results[1]["derived"]  # the noise differs, so do the iterates
 
 
+class StandInFigure:
+    """The part of a ``Figure1`` that :func:`pool` uses: runs answered from ``scores``
+    (learning rate -> {seed: (final, mean)})."""
+
+    calibration = "paper"
+
+    def __init__(self, scores):
+        self.scores, self.ran = scores, []
+
+    @staticmethod
+    def key(point):
+        return ",".join(f"{k}={v}" for k, v in sorted(point.items()))
+
+    def run(self, configs):
+        self.ran += configs
+        return [{"derived": dict(zip(("grad_norm", "grad_norm_mean"),
+                                     self.scores[c["learning-rate"]][c["seed"]], strict=True))}
+                for c in configs]
+
+
+def test_the_pooled_selection_takes_the_lowest_tuning_mean_among_both_metrics_confirmations():
+    """Each metric's confirmation ran one point per T; pooled, the final iterate takes the
+    point the running mean's confirmation found, whose tuning mean is lower than the winner
+    of its own metric's seed-0 search."""
+    def point(lr, rounds):
+        return {"learning-rate": lr, "clip": 5.0, "num-server-rounds": rounds}
+
+    seeds = range(5)
+    scores = {0.001: {s: (0.30 if s else 0.05, 0.9) for s in seeds},  # lucky at seed 0 only
+              0.01: {s: (0.20, 0.5) for s in seeds},
+              0.002: {s: (0.25, 0.7) for s in seeds}}
+    cell = ("dpsgd-gc", 2000)
+    confirmed = {"final": {cell: {2000: (point(0.001, 2000), [0.0]),
+                                  4000: (point(0.002, 4000), [0.0])}},
+                 "mean": {cell: {2000: (point(0.01, 2000), [0.0]),
+                                 4000: (point(0.002, 4000), [0.0])}}}
+    fig = StandInFigure(scores)
+    chosen, tuning = pool(fig, confirmed, "final")[cell]
+    assert chosen == point(0.01, 2000) and tuning == [0.20] * 5
+    assert len(fig.ran) == 3 * 5  # the three distinct points once each, on every tuning seed
+    assert pool(StandInFigure(scores), confirmed, "mean")[cell][0] == point(0.01, 2000)
+
+
 @pytest.mark.smoke
 def test_the_smoke_verdict_reports_both_claims_for_both_arms_and_metrics(tmp_path, capsys):
     assert cli.main(["reproduce", "prisma", "least-squares-verdict", "--smoke",
@@ -113,15 +157,17 @@ def test_the_smoke_verdict_reports_both_claims_for_both_arms_and_metrics(tmp_pat
     assert "least-squares-verdict: ≈" in capsys.readouterr().out  # the estimate, first
     folder = tmp_path / "reproduce-prisma-least-squares-verdict-smoke"
     report = (folder / "report.md").read_text()
-    for text in ("Cost estimate", "## Verdicts", "The two claims, by noise and metric",
+    for text in ("Cost estimate", "## Verdicts", "The two claims, by noise, selection and metric",
                  "## Noise: paper", "## Noise: accountant", "outside the paper's grid",
                  "PriSMA − DPSGD-GC, 95% interval", "dpfl run --run-config"):
         assert text in report
     table = report.split("### The two claims")[1].split("##")[0]
-    assert table.count("| paper |") == 2 and table.count("| accountant |") == 2
-    for arm in ("paper", "accountant"):
+    for arm in ("paper", "accountant"):  # both selections under both metrics
+        assert table.count(f"| {arm} | protocol |") == 2
+        assert table.count(f"| {arm} | pooled |") == 2
         for metric in ("final", "mean"):
-            assert (folder / f"figure1-{arm}-{metric}.png").stat().st_size > 0
+            for suffix in ("", "-pooled"):
+                assert (folder / f"figure1-{arm}-{metric}{suffix}.png").stat().st_size > 0
     with gzip.open(folder / ARCHIVE, "rt") as f:
         runs = [json.loads(line) for line in f]
     assert {r["config"]["calibration"] for r in runs} == {"paper", "accountant"}
