@@ -1,8 +1,11 @@
-"""``make bench``'s GPU form: ``benchmarks/run_all.py --device cuda`` (run where a GPU is; here
-only its refusals, one line each, before any benchmark starts)."""
+"""Every benchmark script imports what it uses (``make bench`` runs them only at the end of a
+long run, where a broken import would stop it), and ``make bench``'s GPU form
+(``benchmarks/run_all.py --device cuda``, run where a GPU is; here only its refusals, one line
+each, before any benchmark starts)."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
 import subprocess
@@ -13,7 +16,18 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_ALL = ROOT / "benchmarks" / "run_all.py"
+BENCHMARKS = ROOT / "benchmarks"
+RUN_ALL = BENCHMARKS / "run_all.py"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))
+def test_the_benchmark_script_imports(script, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"benchmark_{script[:-3]}", BENCHMARKS / script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
 
 
 def _run_all(*args: str) -> subprocess.CompletedProcess:
