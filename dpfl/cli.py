@@ -80,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
                    "its runs count as finished and are not run again")
     p.add_argument("--plan", action="store_true",
                    help="run and write nothing: say which stage of the experiment has runs "
-                   "left to do, how many, and their run time at the finished runs' pace")
+                   "left to do, how many, and their run time (by the experiment's cost model, "
+                   "else at the finished runs' pace)")
     p.add_argument("--list", action="store_true", help="list the experiments")
     p = sub.add_parser("certs", help="generate a CA, a SuperLink certificate and SuperNode "
                        "keys for a federation over TLS with node authentication")

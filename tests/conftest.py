@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +26,12 @@ if "DPFL_STATE_DIR" not in os.environ:
 # Flower's usage telemetry is off in every process the tests start (and in the compose
 # containers): the tests send traffic only to loopback and to what they start
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
+
+
+def bash_blocks(doc: Path) -> list[str]:
+    """The bodies of ``doc``'s plain ```` ```bash ```` blocks (the commands a reader copies;
+    recipes, whose info string names them, are :mod:`tests.test_docs`')."""
+    return re.findall(r"^```bash\n(.*?)^```", doc.read_text(), re.S | re.M)
 
 
 @pytest.fixture

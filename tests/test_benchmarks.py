@@ -6,16 +6,15 @@ each, before any benchmark starts)."""
 from __future__ import annotations
 
 import importlib.util
-import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT, bash_blocks
+
 BENCHMARKS = ROOT / "benchmarks"
 RUN_ALL = BENCHMARKS / "run_all.py"
 
@@ -54,9 +53,7 @@ def test_the_gpu_form_without_a_gpu_stops_in_one_line_before_any_benchmark():
 def test_the_gpu_commands_of_the_performance_guide_name_what_exists():
     """docs/performance.md's GPU block: its test module exists, and its `run_all.py` line
     parses as written (here, without a GPU, it stops at the device in one line)."""
-    text = (ROOT / "docs" / "performance.md").read_text()
-    block = next(b for b in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
-                 if "--device cuda" in b)
+    block = next(b for b in bash_blocks(ROOT / "docs" / "performance.md") if "--device cuda" in b)
     pytest_line, bench_line = block.strip().splitlines()
     assert (ROOT / shlex.split(pytest_line)[-1]).exists()
     words = shlex.split(bench_line)

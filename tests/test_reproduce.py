@@ -16,6 +16,7 @@ from dpfl.engine import run
 from dpfl.experiments.lab import read_archive
 from dpfl.experiments.selection import command
 from dpfl.runconfig import RunConfig
+from tests.conftest import ROOT, bash_blocks
 
 # one worker runs the module (make test: --dist loadgroup), so that each smoke reproduction the
 # module-scoped fixture builds is built once, not once a worker
@@ -378,18 +379,13 @@ def test_the_docs_plan_line_finds_every_stage_of_its_committed_archive_finished(
                                                                                  capsys):
     """The `--plan` line of docs/reproductions.md, run as a reader copies it (the report's
     archive is complete, so every stage passes and nothing is written)."""
-    import re
-
-    root = Path(__file__).resolve().parents[1]
-    lines = [line for block in re.findall(r"^```bash\n(.*?)^```",
-                                          (root / "docs" / "reproductions.md").read_text(),
-                                          re.S | re.M)
+    lines = [line for block in bash_blocks(ROOT / "docs" / "reproductions.md")
              for line in block.splitlines() if line.startswith("dpfl reproduce ")
              and "--plan" in line]
     assert lines
     for line in lines:
         capsys.readouterr()
-        args = [a if not a.startswith("reports/") else str(root / a)
+        args = [a if not a.startswith("reports/") else str(ROOT / a)
                 for a in shlex.split(line)[1:]]
         assert main([*args, "--results-dir", str(tmp_path)]) == 0
         assert "stages is finished" in capsys.readouterr().out
@@ -650,17 +646,12 @@ def test_an_experiment_that_leaves_a_tuned_key_to_auto_is_refused(tmp_path):
 def test_every_reproduce_command_in_the_docs_names_an_experiment_and_its_axes():
     """The `dpfl reproduce` lines a reader copies from the docs (hours of runs each, so not run
     here) name registered experiments and axes that exist, so they cannot drift."""
-    import re
-    import shlex
-    from pathlib import Path
-
     from dpfl.cli import _parser
     from dpfl.experiments import EXPERIMENTS
 
-    root = Path(__file__).resolve().parents[1]
     lines = []
-    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
-        for block in re.findall(r"^```bash\n(.*?)^```", doc.read_text(), re.S | re.M):
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in bash_blocks(doc):
             lines += [(doc.name, line.split("#")[0]) for line in block.splitlines()
                       if line.startswith("dpfl reproduce ")]
     assert len(lines) >= 8
