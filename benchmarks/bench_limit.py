@@ -27,12 +27,17 @@ does not count and no implementation can skip (Clip21-SGD2M: the momentum, v −
 norms, the scaling, the g update). For those (:data:`ORACLES`) a second row divides the engine
 round by the limit plus that arithmetic alone: the algorithm's own ``client_step``, called
 directly (no runtime: no noise, no checks) with its gradient oracle handing back a precomputed
-gradient. The projection family (PCDP-SGD, PDP-SGD, FedPCDP) eigendecomposes a public Gram
-matrix for every subspace, work no implementation of the algorithm skips: its floor adds the
-eigendecompositions a round makes (counted), each timed alone on a random Gram matrix of the same
-size (the public forward and backward passes are in the limit already: they are counted among
-the samples). There the target is read on the second row: what lies above that floor is the
-engine's (per-sample work, keyed noise streams, sampling, checks, bookkeeping).
+gradient. The projection family (PCDP-SGD, PDP-SGD, FedPCDP) computes a public eigenspace
+for every subspace, work no implementation of the algorithm skips: its floor adds the
+eigenspaces a round makes (counted): each one's float64 Gram matrix of the public gradients,
+timed alone from the span the run built, and its eigendecomposition, timed alone on a random
+Gram matrix of the same size (the public forward and backward passes are in the limit already:
+they are counted among the samples). There the target is read on the second row: what lies
+above that floor is the engine's (per-sample work, keyed noise streams, sampling, checks,
+bookkeeping). A third row, without a target, adds the family's dense k × d arithmetic, which any
+implementation with a dense basis also does: every lift Va of a step's k coordinates into R^d
+and every projection Vᵀg of a d-vector (PDP-SGD's clipped mean, FedPCDP's upload), each timed
+alone on the run's own basis and vector.
 
 On the CPU by default; ``--device cuda`` runs the engine and the limit on the GPU (the
 noise is drawn on the CPU from the keyed streams whatever the device, so there the Gaussians
@@ -43,6 +48,7 @@ are part of the engine's price, not the limit's: the limit draws them on the GPU
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import sys
@@ -71,8 +77,10 @@ from dpfl.algorithms import (
     ClientContext,  # noqa: E402
     projected,  # noqa: E402
 )
+from dpfl.algorithms.subspace import GradientBasis  # noqa: E402
 from dpfl.engine import run  # noqa: E402
 from dpfl.models.flat import FlatParameters  # noqa: E402
+from dpfl.models.span import GradientSpan  # noqa: E402
 from dpfl.privacy.randomness import Randomness  # noqa: E402
 from dpfl.problem import build_problem  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
@@ -109,11 +117,13 @@ FLOOR_TARGETS = {"pcdp-sgd": 2.0, "pdp-sgd": 2.0, "fedpcdp": 2.0}
 def counting() -> Iterator[dict]:
     """Count the samples of every training forward pass (grad enabled) of any ``FlatModel``,
     every Gaussian any ``Randomness.normal`` draws and the size of every public Gram matrix the
-    projection family decomposes (:func:`~dpfl.algorithms.projected.top_eigenspace`), while
-    the block runs."""
-    counts: dict = {"samples": 0, "gaussians": 0, "eigenspaces": []}
+    projection family decomposes (:func:`~dpfl.algorithms.projected.top_eigenspace`), and keep
+    the spans whose Gram matrix is formed and every dense lift and projection a public basis
+    makes (the basis and its argument), while the block runs."""
+    counts: dict = {"samples": 0, "gaussians": 0, "eigenspaces": [], "grams": [], "dense": []}
     forward, normal = FlatParameters.forward_with, Randomness.normal
     eigenspace = projected.top_eigenspace
+    gram_of, lift_into, coords = GradientSpan.gram, GradientBasis.lift_into, GradientBasis.coords
 
     def counted_forward(self, params, x):
         if torch.is_grad_enabled():
@@ -128,13 +138,45 @@ def counting() -> Iterator[dict]:
         counts["eigenspaces"].append((len(gram), k))
         return eigenspace(gram, k)
 
+    def counted_gram(self):
+        counts["grams"].append(self)
+        return gram_of(self)
+
+    def counted_lift(self, a, out):
+        counts["dense"].append((self, "lift", a.clone(), out.dtype))
+        return lift_into(self, a, out)
+
+    def counted_coords(self, g):
+        counts["dense"].append((self, "coords", g.clone(), None))
+        return coords(self, g)
+
     FlatParameters.forward_with, Randomness.normal = counted_forward, counted_normal  # type: ignore
     projected.top_eigenspace = counted_eigenspace
+    GradientSpan.gram = counted_gram  # type: ignore[method-assign]
+    GradientBasis.lift_into, GradientBasis.coords = counted_lift, counted_coords  # type: ignore
     try:
         yield counts
     finally:
         FlatParameters.forward_with, Randomness.normal = forward, normal  # type: ignore
         projected.top_eigenspace = eigenspace
+        GradientSpan.gram = gram_of  # type: ignore[method-assign]
+        GradientBasis.lift_into, GradientBasis.coords = lift_into, coords  # type: ignore
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def best_of_three(call) -> float:
+    """Seconds of the fastest of three calls of ``call()``."""
+    times = []
+    for _ in range(3):
+        synchronize()
+        start = time.perf_counter()
+        call()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def eigenspace_seconds(sizes: list[tuple[int, int]]) -> float:
@@ -144,12 +186,30 @@ def eigenspace_seconds(sizes: list[tuple[int, int]]) -> float:
     for m, k in sizes:
         g = torch.randn(m, 4 * m, dtype=torch.float64)
         gram = g @ g.t()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            projected.top_eigenspace(gram, k)
-            times.append(time.perf_counter() - start)
-        total += min(times)
+        total += best_of_three(lambda gram=gram, k=k: projected.top_eigenspace(gram, k))
+    return total
+
+
+def gram_seconds(spans: list[GradientSpan]) -> float:
+    """Seconds of forming each span's float64 Gram matrix from its tapes as the run did
+    (converting the factors to float64 included), each alone, the best of three."""
+    def fresh(span: GradientSpan) -> GradientSpan:
+        again = copy.copy(span)
+        again.factors = dict([next(iter(span.factors.items()))])  # the tapes' own dtype only
+        return again
+    return sum(best_of_three(lambda s=span: fresh(s).gram()) for span in spans)
+
+
+def dense_seconds(calls: list[tuple]) -> float:
+    """Seconds of each lift Va and projection Vᵀg the run made, on its own basis and vector,
+    each alone, the best of three."""
+    total = 0.0
+    for basis, kind, arg, dtype in calls:
+        if kind == "lift":
+            out = torch.empty(basis.span.model.d, dtype=dtype, device=arg.device)
+            total += best_of_three(lambda b=basis, a=arg, o=out: b.lift_into(a, o))
+        else:
+            total += best_of_three(lambda b=basis, g=arg: b.coords(g))
     return total
 
 
@@ -233,9 +293,12 @@ def main() -> None:
                            f"{algorithm}-{model}-count{rounds_counted}"), echo=False)
         samples, gaussians = ((counted[3][k] - counted[1][k]) // 2 for k in ("samples",
                                                                              "gaussians"))
-        eigen = counted[3]["eigenspaces"][len(counted[1]["eigenspaces"]):]
-        eigen = eigen[:len(eigen) // 2]  # one round's
-        engine, limit, floor, own, per_client = [], [], [], [], []
+        eigen, grams, dense = (counted[3][k][len(counted[1][k]):] for k in ("eigenspaces",
+                                                                             "grams", "dense"))
+        # one round's
+        eigen, grams, dense = eigen[:len(eigen) // 2], grams[:len(grams) // 2], dense[
+            :len(dense) // 2]
+        engine, limit, floor, own, per_client, beyond = [], [], [], [], [], []
         oracle = ORACLES.get(algorithm)
         for repeat in range(repeats + 1):  # the first pair warms up
             cfg = config(algorithm, model, overrides, rounds, folder,
@@ -245,7 +308,8 @@ def main() -> None:
             alone = min(limit_step(cfg, samples, gaussians, max(1, round(samples / BATCH)))
                         for _ in range(3))
             work = ((state_arithmetic(cfg, oracle) if oracle else 0.0)
-                    + (eigenspace_seconds(eigen) if eigen else 0.0))
+                    + (eigenspace_seconds(eigen) + gram_seconds(grams) if eigen else 0.0))
+            lifts = dense_seconds(dense)
             if repeat:
                 engine.append(e)
                 limit.append(lim)
@@ -253,6 +317,8 @@ def main() -> None:
                 if oracle or eigen:
                     floor.append(lim + work)
                     own.append(work)
+                if dense:
+                    beyond.append(lifts)
         workload = (f"{algorithm}, MNIST {model}, {CLIENTS} clients × batch {BATCH}"
                     + "".join(f", {k} {v}" for k, v in overrides.items())
                     + f" ({samples:,} samples, {gaussians:,} Gaussians a round; engine "
@@ -268,14 +334,25 @@ def main() -> None:
         if floor:
             what = ("the [C, d] state arithmetic (its client step alone, gradient oracle "
                     "stubbed)" if oracle else
-                    f"{len(eigen)} eigendecompositions of the {eigen[0][0]}×{eigen[0][0]} public "
-                    "Gram matrix")
+                    f"{plural(len(eigen), 'public eigenspace')}: the {eigen[0][0]}×{eigen[0][0]} "
+                    "Gram matrix in float64 and its eigendecomposition")
             rows.append(Row.of(
                 "hardware limit", "engine round ÷ (plain fwd+bwd + Gaussians + the algorithm's "
                 "own unavoidable work)", f"{algorithm}, MNIST {model} ({what}: "
                 f"{1e3 * statistics.median(own):.1f} ms; floor "
                 f"{1e3 * statistics.median(floor):.1f} ms)", family, ratios(engine, floor), "×",
                 target=f"≤ {target}×" if target else "", limit=target))
+            print(rows[-1].markdown(), flush=True)
+        if beyond:
+            lifted = sum(kind == "lift" for _, kind, _, _ in dense)
+            projected_vectors = sum(len(arg.reshape(-1, arg.shape[-1]))
+                                    for _, kind, arg, _ in dense if kind == "coords")
+            rows.append(Row.of(
+                "hardware limit", "engine round ÷ (the floor above + the dense k × d lifts and "
+                "projections)", f"{algorithm}, MNIST {model} ({plural(lifted, 'lift')} Va, "
+                f"{plural(projected_vectors, 'projection')} Vᵀg: "
+                f"{1e3 * statistics.median(beyond):.1f} ms)", family,
+                ratios(engine, [f + b for f, b in zip(floor or limit, beyond)]), "×"))
             print(rows[-1].markdown(), flush=True)
         alone = [a + w for a, w in zip(per_client, own or [0.0] * len(per_client))]
         rows.append(Row.of(

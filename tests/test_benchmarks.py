@@ -19,14 +19,34 @@ BENCHMARKS = ROOT / "benchmarks"
 RUN_ALL = BENCHMARKS / "run_all.py"
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))
-def test_the_benchmark_script_imports(script, monkeypatch):
+def _load(script: str, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(f"benchmark_{script[:-3]}", BENCHMARKS / script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
     spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))
+def test_the_benchmark_script_imports(script, monkeypatch):
+    _load(script, monkeypatch)
+
+
+def test_a_benchmark_rerun_into_earlier_rows_replaces_its_sections_in_place(monkeypatch):
+    """``run_all.py --rows-from FILE --only NAME``: the re-run's rows stand where its
+    sections' rows stood; rows of a section FILE lacks (an interrupted run going on) follow."""
+    run_all = _load("run_all.py", monkeypatch)
+
+    def row(section: str, measure: str):
+        return run_all.Row(section, measure, "w", "", 1.0, 1.0, 1.0, "×", 1)
+    earlier = [row("hardware limit", "a"), row("hardware limit", "b"), row("scale", "c")]
+    rerun = [row("hardware limit", "a2"), row("hardware limit", "b2"), row("hardware limit", "d")]
+    assert run_all.replaced(earlier, rerun) == [*rerun, row("scale", "c")]
+    assert run_all.replaced(earlier, [row("scale", "c2")]) == [*earlier[:2], row("scale", "c2")]
+    assert run_all.replaced(earlier, [row("memory", "m")]) == [*earlier, row("memory", "m")]
+    assert run_all.replaced(earlier, []) == earlier
 
 
 def _run_all(*args: str) -> subprocess.CompletedProcess:
