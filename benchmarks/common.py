@@ -13,6 +13,7 @@ import atexit
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +28,8 @@ class Row:
     """One figure of the table: a ``measure`` of a ``workload`` (``family``: the algorithm
     family it covers, or "" for one that is not an algorithm's); ``median`` and ``spread``
     (the lowest and highest of the ``repeats`` interleaved measurements) in ``unit``;
-    ``target`` the figure it must reach ("≤ 1.5×"; "" for none), ``met`` whether it does."""
+    ``target`` the figure it must reach ("≤ 1.5×"; "" for none), ``met`` whether it does;
+    ``benchmark`` the script that measured it (set by :func:`emit`)."""
 
     section: str
     measure: str
@@ -40,6 +42,7 @@ class Row:
     repeats: int
     target: str = ""
     met: bool | None = None
+    benchmark: str = ""
 
     @classmethod
     def of(cls, section: str, measure: str, workload: str, family: str, values: Sequence[float],
@@ -153,9 +156,15 @@ def emit(rows: Sequence[Row], path: Path | None) -> None:
     for row in rows:
         print(row.markdown(), flush=True)
     if path is not None:
+        name = Path(sys.argv[0]).stem
         with path.open("a") as out:
             for row in rows:
-                out.write(json.dumps(asdict(row)) + "\n")
+                out.write(json.dumps({**asdict(row), "benchmark": row.benchmark or name}) + "\n")
+
+
+def save(rows: Sequence[Row], path: Path) -> None:
+    """Write ``rows`` to ``path`` (JSON lines), replacing what it held."""
+    path.write_text("".join(json.dumps(asdict(row)) + "\n" for row in rows))
 
 
 def load(path: Path) -> list[Row]:

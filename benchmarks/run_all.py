@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import HEADER, Row, load
+from common import HEADER, Row, load, save
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.md"
@@ -60,14 +60,14 @@ def machine() -> str:
 
 
 def replaced(earlier: list[Row], new: list[Row]) -> list[Row]:
-    """``earlier`` rows with those of every section ``new`` has rows in replaced by ``new``,
+    """``earlier`` rows with those of every benchmark ``new`` has rows of replaced by ``new``,
     where the first of them stood (a benchmark re-run into an earlier run's rows); ``new``
-    after ``earlier`` where it shares no section (an interrupted run going on)."""
-    sections = {row.section for row in new}
+    after ``earlier`` where it shares no benchmark (an interrupted run going on)."""
+    benchmarks = {row.benchmark for row in new}
     out: list[Row] = []
     placed = False
     for row in earlier:
-        if row.section not in sections:
+        if row.benchmark not in benchmarks:
             out.append(row)
         elif not placed:
             out += new
@@ -88,7 +88,7 @@ def main() -> None:
                         help="keep the rows in FILE (JSON lines), going on from those an "
                         "interrupted run left there (its path is printed when a benchmark "
                         "fails); with --only, re-run those benchmarks into an earlier run's "
-                        "rows: theirs replace FILE's rows of the same sections, in place")
+                        "rows: theirs replace FILE's rows of the same benchmarks, in place")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     if cuda and (off := [n for n in args.only or () if n not in ON_DEVICE]):
@@ -110,7 +110,9 @@ def main() -> None:
         print(flush=True)
     rows = load(rows_file)
     rows = replaced(rows[:earlier], rows[earlier:])
-    if not args.rows_from:  # a file the user names is kept, for a later --rows-from
+    if args.rows_from:  # a file the user names is kept, as the table, for a later --rows-from
+        save(rows, rows_file)
+    else:
         rows_file.unlink()
     intro = (f"Measured on {machine()}{' (quick)' if args.quick else ''}. Median and spread "
              f"(lowest–highest) over the interleaved repeats; ✓/✗: target met or not.")

@@ -34,19 +34,35 @@ def test_the_benchmark_script_imports(script, monkeypatch):
     _load(script, monkeypatch)
 
 
-def test_a_benchmark_rerun_into_earlier_rows_replaces_its_sections_in_place(monkeypatch):
-    """``run_all.py --rows-from FILE --only NAME``: the re-run's rows stand where its
-    sections' rows stood; rows of a section FILE lacks (an interrupted run going on) follow."""
+def test_a_benchmark_rerun_into_earlier_rows_replaces_its_rows_in_place(monkeypatch):
+    """``run_all.py --rows-from FILE --only NAME``: the re-run's rows stand where that
+    benchmark's rows stood, another benchmark's rows of the same section kept; rows of a
+    benchmark FILE lacks (an interrupted run going on) follow."""
     run_all = _load("run_all.py", monkeypatch)
 
-    def row(section: str, measure: str):
-        return run_all.Row(section, measure, "w", "", 1.0, 1.0, 1.0, "×", 1)
-    earlier = [row("hardware limit", "a"), row("hardware limit", "b"), row("scale", "c")]
-    rerun = [row("hardware limit", "a2"), row("hardware limit", "b2"), row("hardware limit", "d")]
-    assert run_all.replaced(earlier, rerun) == [*rerun, row("scale", "c")]
-    assert run_all.replaced(earlier, [row("scale", "c2")]) == [*earlier[:2], row("scale", "c2")]
-    assert run_all.replaced(earlier, [row("memory", "m")]) == [*earlier, row("memory", "m")]
+    def row(benchmark: str, section: str, measure: str):
+        return run_all.Row(section, measure, "w", "", 1.0, 1.0, 1.0, "×", 1,
+                           benchmark=benchmark)
+    earlier = [row("bench_limit", "hardware limit", "a"), row("bench_limit", "hardware limit", "b"),
+               row("bench_scale", "scale", "c"), row("bench_flower_scale", "scale", "f")]
+    rerun = [row("bench_limit", "hardware limit", m) for m in ("a2", "b2", "d")]
+    assert run_all.replaced(earlier, rerun) == [*rerun, *earlier[2:]]
+    scale = [row("bench_scale", "scale", "c2")]
+    assert run_all.replaced(earlier, scale) == [*earlier[:2], *scale, earlier[3]]
+    memory = [row("bench_memory", "memory", "m")]
+    assert run_all.replaced(earlier, memory) == [*earlier, *memory]
     assert run_all.replaced(earlier, []) == earlier
+
+
+def test_a_benchmark_names_itself_in_the_rows_it_writes(tmp_path, monkeypatch):
+    common = _load("common.py", monkeypatch)
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "bench_scale.py")])
+    rows = tmp_path / "rows.jsonl"
+    common.emit([common.Row("scale", "m", "w", "", 1.0, 1.0, 1.0, "s", 1)], rows)
+    loaded = common.load(rows)
+    assert [r.benchmark for r in loaded] == ["bench_scale"]
+    common.save(loaded, rows)  # what run_all.py keeps of a --rows-from file
+    assert common.load(rows) == loaded
 
 
 def _run_all(*args: str) -> subprocess.CompletedProcess:
