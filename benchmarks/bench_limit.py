@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import (  # noqa: E402
     Row,
     arguments,
+    best_of_three,
     emit,
     parse,
     ratios,
@@ -165,18 +166,6 @@ def counting() -> Iterator[dict]:
 
 def plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def best_of_three(call) -> float:
-    """Seconds of the fastest of three calls of ``call()``."""
-    times = []
-    for _ in range(3):
-        synchronize()
-        start = time.perf_counter()
-        call()
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def eigenspace_seconds(sizes: list[tuple[int, int]]) -> float:
@@ -293,11 +282,9 @@ def main() -> None:
                            f"{algorithm}-{model}-count{rounds_counted}"), echo=False)
         samples, gaussians = ((counted[3][k] - counted[1][k]) // 2 for k in ("samples",
                                                                              "gaussians"))
-        eigen, grams, dense = (counted[3][k][len(counted[1][k]):] for k in ("eigenspaces",
-                                                                             "grams", "dense"))
-        # one round's
-        eigen, grams, dense = eigen[:len(eigen) // 2], grams[:len(grams) // 2], dense[
-            :len(dense) // 2]
+        # one round's: the half of rounds 2 and 3's that came first
+        eigen, grams, dense = (extra[:len(extra) // 2] for extra in (
+            counted[3][k][len(counted[1][k]):] for k in ("eigenspaces", "grams", "dense")))
         engine, limit, floor, own, per_client, beyond = [], [], [], [], [], []
         oracle = ORACLES.get(algorithm)
         for repeat in range(repeats + 1):  # the first pair warms up

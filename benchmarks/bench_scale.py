@@ -32,7 +32,6 @@ is part of the overhead, while the arithmetic draws its Gaussians on the GPU).
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +41,7 @@ from torch.func import functional_call, grad, vmap
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import Row, arguments, emit, interleaved, parse, scratch, synchronize  # noqa: E402
+from common import Row, arguments, best_of_three, emit, interleaved, parse, scratch  # noqa: E402
 
 from dpfl.datasets.base import Dataset  # noqa: E402
 from dpfl.engine.runner import EngineTransport  # noqa: E402
@@ -87,45 +86,27 @@ class Rounds:
         self.request = advance(self.rounds, self.transport, replies)
 
 
-def arithmetic(problem: Problem, clients: int) -> float:
+def arithmetic(problem: Problem, clients: int, *, own: bool = False) -> float:
     """Seconds of one client's unavoidable arithmetic (see the module docstring), measured
-    over ``clients`` clients at once; the best of 3."""
+    over ``clients`` clients at once, the best of 3: the passes over all their samples summed
+    into one gradient, or with ``own`` each client's mean-loss gradient its own output (one
+    vmapped call over the clients); then the clients' Gaussians."""
     module = problem.model.load_into(problem.x0)
     x = problem.dataset.train_x[:BATCH].repeat(clients, 1, 1, 1).to(problem.device)
     y = problem.dataset.train_y[:BATCH].repeat(clients).to(problem.device)
-    best = float("inf")
-    for _ in range(3):
-        synchronize()
-        start = time.perf_counter()
-        F.cross_entropy(module(x), y).backward()
-        torch.randn(clients, problem.model.d, device=problem.device)
-        synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best / clients
-
-
-def own_gradients(problem: Problem, clients: int) -> float:
-    """Seconds of one client's arithmetic with its gradient its own output: the plain mean-loss
-    gradient of each of ``clients`` clients' 16 samples, all in one vmapped call, and their
-    ``clients``·d Gaussians; per client, the best of 3."""
-    module = problem.model.load_into(problem.x0)
     params = {name: p.detach() for name, p in module.named_parameters()}
-    x = problem.dataset.train_x[:BATCH].repeat(clients, 1, 1, 1).to(problem.device)
-    y = problem.dataset.train_y[:BATCH].repeat(clients).to(problem.device)
-    x, y = x.reshape(clients, BATCH, *x.shape[1:]), y.reshape(clients, BATCH)
 
     def loss(p: dict, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(functional_call(module, p, (xs,)), ys)
     gradients = vmap(grad(loss), in_dims=(None, 0, 0))
-    best = float("inf")
-    for _ in range(3):
-        synchronize()
-        start = time.perf_counter()
-        gradients(params, x, y)
+
+    def passes() -> None:
+        if own:
+            gradients(params, x.reshape(clients, BATCH, *x.shape[1:]), y.reshape(clients, BATCH))
+        else:
+            F.cross_entropy(module(x), y).backward()
         torch.randn(clients, problem.model.d, device=problem.device)
-        synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best / clients
+    return best_of_three(passes) / clients
 
 
 def main() -> None:
@@ -143,7 +124,7 @@ def main() -> None:
     own, outputs = [], []
     for _ in range(repeats):  # alternating, so that the machine's drift falls on both alike
         own.append(arithmetic(problems[max(sizes)], transport.BLOCK))
-        outputs.append(own_gradients(problems[max(sizes)], transport.BLOCK))
+        outputs.append(arithmetic(problems[max(sizes)], transport.BLOCK, own=True))
     workload = WORKLOAD + (", on the GPU" if args.device == "cuda" else "")
     rows = [Row.of(SECTION, "engine s/round", f"{workload}, C = {c:,}", "prisma",
                    times[str(c)], "s") for c in sizes]

@@ -16,8 +16,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -92,6 +92,19 @@ def interleaved(candidates: dict[str, Callable[[], object]], repeats: int,
     return times
 
 
+def best_of_three(call: Callable[[], object]) -> float:
+    """Seconds of the fastest of three calls of ``call()`` (each waiting for the GPU's kernels,
+    where there is one)."""
+    times = []
+    for _ in range(3):
+        synchronize()
+        start = time.perf_counter()
+        call()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def synchronize() -> None:
     """Wait for the GPU's queued kernels, where a benchmark runs on one (a timer read before
     that would time the launches, not the work)."""
@@ -158,13 +171,16 @@ def emit(rows: Sequence[Row], path: Path | None) -> None:
     if path is not None:
         name = Path(sys.argv[0]).stem
         with path.open("a") as out:
-            for row in rows:
-                out.write(json.dumps({**asdict(row), "benchmark": row.benchmark or name}) + "\n")
+            out.write(_lines(replace(row, benchmark=row.benchmark or name) for row in rows))
 
 
 def save(rows: Sequence[Row], path: Path) -> None:
     """Write ``rows`` to ``path`` (JSON lines), replacing what it held."""
-    path.write_text("".join(json.dumps(asdict(row)) + "\n" for row in rows))
+    path.write_text(_lines(rows))
+
+
+def _lines(rows: Iterable[Row]) -> str:
+    return "".join(json.dumps(asdict(row)) + "\n" for row in rows)
 
 
 def load(path: Path) -> list[Row]:
