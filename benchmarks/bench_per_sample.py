@@ -20,6 +20,12 @@ Opacus modes are compared at one point, at the radius that clips half of the sam
 like for like. Opacus clips with ``C/(‖g‖ + 1e-6)``, dpfl
 with ``C/‖g‖``; the difference is ~1e-6 relative.
 
+Joint tapes: ``FlatModel.clipped_mean`` over many small clients at one point (the one-step
+families; the MLP, :data:`JOINT` shapes), with ``joint_tapes`` on (each group's tapes from one
+pass, where the first group of its layout was checked to give the same bits) against off (a
+tape per client), interleaved: µs a client each, their ratio, and whether the results were bit
+for bit equal and which layouts were taken jointly.
+
 On the CPU by default; ``--device cuda`` runs every candidate on the GPU (each timed call
 waits for the GPU's kernels).
 
@@ -59,6 +65,7 @@ MODELS: dict[str, tuple[tuple[int, ...], tuple[int, ...], float | None]] = {
 REPEATS = {("mlp", 1): (200, 30), ("mlp", 10): (60, 10), ("clip21-cnn", 1): (100, 20),
            ("clip21-cnn", 10): (25, 5), ("resnet20", 1): (10, 3)}
 OPACUS = {"Opacus GradSampleModule": "hooks", "Opacus ghost clipping": "ghost"}
+JOINT = ((256, 16), (64, 32), (10, 64))  # (clients, batch) of the joint-tape rows
 
 Step = Callable[[], None]
 
@@ -171,6 +178,35 @@ def measure(name: str, n_clients: int, repeats: int) -> list[Row]:
     return rows
 
 
+def joint(clients: int, batch: int, repeats: int) -> list[Row]:
+    """The joint-tape rows (module docstring) for ``clients`` × ``batch`` on the MLP."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(clients, batch, *MODELS["mlp"][0], generator=gen).to(DEVICE)
+    y = torch.randint(0, 10, (clients, batch), generator=gen).to(DEVICE)
+    models = {on: FlatModel(_module("mlp"), "cross-entropy", joint_tapes=on)
+              for on in (False, True)}
+    flat = models[True].initial_params().to(DEVICE)
+    means = {}
+
+    def call(on: bool) -> Step:
+        return lambda: means.__setitem__(on, models[on].clipped_mean(flat, x, y, CLIP))
+
+    times = interleaved({on: call(on) for on in models}, repeats, warmup=1)
+    equal = all(torch.equal(a, b) for a, b in zip(means[False], means[True]))
+    taken = sum(models[True].tapes.joint.values())
+    workload = (f"mlp, {clients:,} clients × batch {batch}, one point ({taken} of "
+                f"{len(models[True].tapes.joint)} layouts joint; results bit for bit "
+                f"{'equal' if equal else 'DIFFERENT'})")
+    return [
+        Row.of(SECTION, "clipped mean a client, a tape per client", workload, "",
+               [1e6 * t / clients for t in times[False]], "µs"),
+        Row.of(SECTION, "clipped mean a client, joint tapes", workload, "",
+               [1e6 * t / clients for t in times[True]], "µs"),
+        Row.of(SECTION, "joint tapes ÷ a tape per client", workload, "",
+               ratios(times[True], times[False]), "×"),
+    ]
+
+
 def main() -> None:
     global DEVICE
     args = parse(arguments(__doc__.splitlines()[0], device=True))
@@ -195,6 +231,8 @@ def main() -> None:
             repeats = REPEATS[name, n_clients][args.quick]
             rows += measure(name, n_clients, repeats)
             print(f"{name} × {n_clients} done", file=sys.stderr, flush=True)
+    for clients, batch in JOINT:
+        rows += joint(clients, batch, 3 if args.quick else 11)
     emit(rows, args.rows)
 
 

@@ -388,3 +388,81 @@ def test_layer_variants_match_naive_autograd():
     means, norms = flat_model.clipped_mean(flat, x, y, clip)
     ref_mean, ref_norms = _clip_then_mean(naive, clip)
     assert _close(means[0], ref_mean) and _close(norms[0], ref_norms)
+
+
+class Centred(torch.nn.Module):
+    """Subtracts the batch's mean input: a layer that mixes samples (as batch normalisation)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(dim=0, keepdim=True)
+
+
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "random-feature-mlp", "resnet20"])
+@pytest.mark.parametrize("batch", [8, 16])  # on an AVX-512 CPU, 8 stays per client, 16 joins
+def test_a_group_taken_jointly_equals_its_clients_alone_bitwise(name, batch):
+    """Clients at one point with whole batches of one size may share one tape (one forward
+    and backward pass over the group, at each point): the first call of a layout checks that
+    this gives what a tape per client gave, bit for bit, and later calls take it only where it
+    did. Either way every client's clipped mean, norms, losses and clipped difference mean
+    (PriSMA's increment) equal its own alone (a Flower node's call)."""
+    flat_model, flat, x, y = _setup(name, clients=6, batch=batch)
+    engine, records = flat_model.tapes, []
+    record = engine.record
+    engine.record = lambda *args, **kwargs: records.append(1) or record(*args, **kwargs)
+    difference = dict(clip=0.2, clip_diff=0.05, gamma=0.5)
+    alone = [(*flat_model.clipped_mean(flat, x[c:c + 1], y[c:c + 1], 0.1),
+              flat_model.clipped_difference_mean(flat, flat * 0.9, x[c:c + 1], y[c:c + 1],
+                                                 **difference))
+             for c in range(6)]
+    for _ in range(2):  # the first call decides, the second takes the verdict
+        records.clear()
+        losses = torch.empty(6, batch)
+        means, norms = flat_model.clipped_mean(flat, x, y, 0.1, losses=losses)
+        increments = flat_model.clipped_difference_mean(flat, flat * 0.9, x, y, **difference)
+        for c, (m1, n1, d1) in enumerate(alone):
+            assert torch.equal(means[c], m1[0]) and torch.equal(norms[c], n1[0])
+            assert torch.equal(increments[c], d1[0])
+            assert torch.equal(losses[c], flat_model.losses(flat[None], x[c:c + 1], y[c:c + 1])[0])
+    verdicts = {key[0]: joint for key, joint in engine.joint.items()}
+    assert len(verdicts) == len(engine.joint) == 2
+    assert len(records) == (1 if verdicts["mean"] else 6) + (2 if verdicts["difference"] else 12)
+
+
+def test_a_joint_tape_splits_into_each_clients_own():
+    """Taken jointly (whatever the verdict on this CPU), the group's clipped means and norms are
+    its clients' own in float64, to rounding: the split of the tape is the clients' tapes."""
+    flat_model, flat, x, y = _setup("clip21-cnn", clients=3, batch=5, dtype=torch.float64)
+    (group,) = flat_model.tapes.groups(flat, x, y, 15)
+    runs = []
+    for joint in (False, True):
+        out, norms = torch.empty(3, flat_model.d, dtype=torch.float64), torch.empty(3, 5,
+                                                                                  dtype=x.dtype)
+        flat_model.tapes.clip_group([0.1] * 3, 5, group, {"out": out, "norms": norms}, joint)
+        runs.append((out, norms))
+    assert _close(runs[1][0], runs[0][0]) and _close(runs[1][1], runs[0][1])
+    assert not torch.equal(runs[0][0][0], runs[0][0][1])  # three clients' own means
+
+
+def test_a_layer_that_mixes_samples_is_never_taken_jointly():
+    """A module whose output for one sample depends on the others' (here: centred on the
+    batch's mean) gives other numbers over a group than over a client's batch: the check finds
+    it, and the clients keep a tape each."""
+    model = torch.nn.Sequential(Centred(), torch.nn.Linear(6, 3))
+    flat_model = FlatModel(model, "cross-entropy")
+    x, y = torch.randn(4, 5, 6), torch.randint(0, 3, (4, 5))
+    flat = flat_model.initial_params()
+    for _ in range(2):
+        means, _ = flat_model.clipped_mean(flat, x, y, 0.5)
+    assert list(flat_model.tapes.joint.values()) == [False]
+    for c in range(4):
+        alone, _ = flat_model.clipped_mean(flat, x[c:c + 1], y[c:c + 1], 0.5)
+        assert torch.equal(means[c], alone[0])
+
+
+def test_joint_tapes_can_be_switched_off():
+    """``joint_tapes=False``: every client's tape on its own, no layout checked."""
+    flat_model, flat, x, y = _setup("mlp", clients=6, batch=16, joint_tapes=False)
+    joining = _setup("mlp", clients=6, batch=16)[0]
+    joined = [joining.clipped_mean(flat, x, y, 0.1)[0] for _ in range(2)]  # checked, then taken
+    means, _ = flat_model.clipped_mean(flat, x, y, 0.1)
+    assert flat_model.tapes.joint == {} and torch.equal(means, joined[1])

@@ -158,10 +158,11 @@ def client_radii(clip: float | Tensor, n_clients: int) -> list[float]:
 
 
 def sample_radii(radii: list[float], group: list[Chunk]) -> float | Tensor:
-    """The clip radius of every sample of ``group`` (one float when its clients share one)."""
-    if len({radii[chunk.client] for chunk in group}) == 1:
-        return radii[group[0].client]
-    return torch.cat([torch.full((chunk.n,), radii[chunk.client]) for chunk in group])
+    """The clip radius of every sample of ``group``, from each chunk's (``radii``, in the
+    group's order): one float when they are one."""
+    if len(set(radii)) == 1:
+        return radii[0]
+    return torch.cat([torch.full((chunk.n,), r) for chunk, r in zip(group, radii, strict=True)])
 
 
 def difference_weights(sq: Tensor, sq_before: Tensor, dots: Tensor, *, clip: float,

@@ -4,7 +4,8 @@ forming the ``[b, d]`` matrix where a layer has ghost norms."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -18,6 +19,7 @@ from dpfl.models.rows import (
     InputSquares,
     Layer,
     aligned,
+    aligned_rows,
     chunks,
     non_finite_rows,
     sample_radii,
@@ -34,12 +36,17 @@ Materialised = list[list[Tensor] | None]
 class TapeEngine:
     """Per-sample gradients of ``flat``'s module by tapes: forward hooks on its trainable
     layers record each layer's input while :meth:`record` runs; non-finite records are zeroed
-    and counted in ``dropped``."""
+    and counted in ``dropped``. With ``joint``, a group's clients at one point share one tape
+    where their layout was checked to give the same numbers (:meth:`by_layout`)."""
 
-    def __init__(self, flat: FlatParameters, dropped: Dropped) -> None:
+    def __init__(self, flat: FlatParameters, dropped: Dropped, *, joint: bool = True) -> None:
         self.flat = flat
         self.dropped = dropped
         self.tape: Tape | None = None
+        self.joins = joint  # False: every chunk's tape its own, no layout checked
+        #: by a group's layout (:func:`layout`): whether one tape over its samples gave, split by
+        #: chunk, the same clipped means, norms and losses bit for bit as a tape per chunk
+        self.joint: dict[tuple, bool] = {}
         for layer in flat.layers:
             layer.module.register_forward_hook(partial(self.capture, layer))
 
@@ -105,56 +112,125 @@ class TapeEngine:
                      out: Tensor, norms: Tensor, losses: Tensor | None,
                      offset: Tensor | None) -> None:
         """:meth:`~dpfl.models.FlatModel.clipped_mean` into ``out`` and ``norms``, group by
-        group: pass 1 records the tapes and the squared norms, pass 2 adds the weighted sums."""
+        group (:meth:`clip_group`)."""
         b = x.shape[1]
+        results = {"out": out, "norms": norms} | ({} if losses is None else {"losses": losses})
         for group in self.groups(flat, x, y, size, offset=offset):
-            sq = x.new_zeros(sum(chunk.n for chunk in group))
-            tapes = []
-            for chunk in group:  # pass 1: the tapes and the squared norms
-                tape = self.record(chunk.params, chunk.x, chunk.y, None if losses is None else
-                                   losses[chunk.client, chunk.start:chunk.start + chunk.n])
-                tapes.append((tape, self.squares(tape, chunk.reg, chunk.of(sq))[1]))
-            norm = sq.clamp_min_(0).sqrt_()
-            w = clip_factors(norm, sample_radii(radii, group)).div_(b)  # 1/b where ‖g_j‖ ≤ C
-            if (bad := non_finite_rows(norm)) is not None:  # weight 0 (the regulariser's share
-                self.dropped.drop(bad, norm, w)  # too), norm reported 0, and no NaN in the GEMMs
-                tapes = [zeroed(chunk.of(bad), *pair) for chunk, pair in zip(group, tapes)]
-            for chunk, (tape, materialised) in zip(group, tapes):  # pass 2: the weighted sums
-                norms[chunk.client, chunk.start:chunk.start + chunk.n] = chunk.of(norm)
-                self.add_weighted(tape, materialised, chunk.reg, aligned(chunk.of(w)),
-                                  out[chunk.client], first=chunk.start == 0)
-            del tapes, tape, materialised  # no tape lives into the next group's passes
+            own = [radii[chunk.client] for chunk in group]
+            self.by_layout(("mean", *results), group, b, partial(self.clip_group, own, b),
+                           results)
+
+    def clip_group(self, radii: list[float], b: int, group: list[Chunk],
+                   into: dict[str, Tensor], joint: bool) -> None:
+        """One group's share of :meth:`clipped_mean` (``radii``: its chunks'): pass 1 records
+        the tapes (one per chunk, or with ``joint`` one for the group: :meth:`joint_tapes`) and
+        the squared norms, pass 2 adds each chunk's weighted sums, into ``into``'s ``out``,
+        ``norms`` and (if kept) ``losses``, at row ``chunk.client``."""
+        out, norms, losses = into["out"], into["norms"], into.get("losses")
+        sq = group[0].x.new_zeros(sum(chunk.n for chunk in group))
+        tapes = []
+        recorded = (tape for tape, in self.joint_tapes(group, losses, group[0].params)) \
+            if joint else (self.record(chunk.params, chunk.x, chunk.y, chunk_losses(losses, chunk))
+                           for chunk in group)
+        for chunk, tape in zip(group, recorded):  # pass 1: the tapes and the squared norms
+            tapes.append((tape, self.squares(tape, chunk.reg, chunk.of(sq))[1]))
+        norm = sq.clamp_min_(0).sqrt_()
+        w = clip_factors(norm, sample_radii(radii, group)).div_(b)  # 1/b where ‖g_j‖ ≤ C
+        if (bad := non_finite_rows(norm)) is not None:  # weight 0 (the regulariser's share
+            self.dropped.drop(bad, norm, w)  # too), norm reported 0, and no NaN in the GEMMs
+            tapes = [zeroed(chunk.of(bad), *pair) for chunk, pair in zip(group, tapes)]
+        for chunk, (tape, materialised) in zip(group, tapes):  # pass 2: the weighted sums
+            norms[chunk.client, chunk.start:chunk.start + chunk.n] = chunk.of(norm)
+            self.add_weighted(tape, materialised, chunk.reg, aligned(chunk.of(w)),
+                              out[chunk.client], first=chunk.start == 0)
+        del tapes, recorded, tape, materialised  # no tape lives into the next group's passes
 
     def clipped_difference_mean(self, flat: Tensor, flat_before: Tensor, x: Tensor, y: Tensor,
                                 size: int, out: Tensor, weights: partial) -> None:
-        """:meth:`~dpfl.models.FlatModel.clipped_difference_mean` into ``out``, group by group,
-        from both points' tapes of each chunk (``weights``:
-        :func:`~dpfl.models.rows.difference_weights` with the clips bound)."""
+        """:meth:`~dpfl.models.FlatModel.clipped_difference_mean` into ``out``, group by group
+        (:meth:`clip_difference_group`; ``weights``: :func:`~dpfl.models.rows.difference_weights`
+        with the clips bound)."""
+        b = x.shape[1]
         for group in self.groups(flat, x, y, size, before=flat_before):
-            sq, sq_before, dots = x.new_zeros(3, sum(chunk.n for chunk in group))
-            tapes = []
-            for chunk in group:  # pass 1: both tapes, the squared norms and the cross terms
-                tape, tape_before = self.record(chunk.params, chunk.x, chunk.y), \
-                    self.record(chunk.params_before, chunk.x, chunk.y)
-                inputs = InputSquares()
-                grads = self.squares(tape, chunk.reg, chunk.of(sq), inputs)[1]
-                grads_before = self.squares(tape_before, chunk.reg_before, chunk.of(sq_before),
-                                            inputs)[1]
-                pair_dots(tape, grads, chunk.reg, tape_before, grads_before, chunk.reg_before,
-                          chunk.of(dots), inputs)
-                tapes.append((tape, grads, tape_before, grads_before))
-            w, w_before = weights(sq, sq_before, dots)
-            if (bad := non_finite_rows(sq, sq_before)) is not None:
-                self.dropped.drop(bad, w, w_before)
-                tapes = [(*zeroed(chunk.of(bad), *pair[:2]), *zeroed(chunk.of(bad), *pair[2:]))
-                         for chunk, pair in zip(group, tapes)]
-            for chunk, (tape, grads, tape_before, grads_before) in zip(group, tapes):  # pass 2
-                row = out[chunk.client]
-                self.add_weighted(tape, grads, chunk.reg, aligned(chunk.of(w)), row,
-                                  first=chunk.start == 0)
-                self.add_weighted(tape_before, grads_before, chunk.reg_before,
-                                  aligned(chunk.of(w_before)), row, first=False)
-            del tapes, tape, grads, tape_before, grads_before  # as in clipped_mean
+            self.by_layout(("difference",), group, b,
+                           partial(self.clip_difference_group, weights), {"out": out})
+
+    def clip_difference_group(self, weights: partial, group: list[Chunk],
+                              into: dict[str, Tensor], joint: bool) -> None:
+        """One group's share of :meth:`clipped_difference_mean`: pass 1 records both points'
+        tapes of each chunk (or with ``joint`` each point's one for the group) and the squared
+        norms and cross terms, pass 2 adds the weighted sums into ``into``'s ``out``."""
+        out = into["out"]
+        sq, sq_before, dots = group[0].x.new_zeros(3, sum(chunk.n for chunk in group))
+        tapes = []
+        recorded = self.joint_tapes(group, None, group[0].params, group[0].params_before) \
+            if joint else ((self.record(chunk.params, chunk.x, chunk.y),
+                            self.record(chunk.params_before, chunk.x, chunk.y)) for chunk in group)
+        for chunk, (tape, tape_before) in zip(group, recorded):  # pass 1: both tapes, the
+            inputs = InputSquares()  # squared norms and the cross terms
+            grads = self.squares(tape, chunk.reg, chunk.of(sq), inputs)[1]
+            grads_before = self.squares(tape_before, chunk.reg_before, chunk.of(sq_before),
+                                        inputs)[1]
+            pair_dots(tape, grads, chunk.reg, tape_before, grads_before, chunk.reg_before,
+                      chunk.of(dots), inputs)
+            tapes.append((tape, grads, tape_before, grads_before))
+        w, w_before = weights(sq, sq_before, dots)
+        if (bad := non_finite_rows(sq, sq_before)) is not None:
+            self.dropped.drop(bad, w, w_before)
+            tapes = [(*zeroed(chunk.of(bad), *pair[:2]), *zeroed(chunk.of(bad), *pair[2:]))
+                     for chunk, pair in zip(group, tapes)]
+        for chunk, (tape, grads, tape_before, grads_before) in zip(group, tapes):  # pass 2
+            row = out[chunk.client]
+            self.add_weighted(tape, grads, chunk.reg, aligned(chunk.of(w)), row,
+                              first=chunk.start == 0)
+            self.add_weighted(tape_before, grads_before, chunk.reg_before,
+                              aligned(chunk.of(w_before)), row, first=False)
+        del tapes, recorded, tape, grads, tape_before, grads_before  # as in clip_group
+
+    def by_layout(self, kind: tuple[str, ...], group: list[Chunk], b: int, clip: Callable,
+                  results: dict[str, Tensor]) -> None:
+        """``clip(group, results, joint)``, jointly where :attr:`joint` holds that it is the
+        same for the group's layout (``kind`` names the method and what it returns); the first
+        group of a layout is computed chunk by chunk and then checked (:meth:`same_jointly`)."""
+        key = layout(group, b, kind) if self.joins else None
+        clip(group, results, self.joint.get(key, False))
+        if key is not None and key not in self.joint:
+            self.joint[key] = self.same_jointly(group, clip, results)
+
+    def joint_tapes(self, group: list[Chunk], losses: Tensor | None, *points: list[Tensor]
+                    ) -> list[tuple[Tape, ...]]:
+        """Each chunk's tapes at ``points`` (parameters the group's chunks share, which also
+        share one size: :func:`layout`), taken from one forward and backward pass over the
+        group's samples at each point: every layer's input and output gradient split along the
+        samples. Per-sample losses at the first point go to ``losses``."""
+        n = group[0].n
+        xs, ys = torch.cat([chunk.x for chunk in group]), torch.cat([chunk.y for chunk in group])
+        joint_losses = None if losses is None else xs.new_empty(len(ys))
+        tapes = [self.record(params, xs, ys, joint_losses if i == 0 else None)
+                 for i, params in enumerate(points)]
+        if joint_losses is not None:
+            for i, chunk in enumerate(group):
+                chunk_losses(losses, chunk).copy_(joint_losses[i * n:(i + 1) * n])
+        return [tuple([(layer, a[i * n:(i + 1) * n], g[i * n:(i + 1) * n]) for layer, a, g in tape]
+                      for tape in tapes) for i in range(len(group))]
+
+    def same_jointly(self, group: list[Chunk], clip: Callable, results: dict[str, Tensor]
+                     ) -> bool:
+        """Whether ``clip`` with one tape for ``group`` gives what it gave ``results`` with a
+        tape per chunk, bit for bit (a Flower node computes a lone client by chunks, and the
+        engine must equal it): the group is computed again jointly, into rows of its own laid
+        out as the caller's, and compared. Which kernel a library runs, and so the rounding,
+        depends on the shapes, strides and alignment of its operands and on the threads, not on
+        their values (one layout, one verdict: :func:`layout`); a layer that mixes samples, or
+        whose tape does not lead with the samples, gives other numbers and stays per chunk."""
+        clients = [chunk.client for chunk in group]
+        own = {name: aligned_rows(v, len(group), v.shape[1]) for name, v in results.items()}
+        counted = self.dropped.count
+        try:
+            clip(replace_clients(group), own, True)
+        finally:
+            self.dropped.count = counted  # the same records, counted once
+        return all(torch.equal(own[name], v[clients]) for name, v in results.items())
 
     def squares(self, tape: Tape, reg: Tensor | None, sq: Tensor,
                 inputs: InputSquares | None = None) -> tuple[Tensor, Materialised]:
@@ -295,3 +371,28 @@ def pair_dots(now: Tape, now_grads: Materialised, reg: Tensor | None, before: Ta
                 dots += torch.mv(p2, reg[where])
     if reg is not None and reg_before is not None:
         dots += torch.dot(reg, reg_before)
+
+
+def layout(group: list[Chunk], b: int, kind: tuple[str, ...]) -> tuple | None:
+    """What decides whether one tape for ``group`` equals a tape per chunk: ``kind`` (the
+    method, what it returns), the shapes, dtypes, device, threads, and whether a regulariser or
+    offset is added; or None where the group cannot be taken jointly: fewer than two chunks,
+    chunks at different points, or a chunk that is not a client's whole batch of ``b``."""
+    first = group[0]
+    if len(group) < 2 or any(chunk.params is not first.params or chunk.start or chunk.n != b
+                             or chunk.params_before is not first.params_before
+                             for chunk in group):
+        return None
+    return (*kind, len(group), b, tuple(first.x.shape[1:]), first.x.dtype, first.y.dtype,
+            first.x.device.type, torch.get_num_threads(), first.reg is not None,
+            first.reg_before is not None)
+
+
+def chunk_losses(losses: Tensor | None, chunk: Chunk) -> Tensor | None:
+    """The chunk's entries of the per-sample losses ``[C, b]``, if kept."""
+    return None if losses is None else losses[chunk.client, chunk.start:chunk.start + chunk.n]
+
+
+def replace_clients(group: list[Chunk]) -> list[Chunk]:
+    """``group`` with its chunks' clients renumbered 0, 1, …: rows of memory of its own."""
+    return [dataclasses.replace(chunk, client=i) for i, chunk in enumerate(group)]
