@@ -189,7 +189,9 @@ def joint(clients: int, batch: int, repeats: int) -> list[Row]:
     means = {}
 
     def call(on: bool) -> Step:
-        return lambda: means.__setitem__(on, models[on].clipped_mean(flat, x, y, CLIP))
+        def step() -> None:
+            means[on] = models[on].clipped_mean(flat, x, y, CLIP)
+        return step
 
     times = interleaved({on: call(on) for on in models}, repeats, warmup=1)
     equal = all(torch.equal(a, b) for a, b in zip(means[False], means[True]))

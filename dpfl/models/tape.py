@@ -43,10 +43,10 @@ class TapeEngine:
         self.flat = flat
         self.dropped = dropped
         self.tape: Tape | None = None
-        self.joins = joint  # False: every chunk's tape its own, no layout checked
         #: by a group's layout (:func:`layout`): whether one tape over its samples gave, split by
-        #: chunk, the same clipped means, norms and losses bit for bit as a tape per chunk
-        self.joint: dict[tuple, bool] = {}
+        #: chunk, the same clipped means, norms and losses bit for bit as a tape per chunk; None
+        #: without ``joint``: every chunk's tape its own, no layout checked
+        self.joint: dict[tuple, bool] | None = {} if joint else None
         for layer in flat.layers:
             layer.module.register_forward_hook(partial(self.capture, layer))
 
@@ -192,8 +192,8 @@ class TapeEngine:
         """``clip(group, results, joint)``, jointly where :attr:`joint` holds that it is the
         same for the group's layout (``kind`` names the method and what it returns); the first
         group of a layout is computed chunk by chunk and then checked (:meth:`same_jointly`)."""
-        key = layout(group, b, kind) if self.joins else None
-        clip(group, results, self.joint.get(key, False))
+        key = layout(group, b, kind) if self.joint is not None else None
+        clip(group, results, key is not None and self.joint.get(key, False))
         if key is not None and key not in self.joint:
             self.joint[key] = self.same_jointly(group, clip, results)
 
@@ -208,9 +208,9 @@ class TapeEngine:
         joint_losses = None if losses is None else xs.new_empty(len(ys))
         tapes = [self.record(params, xs, ys, joint_losses if i == 0 else None)
                  for i, params in enumerate(points)]
-        if joint_losses is not None:
-            for i, chunk in enumerate(group):
-                chunk_losses(losses, chunk).copy_(joint_losses[i * n:(i + 1) * n])
+        if joint_losses is not None:  # whole batches of consecutive clients: whole rows
+            first = group[0].client
+            losses[first:first + len(group)].copy_(joint_losses.view(len(group), n))
         return [tuple([(layer, a[i * n:(i + 1) * n], g[i * n:(i + 1) * n]) for layer, a, g in tape]
                       for tape in tapes) for i in range(len(group))]
 
