@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 
 from dpfl.models import FlatModel, build_model
+from dpfl.models.rows import aligned_rows
 
 RTOL64, RTOL32 = 1e-10, 1e-5
 
@@ -426,6 +427,33 @@ def test_a_group_taken_jointly_equals_its_clients_alone_bitwise(name, batch):
     verdicts = {key[0]: joint for key, joint in engine.joint.items()}
     assert len(verdicts) == len(engine.joint) == 2
     assert len(records) == (1 if verdicts["mean"] else 6) + (2 if verdicts["difference"] else 12)
+
+
+def test_clients_at_points_of_the_same_bits_share_a_tape():
+    """Per-client points ``[C, d]`` (a round of local steps) whose rows hold the same bits, as
+    every client's do at the round's first step, are taken as one point: the group may share a
+    tape, and every client's clipped mean and norms are still its own alone, bit for bit. A
+    row that differs only by the sign of a zero is another point, and a group of two points
+    keeps a tape per client."""
+    flat_model, flat, x, y = _setup("mlp", clients=6, batch=16)
+    flat[0] = 0.0
+    points = aligned_rows(flat, 6, flat_model.d).copy_(flat)  # six copies, six places
+    engine, records = flat_model.tapes, []
+    record = engine.record
+    engine.record = lambda *args, **kwargs: records.append(1) or record(*args, **kwargs)
+    for _ in range(2):  # the first call decides, the second takes the verdict
+        records.clear()
+        means, norms = flat_model.clipped_mean(points, x, y, 0.1)
+    assert engine.joint and len(records) == (1 if all(engine.joint.values()) else 6)
+    points[3, 0] = -0.0  # equal to 0.0, not the same bits
+    records.clear()
+    again, _ = flat_model.clipped_mean(points, x, y, 0.1)
+    assert len(records) == 6
+    for c in range(6):
+        alone, alone_norms = flat_model.clipped_mean(flat, x[c:c + 1], y[c:c + 1], 0.1)
+        assert torch.equal(means[c], alone[0]) and torch.equal(norms[c], alone_norms[0])
+        if c != 3:
+            assert torch.equal(again[c], alone[0])
 
 
 def test_a_joint_tape_splits_into_each_clients_own():

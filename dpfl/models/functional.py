@@ -27,13 +27,14 @@ factors come from elementwise, correctly rounded operations, so client i's resul
 depend on how many other clients share the call: a Flower client (C = 1) and the in-process
 engine (C = 100) agree bit for bit on CPU.
 
-Joint tapes. Where a group's clients share one point and each brings a whole batch of one size,
-one forward and backward pass over the group's samples gives every client's tape at once (split
-along the samples), and only the weighted sums stay per client: several times fewer calls,
-for the same numbers only where the kernels round alike. Whether they do depends on the CPU and
-the shapes (on one AVX-512 CPU, 6 clients × 8 samples of the MNIST MLP differ in the last bit
-from 6 passes of 8, while 6 × 16 do not; MKL picks its kernel by the matrix shape), never on
-the values. So the first group of each layout (its sizes, dtypes, device, threads:
+Joint tapes. Where a group's clients share one point (one ``[d]`` point, or rows of
+``[C, d]`` holding the same bits, as at a round's first local step) and each brings a whole
+batch of one size, one forward and backward pass over the group's samples gives every client's
+tape at once (split along the samples), and only the weighted sums stay per client: several
+times fewer calls, for the same numbers only where the kernels round alike. Whether they do
+depends on the CPU and the shapes (on one AVX-512 CPU, 6 clients × 8 samples of the MNIST MLP
+differ in the last bit from 6 passes of 8, while 6 × 16 do not; MKL picks its kernel by the
+matrix shape), never on the values. So the first group of each layout (its sizes, dtypes, device, threads:
 :func:`~dpfl.models.tape.layout`) is computed client by client, then again jointly, and
 compared bit for bit (:meth:`~dpfl.models.tape.TapeEngine.same_jointly`); the layout is taken
 jointly from then on only if every clipped mean, norm and loss was the same. A layer that

@@ -284,20 +284,24 @@ class TapeEngine:
         one per client. That arithmetic is elementwise and correctly rounded, so no value
         depends on the grouping. ``offset [C, d]`` is added to every per-sample gradient of
         client c (with the regulariser's); ``before`` is a second point (``[d]`` or ``[C, d]``)
-        each chunk is also taken at."""
+        each chunk is also taken at. Consecutive clients at points of the same bits (a round of
+        local steps starts every client at the broadcast model) share one list of parameters,
+        so that a group of them may be taken jointly (:func:`layout`)."""
         group: list[Chunk] = []
         held = 0
-        points: dict[str, tuple[list[Tensor], Tensor | None]] = {}
+        points: dict[str, tuple[Tensor, list[Tensor], Tensor | None]] = {}
         for c in range(x.shape[0]):
             for name, where in (("now", flat), ("before", before)):
                 if where is not None and (where.dim() > 1 or name not in points):
                     point = self.flat.point(where, c)
+                    if name in points and same_bits(point, points[name][0]):
+                        continue  # the client before it is at this point: its parameters
                     reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
-                    points[name] = (self.flat.params(point.detach()), reg)
-            params, reg = points["now"]
+                    points[name] = (point, self.flat.params(point.detach()), reg)
+            _, params, reg = points["now"]
             if offset is not None:
                 reg = aligned(offset[c]) if reg is None else reg + offset[c]
-            params_before, reg_before = points.get("before", (None, None))
+            _, params_before, reg_before = points.get("before", (None, None, None))
             for start, xs, ys in chunks(x, y, c, size):
                 if group and held + len(xs) > size:
                     yield group
@@ -386,6 +390,19 @@ def layout(group: list[Chunk], b: int, kind: tuple[str, ...]) -> tuple | None:
     return (*kind, len(group), b, tuple(first.x.shape[1:]), first.x.dtype, first.y.dtype,
             first.x.device.type, torch.get_num_threads(), first.reg is not None,
             first.reg_before is not None)
+
+
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """Whether two points hold the same bits (not only equal values: −0.0 and 0.0, and NaNs,
+    are told apart), so that every number computed at one is the number computed at the
+    other."""
+    word = _WORDS.get(a.dtype.itemsize)
+    if word is None or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.view(word), b.view(word))
+
+
+_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer of each float's width
 
 
 def chunk_losses(losses: Tensor | None, chunk: Chunk) -> Tensor | None:
