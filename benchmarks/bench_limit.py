@@ -82,6 +82,7 @@ from dpfl.algorithms.subspace import GradientBasis  # noqa: E402
 from dpfl.engine import run  # noqa: E402
 from dpfl.models.flat import FlatParameters  # noqa: E402
 from dpfl.models.span import GradientSpan  # noqa: E402
+from dpfl.models.tape import TapeEngine  # noqa: E402
 from dpfl.privacy.randomness import Randomness  # noqa: E402
 from dpfl.problem import build_problem  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
@@ -116,20 +117,34 @@ FLOOR_TARGETS = {"pcdp-sgd": 2.0, "pdp-sgd": 2.0, "fedpcdp": 2.0}
 
 @contextmanager
 def counting() -> Iterator[dict]:
-    """Count the samples of every training forward pass (grad enabled) of any ``FlatModel``,
+    """Count the samples of every training forward pass (grad enabled) of any ``FlatModel``
+    (a clients' joint pass too; not a joint layout's one-off check, which passes twice),
     every Gaussian any ``Randomness.normal`` draws and the size of every public Gram matrix the
     projection family decomposes (:func:`~dpfl.algorithms.projected.top_eigenspace`), and keep
     the spans whose Gram matrix is formed and every dense lift and projection a public basis
     makes (the basis and its argument), while the block runs."""
     counts: dict = {"samples": 0, "gaussians": 0, "eigenspaces": [], "grams": [], "dense": []}
     forward, normal = FlatParameters.forward_with, Randomness.normal
+    stacked, check = TapeEngine.record_stacked, TapeEngine.same_jointly
     eigenspace = projected.top_eigenspace
     gram_of, lift_into, coords = GradientSpan.gram, GradientBasis.lift_into, GradientBasis.coords
 
     def counted_forward(self, params, x):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not counts.get("checking"):
             counts["samples"] += x.shape[0]
         return forward(self, params, x)
+
+    def counted_stacked(self, params, x, y, losses_out=None):
+        if not counts.get("checking"):
+            counts["samples"] += x.shape[0]
+        return stacked(self, params, x, y, losses_out)
+
+    def uncounted_check(self, group, clip, results):  # a joint layout's one-off check
+        counts["checking"] = True
+        try:
+            return check(self, group, clip, results)
+        finally:
+            counts["checking"] = False
 
     def counted_normal(self, clients, server_round, purpose, shape, std, **kwargs):
         counts["gaussians"] += len(clients) * math.prod(shape)
@@ -152,6 +167,8 @@ def counting() -> Iterator[dict]:
         return coords(self, g)
 
     FlatParameters.forward_with, Randomness.normal = counted_forward, counted_normal  # type: ignore
+    TapeEngine.record_stacked = counted_stacked  # type: ignore[method-assign]
+    TapeEngine.same_jointly = uncounted_check  # type: ignore[method-assign]
     projected.top_eigenspace = counted_eigenspace
     GradientSpan.gram = counted_gram  # type: ignore[method-assign]
     GradientBasis.lift_into, GradientBasis.coords = counted_lift, counted_coords  # type: ignore
@@ -159,6 +176,8 @@ def counting() -> Iterator[dict]:
         yield counts
     finally:
         FlatParameters.forward_with, Randomness.normal = forward, normal  # type: ignore
+        TapeEngine.record_stacked = stacked  # type: ignore[method-assign]
+        TapeEngine.same_jointly = check  # type: ignore[method-assign]
         projected.top_eigenspace = eigenspace
         GradientSpan.gram = gram_of  # type: ignore[method-assign]
         GradientBasis.lift_into, GradientBasis.coords = lift_into, coords  # type: ignore

@@ -21,10 +21,11 @@ like for like. Opacus clips with ``C/(‖g‖ + 1e-6)``, dpfl
 with ``C/‖g‖``; the difference is ~1e-6 relative.
 
 Joint tapes: ``FlatModel.clipped_mean`` over many small clients at one point (the one-step
-families; the MLP, :data:`JOINT` shapes), with ``joint_tapes`` on (each group's tapes from one
-pass, where the first group of its layout was checked to give the same bits) against off (a
-tape per client), interleaved: µs a client each, their ratio, and whether the results were bit
-for bit equal and which layouts were taken jointly.
+families; the MLP, :data:`JOINT` shapes), and again at points of their own (rows of one
+``[C, d]`` tensor, as a local step after the first), with ``joint_tapes`` on (each group's
+tapes from one pass, where the first group of its layout was checked to give the same bits)
+against off (a tape per client), interleaved: µs a client each, their ratio, and whether the
+results were bit for bit equal and which layouts were taken jointly.
 
 On the CPU by default; ``--device cuda`` runs every candidate on the GPU (each timed call
 waits for the GPU's kernels).
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import Row, arguments, emit, interleaved, parse, ratios  # noqa: E402
 
 from dpfl.models import FlatModel, build_model  # noqa: E402
+from dpfl.models.rows import aligned_rows  # noqa: E402
 
 SECTION = "per-sample clipping"
 BATCH, LR, CLIP = 64, 0.1, 1.0
@@ -178,14 +180,18 @@ def measure(name: str, n_clients: int, repeats: int) -> list[Row]:
     return rows
 
 
-def joint(clients: int, batch: int, repeats: int) -> list[Row]:
-    """The joint-tape rows (module docstring) for ``clients`` × ``batch`` on the MLP."""
+def joint(clients: int, batch: int, repeats: int, own: bool) -> list[Row]:
+    """The joint-tape rows (module docstring) for ``clients`` × ``batch`` on the MLP, at one
+    point or (``own``) at points of their own."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(clients, batch, *MODELS["mlp"][0], generator=gen).to(DEVICE)
     y = torch.randint(0, 10, (clients, batch), generator=gen).to(DEVICE)
     models = {on: FlatModel(_module("mlp"), "cross-entropy", joint_tapes=on)
               for on in (False, True)}
     flat = models[True].initial_params().to(DEVICE)
+    if own:  # a cohort's iterates after a local step: rows of one tensor
+        moved = flat + 0.01 * torch.randn(clients, len(flat), generator=gen).to(DEVICE)
+        flat = aligned_rows(flat, clients, len(flat)).copy_(moved)
     means = {}
 
     def call(on: bool) -> Step:
@@ -196,7 +202,8 @@ def joint(clients: int, batch: int, repeats: int) -> list[Row]:
     times = interleaved({on: call(on) for on in models}, repeats, warmup=1)
     equal = all(torch.equal(a, b) for a, b in zip(means[False], means[True]))
     taken = sum(models[True].tapes.joint.values())
-    workload = (f"mlp, {clients:,} clients × batch {batch}, one point ({taken} of "
+    workload = (f"mlp, {clients:,} clients × batch {batch}, "
+                f"{'points of their own' if own else 'one point'} ({taken} of "
                 f"{len(models[True].tapes.joint)} layouts joint; results bit for bit "
                 f"{'equal' if equal else 'DIFFERENT'})")
     return [
@@ -233,8 +240,9 @@ def main() -> None:
             repeats = REPEATS[name, n_clients][args.quick]
             rows += measure(name, n_clients, repeats)
             print(f"{name} × {n_clients} done", file=sys.stderr, flush=True)
-    for clients, batch in JOINT:
-        rows += joint(clients, batch, 3 if args.quick else 11)
+    for own in (False, True):
+        for clients, batch in JOINT:
+            rows += joint(clients, batch, 3 if args.quick else 11, own)
     emit(rows, args.rows)
 
 

@@ -20,6 +20,7 @@ from opacus import GradSampleModule
 
 from dpfl.models import FlatModel, build_model
 from dpfl.models.rows import aligned_rows
+from dpfl.models.tape import stacked
 
 RTOL64, RTOL32 = 1e-10, 1e-5
 
@@ -456,10 +457,62 @@ def test_clients_at_points_of_the_same_bits_share_a_tape():
             assert torch.equal(again[c], alone[0])
 
 
-def test_a_joint_tape_splits_into_each_clients_own():
-    """Taken jointly (whatever the verdict on this CPU), the group's clipped means and norms are
-    its clients' own in float64, to rounding: the split of the tape is the clients' tapes."""
-    flat_model, flat, x, y = _setup("clip21-cnn", clients=3, batch=5, dtype=torch.float64)
+@pytest.mark.parametrize("name", ["mlp", "random-feature-mlp"])
+def test_clients_at_points_of_their_own_may_share_a_pass(name):
+    """Clients at points of their own, rows of one ``[C, d]`` tensor (a local step after the
+    first), of a sequential model: one pass with each client's weights in a batched GEMM, where
+    the layout's check found it the same; every client's clipped mean, norms and losses, and
+    its clipped difference mean between two such points, equal its own alone, bit for bit."""
+    flat_model, flat, x, y = _setup(name, clients=6, batch=16)
+    gen = torch.Generator().manual_seed(7)
+    points = aligned_rows(flat, 6, flat_model.d).copy_(flat + 0.01 * torch.randn(
+        6, flat_model.d, generator=gen))
+    before = aligned_rows(flat, 6, flat_model.d).copy_(points * 0.9)
+    engine, stacked = flat_model.tapes, []
+    record = engine.record_stacked
+    engine.record_stacked = lambda *args, **kwargs: stacked.append(1) or record(*args, **kwargs)
+    difference = dict(clip=0.2, clip_diff=0.05, gamma=0.5)
+    for _ in range(2):  # the first call decides, the second takes the verdict
+        stacked.clear()
+        losses = torch.empty(6, 16)
+        means, norms = flat_model.clipped_mean(points, x, y, 0.1, losses=losses)
+        increments = flat_model.clipped_difference_mean(points, before, x, y, **difference)
+    verdicts = {key[0]: joint for key, joint in engine.joint.items()}
+    assert len(verdicts) == 2 and all("stacked" in key for key in engine.joint)
+    assert len(stacked) == (1 if verdicts["mean"] else 0) + (2 if verdicts["difference"] else 0)
+    for c in range(6):
+        alone, alone_norms = flat_model.clipped_mean(points[c], x[c:c + 1], y[c:c + 1], 0.1)
+        assert torch.equal(means[c], alone[0]) and torch.equal(norms[c], alone_norms[0])
+        assert torch.equal(losses[c], flat_model.losses(points[c][None], x[c:c + 1],
+                                                        y[c:c + 1])[0])
+        increment = flat_model.clipped_difference_mean(points[c], before[c], x[c:c + 1],
+                                                       y[c:c + 1], **difference)
+        assert torch.equal(increments[c], increment[0])
+
+
+def test_only_evenly_spaced_points_of_a_sequential_model_are_stacked():
+    """Points that are not rows of one tensor (copies), and a model that is not a sequence of
+    Linear layers and sample-wise modules, keep a tape per client."""
+    flat_model, flat, x, y = _setup("mlp", clients=3, batch=16)
+    copies = [flat_model.flat.params(flat.clone() * s) for s in (1.0, 0.5, 2.0)]
+    rows = aligned_rows(flat, 3, flat_model.d).copy_(flat)
+    assert stacked(copies) is None
+    views = stacked([flat_model.flat.params(row) for row in rows])
+    assert views is not None and all(torch.equal(v[2], p) for v, p in
+                                     zip(views, flat_model.flat.params(rows[2])))
+    assert _setup("clip21-cnn")[0].tapes.sequence is None
+    assert len(flat_model.tapes.sequence) == 4
+
+
+@pytest.mark.parametrize("name, own", [("clip21-cnn", False), ("mlp", True)])
+def test_a_joint_tape_splits_into_each_clients_own(name, own):
+    """Taken jointly (whatever the verdict on this CPU), at one point or (``own``) at points of
+    their own, the group's clipped means and norms are its clients' own in float64, to
+    rounding: the split of the tape is the clients' tapes."""
+    flat_model, flat, x, y = _setup(name, clients=3, batch=5, dtype=torch.float64)
+    if own:
+        scales = torch.tensor([[1.0], [0.5], [2.0]], dtype=flat.dtype)
+        flat = aligned_rows(flat, 3, flat_model.d).copy_(flat * scales)
     (group,) = flat_model.tapes.groups(flat, x, y, 15)
     runs = []
     for joint in (False, True):

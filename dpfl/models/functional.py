@@ -38,7 +38,10 @@ matrix shape), never on the values. So the first group of each layout (its sizes
 :func:`~dpfl.models.tape.layout`) is computed client by client, then again jointly, and
 compared bit for bit (:meth:`~dpfl.models.tape.TapeEngine.same_jointly`); the layout is taken
 jointly from then on only if every clipped mean, norm and loss was the same. A layer that
-mixes samples fails that check too and stays per client.
+mixes samples fails that check too and stays per client. Clients at points of their own (rows
+of one ``[C, d]`` tensor, a local step after the first) share a pass only for a ``Sequential``
+of ``Linear`` layers and sample-wise modules, each ``Linear`` one batched GEMM over the
+clients' weights (:meth:`~dpfl.models.tape.TapeEngine.record_stacked`), under the same check.
 
 Non-finite values: a record is dropped on the client. A record with an inf or NaN feature, or
 on which the model overflows, has a per-sample gradient that is not finite; clipping cannot

@@ -47,6 +47,10 @@ class TapeEngine:
         #: chunk, the same clipped means, norms and losses bit for bit as a tape per chunk; None
         #: without ``joint``: every chunk's tape its own, no layout checked
         self.joint: dict[tuple, bool] | None = {} if joint else None
+        #: the module as a sequence of (module, its Layer or None, the positions of its weight
+        #: and bias among the parameters), where clients at points of their own may share a
+        #: pass (:meth:`record_stacked`); None for any other model
+        self.sequence = sequence(flat) if joint else None
         for layer in flat.layers:
             layer.module.register_forward_hook(partial(self.capture, layer))
 
@@ -129,7 +133,7 @@ class TapeEngine:
         out, norms, losses = into["out"], into["norms"], into.get("losses")
         sq = group[0].x.new_zeros(sum(chunk.n for chunk in group))
         tapes = []
-        recorded = (tape for tape, in self.joint_tapes(group, losses, group[0].params)) \
+        recorded = (tape for tape, in self.joint_tapes(group, losses, "params")) \
             if joint else (self.record(chunk.params, chunk.x, chunk.y, chunk_losses(losses, chunk))
                            for chunk in group)
         for chunk, tape in zip(group, recorded):  # pass 1: the tapes and the squared norms
@@ -163,7 +167,7 @@ class TapeEngine:
         out = into["out"]
         sq, sq_before, dots = group[0].x.new_zeros(3, sum(chunk.n for chunk in group))
         tapes = []
-        recorded = self.joint_tapes(group, None, group[0].params, group[0].params_before) \
+        recorded = self.joint_tapes(group, None, "params", "params_before") \
             if joint else ((self.record(chunk.params, chunk.x, chunk.y),
                             self.record(chunk.params_before, chunk.x, chunk.y)) for chunk in group)
         for chunk, (tape, tape_before) in zip(group, recorded):  # pass 1: both tapes, the
@@ -192,27 +196,65 @@ class TapeEngine:
         """``clip(group, results, joint)``, jointly where :attr:`joint` holds that it is the
         same for the group's layout (``kind`` names the method and what it returns); the first
         group of a layout is computed chunk by chunk and then checked (:meth:`same_jointly`)."""
-        key = layout(group, b, kind) if self.joint is not None else None
+        key = layout(group, b, kind, self.sequence is not None) if self.joint is not None \
+            else None
         clip(group, results, key is not None and self.joint.get(key, False))
         if key is not None and key not in self.joint:
             self.joint[key] = self.same_jointly(group, clip, results)
 
-    def joint_tapes(self, group: list[Chunk], losses: Tensor | None, *points: list[Tensor]
+    def joint_tapes(self, group: list[Chunk], losses: Tensor | None, *points: str
                     ) -> list[tuple[Tape, ...]]:
-        """Each chunk's tapes at ``points`` (parameters the group's chunks share, which also
-        share one size: :func:`layout`), taken from one forward and backward pass over the
-        group's samples at each point: every layer's input and output gradient split along the
-        samples. Per-sample losses at the first point go to ``losses``."""
+        """Each chunk's tapes at ``points`` (names of :class:`Chunk`'s parameters: one list the
+        group's chunks share, or each client's own, rows of one tensor, for a model of
+        :meth:`record_stacked`; the chunks share one size: :func:`layout`), taken from one
+        forward and backward pass over the group's samples at each point: every layer's input
+        and output gradient split along the samples. Per-sample losses at the first point go to
+        ``losses``."""
         n = group[0].n
-        xs, ys = torch.cat([chunk.x for chunk in group]), torch.cat([chunk.y for chunk in group])
+        xs, ys = joined([chunk.x for chunk in group]), joined([chunk.y for chunk in group])
         joint_losses = None if losses is None else xs.new_empty(len(ys))
-        tapes = [self.record(params, xs, ys, joint_losses if i == 0 else None)
-                 for i, params in enumerate(points)]
+        tapes = []
+        for i, name in enumerate(points):
+            lists = [getattr(chunk, name) for chunk in group]
+            out = joint_losses if i == 0 else None
+            tapes.append(self.record(lists[0], xs, ys, out) if shared(lists)
+                         else self.record_stacked(stacked(lists), xs, ys, out))
         if joint_losses is not None:  # whole batches of consecutive clients: whole rows
             first = group[0].client
             losses[first:first + len(group)].copy_(joint_losses.view(len(group), n))
         return [tuple([(layer, a[i * n:(i + 1) * n], g[i * n:(i + 1) * n]) for layer, a, g in tape]
                       for tape in tapes) for i in range(len(group))]
+
+    def record_stacked(self, params: list[Tensor], x: Tensor, y: Tensor,
+                       losses_out: Tensor | None = None) -> Tape:
+        """:meth:`record` for G clients at points of their own, each with ``len(x) / G``
+        consecutive samples of ``x``: ``params`` holds each parameter of every client as one
+        ``[G, *shape]`` tensor (:func:`stacked`). The model is a ``Sequential`` of ``Linear``
+        layers and parameter-free modules that treat each sample alone (:attr:`sequence`); a
+        ``Linear`` layer is one batched GEMM over the clients' weights (``baddbmm``), each
+        sample-wise module one call over all the samples."""
+        assert self.sequence is not None
+        clients = len(params[0])
+        h, tape = x, []
+        with torch.enable_grad():
+            for module, layer, weight, bias in self.sequence:
+                if layer is None:
+                    h = module(h)
+                    continue
+                a = h.reshape(clients, -1, h.shape[-1])
+                assert weight is not None
+                w = params[weight].transpose(1, 2)
+                out = torch.bmm(a, w) if bias is None else torch.baddbmm(
+                    params[bias].unsqueeze(1), a, w)
+                if not out.requires_grad:  # nothing below this layer is trainable
+                    out = out.detach().requires_grad_()
+                h = out.view(-1, out.shape[-1])
+                tape.append((layer, a.detach().view(h.shape[0], -1), h))
+            losses = self.flat.loss.per_sample(h, y)
+        if losses_out is not None:
+            losses_out.copy_(losses.detach())
+        grads = torch.autograd.grad(losses.sum(), [out for _, _, out in tape])
+        return [(layer, a, g) for (layer, a, _), g in zip(tape, grads)]
 
     def same_jointly(self, group: list[Chunk], clip: Callable, results: dict[str, Tensor]
                      ) -> bool:
@@ -294,7 +336,8 @@ class TapeEngine:
             for name, where in (("now", flat), ("before", before)):
                 if where is not None and (where.dim() > 1 or name not in points):
                     point = self.flat.point(where, c)
-                    if name in points and same_bits(point, points[name][0]):
+                    if self.joint is not None and name in points \
+                            and same_bits(point, points[name][0]):
                         continue  # the client before it is at this point: its parameters
                     reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
                     points[name] = (point, self.flat.params(point.detach()), reg)
@@ -377,19 +420,97 @@ def pair_dots(now: Tape, now_grads: Materialised, reg: Tensor | None, before: Ta
         dots += torch.dot(reg, reg_before)
 
 
-def layout(group: list[Chunk], b: int, kind: tuple[str, ...]) -> tuple | None:
+def layout(group: list[Chunk], b: int, kind: tuple[str, ...], stackable: bool) -> tuple | None:
     """What decides whether one tape for ``group`` equals a tape per chunk: ``kind`` (the
-    method, what it returns), the shapes, dtypes, device, threads, and whether a regulariser or
-    offset is added; or None where the group cannot be taken jointly: fewer than two chunks,
-    chunks at different points, or a chunk that is not a client's whole batch of ``b``."""
+    method, what it returns), whether each point is shared or each client's own (``stackable``:
+    the model can take those in one pass), the shapes, dtypes, device, threads, and whether a
+    regulariser or offset is added; or None where the group cannot be taken jointly: fewer than
+    two chunks, a chunk that is not a client's whole batch of ``b``, or points that are neither
+    one shared point nor each client's own rows of one tensor (:func:`stacked`)."""
     first = group[0]
-    if len(group) < 2 or any(chunk.params is not first.params or chunk.start or chunk.n != b
-                             or chunk.params_before is not first.params_before
-                             for chunk in group):
+    if len(group) < 2 or any(chunk.start or chunk.n != b for chunk in group):
         return None
-    return (*kind, len(group), b, tuple(first.x.shape[1:]), first.x.dtype, first.y.dtype,
-            first.x.device.type, torch.get_num_threads(), first.reg is not None,
+    points = []
+    for name in ("params", "params_before"):
+        lists = [getattr(chunk, name) for chunk in group]
+        if shared(lists):
+            points.append("shared")
+        elif stackable and stacked(lists) is not None:
+            points.append("stacked")
+        else:
+            return None
+    return (*kind, *points, len(group), b, tuple(first.x.shape[1:]), first.x.dtype,
+            first.y.dtype, first.x.device.type, torch.get_num_threads(), first.reg is not None,
             first.reg_before is not None)
+
+
+def shared(lists: list) -> bool:
+    """Whether every chunk of a group holds the same list of parameters (or None)."""
+    return all(params is lists[0] for params in lists)
+
+
+def stacked(lists: list[list[Tensor]]) -> list[Tensor] | None:
+    """Each parameter of G clients' ``lists`` (views of their points) as one ``[G, *shape]``
+    view, without a copy, where the points are rows of one tensor at a constant positive
+    stride (a cohort's iterates, :func:`~dpfl.models.rows.aligned_rows`); else None."""
+    first = lists[0]
+    size = first[0].element_size()
+    step = lists[1][0].data_ptr() - first[0].data_ptr()
+    if step <= 0 or step % size:
+        return None
+    storage = first[0].untyped_storage().data_ptr()
+    for i, params in enumerate(lists):
+        for p, p0 in zip(params, first, strict=True):
+            if (p.untyped_storage().data_ptr() != storage
+                    or p.data_ptr() - p0.data_ptr() != i * step or p.stride() != p0.stride()):
+                return None
+    return [p.as_strided((len(lists), *p.shape), (step // size, *p.stride())) for p in first]
+
+
+#: a member of a sequential model: (module, its Layer or None, the positions of its weight and
+#: bias among the parameters)
+Member = tuple[nn.Module, Layer | None, int | None, int | None]
+#: parameter-free modules that treat each sample alone, which :meth:`TapeEngine.record_stacked`
+#: applies to all the clients' samples in one call
+SAMPLEWISE = (nn.Tanh, nn.ReLU, nn.Sigmoid, nn.Identity)
+
+
+def sequence(flat: FlatParameters) -> list[Member] | None:
+    """``flat``'s module as (module, its Layer or None, the positions of its weight and bias in
+    the parameter list) per member, where it is a ``Sequential`` of ``Linear`` layers whose
+    parameters are all trainable or all frozen (a random-feature layer), ``Flatten(1, -1)`` and
+    :data:`SAMPLEWISE` modules; else None."""
+    module = flat.module
+    if not isinstance(module, nn.Sequential):
+        return None
+    layers = {id(layer.module): layer for layer in flat.layers}
+    where = {(id(owner), attr): i for i, (owner, attr) in enumerate(flat.slots)}
+    members: list[Member] = []
+    for m in module:
+        if type(m) is nn.Linear and id(m) in layers:
+            layer = layers[id(m)]
+            if layer.trainable != (True, m.bias is not None):
+                return None
+            members.append((m, layer, where[id(m), "weight"],
+                            where[id(m), "bias"] if m.bias is not None else None))
+        elif (type(m) is nn.Flatten and (m.start_dim, m.end_dim) == (1, -1)) \
+                or type(m) in SAMPLEWISE or (type(m) is nn.Linear and id(m) not in layers):
+            members.append((m, None, None, None))  # a frozen Linear: fixed, sample by sample
+        else:
+            return None
+    return members
+
+
+def joined(parts: list[Tensor]) -> Tensor:
+    """``torch.cat(parts)`` (parts of one shape), as a view where they lie one after another
+    in one tensor's memory (consecutive clients' batches, as a cohort's batches are drawn)."""
+    first = parts[0]
+    start, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    if first.is_contiguous() and all(
+            p.is_contiguous() and p.shape == first.shape and p.data_ptr() == start + i * p.nbytes
+            and p.untyped_storage().data_ptr() == storage for i, p in enumerate(parts)):
+        return first.as_strided((len(parts) * len(first), *first.shape[1:]), first.stride())
+    return torch.cat(parts)
 
 
 def same_bits(a: Tensor, b: Tensor) -> bool:
@@ -399,7 +520,12 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
     word = _WORDS.get(a.dtype.itemsize)
     if word is None or a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.view(word), b.view(word))
+    a, b = a.reshape(-1).view(word), b.reshape(-1).view(word)
+    # points apart (a local step later) differ at once: a look at the first entries settles it
+    return torch.equal(a[:_FIRST], b[:_FIRST]) and torch.equal(a, b)
+
+
+_FIRST = 64  # entries same_bits compares before the whole points
 
 
 _WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer of each float's width
