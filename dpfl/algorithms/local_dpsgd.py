@@ -54,7 +54,7 @@ from dpfl.config import (
     hyperparameter,
     positive,
 )
-from dpfl.models.rows import aligned_rows
+from dpfl.models.rows import aligned, aligned_rows
 from dpfl.privacy import Query, Randomness, Relation
 
 if TYPE_CHECKING:
@@ -151,8 +151,10 @@ def local_sgd(x: Tensor, clients: int, steps: int, step: Step, learning_rate: fl
 
     The iterates live on 64-byte aligned rows (:func:`~dpfl.models.rows.aligned_rows`), so the
     per-sample engine takes each client's point where it is instead of copying it to aligned
-    memory every step (the same values: ``x − η·g`` written elsewhere)."""
-    params = aligned_rows(x, clients, x.numel()).copy_(x)
+    memory every step (the same values: ``x − η·g`` written elsewhere). At the first step every
+    client's row is one aligned copy of x (a read-only view repeated ``clients`` times), which
+    the per-sample engine sees as one point (:meth:`~dpfl.models.tape.TapeEngine.groups`)."""
+    params = aligned(x).expand(clients, -1)
     for k in range(steps):
         g = step(params, k)
         if correction is not None:
@@ -160,7 +162,8 @@ def local_sgd(x: Tensor, clients: int, steps: int, step: Step, learning_rate: fl
         if velocity is not None:
             velocity = momentum * velocity + g
             g = velocity
-        params = torch.sub(params, learning_rate * g, out=aligned_rows(x, clients, x.numel()))
+        params = torch.sub(params, g, alpha=learning_rate,  # x − η·g in one pass
+                           out=aligned_rows(x, clients, x.numel()))
     return params, velocity
 
 

@@ -520,6 +520,8 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
     word = _WORDS.get(a.dtype.itemsize)
     if word is None or a.dtype != b.dtype or a.shape != b.shape:
         return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():  # the same memory
+        return True
     a, b = a.reshape(-1).view(word), b.reshape(-1).view(word)
     # points apart (a local step later) differ at once: a look at the first entries settles it
     return torch.equal(a[:_FIRST], b[:_FIRST]) and torch.equal(a, b)
