@@ -170,10 +170,13 @@ def test_the_noise_in_the_k_coordinates_has_the_declared_std(tmp_path):
     assert abs(draws.mean().item()) < 3 * 2.0 * 0.5 / 20 / math.sqrt(len(draws))
 
 
-def test_the_projected_clipped_sum_moves_by_at_most_c_when_a_record_is_removed(tmp_path):
-    """Each Vᵀg_i is clipped to norm c, so removing any one record of a batch moves the
-    released sum by at most c (the add/remove sensitivity the release declares)."""
-    problem = build_problem(_config(tmp_path, clip=0.05))
+@pytest.mark.parametrize("algorithm", ["pcdp-sgd", "pdp-sgd"])
+def test_the_projected_clipped_sum_moves_by_at_most_c_when_a_record_is_removed(tmp_path,
+                                                                              algorithm):
+    """Each Vᵀg_i is clipped to norm c (PDP-SGD: each g_i, and Vᵀ shrinks it), so removing any
+    one record of a batch moves the released sum by at most c (the add/remove sensitivity the
+    release declares)."""
+    problem = build_problem(_config(tmp_path, clip=0.05, algorithm=algorithm))
     algorithm, x0 = problem.algorithm, problem.x0.to(problem.device)
     space = algorithm.source.at(x0, torch.arange(len(algorithm.public[1])))
     xb, yb = problem.dataset.train_x[:30], problem.dataset.train_y[:30]
@@ -645,7 +648,8 @@ def test_the_projection_from_tapes_equals_the_materialised_one_in_float64(name, 
     point, the lift Va and Vᵀg of a vector: from the tapes (no [m, d] or [b, d] matrix:
     (δ_i·δ_j)(a_i·a_j) per Linear layer, materialised conv layers, the regulariser's terms;
     a linear model's tapes in closed form) equal to the materialised gradients' to 1e-10 of
-    their scale, in chunks or not."""
+    their scale, in chunks or not; and each private record's whole norm ‖h_j‖ from the same
+    tapes (PDP-SGD clips by it), to 1e-10."""
     model = _float64_model(name, shape, reg, chunk)
     assert (model.linear is not None) == (name == "logistic")  # the closed-form tapes' case
     gen = torch.Generator().manual_seed(4)
@@ -666,6 +670,10 @@ def test_the_projection_from_tapes_equals_the_materialised_one_in_float64(name, 
     coords = torch.cat(list(space.sample_coords(model, point, xb, yb)))
     assert coords.shape == (45, 40)
     assert torch.allclose(coords, h @ v, rtol=0, atol=1e-10 * float(h.abs().max()))
+    pairs = list(space.sample_coords_and_norms(point, xb, yb))  # PDP-SGD's: each whole norm
+    assert torch.equal(torch.cat([c for c, _ in pairs]), coords)
+    norms = torch.cat([n for _, n in pairs])
+    assert torch.allclose(norms, torch.linalg.vector_norm(h, dim=1), rtol=1e-10, atol=0)
     a = torch.randn(40, generator=gen, dtype=torch.float64)
     assert torch.allclose(space.lift(a), v @ a, rtol=0, atol=1e-10)
     assert torch.allclose(space.coords(h[3]), h[3] @ v, rtol=0, atol=1e-10 * scale)

@@ -40,7 +40,9 @@ source of subspaces, and whether the step projects before clipping or after the 
 
 * ``dp-sgd``: no projection (Abadi et al. 2016).
 * ``pdp-sgd``: clip, add noise, *then* project (Zhou et al. 2021): w − (γ/B)·VVᵀ(Σ clip_c(g_i)
-  + N(0, c²σ²I_d)), drawn as V(VᵀΣ clip_c(g_i) + z), z ~ N(0, c²σ²I_k) (the same law).
+  + N(0, c²σ²I_d)), drawn as V(VᵀΣ clip_c(g_i) + z), z ~ N(0, c²σ²I_k) (the same law), where
+  VᵀΣ clip_c(g_i) = Σ min(1, c/‖g_i‖)·Vᵀg_i: each record's coordinates, as PCDP-SGD's, clipped
+  by its whole gradient's norm (a ghost norm from the same tapes).
 * ``rpdp-sgd``: PCDP-SGD with a random subspace instead of the public one, redrawn every β
   steps (every step by default, as the paper's algorithm) from a public stream: by default k'
   rows of a rotation per layer (R_out ⊗ R_in for a Linear layer: :class:`KroneckerRotation`,
@@ -527,31 +529,34 @@ class DPSGD(FederatedDPSGD[ProjectedHyperparameters]):
         """``[C, d]``: (1/B)·V(Σ_i clip_c(Vᵀg_i) + z) (eq. (2); PDP-SGD: (1/B)·V(VᵀΣ_i
         clip_c(g_i) + z)), z ~ N(0, c²σ²I_k), and the fraction of each batch clipped."""
         b = self.hp.batch_size
-        assert self.projection is not None
-        if self.projection.after_clipping:
-            means, clipped = self.local.clipped_means(params, batches, radius, ctx)
-            coords = torch.stack([s.coords(m) for s, m in zip(spaces, means, strict=True)])
-        else:
-            sums, clipped = zip(*(self.projected_clipped_sum(params[i], xb, yb, s, radius, ctx)
-                                  for i, ((xb, yb), s) in enumerate(zip(batches, spaces,
-                                                                         strict=True))))
-            coords = torch.stack(sums) / b
-            clipped = torch.stack(clipped)
-        noisy = ctx.privatize("train", coords, radius=radius / b, step=k)
+        sums, clipped = zip(*(self.projected_clipped_sum(params[i], xb, yb, s, radius, ctx)
+                              for i, ((xb, yb), s) in enumerate(zip(batches, spaces,
+                                                                     strict=True))))
+        noisy = ctx.privatize("train", torch.stack(sums) / b, radius=radius / b, step=k)
         lifted = params.new_empty(params.shape)
         for space, a, row in zip(spaces, noisy, lifted, strict=True):
             space.lift_into(a, row)
-        return lifted, clipped
+        return lifted, torch.stack(clipped)
 
     def projected_clipped_sum(self, point: Tensor, xb: Tensor, yb: Tensor, space: Subspace,
                               radius: float, ctx: ClientContext) -> tuple[Tensor, Tensor]:
         """Σ_i clip_c(Vᵀ∇ℓ(point, x_i)) over one client's batch (``[k]``, in chunks of the
-        model's chunk size), and the fraction clipped."""
+        model's chunk size), and the fraction clipped. Projected after clipping (PDP-SGD),
+        VᵀΣ_i clip_c(∇ℓ(point, x_i)) = Σ_i min(1, c/‖∇ℓ_i‖)·Vᵀ∇ℓ_i: the same records'
+        coordinates, each clipped by its whole gradient's norm, both from the tapes
+        (:meth:`~dpfl.algorithms.subspace.GradientBasis.sample_coords_and_norms`): neither the
+        clipped sum in R^d nor its projection is formed."""
         dev = ctx.device
+        x, y = xb.to(dev), yb.to(dev)
+        if self.projection is not None and self.projection.after_clipping:
+            assert isinstance(space, GradientBasis)
+            coords = space.sample_coords_and_norms(point, x, y)
+        else:
+            coords = ((a, torch.linalg.vector_norm(a, dim=1))
+                      for a in space.sample_coords(self.model, point, x, y))
         total: Tensor | None = None
         clipped = 0
-        for a in space.sample_coords(self.model, point, xb.to(dev), yb.to(dev)):
-            norms = torch.linalg.vector_norm(a, dim=1)
+        for a, norms in coords:
             part = clip_factors(norms, radius) @ a
             total = part if total is None else total + part
             clipped += int((norms > radius).sum())

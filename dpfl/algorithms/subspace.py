@@ -103,8 +103,18 @@ class GradientBasis(Subspace):
 
     def sample_coords(self, model: FlatModel, point: Tensor, x: Tensor,
                       y: Tensor) -> Iterator[Tensor]:
-        for dots in self.span.sample_dots(point, x, y, self.dtype):
-            yield (dots.double() @ self.r).to(point.dtype)
+        for coords, _ in self.sample_coords_and_norms(point, x, y):
+            yield coords
+
+    def sample_coords_and_norms(self, point: Tensor, x: Tensor, y: Tensor
+                                ) -> Iterator[tuple[Tensor, Tensor]]:
+        """``([n, k], [n])``, chunk by chunk: each record's coordinates Vᵀ∇ℓ(point, x_j) and
+        its whole gradient's norm ‖∇ℓ(point, x_j)‖ (what clipping before the projection clips
+        by), from the same tapes, in ``point``'s dtype (a record whose gradient is not finite:
+        zeros, dropped and counted)."""
+        for dots, sq in self.span.sample_dots(point, x, y, self.dtype, norms=True):
+            assert sq is not None
+            yield (dots.double() @ self.r).to(point.dtype), sq.clamp_min(0).sqrt().to(point.dtype)
 
 
 def lift_rows(space: Subspace, a: Tensor, d: int) -> Tensor:

@@ -54,6 +54,13 @@ class Factors:
         products = deltas * (self.a @ other.a.t())
         return products + deltas if bias else products
 
+    def sq_norms(self) -> Tensor:
+        """``[n]``: the squared norms of this layer's per-sample gradients."""
+        if self.grads is not None:
+            return self.grads.square().sum(dim=1)
+        assert self.a is not None and self.delta is not None
+        return grad_sample.ghost_sq_norms(self.a, self.delta, self.layer.trainable)
+
     def dot_vector(self, parts: list[Tensor]) -> Tensor:
         """``[n]``: each per-sample gradient's inner product with a vector, given as its pieces
         for the layer's parameters (:meth:`Layer.parts`)."""
@@ -149,12 +156,13 @@ class GradientSpan:
             out += w.sum() * self.reg.to(dtype)
         return out
 
-    def sample_dots(self, point: Tensor, x: Tensor, y: Tensor,
-                    dtype: torch.dtype) -> Iterator[Tensor]:
-        """``[n, m]`` (``dtype``), chunk by chunk (the model's chunks): ⟨h_j + r', g_i + r⟩
-        for the per-sample gradients ``h_j + r'`` of the records ``x [b, ...]``, ``y [b]`` at
-        ``point [d]``, no gradient materialised where a layer has ghost products. A record
-        whose gradient is not finite gets a zero row, dropped and counted as in
+    def sample_dots(self, point: Tensor, x: Tensor, y: Tensor, dtype: torch.dtype, *,
+                    norms: bool = False) -> Iterator[tuple[Tensor, Tensor | None]]:
+        """``([n, m], [n] or None)`` (``dtype``), chunk by chunk (the model's chunks):
+        ⟨h_j + r', g_i + r⟩ for the per-sample gradients ``h_j + r'`` of the records
+        ``x [b, ...]``, ``y [b]`` at ``point [d]``, and with ``norms`` their squared norms
+        ‖h_j + r'‖², no gradient materialised where a layer has ghost products. A record whose
+        gradient is not finite gets zero rows, dropped and counted as in
         :meth:`~dpfl.models.FlatModel.per_sample_gradient_chunks`."""
         model = self.model
         size = model.chunk_length(point, x[None], y[None], rows=False)
@@ -168,9 +176,11 @@ class GradientSpan:
                 dots = dots + _vector_dots(factors, own_reg, len(ys))[:, None]
             if towards_reg is not None:
                 dots = dots + towards_reg[None, :]
-            if (bad := non_finite_rows(dots)) is not None:
-                model.dropped.drop(bad, dots)
-            yield dots
+            sq = _sq_norms(factors, reg, dots.new_zeros(len(ys))) if norms else None
+            rows = (dots,) if sq is None else (dots, sq)
+            if (bad := non_finite_rows(*rows)) is not None:
+                model.dropped.drop(bad, *rows)
+            yield dots, sq
 
     def _cross(self, factors: list[Factors], n: int, dtype: torch.dtype) -> Tensor:
         """``[n, m]``: the inner products of ``factors``' ``n`` records' gradients with the
@@ -189,6 +199,16 @@ def _vector_dots(factors: list[Factors], v: Tensor, n: int) -> Tensor:
     for f in factors:
         total += f.dot_vector(f.layer.parts(v))
     return total
+
+
+def _sq_norms(factors: list[Factors], reg: Tensor | None, zeros: Tensor) -> Tensor:
+    """``[n]`` (``zeros``' dtype): ‖h_j + r'‖² of ``factors``' per-sample gradients h_j plus
+    ``reg`` (r'), added to ``zeros [n]``."""
+    sq = sum((f.sq_norms() for f in factors), zeros)
+    if reg is None:
+        return sq
+    at = reg.to(zeros.dtype)
+    return sq + 2 * _vector_dots(factors, at, len(zeros)) + at.square().sum()
 
 
 def _non_finite(factors: list[Factors]) -> Tensor | None:
