@@ -425,11 +425,26 @@ def test_fedpcdp_uploads_k_numbers_and_the_server_restores_the_update_losslessly
         "train", state, 1), _client_ctx(problem))
     space = problem.algorithm.upload_space(state, torch.device("cpu"))
     assert torch.allclose(state["x"] - space.lift(u), local[0], atol=1e-6)
+    # the steps' own coordinates summed are the update's projection Vᵀ(w_g − w_K)
+    assert torch.allclose(u[0], space.coords(state["x"] - local[0]), atol=1e-6)
     d = problem.model.d
     assert [r["uplink_bytes"] for r in _rounds(fed)] == [12 * 4] * 2
     assert [r["uplink_bytes"] for r in _rounds(plain)] == [d * 4] * 2
     # x, the clip, V's weights R (float64), the point V was computed at, its 40 public records
     assert _rounds(fed)[0]["downlink_bytes"] == (d + 1) * 4 + 40 * 12 * 8 + d * 4 + 40 * 8
+
+
+def test_fedpcdp_uploads_nothing_beyond_the_public_gradients_rank(tmp_path):
+    """k = 50 over 40 public records: V's last 10 columns are zero, and so are those of the
+    upload (the steps' noise drawn there projects to nothing)."""
+    problem = build_problem(_config(tmp_path, algorithm="fedpcdp", num_partitions=1,
+                                    projection_dim=50))
+    state = problem.algorithm.begin_round(problem.algorithm.init_server_state(problem.x0),
+                                          _server_ctx(problem))
+    runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(3))
+    u = runtime.step("train", 1, problem.algorithm.broadcast("train", state, 1), {},
+                     problem.full_cohort())[0]["u"][0]
+    assert bool((u[:40] != 0).all()) and torch.equal(u[40:], torch.zeros(10))
 
 
 def _server_ctx(problem, server_round=1):

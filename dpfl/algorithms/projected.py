@@ -62,7 +62,10 @@ public records, from which the client rebuilds V on its own copy of the public r
 + d numbers instead of d·k on the downlink; the same V, bit for bit); each sampled client
 (``fraction-train``; 0.8 in the paper) runs K local PCDP-SGD steps with that V and uploads the
 k coordinates u_i = V_k^{rT}(w_g − w_{l,K}^i) (Algorithm 2 line 13): every local step lies in
-span V, so the upload is lossless, and the uplink carries k numbers instead of d. The server
+span V, so the upload is lossless, and the uplink carries k numbers instead of d. Without
+momentum u_i is the sum of the steps' own noisy coordinates times the step size (no d-vector
+is projected); with momentum, whose buffer holds earlier rounds' subspaces, the update is
+projected. The server
 restores the update, w_g ← w_g − γ_g·V·mean_i u_i (line 16). ``fedpdp`` is the same with the
 local step of PDP-SGD. The paper's DP-FedAvg and DP FedProx baselines are
 :class:`~dpfl.algorithms.adaptive.DPFedAvg` with ``sampling="poisson"`` (and ``proximal-mu``).
@@ -525,14 +528,18 @@ class DPSGD(FederatedDPSGD[ProjectedHyperparameters]):
                                      k // interval)
 
     def projected_gradient(self, params: Tensor, batches: Batches, spaces: list[Subspace],
-                           radius: float, k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
+                           radius: float, k: int, ctx: ClientContext,
+                           steps: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """``[C, d]``: (1/B)·V(Σ_i clip_c(Vᵀg_i) + z) (eq. (2); PDP-SGD: (1/B)·V(VᵀΣ_i
-        clip_c(g_i) + z)), z ~ N(0, c²σ²I_k), and the fraction of each batch clipped."""
+        clip_c(g_i) + z)), z ~ N(0, c²σ²I_k), and the fraction of each batch clipped; the
+        noisy coordinates ``[C, k]`` are appended to ``steps`` if given."""
         b = self.hp.batch_size
         sums, clipped = zip(*(self.projected_clipped_sum(params[i], xb, yb, s, radius, ctx)
                               for i, ((xb, yb), s) in enumerate(zip(batches, spaces,
                                                                      strict=True))))
         noisy = ctx.privatize("train", torch.stack(sums) / b, radius=radius / b, step=k)
+        if steps is not None:
+            steps.append(noisy)
         lifted = params.new_empty(params.shape)
         for space, a, row in zip(spaces, noisy, lifted, strict=True):
             space.lift_into(a, row)
@@ -659,19 +666,30 @@ class FedPCDP(DPSGD):
         return self.in_subspace(self.upload_space(broadcast, ctx.device), cohort, radius, ctx)
 
     def in_subspace(self, space: Subspace, cohort: Cohort, radius: float,
-                    ctx: ClientContext) -> NoisyStep:
+                    ctx: ClientContext, steps: list[Tensor] | None = None) -> NoisyStep:
+        """The local steps in ``space``, their noisy coordinates appended to ``steps``."""
         spaces = [space] * len(cohort)
         return lambda params, k: self.projected_gradient(
-            params, self.local.batches(cohort, k, ctx), spaces, radius, k, ctx)
+            params, self.local.batches(cohort, k, ctx), spaces, radius, k, ctx, steps)
 
     def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
                     ctx: ClientContext) -> tuple[State, State]:
-        """K local steps in span V, then the k coordinates of the update (Alg. 2 line 13)."""
+        """K local steps in span V, then the k coordinates of the update (Alg. 2 line 13):
+        u = Vᵀ(w_g − w_K) = η·Σ_k a_k, the steps' own noisy coordinates summed (in float64;
+        zero where V's column is: beyond the public gradients' rank), with no d-vector
+        projected. With momentum the buffer carries earlier rounds' subspaces, and the update
+        is projected: u = Vᵀ(w_g − w_K)."""
         x = broadcast["x"].to(ctx.device)
         space = self.upload_space(broadcast, ctx.device)
-        gradient = self.in_subspace(space, cohort, float(broadcast["radius"][0]), ctx)
+        steps: list[Tensor] = []
+        gradient = self.in_subspace(space, cohort, float(broadcast["radius"][0]), ctx, steps)
         params, states = self.local_steps(x, cohort, states, broadcast, ctx, gradient=gradient)
-        return {"u": space.coords(x - params).cpu()}, states
+        if self.hp.momentum:
+            return {"u": space.coords(x - params).cpu()}, states
+        assert isinstance(space, GradientBasis)
+        live = torch.linalg.vector_norm(space.r, dim=0) > 0
+        u = torch.stack(steps).double().sum(dim=0) * self.hp.learning_rate_at(ctx.server_round)
+        return {"u": (u * live).to(x.dtype).cpu()}, states
 
     def server_step(self, exchange: str, state: State, sums: State,
                     ctx: ServerContext) -> State:
