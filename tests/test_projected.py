@@ -695,6 +695,28 @@ def test_the_projection_from_tapes_equals_the_materialised_one_in_float64(name, 
     assert torch.allclose(v.t() @ v, torch.diag((torch.arange(40) < 30).double()), atol=1e-10)
 
 
+class _Unused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(6, 3)
+        self.unused = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_a_lift_is_zero_on_a_layer_the_forward_pass_does_not_use():
+    """The lift writes every used layer's positions and zeroes the others' (its memory is not
+    zeroed first)."""
+    model = FlatModel(_Unused(), "cross-entropy")
+    span = GradientSpan(model, model.initial_params(), torch.randn(5, 6), torch.arange(5) % 3)
+    for _ in range(3):  # fresh memory each time, likely where the last result lay
+        torch.full((model.d,), float("nan"), dtype=torch.float64)
+        out = span.combine(torch.randn(5, dtype=torch.float64), torch.float64)
+        assert torch.equal(out[21:], torch.zeros(21, dtype=torch.float64))
+        assert bool(torch.isfinite(out).all()) and bool((out[:21] != 0).any())
+
+
 def test_a_non_finite_private_record_gets_zero_coordinates_and_is_counted(tmp_path):
     problem = build_problem(_config(tmp_path))
     algorithm, x0 = problem.algorithm, problem.x0

@@ -113,7 +113,7 @@ from dpfl.algorithms.rotation import ROUNDS, KroneckerRows, LayerRotation, Rotat
 from dpfl.algorithms.subspace import Basis, Coordinates, GradientBasis, Subspace
 from dpfl.config import FRACTION_TRAIN, Param, at_least, hyperparameter
 from dpfl.errors import ConfigError
-from dpfl.models.rows import aligned
+from dpfl.models.rows import aligned, same_bits
 from dpfl.models.span import GradientSpan
 from dpfl.privacy import SERVER, Randomness, clip_factors
 
@@ -412,8 +412,8 @@ class PublicEigenspace(SubspaceSource):
         out: list[Subspace] = []
         for point, owner in zip(points, owners, strict=True):
             rows = self.rows(rng, owner, server_round, index)
-            same = computed.setdefault((len(rows), int(rows.sum()), float(point.sum())), [])
-            space = next((s for r, p, s in same if torch.equal(r, rows) and torch.equal(p, point)),
+            same = computed.setdefault((len(rows), int(rows.sum())), [])
+            space = next((s for r, p, s in same if torch.equal(r, rows) and same_bits(p, point)),
                          None)
             if space is None:
                 space = self.at(point, rows)

@@ -149,9 +149,13 @@ class GradientSpan:
     def combine(self, w: Tensor, dtype: torch.dtype) -> Tensor:
         """``[d]`` (``dtype``): Σ_i w_i (g_i + r) for ``w [m]``."""
         w = w.to(dtype)
-        out = w.new_zeros(self.model.d)
-        for f in self.factors_in(dtype):
+        out = w.new_empty(self.model.d)  # every layer's positions written once, below
+        factors = self.factors_in(dtype)
+        for f in factors:
             f.add_weighted(w, out)
+        for layer in set(self.model.flat.layers) - {f.layer for f in factors}:  # unused: zero
+            for where in layer.slices:
+                out[where] = 0
         if self.reg is not None:
             out += w.sum() * self.reg.to(dtype)
         return out

@@ -22,6 +22,7 @@ from dpfl.models.rows import (
     aligned_rows,
     chunks,
     non_finite_rows,
+    same_bits,
     sample_radii,
     zero_rows,
 )
@@ -511,26 +512,6 @@ def joined(parts: list[Tensor]) -> Tensor:
             and p.untyped_storage().data_ptr() == storage for i, p in enumerate(parts)):
         return first.as_strided((len(parts) * len(first), *first.shape[1:]), first.stride())
     return torch.cat(parts)
-
-
-def same_bits(a: Tensor, b: Tensor) -> bool:
-    """Whether two points hold the same bits (not only equal values: −0.0 and 0.0, and NaNs,
-    are told apart), so that every number computed at one is the number computed at the
-    other."""
-    word = _WORDS.get(a.dtype.itemsize)
-    if word is None or a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():  # the same memory
-        return True
-    a, b = a.reshape(-1).view(word), b.reshape(-1).view(word)
-    # points apart (a local step later) differ at once: a look at the first entries settles it
-    return torch.equal(a[:_FIRST], b[:_FIRST]) and torch.equal(a, b)
-
-
-_FIRST = 64  # entries same_bits compares before the whole points
-
-
-_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer of each float's width
 
 
 def chunk_losses(losses: Tensor | None, chunk: Chunk) -> Tensor | None:
