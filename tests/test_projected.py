@@ -26,6 +26,7 @@ from dpfl.privacy import Randomness, clip_factors
 from dpfl.problem import build_problem
 from dpfl.rounds import ClientRuntime
 from dpfl.runconfig import RunConfig
+from tests.test_per_sample import _Unused
 
 DIGITS = {"algorithm": "pcdp-sgd", "dataset": "digits", "model": "logistic",
           "dataset-options": "num_public=40", "num-partitions": 2, "num-server-rounds": 3,
@@ -693,16 +694,6 @@ def test_the_projection_from_tapes_equals_the_materialised_one_in_float64(name, 
     assert torch.allclose(space.lift(a), v @ a, rtol=0, atol=1e-10)
     assert torch.allclose(space.coords(h[3]), h[3] @ v, rtol=0, atol=1e-10 * scale)
     assert torch.allclose(v.t() @ v, torch.diag((torch.arange(40) < 30).double()), atol=1e-10)
-
-
-class _Unused(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = torch.nn.Linear(6, 3)
-        self.unused = torch.nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
 
 
 def test_a_lift_is_zero_on_a_layer_the_forward_pass_does_not_use():
