@@ -20,7 +20,7 @@ from opacus import GradSampleModule
 
 from dpfl.models import FlatModel, build_model
 from dpfl.models.rows import aligned_rows
-from dpfl.models.tape import stacked
+from dpfl.models.stacked import views
 
 RTOL64, RTOL32 = 1e-10, 1e-5
 
@@ -471,7 +471,7 @@ def test_clients_at_points_of_their_own_may_share_a_pass(name):
     engine, stacked = flat_model.tapes, []
     record = engine.record_stacked
     engine.record_stacked = lambda *args, **kwargs: stacked.append(1) or record(*args, **kwargs)
-    difference = dict(clip=0.2, clip_diff=0.05, gamma=0.5)
+    difference = {"clip": 0.2, "clip_diff": 0.05, "gamma": 0.5}
     for _ in range(2):  # the first call decides, the second takes the verdict
         stacked.clear()
         losses = torch.empty(6, 16)
@@ -493,13 +493,13 @@ def test_clients_at_points_of_their_own_may_share_a_pass(name):
 def test_only_evenly_spaced_points_of_a_sequential_model_are_stacked():
     """Points that are not rows of one tensor (copies), and a model that is not a sequence of
     Linear layers and sample-wise modules, keep a tape per client."""
-    flat_model, flat, x, y = _setup("mlp", clients=3, batch=16)
+    flat_model, flat, _, _ = _setup("mlp", clients=3, batch=16)
     copies = [flat_model.flat.params(flat.clone() * s) for s in (1.0, 0.5, 2.0)]
     rows = aligned_rows(flat, 3, flat_model.d).copy_(flat)
-    assert stacked(copies) is None
-    views = stacked([flat_model.flat.params(row) for row in rows])
-    assert views is not None and all(torch.equal(v[2], p) for v, p in
-                                     zip(views, flat_model.flat.params(rows[2])))
+    assert views(copies) is None
+    stacks = views([flat_model.flat.params(row) for row in rows])
+    assert stacks is not None and all(torch.equal(v[2], p) for v, p in
+                                     zip(stacks, flat_model.flat.params(rows[2])))
     assert _setup("clip21-cnn")[0].tapes.sequence is None
     assert len(flat_model.tapes.sequence) == 4
 

@@ -11,7 +11,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from dpfl.models import grad_sample
+from dpfl.models import grad_sample, stacked
 from dpfl.models.flat import FlatParameters
 from dpfl.models.rows import (
     Chunk,
@@ -51,7 +51,7 @@ class TapeEngine:
         #: the module as a sequence of (module, its Layer or None, the positions of its weight
         #: and bias among the parameters), where clients at points of their own may share a
         #: pass (:meth:`record_stacked`); None for any other model
-        self.sequence = sequence(flat) if joint else None
+        self.sequence = stacked.sequence(flat) if joint else None
         for layer in flat.layers:
             layer.module.register_forward_hook(partial(self.capture, layer))
 
@@ -219,7 +219,7 @@ class TapeEngine:
             lists = [getattr(chunk, name) for chunk in group]
             out = joint_losses if i == 0 else None
             tapes.append(self.record(lists[0], xs, ys, out) if shared(lists)
-                         else self.record_stacked(stacked(lists), xs, ys, out))
+                         else self.record_stacked(stacked.views(lists), xs, ys, out))
         if joint_losses is not None:  # whole batches of consecutive clients: whole rows
             first = group[0].client
             losses[first:first + len(group)].copy_(joint_losses.view(len(group), n))
@@ -228,34 +228,10 @@ class TapeEngine:
 
     def record_stacked(self, params: list[Tensor], x: Tensor, y: Tensor,
                        losses_out: Tensor | None = None) -> Tape:
-        """:meth:`record` for G clients at points of their own, each with ``len(x) / G``
-        consecutive samples of ``x``: ``params`` holds each parameter of every client as one
-        ``[G, *shape]`` tensor (:func:`stacked`). The model is a ``Sequential`` of ``Linear``
-        layers and parameter-free modules that treat each sample alone (:attr:`sequence`); a
-        ``Linear`` layer is one batched GEMM over the clients' weights (``baddbmm``), each
-        sample-wise module one call over all the samples."""
+        """:meth:`record` for clients at points of their own (:func:`dpfl.models.stacked.record`
+        on this engine's :attr:`sequence`)."""
         assert self.sequence is not None
-        clients = len(params[0])
-        h, tape = x, []
-        with torch.enable_grad():
-            for module, layer, weight, bias in self.sequence:
-                if layer is None:
-                    h = module(h)
-                    continue
-                a = h.reshape(clients, -1, h.shape[-1])
-                assert weight is not None
-                w = params[weight].transpose(1, 2)
-                out = torch.bmm(a, w) if bias is None else torch.baddbmm(
-                    params[bias].unsqueeze(1), a, w)
-                if not out.requires_grad:  # nothing below this layer is trainable
-                    out = out.detach().requires_grad_()
-                h = out.view(-1, out.shape[-1])
-                tape.append((layer, a.detach().view(h.shape[0], -1), h))
-            losses = self.flat.loss.per_sample(h, y)
-        if losses_out is not None:
-            losses_out.copy_(losses.detach())
-        grads = torch.autograd.grad(losses.sum(), [out for _, _, out in tape])
-        return [(layer, a, g) for (layer, a, _), g in zip(tape, grads)]
+        return stacked.record(self.flat, self.sequence, params, x, y, losses_out)
 
     def same_jointly(self, group: list[Chunk], clip: Callable, results: dict[str, Tensor]
                      ) -> bool:
@@ -427,7 +403,8 @@ def layout(group: list[Chunk], b: int, kind: tuple[str, ...], stackable: bool) -
     the model can take those in one pass), the shapes, dtypes, device, threads, and whether a
     regulariser or offset is added; or None where the group cannot be taken jointly: fewer than
     two chunks, a chunk that is not a client's whole batch of ``b``, or points that are neither
-    one shared point nor each client's own rows of one tensor (:func:`stacked`)."""
+    one shared point nor each client's own rows of one tensor
+    (:func:`~dpfl.models.stacked.views`)."""
     first = group[0]
     if len(group) < 2 or any(chunk.start or chunk.n != b for chunk in group):
         return None
@@ -436,7 +413,7 @@ def layout(group: list[Chunk], b: int, kind: tuple[str, ...], stackable: bool) -
         lists = [getattr(chunk, name) for chunk in group]
         if shared(lists):
             points.append("shared")
-        elif stackable and stacked(lists) is not None:
+        elif stackable and stacked.views(lists) is not None:
             points.append("stacked")
         else:
             return None
@@ -448,58 +425,6 @@ def layout(group: list[Chunk], b: int, kind: tuple[str, ...], stackable: bool) -
 def shared(lists: list) -> bool:
     """Whether every chunk of a group holds the same list of parameters (or None)."""
     return all(params is lists[0] for params in lists)
-
-
-def stacked(lists: list[list[Tensor]]) -> list[Tensor] | None:
-    """Each parameter of G clients' ``lists`` (views of their points) as one ``[G, *shape]``
-    view, without a copy, where the points are rows of one tensor at a constant positive
-    stride (a cohort's iterates, :func:`~dpfl.models.rows.aligned_rows`); else None."""
-    first = lists[0]
-    size = first[0].element_size()
-    step = lists[1][0].data_ptr() - first[0].data_ptr()
-    if step <= 0 or step % size:
-        return None
-    storage = first[0].untyped_storage().data_ptr()
-    for i, params in enumerate(lists):
-        for p, p0 in zip(params, first, strict=True):
-            if (p.untyped_storage().data_ptr() != storage
-                    or p.data_ptr() - p0.data_ptr() != i * step or p.stride() != p0.stride()):
-                return None
-    return [p.as_strided((len(lists), *p.shape), (step // size, *p.stride())) for p in first]
-
-
-#: a member of a sequential model: (module, its Layer or None, the positions of its weight and
-#: bias among the parameters)
-Member = tuple[nn.Module, Layer | None, int | None, int | None]
-#: parameter-free modules that treat each sample alone, which :meth:`TapeEngine.record_stacked`
-#: applies to all the clients' samples in one call
-SAMPLEWISE = (nn.Tanh, nn.ReLU, nn.Sigmoid, nn.Identity)
-
-
-def sequence(flat: FlatParameters) -> list[Member] | None:
-    """``flat``'s module as (module, its Layer or None, the positions of its weight and bias in
-    the parameter list) per member, where it is a ``Sequential`` of ``Linear`` layers whose
-    parameters are all trainable or all frozen (a random-feature layer), ``Flatten(1, -1)`` and
-    :data:`SAMPLEWISE` modules; else None."""
-    module = flat.module
-    if not isinstance(module, nn.Sequential):
-        return None
-    layers = {id(layer.module): layer for layer in flat.layers}
-    where = {(id(owner), attr): i for i, (owner, attr) in enumerate(flat.slots)}
-    members: list[Member] = []
-    for m in module:
-        if type(m) is nn.Linear and id(m) in layers:
-            layer = layers[id(m)]
-            if layer.trainable != (True, m.bias is not None):
-                return None
-            members.append((m, layer, where[id(m), "weight"],
-                            where[id(m), "bias"] if m.bias is not None else None))
-        elif (type(m) is nn.Flatten and (m.start_dim, m.end_dim) == (1, -1)) \
-                or type(m) in SAMPLEWISE or (type(m) is nn.Linear and id(m) not in layers):
-            members.append((m, None, None, None))  # a frozen Linear: fixed, sample by sample
-        else:
-            return None
-    return members
 
 
 def joined(parts: list[Tensor]) -> Tensor:
