@@ -2,8 +2,6 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-# the test suite (and the benchmarks) read an offline copy of the datasets, never the network
-OFFLINE_DATA := DPFL_DATA_DIR="$${DPFL_DATA_DIR:-$(abspath ../shared/data)}"
 
 .PHONY: run test test-fast install bench clean demo-compose
 
@@ -24,17 +22,19 @@ run: install
 # The whole suite: in parallel (pytest-xdist, JOBS workers, one a core by default; a module
 # marked xdist_group runs on one worker, which builds its shared fixtures once), then the
 # tests that must run alone (marker serial). test-fast: the inner loop, without real Flower
-# processes, Docker, the serial tests and the reproductions' smoke runs.
+# processes, Docker, the serial tests and the reproductions' smoke runs. The suite and the
+# benchmarks read the datasets from $DPFL_DATA_DIR, else from dpfl's per-user data folder
+# (docs/data.md), and never download them.
 JOBS ?= auto
 test: install
-	$(OFFLINE_DATA) $(PY) -m pytest -q -n $(JOBS) --dist loadgroup -m "not serial"
-	$(OFFLINE_DATA) $(PY) -m pytest -q -m serial
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 test-fast: install
-	$(OFFLINE_DATA) $(PY) -m pytest -q -n $(JOBS) --dist loadgroup -m "not flower and not serial and not smoke"
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup -m "not flower and not serial and not smoke"
 
 bench: install
-	$(OFFLINE_DATA) $(PY) benchmarks/run_all.py
+	$(PY) benchmarks/run_all.py
 
 # The same app as a docker-compose federation (docker-compose.yml): build the image, start the
 # SuperLink, three SuperNodes and their SuperExecs, run 3 rounds with `flwr run`, stop it all.

@@ -1,4 +1,5 @@
-"""Shared test setup: offline data from ``$DPFL_DATA_DIR``, small fast configurations."""
+"""Shared test setup: the datasets from ``$DPFL_DATA_DIR``, else the user's data folder; small fast
+configurations."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from dpfl.datasets.loading import data_folder
+
 ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").resolve()))
+# the datasets are read (never downloaded) from $DPFL_DATA_DIR, else from the user's own data
+# folder (dpfl's per-user cache), fixed here before the cache below is made temporary
+os.environ.setdefault("DPFL_DATA_DIR", str(data_folder()))
 # downloads and the nodes' caches of every run the tests start (Flower's included) go to a
 # folder of this session, removed at its end: the tests leave nothing in the user's cache
 if "DPFL_CACHE_DIR" not in os.environ:

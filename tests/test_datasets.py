@@ -17,7 +17,7 @@ from dpfl.datasets import DATASETS, PARTITIONERS, load_dataset, natural_partitio
 from dpfl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
-DATA_DIR = os.environ.get("DPFL_DATA_DIR") or str(REPO.parent / "shared" / "data")
+DATA_DIR = os.environ["DPFL_DATA_DIR"]  # set by conftest
 
 
 @pytest.fixture(scope="module", autouse=True)

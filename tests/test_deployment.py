@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def _federation(folder: Path) -> LocalFederation:
     """A :class:`LocalFederation` in ``folder``, its nodes' cache and ledgers there too."""
     federation = LocalFederation(folder)
-    federation.env.setdefault("DPFL_DATA_DIR", str((ROOT.parent / "shared" / "data").resolve()))
     federation.env["DPFL_CACHE_DIR"] = str(folder / "cache")  # the nodes' cache (one folder)
     federation.env["DPFL_STATE_DIR"] = str(folder / "state")  # their ledgers: this test's
     return federation

@@ -66,12 +66,13 @@ def sequence(flat: FlatParameters) -> list[Member] | None:
     return members
 
 
-def record(flat: FlatParameters, members: list[Member], params: list[Tensor], x: Tensor,
-           y: Tensor, losses_out: Tensor | None = None) -> list[tuple[Layer, Tensor, Tensor]]:
-    """The tape (layer, input, output gradient per trainable layer) of G clients at points of
-    their own, each with ``len(x) / G`` consecutive samples of ``x``: ``params`` holds each
-    parameter of every client as one ``[G, *shape]`` tensor (:func:`views`), ``members`` the
-    model (:func:`sequence`); the per-sample losses go to ``losses_out`` if given."""
+def forward(flat: FlatParameters, members: list[Member], params: list[Tensor], x: Tensor,
+            y: Tensor) -> tuple[list[tuple[Layer, Tensor, Tensor]], Tensor]:
+    """One forward pass of G clients at points of their own, each with ``len(x) / G``
+    consecutive samples of ``x``: ``params`` holds each parameter of every client as one
+    ``[G, *shape]`` tensor (:func:`views`), ``members`` the model (:func:`sequence`). Returns
+    (layer, its input, its output) per trainable layer and the per-sample losses, with the
+    graph from the outputs to the losses."""
     clients = len(params[0])
     h, tape = x, []
     with torch.enable_grad():
@@ -88,8 +89,4 @@ def record(flat: FlatParameters, members: list[Member], params: list[Tensor], x:
                 out = out.detach().requires_grad_()
             h = out.view(-1, out.shape[-1])
             tape.append((layer, a.detach().view(h.shape[0], -1), h))
-        losses = flat.loss.per_sample(h, y)
-    if losses_out is not None:
-        losses_out.copy_(losses.detach())
-    grads = torch.autograd.grad(losses.sum(), [out for _, _, out in tape])
-    return [(layer, a, g) for (layer, a, _), g in zip(tape, grads)]
+        return tape, flat.loss.per_sample(h, y)

@@ -82,16 +82,7 @@ class TapeEngine:
             tape = self.tape
         finally:
             self.tape = None
-        if losses_out is not None:
-            losses_out.copy_(losses.detach())
-        if not tape:
-            return []
-        outputs = [out for _, _, out in tape]
-        grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
-        return [
-            (layer, a, torch.zeros_like(out) if g is None else g)
-            for (layer, a, out), g in zip(tape, grads)
-        ]
+        return output_gradients(tape, losses, losses_out)
 
     def rows(self, flat: Tensor, x: Tensor, y: Tensor, size: int,
              losses: Tensor | None = None) -> Iterator[tuple[int, int, Tensor]]:
@@ -228,10 +219,12 @@ class TapeEngine:
 
     def record_stacked(self, params: list[Tensor], x: Tensor, y: Tensor,
                        losses_out: Tensor | None = None) -> Tape:
-        """:meth:`record` for clients at points of their own (:func:`dpfl.models.stacked.record`
-        on this engine's :attr:`sequence`)."""
+        """:meth:`record` for clients at points of their own, each with ``len(x) / G`` of the
+        samples: one pass of :func:`dpfl.models.stacked.forward` over this engine's
+        :attr:`sequence`, ``params`` each parameter's ``[G, *shape]`` view."""
         assert self.sequence is not None
-        return stacked.record(self.flat, self.sequence, params, x, y, losses_out)
+        return output_gradients(*stacked.forward(self.flat, self.sequence, params, x, y),
+                                losses_out)
 
     def same_jointly(self, group: list[Chunk], clip: Callable, results: dict[str, Tensor]
                      ) -> bool:
@@ -353,6 +346,20 @@ class TapeEngine:
             for layer, a, _ in tape if not grad_sample.has_ghost(layer.module, a))
         values = sum(saved.values()) + sum(g.nbytes for _, _, g in tape)
         return values + x.element_size() * count
+
+
+def output_gradients(tape: list[tuple[Layer, Tensor, Tensor]], losses: Tensor,
+                     losses_out: Tensor | None) -> Tape:
+    """A recorded forward pass's tape: (layer, input, output) per trainable layer becomes
+    (layer, input, the output's gradient of the summed per-sample ``losses``; zero for an
+    output the losses do not use); the losses are copied into ``losses_out`` when given."""
+    if losses_out is not None:
+        losses_out.copy_(losses.detach())
+    if not tape:
+        return []
+    grads = torch.autograd.grad(losses.sum(), [out for _, _, out in tape], allow_unused=True)
+    return [(layer, a, torch.zeros_like(out) if g is None else g)
+            for (layer, a, out), g in zip(tape, grads)]
 
 
 def zeroed(bad: Tensor, tape: Tape, materialised: Materialised) -> tuple[Tape, Materialised]:
