@@ -448,6 +448,36 @@ def test_fedpcdp_uploads_nothing_beyond_the_public_gradients_rank(tmp_path):
     assert bool((u[:40] != 0).all()) and torch.equal(u[40:], torch.zeros(10))
 
 
+def test_fedpcdp_lifts_no_step_whose_iterate_nobody_reads(tmp_path, monkeypatch):
+    """Without momentum the upload is the steps' own coordinates: a client lifts K − 1 of its K
+    steps into R^d (the last iterate is never read), and uploads what it uploads when every
+    step is lifted, bit for bit."""
+    from dpfl.algorithms.projected import DPSGD
+    from dpfl.algorithms.subspace import GradientBasis
+
+    problem = build_problem(_config(tmp_path, algorithm="fedpcdp", num_partitions=3,
+                                    local_steps=3))
+    algorithm = problem.algorithm
+    state = algorithm.begin_round(algorithm.init_server_state(problem.x0), _server_ctx(problem))
+    broadcast = algorithm.broadcast("train", state, 1)
+    lifts = []
+    lift_into = GradientBasis.lift_into
+    monkeypatch.setattr(GradientBasis, "lift_into",
+                        lambda self, a, out: (lifts.append(1), lift_into(self, a, out)))
+
+    def upload():
+        runtime = ClientRuntime(algorithm, problem.releases, Randomness(3))
+        return runtime.step("train", 1, broadcast, {}, problem.full_cohort())[0]["u"]
+
+    u = upload()
+    assert len(lifts) == 3 * (3 - 1)
+    projected_gradient = DPSGD.projected_gradient
+    monkeypatch.setattr(DPSGD, "projected_gradient", lambda *args, lift=True, **kwargs:
+                        projected_gradient(*args, lift=True, **kwargs))
+    lifts.clear()
+    assert torch.equal(upload(), u) and len(lifts) == 3 * 3
+
+
 def _server_ctx(problem, server_round=1):
     from dpfl.algorithms import ServerContext
 

@@ -136,8 +136,8 @@ class Cohort:
         """Poisson sampling: each of client ``ids[i]``'s records independently with probability
         ``rates[i]``; one ``(x [n_i, ...], y [n_i])`` per client, in stored order."""
         picks = rng.bernoulli_rows(self.ids, self.sizes, server_round, purpose, rates)
-        return [(self.x[idx[p]], self.y[idx[p]])
-                for idx, p in zip(self.indices, picks, strict=True)]
+        kept = [idx[p] for idx, p in zip(self.indices, picks, strict=True)]
+        return [(self.x.index_select(0, rows), self.y.index_select(0, rows)) for rows in kept]
 
     def draw(self, ctx: ClientContext, purpose: str, release: str, batch_size: int) -> Batches:
         """Every client's mini-batch for one step of ``release`` (stream ``purpose``), sampled
