@@ -103,8 +103,8 @@ class GradientBasis(Subspace):
 
     def sample_coords(self, model: FlatModel, point: Tensor, x: Tensor,
                       y: Tensor) -> Iterator[Tensor]:
-        for coords, _ in self.sample_coords_and_norms(point, x, y):
-            yield coords
+        for dots, _ in self.span.sample_dots(point, x, y, self.dtype):
+            yield self.coords_of(dots, point.dtype)
 
     def sample_coords_and_norms(self, point: Tensor, x: Tensor, y: Tensor
                                 ) -> Iterator[tuple[Tensor, Tensor]]:
@@ -114,7 +114,12 @@ class GradientBasis(Subspace):
         zeros, dropped and counted)."""
         for dots, sq in self.span.sample_dots(point, x, y, self.dtype, norms=True):
             assert sq is not None
-            yield (dots.double() @ self.r).to(point.dtype), sq.clamp_min(0).sqrt().to(point.dtype)
+            yield self.coords_of(dots, point.dtype), sq.clamp_min(0).sqrt().to(point.dtype)
+
+    def coords_of(self, dots: Tensor, dtype: torch.dtype) -> Tensor:
+        """``[n, k]`` (``dtype``): Rᵀ(Gh_j) from the inner products ``dots [n, m]`` of records'
+        gradients with the span's."""
+        return (dots.double() @ self.r).to(dtype)
 
 
 def lift_rows(space: Subspace, a: Tensor, d: int) -> Tensor:
