@@ -448,34 +448,39 @@ def test_fedpcdp_uploads_nothing_beyond_the_public_gradients_rank(tmp_path):
     assert bool((u[:40] != 0).all()) and torch.equal(u[40:], torch.zeros(10))
 
 
-def test_fedpcdp_lifts_no_step_whose_iterate_nobody_reads(tmp_path, monkeypatch):
-    """Without momentum the upload is the steps' own coordinates: a client lifts K − 1 of its K
-    steps into R^d (the last iterate is never read), and uploads what it uploads when every
-    step is lifted, bit for bit."""
-    from dpfl.algorithms.projected import DPSGD
-    from dpfl.algorithms.subspace import GradientBasis
+def test_fedpcdp_clients_form_no_point_in_r_d_on_a_model_of_linear_layers(tmp_path,
+                                                                           monkeypatch):
+    """The K local steps lie in span V: on the MLP a client takes the forward pass at
+    x − Gᵀc as x's with each layer's output moved (no lift, no d-vector); on a model whose
+    span cannot move a pass (the closed-form logistic model) it forms the point, one lift of
+    c per client and step after the first. Both give the upload to float32 rounding (the
+    noise is the same draw; a wrong move would change the later steps' clipped sums by a
+    step's size)."""
+    from dpfl.models.span import GradientSpan
 
-    problem = build_problem(_config(tmp_path, algorithm="fedpcdp", num_partitions=3,
-                                    local_steps=3))
-    algorithm = problem.algorithm
-    state = algorithm.begin_round(algorithm.init_server_state(problem.x0), _server_ctx(problem))
-    broadcast = algorithm.broadcast("train", state, 1)
-    lifts = []
-    lift_into = GradientBasis.lift_into
-    monkeypatch.setattr(GradientBasis, "lift_into",
-                        lambda self, a, out: (lifts.append(1), lift_into(self, a, out)))
+    combines = []
+    combine = GradientSpan.combine
+    monkeypatch.setattr(GradientSpan, "combine",
+                        lambda self, w, dtype: (combines.append(1), combine(self, w, dtype))[1])
 
-    def upload():
+    def upload(model):
+        problem = build_problem(_config(tmp_path, algorithm="fedpcdp", num_partitions=3,
+                                        model=model, local_steps=3))
+        algorithm = problem.algorithm
+        state = algorithm.begin_round(algorithm.init_server_state(problem.x0),
+                                      _server_ctx(problem))
         runtime = ClientRuntime(algorithm, problem.releases, Randomness(3))
-        return runtime.step("train", 1, broadcast, {}, problem.full_cohort())[0]["u"]
+        combines.clear()
+        return runtime.step("train", 1, algorithm.broadcast("train", state, 1), {},
+                            problem.full_cohort())[0]["u"]
 
-    u = upload()
-    assert len(lifts) == 3 * (3 - 1)
-    projected_gradient = DPSGD.projected_gradient
-    monkeypatch.setattr(DPSGD, "projected_gradient", lambda *args, lift=True, **kwargs:
-                        projected_gradient(*args, lift=True, **kwargs))
-    lifts.clear()
-    assert torch.equal(upload(), u) and len(lifts) == 3 * 3
+    u = upload("mlp")
+    assert not combines
+    assert len(upload("logistic")) == 3 and len(combines) == 3 * (3 - 1)
+    monkeypatch.setattr(GradientSpan, "shiftable", property(lambda self: False))
+    formed = upload("mlp")
+    assert len(combines) == 3 * (3 - 1)
+    torch.testing.assert_close(u, formed, rtol=1e-4, atol=1e-5 * float(u.abs().max()))
 
 
 def _server_ctx(problem, server_round=1):
@@ -599,7 +604,8 @@ def test_the_federated_epsilons_of_the_paper_under_its_conversion(sigma, paper, 
 
 # ---- runtimes and bad input ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("algorithm, extra", [("fedpcdp", {}), ("pcdp-sgd", {}),
+@pytest.mark.parametrize("algorithm, extra", [("fedpcdp", {}), ("fedpcdp", {"model": "mlp"}),
+                                              ("pcdp-sgd", {}),
                                               ("rpdp-sgd", {"random-basis": "kronecker",
                                                             "dataset-options": ""})])
 def test_flower_code_path_equals_engine_with_client_sampling(tmp_path, algorithm, extra, device):
@@ -724,6 +730,40 @@ def test_the_projection_from_tapes_equals_the_materialised_one_in_float64(name, 
     assert torch.allclose(space.lift(a), v @ a, rtol=0, atol=1e-10)
     assert torch.allclose(space.coords(h[3]), h[3] @ v, rtol=0, atol=1e-10 * scale)
     assert torch.allclose(v.t() @ v, torch.diag((torch.arange(40) < 30).double()), atol=1e-10)
+
+
+@pytest.mark.cpu_only("a float64 reference on the CPU")
+def test_a_pass_at_a_point_moved_within_the_span_is_the_pass_at_that_point_in_float64():
+    """x − Gᵀc (c over 30 public records' gradients) taken as x with each Linear layer's
+    output moved by ((hAᵀ)∘c)Δ + Δᵀc: the coordinates and whole norms of 45 private records
+    equal those at the point formed in R^d, to 1e-10 of their scale. A span of a conv layer, of
+    a closed-form linear model or with a regulariser cannot move a pass."""
+    model = _float64_model("mlp", (1, 8, 8))
+    gen = torch.Generator().manual_seed(5)
+    x = model.initial_params().double()
+    px, py = torch.randn(30, 1, 8, 8, generator=gen, dtype=torch.float64), torch.arange(30) % 10
+    xb, yb = torch.randn(45, 1, 8, 8, generator=gen, dtype=torch.float64), torch.arange(45) % 7
+    span = GradientSpan(model, x, px, py)
+    assert span.shiftable
+    r, _ = top_eigenspace(span.gram(), 20)
+    space = GradientBasis(span, r)
+    c = space.weights(torch.randn(20, generator=gen, dtype=torch.float64))
+    moved = x - span.combine(c, torch.float64)
+    assert float((moved - x).abs().max()) > 1e-2  # a step that changes the pass
+    shifted = list(space.sample_coords_and_norms(x, xb, yb, span.shifts(c, torch.float64)))
+    formed = list(space.sample_coords_and_norms(moved, xb, yb))
+    for (a, n), (a2, n2) in zip(shifted, formed, strict=True):
+        assert torch.allclose(a, a2, rtol=0, atol=1e-10 * float(a2.abs().max()))
+        assert torch.allclose(n, n2, rtol=1e-10, atol=0)
+    coords = torch.cat(list(space.sample_coords(model, x, xb, yb,
+                                                   span.shifts(c, torch.float64))))
+    assert torch.equal(coords, torch.cat([a for a, _ in shifted]))
+    for name, shape, reg in (("pcdp-cnn", (1, 28, 28), 0.0), ("logistic", (1, 8, 8), 0.0),
+                             ("mlp", (1, 8, 8), 0.3)):
+        other = _float64_model(name, shape, reg)
+        inputs = torch.randn(4, *shape, generator=gen, dtype=torch.float64)
+        assert not GradientSpan(other, other.initial_params().double(), inputs,
+                                torch.arange(4)).shiftable
 
 
 def test_a_lift_is_zero_on_a_layer_the_forward_pass_does_not_use():

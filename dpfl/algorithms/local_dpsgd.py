@@ -135,23 +135,19 @@ class FederatedHyperparameters(LocalDPSGDHyperparameters):
     server_learning_rate: float = hyperparameter(SERVER_LEARNING_RATE)  # γ_g
 
 
-#: a local step's gradient: ``step(params [C, d], k)`` for every client of the cohort; None at
-#: the last step where the caller needs no final iterate (it keeps what it needs of the step)
-Step = Callable[[Tensor, int], Tensor | None]
-#: a round's noisy step gradient: ``(params [C, d], k)`` to the gradient (or None, as
-#: :data:`Step`) and the fraction clipped
-NoisyStep = Callable[[Tensor, int], tuple[Tensor | None, Tensor]]
+#: a local step's gradient: ``step(params [C, d], k)`` for every client of the cohort
+Step = Callable[[Tensor, int], Tensor]
+#: a round's noisy step gradient: ``(params [C, d], k)`` to the gradient and the fraction clipped
+NoisyStep = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
 
 def local_sgd(x: Tensor, clients: int, steps: int, step: Step, learning_rate: float, *,
               correction: Tensor | None = None, momentum: float = 0.0,
-              velocity: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+              velocity: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """``steps`` steps of SGD from ``x`` for ``clients`` clients at once: step k moves each
     client's iterate by −η times the gradient ``step(params, k)`` plus ``correction``
     (SCAFFOLD's c − c_i), through the heavy-ball buffers ``velocity`` [C, d] where given
-    (m ← β_m m + g, x ← x − ηm). Returns the final iterates ``[C, d]`` and buffers; the
-    iterates are None where the last step returned no gradient (a caller that uploads the
-    steps' own coordinates: FedPCDP; never with ``velocity``), and no last update is made.
+    (m ← β_m m + g, x ← x − ηm). Returns the final iterates ``[C, d]`` and buffers.
 
     The iterates live on 64-byte aligned rows (:func:`~dpfl.models.rows.aligned_rows`), so the
     per-sample engine takes each client's point where it is instead of copying it to aligned
@@ -161,11 +157,6 @@ def local_sgd(x: Tensor, clients: int, steps: int, step: Step, learning_rate: fl
     params = aligned(x).expand(clients, -1)
     for k in range(steps):
         g = step(params, k)
-        if g is None:  # the momentum buffers would miss the step: only without them
-            if k != steps - 1 or velocity is not None:
-                raise RuntimeError(f"local step {k} of {steps} returned no gradient: only the "
-                                   "last step without momentum may")
-            return None, velocity
         if correction is not None:
             g = g + correction
         if velocity is not None:
@@ -297,19 +288,18 @@ class FederatedDPSGD(Algorithm[H]):
 
     def local_steps(self, x: Tensor, cohort: Cohort, states: State, broadcast: State,
                     ctx: ClientContext, *, correction: Tensor | None = None,
-                    gradient: NoisyStep | None = None) -> tuple[Tensor | None, State]:
+                    gradient: NoisyStep | None = None) -> tuple[Tensor, State]:
         """K local steps from ``x`` for every client at the broadcast radius on
         ``gradient`` (default :meth:`step_gradient`; :func:`local_sgd` at the round's learning
         rate), the momentum buffers read from and kept in client state; diagnoses the fraction
-        clipped. The iterates are None where ``gradient`` returns none at the last step
-        (:func:`local_sgd`)."""
+        clipped."""
         hp = self.hp
         clipped = torch.zeros(len(cohort), device=ctx.device)
         if gradient is None:
             gradient = self.step_gradient(x, cohort, float(broadcast["radius"][0]), broadcast,
                                           ctx)
 
-        def step(params: Tensor, k: int) -> Tensor | None:
+        def step(params: Tensor, k: int) -> Tensor:
             g, fraction = gradient(params, k)
             clipped.add_(fraction)
             return g

@@ -113,8 +113,8 @@ from dpfl.algorithms.rotation import ROUNDS, KroneckerRows, LayerRotation, Rotat
 from dpfl.algorithms.subspace import Basis, Coordinates, GradientBasis, Subspace
 from dpfl.config import FRACTION_TRAIN, Param, at_least, hyperparameter
 from dpfl.errors import ConfigError
-from dpfl.models.rows import aligned, same_bits
-from dpfl.models.span import GradientSpan
+from dpfl.models.rows import aligned, aligned_rows, same_bits
+from dpfl.models.span import GradientSpan, Shifts
 from dpfl.privacy import SERVER, Randomness, clip_factors
 
 if TYPE_CHECKING:
@@ -528,44 +528,52 @@ class DPSGD(FederatedDPSGD[ProjectedHyperparameters]):
                                      k // interval)
 
     def projected_gradient(self, params: Tensor, batches: Batches, spaces: list[Subspace],
-                           radius: float, k: int, ctx: ClientContext,
-                           steps: list[Tensor] | None = None, *,
-                           lift: bool = True) -> tuple[Tensor | None, Tensor]:
+                           radius: float, k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
         """``[C, d]``: (1/B)·V(Σ_i clip_c(Vᵀg_i) + z) (eq. (2); PDP-SGD: (1/B)·V(VᵀΣ_i
-        clip_c(g_i) + z)), z ~ N(0, c²σ²I_k), and the fraction of each batch clipped; the
-        noisy coordinates ``[C, k]`` are appended to ``steps`` if given. Without ``lift`` the
-        coordinates are not lifted into R^d and the gradient is None (a last step whose
-        iterate nobody reads: :func:`~dpfl.algorithms.local_dpsgd.local_sgd`)."""
-        b = self.hp.batch_size
-        sums, clipped = zip(*(self.projected_clipped_sum(params[i], xb, yb, s, radius, ctx)
-                              for i, ((xb, yb), s) in enumerate(zip(batches, spaces,
-                                                                     strict=True))))
-        noisy = ctx.privatize("train", torch.stack(sums) / b, radius=radius / b, step=k)
-        if steps is not None:
-            steps.append(noisy)
-        if not lift:
-            return None, torch.stack(clipped)
+        clip_c(g_i) + z)), z ~ N(0, c²σ²I_k), and the fraction of each batch clipped."""
+        noisy, clipped = self.projected_coordinates(params, batches, spaces, radius, k, ctx)
         lifted = params.new_empty(params.shape)
         for space, a, row in zip(spaces, noisy, lifted, strict=True):
             space.lift_into(a, row)
-        return lifted, torch.stack(clipped)
+        return lifted, clipped
+
+    def projected_coordinates(self, params: Tensor, batches: Batches, spaces: list[Subspace],
+                              radius: float, k: int, ctx: ClientContext,
+                              shifts: Sequence[Shifts | None] | None = None
+                              ) -> tuple[Tensor, Tensor]:
+        """``[C, k]``: the step's noisy coordinates (1/B)·(Σ_i clip_c(Vᵀg_i) + z) (PDP-SGD:
+        (1/B)·(VᵀΣ_i clip_c(g_i) + z)) at each client's point ``params[i]``, moved within its
+        span by ``shifts[i]`` where given (:meth:`~dpfl.models.span.GradientSpan.shifts`), and
+        the fraction of each batch clipped ``[C]``."""
+        b = self.hp.batch_size
+        moved = shifts or [None] * len(spaces)
+        sums, clipped = zip(*(self.projected_clipped_sum(params[i], xb, yb, s, radius, ctx,
+                                                         moved[i])
+                              for i, ((xb, yb), s) in enumerate(zip(batches, spaces,
+                                                                     strict=True))))
+        noisy = ctx.privatize("train", torch.stack(sums) / b, radius=radius / b, step=k)
+        return noisy, torch.stack(clipped)
 
     def projected_clipped_sum(self, point: Tensor, xb: Tensor, yb: Tensor, space: Subspace,
-                              radius: float, ctx: ClientContext) -> tuple[Tensor, Tensor]:
+                              radius: float, ctx: ClientContext, shifts: Shifts | None = None
+                              ) -> tuple[Tensor, Tensor]:
         """Σ_i clip_c(Vᵀ∇ℓ(point, x_i)) over one client's batch (``[k]``, in chunks of the
-        model's chunk size), and the fraction clipped. Projected after clipping (PDP-SGD),
-        VᵀΣ_i clip_c(∇ℓ(point, x_i)) = Σ_i min(1, c/‖∇ℓ_i‖)·Vᵀ∇ℓ_i: the same records'
-        coordinates, each clipped by its whole gradient's norm, both from the tapes
+        model's chunk size), and the fraction clipped; with ``shifts`` at ``point`` moved
+        within ``space``'s span. Projected after clipping (PDP-SGD), VᵀΣ_i clip_c(∇ℓ(point,
+        x_i)) = Σ_i min(1, c/‖∇ℓ_i‖)·Vᵀ∇ℓ_i: the same records' coordinates, each clipped by its
+        whole gradient's norm, both from the tapes
         (:meth:`~dpfl.algorithms.subspace.GradientBasis.sample_coords_and_norms`): neither the
         clipped sum in R^d nor its projection is formed."""
         dev = ctx.device
         x, y = xb.to(dev), yb.to(dev)
         if self.projection is not None and self.projection.after_clipping:
             assert isinstance(space, GradientBasis)
-            coords = space.sample_coords_and_norms(point, x, y)
+            coords = space.sample_coords_and_norms(point, x, y, shifts)
         else:
-            coords = ((a, torch.linalg.vector_norm(a, dim=1))
-                      for a in space.sample_coords(self.model, point, x, y))
+            assert shifts is None or isinstance(space, GradientBasis)  # a span moves points
+            coords = ((a, torch.linalg.vector_norm(a, dim=1)) for a in (
+                space.sample_coords(self.model, point, x, y) if shifts is None else
+                space.sample_coords(self.model, point, x, y, shifts)))
         total: Tensor | None = None
         clipped = 0
         for a, norms in coords:
@@ -671,36 +679,71 @@ class FedPCDP(DPSGD):
         return self.in_subspace(self.upload_space(broadcast, ctx.device), cohort, radius, ctx)
 
     def in_subspace(self, space: Subspace, cohort: Cohort, radius: float,
-                    ctx: ClientContext, steps: list[Tensor] | None = None) -> NoisyStep:
-        """The local steps in ``space``, their noisy coordinates appended to ``steps``. Where
-        those coordinates are the upload (no momentum: :meth:`client_step`), the last step is
-        not lifted into R^d: its iterate is never read (one float64 lift of B_pub·d
-        multiply-adds saved per client and round)."""
+                    ctx: ClientContext) -> NoisyStep:
+        """The local steps in ``space``, every client's, each lifted into R^d."""
         spaces = [space] * len(cohort)
-        last = self.hp.local_steps - 1
-        coordinates_only = steps is not None and not self.hp.momentum
         return lambda params, k: self.projected_gradient(
-            params, self.local.batches(cohort, k, ctx), spaces, radius, k, ctx, steps,
-            lift=not (coordinates_only and k == last))
+            params, self.local.batches(cohort, k, ctx), spaces, radius, k, ctx)
 
     def client_step(self, exchange: str, states: State, broadcast: State, cohort: Cohort,
                     ctx: ClientContext) -> tuple[State, State]:
         """K local steps in span V, then the k coordinates of the update (Alg. 2 line 13):
         u = Vᵀ(w_g − w_K) = η·Σ_k a_k, the steps' own noisy coordinates summed (in float64;
         zero where V's column is: beyond the public gradients' rank), with no d-vector
-        projected. With momentum the buffer carries earlier rounds' subspaces, and the update
-        is projected: u = Vᵀ(w_g − w_K)."""
+        projected (:meth:`steps_in_span`). With momentum the buffer carries earlier rounds'
+        subspaces: the steps are lifted and the update projected, u = Vᵀ(w_g − w_K)."""
         x = broadcast["x"].to(ctx.device)
         space = self.upload_space(broadcast, ctx.device)
-        steps: list[Tensor] = []
-        gradient = self.in_subspace(space, cohort, float(broadcast["radius"][0]), ctx, steps)
-        params, states = self.local_steps(x, cohort, states, broadcast, ctx, gradient=gradient)
-        if self.hp.momentum:
-            return {"u": space.coords(x - params).cpu()}, states
+        radius = float(broadcast["radius"][0])
         assert isinstance(space, GradientBasis)
+        if self.hp.momentum:
+            params, states = self.local_steps(x, cohort, states, broadcast, ctx,
+                                              gradient=self.in_subspace(space, cohort, radius,
+                                                                        ctx))
+            return {"u": space.coords(x - params).cpu()}, states
+        steps = self.steps_in_span(x, space, cohort, radius, ctx)
         live = torch.linalg.vector_norm(space.r, dim=0) > 0
         u = torch.stack(steps).double().sum(dim=0) * self.hp.learning_rate_at(ctx.server_round)
         return {"u": (u * live).to(x.dtype).cpu()}, states
+
+    def steps_in_span(self, x: Tensor, space: GradientBasis, cohort: Cohort, radius: float,
+                      ctx: ClientContext) -> list[Tensor]:
+        """Each local step's noisy coordinates ``[C, k]``, every client's K steps in span V.
+        Every step lies in V, so after k steps a client is at x − Gᵀc, c = ηR·Σ a (the steps'
+        coordinates a, the span's gradients G): kept as x and c, never formed in R^d. Where
+        the span allows (:attr:`~dpfl.models.span.GradientSpan.shiftable`: a model of
+        ``Linear`` layers) the forward pass at x − Gᵀc is x's with each layer's output moved,
+        m·n·(in + out) multiply-adds in the products' dtype for n records instead of a lift's
+        m·in·out; else the point is formed, one lift of c a client and step. Either way no
+        client lifts its last step, whose iterate the upload does not need."""
+        hp = self.hp
+        rate = hp.learning_rate_at(ctx.server_round)
+        spaces = [space] * len(cohort)
+        start = aligned(x).expand(len(cohort), -1)
+        moved: list[Tensor] = []  # each client's c [m] (float64) after the steps so far
+        clipped = torch.zeros(len(cohort), device=ctx.device)
+        steps = []
+        for k in range(hp.local_steps):
+            batches = self.local.batches(cohort, k, ctx)
+            if not moved:
+                noisy, fraction = self.projected_coordinates(start, batches, spaces, radius, k,
+                                                             ctx)
+            elif space.span.shiftable:
+                noisy, fraction = self.projected_coordinates(
+                    start, batches, spaces, radius, k, ctx,
+                    [space.span.shifts(c, space.dtype) for c in moved])
+            else:  # on aligned rows, as a node's one client (MKL rounds by alignment)
+                points = aligned_rows(x, len(cohort), x.numel())
+                for c, row in zip(moved, points, strict=True):
+                    torch.sub(x, space.span.combine(c, space.dtype).to(x.dtype), out=row)
+                noisy, fraction = self.projected_coordinates(points, batches, spaces, radius, k,
+                                                             ctx)
+            steps.append(noisy)
+            clipped.add_(fraction)
+            weights = [rate * space.weights(a) for a in noisy]
+            moved = [c + w for c, w in zip(moved, weights, strict=True)] if moved else weights
+        ctx.diagnose("clipped-fraction", clipped / hp.local_steps)
+        return steps
 
     def server_step(self, exchange: str, state: State, sums: State,
                     ctx: ServerContext) -> State:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dpfl.models.span import GradientSpan
+from dpfl.models.span import GradientSpan, Shifts
 
 if TYPE_CHECKING:
     from dpfl.models import FlatModel
@@ -93,26 +93,37 @@ class GradientBasis(Subspace):
     def lift(self, a: Tensor) -> Tensor:
         return lift_rows(self, a, self.span.model.d)
 
+    def weights(self, a: Tensor) -> Tensor:
+        """``[m]`` (float64): the weights w = Ra (``a [k]``: one vector, as a one-row product,
+        so that a client's weights do not depend on how many others share its call) of the
+        span's gradients whose sum is Va."""
+        (w,) = a.reshape(1, -1).double() @ self.r.t()
+        return w
+
     def lift_into(self, a: Tensor, out: Tensor) -> None:
         """Va: the weights w = Ra (float64), then Σ_i w_i g_i in the products' dtype, copied
         into ``out``. Not summed in place: a GEMM writing into a row of a stacked tensor may
         round by where the row lies in memory (seen on an AMD EPYC), and the engine's rows of
         many clients must equal a node's one client bit for bit."""
-        (w,) = a.reshape(1, -1).double() @ self.r.t()
-        out.copy_(self.span.combine(w, self.dtype))
+        out.copy_(self.span.combine(self.weights(a), self.dtype))
 
-    def sample_coords(self, model: FlatModel, point: Tensor, x: Tensor,
-                      y: Tensor) -> Iterator[Tensor]:
-        for dots, _ in self.span.sample_dots(point, x, y, self.dtype):
+    def sample_coords(self, model: FlatModel, point: Tensor, x: Tensor, y: Tensor,
+                      shifts: Shifts | None = None) -> Iterator[Tensor]:
+        """As :meth:`Subspace.sample_coords`, from the tapes; ``shifts``: at ``point`` moved
+        within the span (:meth:`~dpfl.models.span.GradientSpan.shifts`)."""
+        for dots, _ in self.span.sample_dots(point, x, y, self.dtype, shifts=shifts):
             yield self.coords_of(dots, point.dtype)
 
-    def sample_coords_and_norms(self, point: Tensor, x: Tensor, y: Tensor
+    def sample_coords_and_norms(self, point: Tensor, x: Tensor, y: Tensor,
+                                shifts: Shifts | None = None
                                 ) -> Iterator[tuple[Tensor, Tensor]]:
         """``([n, k], [n])``, chunk by chunk: each record's coordinates Vᵀ∇ℓ(point, x_j) and
         its whole gradient's norm ‖∇ℓ(point, x_j)‖ (what clipping before the projection clips
         by), from the same tapes, in ``point``'s dtype (a record whose gradient is not finite:
-        zeros, dropped and counted)."""
-        for dots, sq in self.span.sample_dots(point, x, y, self.dtype, norms=True):
+        zeros, dropped and counted); ``shifts``: at ``point`` moved within the span
+        (:meth:`~dpfl.models.span.GradientSpan.shifts`)."""
+        for dots, sq in self.span.sample_dots(point, x, y, self.dtype, norms=True,
+                                              shifts=shifts):
             assert sq is not None
             yield self.coords_of(dots, point.dtype), sq.clamp_min(0).sqrt().to(point.dtype)
 

@@ -15,7 +15,7 @@ of the Gram matrix, which amplifies their rounding by the condition number:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,11 @@ from dpfl.models.rows import Layer, chunks, non_finite_rows, zero_rows
 
 if TYPE_CHECKING:
     from dpfl.models.functional import FlatModel
+
+
+#: a forward pass's shifts: by layer (``id`` of its :class:`Layer`), how much less the layer
+#: outputs on its inputs ``h`` (:meth:`GradientSpan.shifts`)
+Shifts = dict[int, Callable[[Tensor], Tensor]]
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,17 @@ class Factors:
         assert self.a is not None and self.delta is not None
         return grad_sample.ghost_dots(self.a, self.delta, self.layer.trainable, parts)
 
+    def output_shift(self, c: Tensor, h: Tensor) -> Tensor:
+        """``[n, out]`` (``c``'s dtype): how much less this ``Linear`` layer outputs on inputs
+        ``h [n, in]`` once its parameters are moved by −Σ_j c_j g_j (``c [m]``): the weight by
+        −Δᵀdiag(c)A, so its outputs by ((hAᵀ)∘c)Δ, and the bias by −Δᵀc; m·n·(in + out)
+        multiply-adds instead of the m·in·out of forming the moved weight."""
+        assert self.a is not None and self.delta is not None
+        weight, bias = self.layer.trainable
+        shift = (h.to(c.dtype) @ self.a.t()) * c if weight else c.expand(len(h), -1)
+        out = shift @ self.delta
+        return out + c @ self.delta if weight and bias else out
+
     def add_weighted(self, w: Tensor, out: Tensor) -> None:
         """Write ``Σ_i w_i g_i`` (``w [n]``) into this layer's positions of ``out [d]``."""
         targets = self.layer.parts(out)
@@ -83,12 +99,14 @@ class Factors:
 
 
 def layer_factors(model: FlatModel, point: Tensor, x: Tensor, y: Tensor,
-                  dtype: torch.dtype | None = None) -> list[Factors]:
+                  dtype: torch.dtype | None = None, shifts: Shifts | None = None
+                  ) -> list[Factors]:
     """Each trainable layer's factors of the per-sample gradients of the records ``x`` at
     ``point`` (one tape, in closed form for a linear model; a layer the forward pass does not
-    use is absent: its gradients are zero), in ``dtype`` (default: the point's)."""
+    use is absent: its gradients are zero), in ``dtype`` (default: the point's); with
+    ``shifts``, at the point moved within a span (:meth:`GradientSpan.shifts`)."""
     dtype = dtype or point.dtype
-    tape = (model.tapes.record(model.flat.params(point.detach()), x, y)
+    tape = (model.tapes.record(model.flat.params(point.detach()), x, y, shifts=shifts)
             if model.linear is None else model.linear.record(point.detach(), x, y))
     factors = []
     for layer, a, g in tape:
@@ -146,6 +164,25 @@ class GradientSpan:
         dots = _vector_dots(self.factors_in(dtype), v, self.m)
         return dots + torch.dot(self.reg.to(dtype), v) if self.reg is not None else dots
 
+    @property
+    def shiftable(self) -> bool:
+        """Whether a point moved within the span can be taken as the point it was moved from
+        and :meth:`shifts` of its layers' outputs: every layer of the span a ``Linear`` on
+        ``[n, in]`` inputs (ghost factors), no regulariser (its gradient depends on the moved
+        point) and no closed-form linear model."""
+        return (self.model.linear is None and self.reg is None
+                and all(f.grads is None for f in next(iter(self.factors.values()))))
+
+    def shifts(self, c: Tensor, dtype: torch.dtype) -> Shifts:
+        """The forward pass at ``point − Σ_i c_i (g_i + r)`` (``c [m]``) taken at ``point``:
+        each layer's output less its :meth:`Factors.output_shift`, computed in ``dtype`` (the
+        products' of a projection: c carries Λ^{-1/2}, which amplifies their rounding as it
+        would a lift's) and subtracted in the output's. Needs :attr:`shiftable`."""
+        factors = {id(f.layer): f for f in self.factors_in(dtype)}
+        c = c.to(dtype)
+        return {layer_id: (lambda h, f=f: f.output_shift(c, h).to(h.dtype))
+                for layer_id, f in factors.items()}
+
     def combine(self, w: Tensor, dtype: torch.dtype) -> Tensor:
         """``[d]`` (``dtype``): Σ_i w_i (g_i + r) for ``w [m]``."""
         w = w.to(dtype)
@@ -161,12 +198,14 @@ class GradientSpan:
         return out
 
     def sample_dots(self, point: Tensor, x: Tensor, y: Tensor, dtype: torch.dtype, *,
-                    norms: bool = False) -> Iterator[tuple[Tensor, Tensor | None]]:
+                    norms: bool = False, shifts: Shifts | None = None
+                    ) -> Iterator[tuple[Tensor, Tensor | None]]:
         """``([n, m], [n] or None)`` (``dtype``), chunk by chunk (the model's chunks):
         ⟨h_j + r', g_i + r⟩ for the per-sample gradients ``h_j + r'`` of the records
-        ``x [b, ...]``, ``y [b]`` at ``point [d]``, and with ``norms`` their squared norms
-        ‖h_j + r'‖², no gradient materialised where a layer has ghost products. A record whose
-        gradient is not finite gets zero rows, dropped and counted as in
+        ``x [b, ...]``, ``y [b]`` at ``point [d]`` (moved by ``shifts``, a span's
+        :meth:`shifts`, where given), and with ``norms`` their squared norms ‖h_j + r'‖², no
+        gradient materialised where a layer has ghost products. A record whose gradient is not
+        finite gets zero rows, dropped and counted as in
         :meth:`~dpfl.models.FlatModel.per_sample_gradient_chunks`."""
         model = self.model
         size = model.chunk_length(point, x[None], y[None], rows=False)
@@ -174,7 +213,7 @@ class GradientSpan:
         towards_reg = None if reg is None else self.dot_vector(reg, dtype)
         own_reg = None if self.reg is None else self.reg.to(dtype)
         for _, xs, ys in chunks(x[None], y[None], 0, size):
-            factors = layer_factors(model, point, xs, ys, dtype)
+            factors = layer_factors(model, point, xs, ys, dtype, shifts)
             dots = self._cross(factors, len(ys), dtype)
             if own_reg is not None:
                 dots = dots + _vector_dots(factors, own_reg, len(ys))[:, None]

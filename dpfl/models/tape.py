@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +29,9 @@ from dpfl.models.rows import (
 )
 from dpfl.privacy.clipping import clip_factors
 
+if TYPE_CHECKING:
+    from dpfl.models.span import Shifts
+
 #: one chunk's record: (layer, its input a, its output gradient δ) per trainable layer
 Tape = list[tuple[Layer, Tensor, Tensor]]
 #: each layer's materialised per-sample gradients, None for a layer with ghost norms
@@ -44,6 +48,9 @@ class TapeEngine:
         self.flat = flat
         self.dropped = dropped
         self.tape: Tape | None = None
+        #: while a tape is recorded at a point moved within a span: each layer's output shift
+        #: (:meth:`~dpfl.models.span.GradientSpan.shifts`)
+        self.shifts: Shifts | None = None
         #: by a group's layout (:func:`layout`): whether one tape over its samples gave, split by
         #: chunk, the same clipped means, norms and losses bit for bit as a tape per chunk; None
         #: without ``joint``: every chunk's tape its own, no layout checked
@@ -68,20 +75,25 @@ class TapeEngine:
             # Nothing below this layer is trainable: start the graph here.
             output = output.detach().requires_grad_()
         tape.append((layer, inputs[0].detach(), output))
+        if self.shifts is not None and (shift := self.shifts.get(id(layer))) is not None:
+            # the moved layer's output; its gradient is the recorded output's
+            return output - shift(inputs[0])
         return output
 
     def record(self, params: list[Tensor], x: Tensor, y: Tensor,
-               losses_out: Tensor | None = None) -> Tape:
+               losses_out: Tensor | None = None, *, shifts: Shifts | None = None) -> Tape:
         """One forward and backward pass at ``params`` (views of a detached point): (layer,
         input, output gradient) per trainable layer; the per-sample losses are copied into
-        ``losses_out`` when given."""
-        self.tape = []
+        ``losses_out`` when given. With ``shifts`` the pass is at the point moved within a
+        span, each layer's output less its shift (the gradient with respect to the moved
+        layer's output is the recorded output's: they differ by a function of the input)."""
+        self.tape, self.shifts = [], shifts
         try:
             with torch.enable_grad():
                 losses = self.flat.loss.per_sample(self.flat.forward_with(params, x), y)
             tape = self.tape
         finally:
-            self.tape = None
+            self.tape, self.shifts = None, None
         return output_gradients(tape, losses, losses_out)
 
     def rows(self, flat: Tensor, x: Tensor, y: Tensor, size: int,
