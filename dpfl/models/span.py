@@ -15,7 +15,7 @@ of the Gram matrix, which amplifies their rounding by the condition number:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,11 +29,6 @@ if TYPE_CHECKING:
     from dpfl.models.functional import FlatModel
 
 
-#: a forward pass's shifts: by layer (``id`` of its :class:`Layer`), how much less the layer
-#: outputs on its inputs ``h`` (:meth:`GradientSpan.shifts`)
-Shifts = dict[int, Callable[[Tensor], Tensor]]
-
-
 @dataclass(frozen=True)
 class Factors:
     """One layer's per-sample gradients of ``n`` records, in float64: the input ``a`` and the
@@ -45,9 +40,10 @@ class Factors:
     delta: Tensor | None = None
     grads: Tensor | None = None
 
-    def dots(self, other: Factors) -> Tensor:
+    def dots(self, other: Factors, inputs: Tensor | None = None) -> Tensor:
         """``[n_self, n_other]``: the inner products of the two sets' per-sample gradients of
-        this layer."""
+        this layer; ``inputs``: their inputs' inner products ``a_self a_otherᵀ`` where already
+        computed (:class:`Shifts`)."""
         if self.grads is not None and other.grads is not None:
             return self.grads @ other.grads.t()
         assert self.delta is not None and other.delta is not None
@@ -56,7 +52,7 @@ class Factors:
         if not weight:
             return deltas
         assert self.a is not None and other.a is not None
-        products = deltas * (self.a @ other.a.t())
+        products = deltas * (self.a @ other.a.t() if inputs is None else inputs)
         return products + deltas if bias else products
 
     def sq_norms(self) -> Tensor:
@@ -74,16 +70,16 @@ class Factors:
         assert self.a is not None and self.delta is not None
         return grad_sample.ghost_dots(self.a, self.delta, self.layer.trainable, parts)
 
-    def output_shift(self, c: Tensor, h: Tensor) -> Tensor:
-        """``[n, out]`` (``c``'s dtype): how much less this ``Linear`` layer outputs on inputs
-        ``h [n, in]`` once its parameters are moved by −Σ_j c_j g_j (``c [m]``): the weight by
-        −Δᵀdiag(c)A, so its outputs by ((hAᵀ)∘c)Δ, and the bias by −Δᵀc; m·n·(in + out)
-        multiply-adds instead of the m·in·out of forming the moved weight."""
-        assert self.a is not None and self.delta is not None
-        weight, bias = self.layer.trainable
-        shift = (h.to(c.dtype) @ self.a.t()) * c if weight else c.expand(len(h), -1)
+    def output_shift(self, c: Tensor, inputs: Tensor | None, n: int) -> Tensor:
+        """``[n, out]`` (``c``'s dtype): how much less this ``Linear`` layer outputs on ``n``
+        inputs h once its parameters are moved by −Σ_j c_j g_j (``c [m]``), given ``inputs``
+        = hAᵀ (None for a layer without a trainable weight): the weight by −Δᵀdiag(c)A, so its
+        outputs by ((hAᵀ)∘c)Δ, and the bias by −Δᵀc; m·n·(in + out) multiply-adds instead of
+        the m·in·out of forming the moved weight."""
+        assert self.delta is not None
+        shift = c.expand(n, -1) if inputs is None else inputs * c
         out = shift @ self.delta
-        return out + c @ self.delta if weight and bias else out
+        return out + c @ self.delta if inputs is not None and self.layer.trainable[1] else out
 
     def add_weighted(self, w: Tensor, out: Tensor) -> None:
         """Write ``Σ_i w_i g_i`` (``w [n]``) into this layer's positions of ``out [d]``."""
@@ -96,6 +92,37 @@ class Factors:
         assert self.a is not None and self.delta is not None
         grad_sample.ghost_add_weighted_sum(self.a, self.delta, self.layer.trainable, w,
                                            targets, beta=0.0)
+
+
+class Shifts:
+    """A forward pass at a point moved within ``span`` by −Σ_j c_j g_j, taken at the point it
+    was moved from (:meth:`GradientSpan.shifts`): :meth:`output` gives how much less a layer
+    outputs on its inputs h, and keeps hAᵀ, the inputs' inner products with the span's, which
+    the span's products with the pass's per-sample gradients need again
+    (:meth:`GradientSpan.sample_dots`)."""
+
+    def __init__(self, span: GradientSpan, c: Tensor, dtype: torch.dtype) -> None:
+        self.span = span
+        self.dtype = dtype
+        self.factors = {id(f.layer): f for f in span.factors_in(dtype)}
+        self.c = c.to(dtype)
+        #: by layer, hAᵀ of the last pass's inputs (detached)
+        self.inputs: dict[int, Tensor] = {}
+
+    def output(self, layer: Layer, h: Tensor) -> Tensor | None:
+        """``[n, out]`` (``h``'s dtype): how much less ``layer`` outputs on ``h`` at the moved
+        point (computed in :attr:`dtype`: c carries Λ^{-1/2}, which amplifies rounding as it
+        would a lift's), or None for a layer outside the span (its gradients are zero, so the
+        move leaves it)."""
+        f = self.factors.get(id(layer))
+        if f is None:
+            return None
+        inputs = None
+        if layer.trainable[0]:
+            assert f.a is not None
+            inputs = h.to(self.dtype) @ f.a.t()
+            self.inputs[id(layer)] = inputs.detach()
+        return f.output_shift(self.c, inputs, len(h)).to(h.dtype)
 
 
 def layer_factors(model: FlatModel, point: Tensor, x: Tensor, y: Tensor,
@@ -176,12 +203,8 @@ class GradientSpan:
     def shifts(self, c: Tensor, dtype: torch.dtype) -> Shifts:
         """The forward pass at ``point − Σ_i c_i (g_i + r)`` (``c [m]``) taken at ``point``:
         each layer's output less its :meth:`Factors.output_shift`, computed in ``dtype`` (the
-        products' of a projection: c carries Λ^{-1/2}, which amplifies their rounding as it
-        would a lift's) and subtracted in the output's. Needs :attr:`shiftable`."""
-        factors = {id(f.layer): f for f in self.factors_in(dtype)}
-        c = c.to(dtype)
-        return {layer_id: (lambda h, f=f: f.output_shift(c, h).to(h.dtype))
-                for layer_id, f in factors.items()}
+        products' of a projection) and subtracted in the output's. Needs :attr:`shiftable`."""
+        return Shifts(self, c, dtype)
 
     def combine(self, w: Tensor, dtype: torch.dtype) -> Tensor:
         """``[d]`` (``dtype``): Σ_i w_i (g_i + r) for ``w [m]``."""
@@ -212,9 +235,12 @@ class GradientSpan:
         reg = self._reg(point)
         towards_reg = None if reg is None else self.dot_vector(reg, dtype)
         own_reg = None if self.reg is None else self.reg.to(dtype)
+        # a pass moved within this span computed its inputs' products with the span's
+        known = shifts.inputs if shifts is not None and shifts.span is self \
+            and shifts.dtype == dtype else {}
         for _, xs, ys in chunks(x[None], y[None], 0, size):
             factors = layer_factors(model, point, xs, ys, dtype, shifts)
-            dots = self._cross(factors, len(ys), dtype)
+            dots = self._cross(factors, len(ys), dtype, known)
             if own_reg is not None:
                 dots = dots + _vector_dots(factors, own_reg, len(ys))[:, None]
             if towards_reg is not None:
@@ -225,14 +251,18 @@ class GradientSpan:
                 model.dropped.drop(bad, *rows)
             yield dots, sq
 
-    def _cross(self, factors: list[Factors], n: int, dtype: torch.dtype) -> Tensor:
+    def _cross(self, factors: list[Factors], n: int, dtype: torch.dtype,
+               known: dict[int, Tensor] | None = None) -> Tensor:
         """``[n, m]``: the inner products of ``factors``' ``n`` records' gradients with the
-        span's, summed over the layers (a layer absent from a tape has zero gradients)."""
+        span's, summed over the layers (a layer absent from a tape has zero gradients);
+        ``known``: by layer, their inputs' products with the span's, where a moved pass
+        computed them (:class:`Shifts`)."""
         mine = {id(f.layer): f for f in self.factors_in(dtype)}
+        known = known or {}
         total = torch.zeros(n, self.m, dtype=dtype, device=self.device)
         for f in factors:
             if (g := mine.get(id(f.layer))) is not None:
-                total += f.dots(g)
+                total += f.dots(g, known.get(id(f.layer)))
         return total
 
 

@@ -75,9 +75,9 @@ class TapeEngine:
             # Nothing below this layer is trainable: start the graph here.
             output = output.detach().requires_grad_()
         tape.append((layer, inputs[0].detach(), output))
-        if self.shifts is not None and (shift := self.shifts.get(id(layer))) is not None:
+        if self.shifts is not None and (shift := self.shifts.output(layer, inputs[0])) is not None:
             # the moved layer's output; its gradient is the recorded output's
-            return output - shift(inputs[0])
+            return output - shift
         return output
 
     def record(self, params: list[Tensor], x: Tensor, y: Tensor,
