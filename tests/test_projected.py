@@ -766,6 +766,27 @@ def test_a_pass_at_a_point_moved_within_the_span_is_the_pass_at_that_point_in_fl
                                 torch.arange(4)).shiftable
 
 
+@pytest.mark.cpu_only("a float64 reference on the CPU")
+def test_a_pass_moved_within_one_span_is_read_by_another_as_the_point_it_reaches():
+    """Shifts keep their pass's inputs' products with their own span; another span's products
+    with that pass are its own (no reuse across spans): its coordinates equal those at the point
+    formed in R^d, to 1e-10."""
+    model = _float64_model("mlp", (1, 8, 8))
+    gen = torch.Generator().manual_seed(6)
+    x = model.initial_params().double()
+    px, py = torch.randn(30, 1, 8, 8, generator=gen, dtype=torch.float64), torch.arange(30) % 10
+    qx, qy = torch.randn(25, 1, 8, 8, generator=gen, dtype=torch.float64), torch.arange(25) % 10
+    xb, yb = torch.randn(20, 1, 8, 8, generator=gen, dtype=torch.float64), torch.arange(20) % 7
+    moving, reading = GradientSpan(model, x, px, py), GradientSpan(model, x, qx, qy)
+    c = torch.randn(30, generator=gen, dtype=torch.float64) / 10
+    moved = x - moving.combine(c, torch.float64)
+    space = GradientBasis(reading, top_eigenspace(reading.gram(), 10)[0])
+    shifted = torch.cat(list(space.sample_coords(model, x, xb, yb,
+                                                 moving.shifts(c, torch.float64))))
+    formed = torch.cat(list(space.sample_coords(model, moved, xb, yb)))
+    assert torch.allclose(shifted, formed, rtol=0, atol=1e-10 * float(formed.abs().max()))
+
+
 def test_a_lift_is_zero_on_a_layer_the_forward_pass_does_not_use():
     """The lift writes every used layer's positions and zeroes the others' (its memory is not
     zeroed first)."""
