@@ -483,6 +483,28 @@ def test_fedpcdp_clients_form_no_point_in_r_d_on_a_model_of_linear_layers(tmp_pa
     torch.testing.assert_close(u, formed, rtol=1e-4, atol=1e-5 * float(u.abs().max()))
 
 
+def test_fedpcdp_builds_the_rounds_public_span_once_on_the_engine(tmp_path, monkeypatch):
+    """The server's begin_round, its clients and its server step ask for the same span (the
+    public records' tapes at the broadcast model): made once a round, not three times; a point
+    written in place since is not taken for the span's."""
+    from dpfl.models.span import GradientSpan
+
+    made = []
+    init = GradientSpan.__init__
+    monkeypatch.setattr(GradientSpan, "__init__",
+                        lambda self, *args: (made.append(1), init(self, *args))[1])
+    run(_config(tmp_path, algorithm="fedpcdp", model="mlp", num_server_rounds=2), echo=False)
+    assert len(made) == 2
+    problem = build_problem(_config(tmp_path, "alone", algorithm="fedpcdp", model="mlp"))
+    source, x = problem.algorithm.source, problem.x0.clone()
+    rows = torch.arange(len(problem.algorithm.public[1]))
+    made.clear()
+    first = source.span(x, rows)
+    assert source.span(x.clone(), rows) is first and len(made) == 1
+    x.add_(1.0)
+    assert source.span(x, rows) is not first and len(made) == 2
+
+
 def _server_ctx(problem, server_round=1):
     from dpfl.algorithms import ServerContext
 

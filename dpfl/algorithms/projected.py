@@ -366,6 +366,10 @@ class PublicEigenspace(SubspaceSource):
         self.algorithm = algorithm
         self.order: Tensor | None = None  # IBS: the public set's one shuffle of the run
         self.warned_rank = False  # a k above the public gradients' rank is logged once a run
+        #: the last span made, with its point (and that tensor's version: written in place
+        #: since, it no longer is the span's point) and rows: FedPCDP's round asks for the same
+        #: span at the server's begin_round, at its clients and at its server step
+        self.last: tuple[Tensor, int, Tensor, GradientSpan] | None = None
 
     @property
     def batch(self) -> int:
@@ -436,18 +440,31 @@ class PublicEigenspace(SubspaceSource):
             return rng.permutation(owner, server_round, f"public-{index}", m)[:b].sort().values
         return torch.arange(m)
 
+    def span(self, point: Tensor, rows: Tensor) -> GradientSpan:
+        """The public records ``rows``' gradients at ``point`` (their tapes): the last span
+        made where the point holds the same bits and the rows are the same (the same
+        computation, so the same numbers), else a new one."""
+        if self.last is not None:
+            at, version, made_of, span = self.last
+            if at._version == version and torch.equal(made_of, rows) and same_bits(at, point):
+                return span
+        assert self.algorithm.public is not None
+        px, py = self.algorithm.public
+        dev = point.device
+        picked = rows.to(px.device)
+        span = GradientSpan(self.algorithm.model, point, aligned(px[picked]).to(dev),
+                            py[picked].to(dev))
+        self.last = (point, point._version, rows.clone(), span)
+        return span
+
     def at(self, point: Tensor, rows: Tensor, r: Tensor | None = None) -> GradientBasis:
         """The top-k eigenspace of the public records ``rows``' gradients at ``point``, kept as
         their span and its weights R (:func:`top_eigenspace`), or the weights ``r`` given
         (FedPCDP's client: the server's, broadcast)."""
         algorithm, hp = self.algorithm, self.algorithm.hp
-        assert algorithm.public is not None
-        px, py = algorithm.public
-        dev = point.device
-        rows = rows.to(px.device)
-        span = GradientSpan(algorithm.model, point, aligned(px[rows]).to(dev), py[rows].to(dev))
+        span = self.span(point, rows)
         if r is not None:
-            r = r.to(dev, torch.float64)
+            r = r.to(point.device, torch.float64)
             return GradientBasis(span, r, products_dtype(r, point.dtype))
         r, rank = top_eigenspace(span.gram(), hp.projection_dim)
         if rank < hp.projection_dim and not self.warned_rank:
