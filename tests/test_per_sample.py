@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 
 from dpfl.models import FlatModel, build_model
+from dpfl.models.functional import GROUP_BYTES
 from dpfl.models.rows import aligned_rows
 from dpfl.models.stacked import views
 
@@ -202,6 +203,8 @@ def test_no_tape_outlives_its_group(method, pair):
     forward pass, no earlier tape is alive but the other point's of the same chunk (``pair``)."""
     flat_model, flat, x, y = _setup("clip21-cnn", clients=2, batch=8)
     flat_model.chunk_size = 4  # groups of one 4-sample chunk: four of them
+    flat_model.group_bytes = 1
+    flat_model.sample_bytes(flat, x, y, rows=False)  # its one-sample pass, made once, first
     record, alive, calls = flat_model.tapes.record, [], []
 
     def tracked(*args, **kwargs):
@@ -228,6 +231,80 @@ def test_no_chunk_of_gradient_rows_exceeds_the_byte_budget(name):
     flat_model.chunk_bytes = 3 * per_row + per_row // 2
     lengths = [len(rows) for _, _, rows in flat_model.per_sample_gradient_chunks(flat, x, y)]
     assert lengths == [3, 3, 3, 1] * 2
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_how_clients_are_grouped_changes_no_bit(own):
+    """Groups of one chunk (``group_bytes=1``; here a client's batch), of three clients'
+    chunks, and of every client (the default on the MLP): the same clipped means, norms,
+    losses and clipped difference means, bit for bit, at one point and at points of their own;
+    and every group holds what its budget allows, at least one chunk (the joint tapes a larger
+    group takes are checked per layout, so this holds whatever the verdicts)."""
+    flat_model, flat, x, y = _setup("mlp", clients=7, batch=16, chunk_size=16)
+    points = aligned_rows(flat, 7, flat_model.d).copy_(
+        flat + 0.01 * torch.arange(7.0)[:, None]) if own else flat
+    per_sample = flat_model.sample_bytes(flat, x, y, rows=False)
+    sizes, results = [], []
+    groups = flat_model.tapes.groups
+
+    def recorded(*args, **kwargs):
+        held = list(groups(*args, **kwargs))
+        sizes.append(max(sum(chunk.n for chunk in group) for group in held))
+        return iter(held)
+
+    flat_model.tapes.groups = recorded
+    # (budget, most samples a group of the clipped mean holds, of the clipped difference's)
+    for budget, most, most_difference in ((1, 16, 16), (3 * 16 * per_sample, 48, 16),
+                                          (GROUP_BYTES, 112, 112)):
+        flat_model.group_bytes = budget
+        assert flat_model.group_length(flat, x, y, 16) == max(16, budget // per_sample)
+        losses = torch.empty(7, 16)
+        results.append((*flat_model.clipped_mean(points, x, y, 0.1, losses=losses), losses,
+                        flat_model.clipped_difference_mean(points, flat * 0.9, x, y, clip=0.2,
+                                                           clip_diff=0.05, gamma=0.5)))
+        assert sizes[-2:] == [most, most_difference]
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(other, results[0], strict=True))
+
+
+def test_a_group_stays_within_the_chunk_byte_budget():
+    """``chunk_bytes`` caps a group as it caps a chunk (the memory a step holds at once); a
+    model whose samples are large (the Clip21 CNN's 165 KB) keeps groups of one chunk's
+    samples; two tapes a sample (a clipped difference) halve the group."""
+    flat_model, flat, x, y = _setup("mlp", clients=2, batch=8)
+    per_sample = flat_model.sample_bytes(flat, x, y, rows=False)
+    assert flat_model.group_length(flat, x, y, 256) == GROUP_BYTES // per_sample > 256
+    assert flat_model.group_length(flat, x, y, 256, tapes=2) == GROUP_BYTES // (2 * per_sample)
+    flat_model.chunk_bytes = 300 * per_sample
+    assert flat_model.group_length(flat, x, y, 256) == 300
+    cnn, flat, x, y = _setup("clip21-cnn", clients=2, batch=8)
+    assert cnn.sample_bytes(flat, x, y, rows=False) > GROUP_BYTES // 256
+    assert cnn.group_length(flat, x, y, 256) == 256
+    with pytest.raises(ValueError, match="group_bytes"):
+        FlatModel(build_model("mlp", input_shape=(1, 28, 28), num_classes=10, seed=0),
+                  "cross-entropy", group_bytes=0)
+
+
+@pytest.mark.parametrize("name, reg", [("mlp", 0.0), ("mlp", 0.01), ("clip21-cnn", 0.0),
+                                       ("logistic", 0.0)])
+@pytest.mark.parametrize("own", [False, True])
+def test_per_sample_norms_are_the_clipped_means_norms_bitwise(name, reg, own):
+    """``per_sample_norms`` gives the norms ``clipped_mean`` reports, bit for bit, at one point
+    and at points of their own, before and after a layout's verdict, without a weighted sum
+    (a linear model's closed form excepted); a record whose gradient is not finite gets 0 and
+    is dropped in both."""
+    flat_model, flat, x, y = _setup(name, clients=4, batch=8, nonconvex_reg=reg)
+    x[1, 2] = float("nan")
+    points = aligned_rows(flat, 4, flat_model.d).copy_(
+        flat + 0.01 * torch.arange(4.0)[:, None]) if own else flat
+    _, expected = flat_model.clipped_mean(points, x, y, 0.3)
+    dropped = flat_model.take_dropped()
+    assert dropped == 1 and expected[1, 2] == 0
+    if flat_model.linear is None:
+        flat_model.tapes.add_weighted = None  # a weighted sum would fail
+    for _ in range(2):  # the first call of a layout checks it, the second takes the verdict
+        assert torch.equal(flat_model.per_sample_norms(points, x, y), expected)
+        assert flat_model.take_dropped() == dropped
 
 
 def test_a_chunk_byte_budget_must_be_positive():

@@ -207,7 +207,7 @@ class AdaptDPFedAvg(FederatedDPSGD[AdaptDPFedAvgHyperparameters]):
 
     def statistic(self, xb: Tensor, yb: Tensor, x: Tensor) -> tuple[Tensor]:
         """``[C, 1]``: the mean of min(‖∇ℓ_z(x)‖², Ĝ²) over each client's batch (float64)."""
-        _, norms = self.model.clipped_mean(x, xb, yb, self.hp.clip)
+        norms = self.model.per_sample_norms(x, xb, yb)
         return (norms.double().square().clamp(max=self.hp.clip ** 2).mean(dim=1, keepdim=True),)
 
 

@@ -118,12 +118,12 @@ class TapeEngine:
 
     def clipped_mean(self, flat: Tensor, x: Tensor, y: Tensor, radii: list[float], size: int,
                      out: Tensor, norms: Tensor, losses: Tensor | None,
-                     offset: Tensor | None) -> None:
+                     offset: Tensor | None, *, group_size: int | None = None) -> None:
         """:meth:`~dpfl.models.FlatModel.clipped_mean` into ``out`` and ``norms``, group by
-        group (:meth:`clip_group`)."""
+        group of at most ``group_size`` samples (:meth:`groups`; :meth:`clip_group`)."""
         b = x.shape[1]
         results = {"out": out, "norms": norms} | ({} if losses is None else {"losses": losses})
-        for group in self.groups(flat, x, y, size, offset=offset):
+        for group in self.groups(flat, x, y, size, group_size=group_size, offset=offset):
             own = [radii[chunk.client] for chunk in group]
             self.by_layout(("mean", *results), group, b, partial(self.clip_group, own, b),
                            results)
@@ -131,18 +131,11 @@ class TapeEngine:
     def clip_group(self, radii: list[float], b: int, group: list[Chunk],
                    into: dict[str, Tensor], joint: bool) -> None:
         """One group's share of :meth:`clipped_mean` (``radii``: its chunks'): pass 1 records
-        the tapes (one per chunk, or with ``joint`` one for the group: :meth:`joint_tapes`) and
-        the squared norms, pass 2 adds each chunk's weighted sums, into ``into``'s ``out``,
-        ``norms`` and (if kept) ``losses``, at row ``chunk.client``."""
-        out, norms, losses = into["out"], into["norms"], into.get("losses")
-        sq = group[0].x.new_zeros(sum(chunk.n for chunk in group))
-        tapes = []
-        recorded = (tape for tape, in self.joint_tapes(group, losses, "params")) \
-            if joint else (self.record(chunk.params, chunk.x, chunk.y, chunk_losses(losses, chunk))
-                           for chunk in group)
-        for chunk, tape in zip(group, recorded):  # pass 1: the tapes and the squared norms
-            tapes.append((tape, self.squares(tape, chunk.reg, chunk.of(sq))[1]))
-        norm = sq.clamp_min_(0).sqrt_()
+        the tapes and the norms (:meth:`tapes_and_norms`), pass 2 adds each chunk's weighted
+        sums, into ``into``'s ``out``, ``norms`` and (if kept) ``losses``, at row
+        ``chunk.client``."""
+        out, norms = into["out"], into["norms"]
+        tapes, norm = self.tapes_and_norms(group, into.get("losses"), joint)
         w = clip_factors(norm, sample_radii(radii, group)).div_(b)  # 1/b where ‖g_j‖ ≤ C
         if (bad := non_finite_rows(norm)) is not None:  # weight 0 (the regulariser's share
             self.dropped.drop(bad, norm, w)  # too), norm reported 0, and no NaN in the GEMMs
@@ -151,15 +144,45 @@ class TapeEngine:
             norms[chunk.client, chunk.start:chunk.start + chunk.n] = chunk.of(norm)
             self.add_weighted(tape, materialised, chunk.reg, aligned(chunk.of(w)),
                               out[chunk.client], first=chunk.start == 0)
-        del tapes, recorded, tape, materialised  # no tape lives into the next group's passes
+        del tapes, tape, materialised  # no tape lives into the next group's passes
+
+    def tapes_and_norms(self, group: list[Chunk], losses: Tensor | None, joint: bool
+                        ) -> tuple[list[tuple[Tape, Materialised]], Tensor]:
+        """Pass 1 of :meth:`clip_group`: each chunk's tape (one per chunk, or with ``joint`` one
+        for the group: :meth:`joint_tapes`) and its materialised gradients, and the group's
+        per-sample norms ‖g_j + reg‖ ``[n]`` (inf or NaN where not finite); the per-sample
+        losses go to ``losses`` if given."""
+        sq = group[0].x.new_zeros(sum(chunk.n for chunk in group))
+        recorded = (tape for tape, in self.joint_tapes(group, losses, "params")) \
+            if joint else (self.record(chunk.params, chunk.x, chunk.y, chunk_losses(losses, chunk))
+                           for chunk in group)
+        tapes = [(tape, squares(tape, chunk.reg, chunk.of(sq))[1])
+                 for chunk, tape in zip(group, recorded)]
+        return tapes, sq.clamp_min_(0).sqrt_()
+
+    def norms(self, flat: Tensor, x: Tensor, y: Tensor, size: int, out: Tensor, *,
+              group_size: int | None = None) -> None:
+        """:meth:`~dpfl.models.FlatModel.per_sample_norms` into ``out [C, b]``: pass 1 of
+        :meth:`clip_group` alone, group by group (:meth:`groups`; :meth:`norm_group`)."""
+        for group in self.groups(flat, x, y, size, group_size=group_size):
+            self.by_layout(("norms",), group, x.shape[1], self.norm_group, {"norms": out})
+
+    def norm_group(self, group: list[Chunk], into: dict[str, Tensor], joint: bool) -> None:
+        """One group's share of :meth:`norms` (a norm not finite: 0, dropped, as there)."""
+        norm = self.tapes_and_norms(group, None, joint)[1]
+        if (bad := non_finite_rows(norm)) is not None:
+            self.dropped.drop(bad, norm)
+        for chunk in group:
+            into["norms"][chunk.client, chunk.start:chunk.start + chunk.n] = chunk.of(norm)
 
     def clipped_difference_mean(self, flat: Tensor, flat_before: Tensor, x: Tensor, y: Tensor,
-                                size: int, out: Tensor, weights: partial) -> None:
+                                size: int, out: Tensor, weights: partial, *,
+                                group_size: int | None = None) -> None:
         """:meth:`~dpfl.models.FlatModel.clipped_difference_mean` into ``out``, group by group
-        (:meth:`clip_difference_group`; ``weights``: :func:`~dpfl.models.rows.difference_weights`
-        with the clips bound)."""
+        of at most ``group_size`` samples (:meth:`groups`; :meth:`clip_difference_group`;
+        ``weights``: :func:`~dpfl.models.rows.difference_weights` with the clips bound)."""
         b = x.shape[1]
-        for group in self.groups(flat, x, y, size, before=flat_before):
+        for group in self.groups(flat, x, y, size, group_size=group_size, before=flat_before):
             self.by_layout(("difference",), group, b,
                            partial(self.clip_difference_group, weights), {"out": out})
 
@@ -176,8 +199,8 @@ class TapeEngine:
                             self.record(chunk.params_before, chunk.x, chunk.y)) for chunk in group)
         for chunk, (tape, tape_before) in zip(group, recorded):  # pass 1: both tapes, the
             inputs = InputSquares()  # squared norms and the cross terms
-            grads = self.squares(tape, chunk.reg, chunk.of(sq), inputs)[1]
-            grads_before = self.squares(tape_before, chunk.reg_before, chunk.of(sq_before),
+            grads = squares(tape, chunk.reg, chunk.of(sq), inputs)[1]
+            grads_before = squares(tape_before, chunk.reg_before, chunk.of(sq_before),
                                         inputs)[1]
             pair_dots(tape, grads, chunk.reg, tape_before, grads_before, chunk.reg_before,
                       chunk.of(dots), inputs)
@@ -256,30 +279,6 @@ class TapeEngine:
             self.dropped.count = counted  # the same records, counted once
         return all(torch.equal(own[name], v[clients]) for name, v in results.items())
 
-    def squares(self, tape: Tape, reg: Tensor | None, sq: Tensor,
-                inputs: InputSquares | None = None) -> tuple[Tensor, Materialised]:
-        """``sq`` plus ‖g_j + reg‖² of one chunk's per-sample gradients ``[n]`` (ghost norms
-        where a layer has them), and each layer's materialised per-sample gradients (None for
-        a ghost layer); ``inputs`` shares the layers' ‖a_j‖² between tapes of the same chunk."""
-        materialised: Materialised = []
-        for layer, a, g in tape:
-            if grad_sample.has_ghost(layer.module, a):
-                sq += grad_sample.ghost_sq_norms(a, g, layer.trainable,
-                                                 None if inputs is None else inputs.of(a))
-                if reg is not None:
-                    sq += 2 * grad_sample.ghost_dots(a, g, layer.trainable, layer.parts(reg))
-                materialised.append(None)
-            else:
-                grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
-                for p, where in zip(grads, layer.slices):
-                    sq += p.square().sum(dim=1)
-                    if reg is not None:
-                        sq += 2 * torch.mv(p, reg[where])
-                materialised.append(grads)
-        if reg is not None:
-            sq += reg.square().sum()
-        return sq, materialised
-
     def add_weighted(self, tape: Tape, materialised: Materialised, reg: Tensor | None,
                      w: Tensor, row: Tensor, first: bool) -> None:
         """``row`` (overwritten if ``first``) plus Σ_j w_j (g_j + reg) over one chunk: one
@@ -300,19 +299,20 @@ class TapeEngine:
             row.add_(reg, alpha=w.sum().item())
 
     def groups(self, flat: Tensor, x: Tensor, y: Tensor, size: int, *,
-               offset: Tensor | None = None, before: Tensor | None = None
-               ) -> Iterator[list[Chunk]]:
-        """Every client's chunks, client by client, gathered into groups of consecutive chunks
-        of at most ``size`` samples in all: a group holds one chunk's per-sample values, and its
-        per-sample scalar arithmetic (norms, clip factors) is one pass for the group instead of
-        one per client. That arithmetic is elementwise and correctly rounded, so no value
-        depends on the grouping. ``offset [C, d]`` is added to every per-sample gradient of
+               group_size: int | None = None, offset: Tensor | None = None,
+               before: Tensor | None = None) -> Iterator[list[Chunk]]:
+        """Every client's chunks of at most ``size`` samples, client by client, gathered into
+        groups of consecutive chunks of at most ``group_size`` samples in all (default
+        ``size``; :meth:`~dpfl.models.FlatModel.group_length`): a group's per-sample values are
+        held at once, and its per-sample scalar arithmetic (norms, clip factors) is one pass for
+        the group instead of one per client. That arithmetic is elementwise and correctly
+        rounded, so no value depends on the grouping. ``offset [C, d]`` is added to every per-sample gradient of
         client c (with the regulariser's); ``before`` is a second point (``[d]`` or ``[C, d]``)
         each chunk is also taken at. Consecutive clients at points of the same bits (a round of
         local steps starts every client at the broadcast model) share one list of parameters,
         so that a group of them may be taken jointly (:func:`layout`)."""
         group: list[Chunk] = []
-        held = 0
+        held, most = 0, group_size or size
         points: dict[str, tuple[Tensor, list[Tensor], Tensor | None]] = {}
         for c in range(x.shape[0]):
             for name, where in (("now", flat), ("before", before)):
@@ -328,7 +328,7 @@ class TapeEngine:
                 reg = aligned(offset[c]) if reg is None else reg + offset[c]
             _, params_before, reg_before = points.get("before", (None, None, None))
             for start, xs, ys in chunks(x, y, c, size):
-                if group and held + len(xs) > size:
+                if group and held + len(xs) > most:
                     yield group
                     group, held = [], 0
                 group.append(Chunk(c, start, len(xs), held, xs, ys, params, reg,
@@ -414,6 +414,31 @@ def pair_dots(now: Tape, now_grads: Materialised, reg: Tensor | None, before: Ta
                 dots += torch.mv(p2, reg[where])
     if reg is not None and reg_before is not None:
         dots += torch.dot(reg, reg_before)
+
+
+def squares(tape: Tape, reg: Tensor | None, sq: Tensor,
+            inputs: InputSquares | None = None) -> tuple[Tensor, Materialised]:
+    """``sq`` plus ‖g_j + reg‖² of one chunk's per-sample gradients ``[n]`` (ghost norms
+    where a layer has them), and each layer's materialised per-sample gradients (None for
+    a ghost layer); ``inputs`` shares the layers' ‖a_j‖² between tapes of the same chunk."""
+    materialised: Materialised = []
+    for layer, a, g in tape:
+        if grad_sample.has_ghost(layer.module, a):
+            sq += grad_sample.ghost_sq_norms(a, g, layer.trainable,
+                                             None if inputs is None else inputs.of(a))
+            if reg is not None:
+                sq += 2 * grad_sample.ghost_dots(a, g, layer.trainable, layer.parts(reg))
+            materialised.append(None)
+        else:
+            grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
+            for p, where in zip(grads, layer.slices):
+                sq += p.square().sum(dim=1)
+                if reg is not None:
+                    sq += 2 * torch.mv(p, reg[where])
+            materialised.append(grads)
+    if reg is not None:
+        sq += reg.square().sum()
+    return sq, materialised
 
 
 def layout(group: list[Chunk], b: int, kind: tuple[str, ...], stackable: bool) -> tuple | None:
