@@ -53,9 +53,11 @@ class DPSCAFFOLD(FederatedDPSGD[FederatedHyperparameters]):
         hp = self.hp
         x, c = broadcast["x"].to(ctx.device), broadcast["c"].to(ctx.device)
         own = states["c"].to(ctx.device)
-        # c − c_i, the same for every step
-        params, _ = self.local_steps(x, cohort, {}, broadcast, ctx, correction=c - own)
-        updated = own - c + (x - params) / (hp.local_steps * hp.learning_rate)
+        correction = c - own  # the same for every step
+        params, _ = self.local_steps(x, cohort, {}, broadcast, ctx, correction=correction)
+        # c_i − c + (x − y_K)/(Kη) as (x − y_K)/(Kη) − (c − c_i): the same bits (a difference
+        # negated is exact), one pass and two [C, d] tensors fewer
+        updated = (x - params).div_(hp.local_steps * hp.learning_rate).sub_(correction)
         return ({"dy": (params - x).cpu(), "dc": (updated - own).cpu()},
                 {"c": updated.cpu()})
 
