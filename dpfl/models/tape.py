@@ -306,9 +306,9 @@ class TapeEngine:
         ``size``; :meth:`~dpfl.models.FlatModel.group_length`): a group's per-sample values are
         held at once, and its per-sample scalar arithmetic (norms, clip factors) is one pass for
         the group instead of one per client. That arithmetic is elementwise and correctly
-        rounded, so no value depends on the grouping. ``offset [C, d]`` is added to every per-sample gradient of
-        client c (with the regulariser's); ``before`` is a second point (``[d]`` or ``[C, d]``)
-        each chunk is also taken at. Consecutive clients at points of the same bits (a round of
+        rounded, so no value depends on the grouping. ``offset [C, d]`` is added to every
+        per-sample gradient of client c (with the regulariser's); ``before`` is a second point
+        (``[d]`` or ``[C, d]``) each chunk is also taken at. Consecutive clients at points of the same bits (a round of
         local steps starts every client at the broadcast model) share one list of parameters,
         so that a group of them may be taken jointly (:func:`layout`)."""
         group: list[Chunk] = []
