@@ -55,11 +55,12 @@ class DPSCAFFOLD(FederatedDPSGD[FederatedHyperparameters]):
         own = states["c"].to(ctx.device)
         correction = c - own  # the same for every step
         params, _ = self.local_steps(x, cohort, {}, broadcast, ctx, correction=correction)
-        # c_i − c + (x − y_K)/(Kη) as (x − y_K)/(Kη) − (c − c_i): the same bits (a difference
-        # negated is exact), one pass and two [C, d] tensors fewer
-        updated = (x - params).div_(hp.local_steps * hp.learning_rate).sub_(correction)
-        return ({"dy": (params - x).cpu(), "dc": (updated - own).cpu()},
-                {"c": updated.cpu()})
+        dy = params - x
+        # c_i − c + (x − y_K)/(Kη) as Δy_i/(−Kη) − (c − c_i): the same bits (negating a
+        # difference, a quotient or a divisor is exact), two passes and three [C, d] tensors
+        # fewer than the formula's order
+        updated = torch.div(dy, -(hp.local_steps * hp.learning_rate)).sub_(correction)
+        return {"dy": dy.cpu(), "dc": (updated - own).cpu()}, {"c": updated.cpu()}
 
     def server_step(self, exchange: str, state: State, sums: State,
                     ctx: ServerContext) -> State:
