@@ -456,7 +456,7 @@ def layout(group: list[Chunk], b: int, kind: tuple[str, ...], stackable: bool) -
     for name in ("params", "params_before"):
         lists = [getattr(chunk, name) for chunk in group]
         if shared(lists):
-            points.append("shared")
+            points.append("one point")
         elif stackable and stacked.views(lists) is not None:
             points.append("stacked")
         else:
