@@ -16,11 +16,16 @@ Differential Privacy", arXiv:2107.10138, §5.1; the attack on Gaussian DP-SGD is
 "Are We There Yet? Timing and Floating-Point Attacks on Differential Privacy Systems",
 arXiv:2112.05307. Secure runs are not reproducible.
 
-Keyed (``key=``, a node's secret: :mod:`dpfl.client.policy`), every stream is seeded as in the
-seeded mode but from HMAC-SHA256 of the stream's name under the key instead of its plain hash:
-the node's owner, who holds the key, can regenerate every draw (a run is reproducible); the
-server, which knows the seed but not the key, cannot. ``context`` names the run configuration
-the streams belong to, so that two runs of one seed with other settings draw independent noise.
+Keyed (``key=``, a node's secret: :mod:`dpfl.client.policy`), every stream is the ChaCha20
+keystream (RFC 8439) under a 256-bit key, HMAC-SHA256 of the stream's name under the node's
+secret, and its draws are made from it exactly as secure draws are made from the OS CSPRNG: the
+node's owner, who holds the secret, can regenerate every draw (a run is reproducible); the
+server, which knows the seed but not the secret, cannot, however much it computes. Seeding a
+torch generator from that HMAC instead, as dpfl did until 2026-12-06, is not enough: torch's
+CPU generator (mt19937) keeps only the low 32 bits of its seed, so a server that tried the 2³²
+seeds of one stream against a client's noised upload would find its noise and strip it.
+``context`` names the run configuration the streams belong to, so that two runs of one seed with
+other settings draw independent noise.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ import hmac
 import math
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 SERVER = -1  # the client id used for the server's own draws (client sampling)
 SECURE_SUMMANDS = 4  # standard normals summed (then halved) per secure Gaussian sample
@@ -41,19 +47,37 @@ SECURE_SUMMANDS = 4  # standard normals summed (then halved) per secure Gaussian
 _SYSTEM = secrets.SystemRandom()
 
 
-def secure_uniform(n: int) -> torch.Tensor:
-    """``n`` float64 uniforms on (0, 1] from the OS CSPRNG: 53 random bits each."""
-    words = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64) if n else \
-        torch.empty(0, dtype=torch.int64)
-    return ((words >> 11) & ((1 << 53) - 1)).double().add_(1.0).mul_(2.0 ** -53)
+#: where a secure draw's random bytes come from: ``source(n)`` gives ``n`` bytes
+Source = Callable[[int], bytes]
 
 
-def secure_standard_normal(n: int) -> torch.Tensor:
-    """``n`` float64 N(0, 1) samples from the OS CSPRNG, each the sum of
+def keystream(key: bytes) -> Source:
+    """The first ``n`` bytes of the ChaCha20 keystream under the 256-bit ``key`` (nonce 0): a
+    deterministic source that nobody without the key can tell from random bytes."""
+    def source(n: int) -> bytes:
+        return Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor().update(bytes(n))
+    return source
+
+
+def words(n: int, source: Source = os.urandom) -> torch.Tensor:
+    """``n`` int64 words of ``source``'s bytes."""
+    if not n:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(bytearray(source(8 * n)), dtype=torch.int64)
+
+
+def secure_uniform(n: int, source: Source = os.urandom) -> torch.Tensor:
+    """``n`` float64 uniforms on (0, 1] from ``source`` (the OS CSPRNG): 53 random bits
+    each."""
+    return ((words(n, source) >> 11) & ((1 << 53) - 1)).double().add_(1.0).mul_(2.0 ** -53)
+
+
+def secure_standard_normal(n: int, source: Source = os.urandom) -> torch.Tensor:
+    """``n`` float64 N(0, 1) samples from ``source`` (the OS CSPRNG), each the sum of
     :data:`SECURE_SUMMANDS` Box-Muller normals divided by √SECURE_SUMMANDS (Opacus' secure
     mode; arXiv:2107.10138 §5.1)."""
     pairs = (SECURE_SUMMANDS * n + 1) // 2
-    u = secure_uniform(2 * pairs)
+    u = secure_uniform(2 * pairs, source)
     radius = u[:pairs].log().mul_(-2.0).sqrt_()
     angle = u[pairs:].mul_(2.0 * math.pi)
     normals = torch.cat([radius * angle.cos(), radius * angle.sin()])[:SECURE_SUMMANDS * n]
@@ -61,7 +85,8 @@ def secure_standard_normal(n: int) -> torch.Tensor:
 
 
 #: where the draws come from, weakest first: the run's seed (anyone who knows it can regenerate
-#: them), the seed under a node's secret key (only the key's holder can), the OS CSPRNG (nobody)
+#: them), a keystream under a node's secret key (only the key's holder can), the OS CSPRNG
+#: (nobody)
 MODES = ("seeded", "keyed", "secure")
 
 
@@ -84,17 +109,13 @@ class Randomness:
         return "secure" if self.secure else "keyed" if self._secret is not None else "seeded"
 
     def key(self, client: int, server_round: int, purpose: str) -> int:
-        """The 63-bit seed of stream (client, round, purpose) (seeded or keyed randomness)."""
-        if self.secure:
-            raise RuntimeError("secure randomness has no seeded streams: draw through "
-                               "Randomness' methods")
-        if self._secret is None:
-            text = f"dpfl/{self.seed}/{client}/{server_round}/{purpose}".encode()
-            digest = hashlib.sha256(text).digest()
-        else:
-            text = f"dpfl/{self.seed}/{self.context}/{client}/{server_round}/{purpose}".encode()
-            digest = hmac.new(self._secret, text, hashlib.sha256).digest()
-        return int.from_bytes(digest[:8], "little") >> 1
+        """The 63-bit seed of stream (client, round, purpose) (seeded randomness only: keyed
+        and secure draws never seed a generator)."""
+        if self.mode != "seeded":
+            raise RuntimeError(f"{self.mode} randomness has no seeded streams: draw through "
+                               f"Randomness' methods")
+        text = f"dpfl/{self.seed}/{client}/{server_round}/{purpose}".encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
 
     def generator(self, client: int, server_round: int, purpose: str,
                   device: torch.device | str = "cpu") -> torch.Generator:
@@ -102,6 +123,17 @@ class Randomness:
         gen = torch.Generator(device=device)
         gen.manual_seed(self.key(client, server_round, purpose))
         return gen
+
+    def source(self, client: int, server_round: int, purpose: str) -> Source:
+        """Where the secure draws of stream (client, round, purpose) come from: the keystream
+        under HMAC-SHA256 of the stream's name under the node's secret (keyed), or the OS
+        CSPRNG (secure)."""
+        if self.secure:
+            return os.urandom
+        if self._secret is None:
+            raise RuntimeError("seeded randomness draws from its generators")
+        text = f"dpfl/{self.seed}/{self.context}/{client}/{server_round}/{purpose}".encode()
+        return keystream(hmac.new(self._secret, text, hashlib.sha256).digest())
 
     def normal(self, clients: Sequence[int], server_round: int, purpose: str, shape: Sequence[int],
                std: torch.Tensor, *, dtype: torch.dtype = torch.float32,
@@ -111,9 +143,12 @@ class Randomness:
         on the device."""
         shape = tuple(shape)
         scale = std.reshape(-1, *([1] * len(shape)))
-        if self.secure:
+        if self.mode != "seeded":
             n = math.prod(shape)
-            rows = secure_standard_normal(len(clients) * n).reshape(len(clients), *shape)
+            rows = (secure_standard_normal(len(clients) * n) if self.secure else
+                    torch.cat([secure_standard_normal(n, self.source(c, server_round, purpose))
+                               for c in clients]) if clients else torch.empty(0))
+            rows = rows.reshape(len(clients), *shape)
             return (rows * scale.to(dtype=torch.float64, device="cpu")).to(dtype).to(device)
         noise = torch.empty((len(clients), *shape), dtype=dtype)
         # each row drawn with its std in one pass: for 16 entries or more, the numbers of
@@ -124,11 +159,15 @@ class Randomness:
         return noise.to(device)
 
     def permutation(self, client: int, server_round: int, purpose: str, n: int) -> torch.Tensor:
-        """A uniformly random permutation of ``range(n)`` (int64) from the stream."""
+        """A uniformly random permutation of ``range(n)`` (int64) from the stream (keyed: the
+        order of n random 64-bit words, uniform but where two words tie, about n²/2⁶⁵)."""
         if self.secure:
             order = list(range(n))
             _SYSTEM.shuffle(order)
             return torch.tensor(order, dtype=torch.long)
+        if self.mode == "keyed":
+            return torch.argsort(words(n, self.source(client, server_round, purpose)),
+                                 stable=True)
         return torch.randperm(n, generator=self.generator(client, server_round, purpose))
 
     def sample_without_replacement(self, clients: Sequence[int], sizes: Sequence[int],
@@ -148,7 +187,8 @@ class Randomness:
         (add/remove neighbours) keeps the same first ``size`` records."""
         out = []
         for client, size, rate in zip(clients, sizes, rates, strict=True):
-            coins = (secure_uniform(size) if self.secure else
+            coins = (secure_uniform(size, self.source(client, server_round, purpose))
+                     if self.mode != "seeded" else
                      torch.rand(size, generator=self.generator(client, server_round, purpose),
                                 dtype=torch.float64))
             # NumPy's scan for the kept positions: the same int64 positions, a third of the time

@@ -1,0 +1,119 @@
+"""Keyed randomness (a node's secret): every draw from a ChaCha20 keystream under the stream's
+HMAC, never from a seeded torch generator, whose seed keeps only 32 bits."""
+
+import hashlib
+import hmac
+
+import pytest
+import torch
+
+from dpfl.privacy.randomness import Randomness
+
+KEY = bytes(range(32))
+
+
+def keyed(key: bytes = KEY, seed: int = 5, context: str = "run") -> Randomness:
+    return Randomness(seed, key=key, context=context)
+
+
+def test_a_torch_generator_keeps_only_the_low_32_bits_of_its_seed():
+    """Why keyed streams are not seeded generators: two seeds that agree in their low 32 bits
+    draw the same numbers, so a stream seeded from a 256-bit HMAC has 2³² possible draws."""
+    def draw(seed: int) -> torch.Tensor:
+        return torch.randn(8, generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(draw(12345), draw(12345 + 2 ** 32))
+    assert torch.equal(draw(12345), draw(12345 + 2 ** 40))
+
+
+def test_streams_whose_seeds_shared_32_bits_draw_different_noise():
+    """Two purposes of one client and round whose HMAC seeds (as dpfl derived them until
+    2026-12-06: the digest's first 8 bytes, shifted right once) agree in the low 32 bits, found
+    by a birthday search: seeded generators gave both streams the same noise; keystreams do
+    not."""
+    seen: dict[int, str] = {}
+    for i in range(1_000_000):
+        purpose = f"noise-{i}"
+        text = f"dpfl/5/run/3/7/{purpose}".encode()
+        seed = int.from_bytes(hmac.new(KEY, text, hashlib.sha256).digest()[:8], "little") >> 1
+        low = seed & 0xFFFF_FFFF
+        if low in seen:
+            first, second = seen[low], purpose
+            break
+        seen[low] = purpose
+    else:
+        pytest.fail("no 32-bit collision among a million streams")
+    rng = keyed()
+    a = rng.normal([3], 7, first, (64,), torch.ones(1))
+    b = rng.normal([3], 7, second, (64,), torch.ones(1))
+    assert not torch.equal(a, b)
+    assert (a - b).abs().max() > 0.1
+
+
+def test_keyed_draws_use_no_torch_generator(monkeypatch):
+    """Neither a seeded generator nor torch's global one (whose state stays as it was)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a keyed draw made a torch generator")
+
+    monkeypatch.setattr(torch, "Generator", refuse)
+    state = torch.get_rng_state()
+    rng = keyed()
+    assert rng.normal([0, 1], 1, "noise", (10,), torch.ones(2)).shape == (2, 10)
+    assert sorted(rng.permutation(0, 1, "perm", 50).tolist()) == list(range(50))
+    picks = rng.sample_without_replacement([0, 1], [30, 40], 1, "batch", 8)
+    assert [len(set(p.tolist())) for p in picks] == [8, 8]
+    assert len(rng.bernoulli_rows([0], [100], 1, "poisson", [0.5])) == 1
+    with pytest.raises(RuntimeError, match="keyed randomness has no seeded streams"):
+        rng.key(0, 1, "noise")
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def draws(rng: Randomness, client: int = 0, server_round: int = 1) -> list[torch.Tensor]:
+    return [rng.normal([client], server_round, "noise", (32,), torch.ones(1))[0],
+            rng.permutation(client, server_round, "perm", 32),
+            rng.bernoulli_rows([client], [64], server_round, "poisson", [0.5])[0]]
+
+
+def test_the_key_holder_draws_the_same_numbers_and_nobody_else_does():
+    same = draws(keyed())
+    assert all(torch.equal(a, b) for a, b in zip(same, draws(keyed()), strict=True))
+    for other in (keyed(key=bytes(32)), keyed(seed=6), keyed(context="other")):
+        assert not torch.equal(same[0], draws(other)[0])
+        assert not torch.equal(same[1], draws(other)[1])
+    seeded = Randomness(5)
+    assert not torch.equal(same[0], seeded.normal([0], 1, "noise", (32,), torch.ones(1))[0])
+    for moved in (draws(keyed(), client=1), draws(keyed(), server_round=2)):
+        assert not torch.equal(same[0], moved[0])
+
+
+def test_a_client_draws_the_same_keyed_numbers_alone_or_in_a_cohort():
+    rng = keyed()
+    cohort = rng.normal([4, 9, 2], 1, "noise", (100,), torch.tensor([1.0, 2.0, 3.0]))
+    alone = rng.normal([9], 1, "noise", (100,), torch.tensor([2.0]))
+    assert torch.equal(cohort[1], alone[0])
+    together = rng.sample_without_replacement([4, 9], [50, 60], 1, "batch", 5)
+    assert torch.equal(together[1], rng.sample_without_replacement([9], [60], 1, "batch", 5)[0])
+
+
+def test_keyed_draws_have_their_laws():
+    rng = keyed()
+    noise = rng.normal([0, 1, 2], 5, "noise", (200_000,), torch.tensor([0.1, 1.0, 3.0]))
+    assert noise.dtype == torch.float32
+    assert torch.allclose(noise.std(dim=1), torch.tensor([0.1, 1.0, 3.0]), rtol=0.01)
+    assert noise.mean(dim=1).abs().max() < 0.02
+    z = noise[1].double()
+    assert abs(float((z ** 4).mean()) - 3.0) < 0.05  # a Gaussian's fourth moment
+    # each position of a permutation of 10 is equally likely for element 0 over many streams
+    firsts = torch.stack([rng.permutation(0, r, "perm", 10) for r in range(2000)]).eq(0)
+    assert firsts.float().mean(dim=0).sub(0.1).abs().max() < 0.03
+    kept = rng.bernoulli_rows([0], [100_000], 1, "poisson", [0.25])[0]
+    assert abs(len(kept) / 100_000 - 0.25) < 0.005
+    assert torch.equal(kept, kept.sort().values)
+
+
+def test_a_keyed_record_keeps_its_coin_whatever_the_number_of_records():
+    """Add/remove neighbours: a client with one record more keeps the same first records."""
+    rng = keyed()
+    fewer = rng.bernoulli_rows([0], [999], 3, "batch", [0.1])[0]
+    more = rng.bernoulli_rows([0], [1000], 3, "batch", [0.1])[0]
+    assert torch.equal(fewer, more[more < 999])
