@@ -59,20 +59,20 @@ def keystream(key: bytes) -> Source:
     return source
 
 
-def words(n: int, source: Source = os.urandom) -> torch.Tensor:
-    """``n`` int64 words of ``source``'s bytes."""
+def words(n: int, source: Source | None = None) -> torch.Tensor:
+    """``n`` int64 words of ``source``'s bytes (None: the OS CSPRNG, ``os.urandom``)."""
     if not n:
         return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(bytearray(source(8 * n)), dtype=torch.int64)
+    return torch.frombuffer(bytearray((source or os.urandom)(8 * n)), dtype=torch.int64)
 
 
-def secure_uniform(n: int, source: Source = os.urandom) -> torch.Tensor:
+def secure_uniform(n: int, source: Source | None = None) -> torch.Tensor:
     """``n`` float64 uniforms on (0, 1] from ``source`` (the OS CSPRNG): 53 random bits
     each."""
     return ((words(n, source) >> 11) & ((1 << 53) - 1)).double().add_(1.0).mul_(2.0 ** -53)
 
 
-def secure_standard_normal(n: int, source: Source = os.urandom) -> torch.Tensor:
+def secure_standard_normal(n: int, source: Source | None = None) -> torch.Tensor:
     """``n`` float64 N(0, 1) samples from ``source`` (the OS CSPRNG), each the sum of
     :data:`SECURE_SUMMANDS` Box-Muller normals divided by √SECURE_SUMMANDS (Opacus' secure
     mode; arXiv:2107.10138 §5.1)."""
@@ -124,12 +124,12 @@ class Randomness:
         gen.manual_seed(self.key(client, server_round, purpose))
         return gen
 
-    def source(self, client: int, server_round: int, purpose: str) -> Source:
+    def source(self, client: int, server_round: int, purpose: str) -> Source | None:
         """Where the secure draws of stream (client, round, purpose) come from: the keystream
-        under HMAC-SHA256 of the stream's name under the node's secret (keyed), or the OS
+        under HMAC-SHA256 of the stream's name under the node's secret (keyed), or None: the OS
         CSPRNG (secure)."""
         if self.secure:
-            return os.urandom
+            return None
         if self._secret is None:
             raise RuntimeError("seeded randomness draws from its generators")
         text = f"dpfl/{self.seed}/{self.context}/{client}/{server_round}/{purpose}".encode()
