@@ -145,9 +145,8 @@ class Randomness:
         scale = std.reshape(-1, *([1] * len(shape)))
         if self.mode != "seeded":
             n = math.prod(shape)
-            rows = (secure_standard_normal(len(clients) * n) if self.secure else
-                    torch.cat([secure_standard_normal(n, self.source(c, server_round, purpose))
-                               for c in clients]) if clients else torch.empty(0))
+            rows = torch.cat([secure_standard_normal(n, self.source(c, server_round, purpose))
+                              for c in clients] or [torch.empty(0, dtype=torch.float64)])
             rows = rows.reshape(len(clients), *shape)
             return (rows * scale.to(dtype=torch.float64, device="cpu")).to(dtype).to(device)
         noise = torch.empty((len(clients), *shape), dtype=dtype)
