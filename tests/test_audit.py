@@ -112,21 +112,47 @@ def test_the_audit_never_refutes_an_algorithms_ledger(name):
         assert result.gaussian.epsilon_lower <= result.epsilon_ledger
 
 
+#: runs a side of the tightness test, and the two-sided confidence of its interval: μ's standard
+#: error is about 0.032 there (6% of μ ≈ 0.52 at ε = 2), so the interval spans about ±21% of
+#: the ledger's ε, and a correct algorithm and audit leave the ledger outside it in one draw of
+#: a thousand
+TIGHT_TRIALS = 2000
+TIGHT_CONFIDENCE = 0.999
+
+
+def standardised_difference(out: np.ndarray, inn: np.ndarray) -> tuple[float, float]:
+    """μ̂ = |mean difference| / pooled std and its large-sample standard error (Hedges & Olkin
+    1985, eq. 5.15), recomputed here from the scores."""
+    n, m = len(out), len(inn)
+    pooled = math.sqrt(((n - 1) * out.var(ddof=1) + (m - 1) * inn.var(ddof=1)) / (n + m - 2))
+    mu = abs(inn.mean() - out.mean()) / pooled
+    return mu, math.sqrt(1 / n + 1 / m + mu ** 2 / (2 * (n + m)))
+
+
 @pytest.mark.parametrize("name", ["dpsgd-gc", "dp-sgd", "dp-fedavg", "pcdp-sgd", "dp-scaffold",
                                   "rpdp-sgd", "dp-fedavg-quantile"])
 def test_the_gradient_canary_is_tight(name):
-    """Tightness: with the gradient canary in every step, the Gaussian-DP fit's ε is within
-    20% of the ledger's at ε = 2 (1,000 runs a side: μ's standard error is about 0.05, 8% of
-    ε), for replace-one (DPSGD-GC, DP-FedAvg) as for add/remove (DP-SGD) neighbours, for
-    a projection onto public gradients that carry the canary's coordinate (PCDP-SGD), for
-    DP-SCAFFOLD scored on its control variates (:class:`dpfl.audit.ControlVariateScorer`),
-    RPDP-SGD at k' = d (:data:`WHOLE_BUDGET`) and client-level DP-FedAvg-quantile with the
-    counted canary client scored on both its releases (:class:`dpfl.audit.ReleaseScorer`),
-    and its lower confidence bound is not above the ledger's."""
-    result = reduced_audit(name, trials=1000, **WHOLE_BUDGET.get(name, {}))
-    fitted = result.gaussian
-    assert 0.8 * result.epsilon_ledger <= fitted.epsilon <= 1.2 * result.epsilon_ledger
-    assert fitted.epsilon_lower <= result.epsilon_ledger
+    """Tightness: with the gradient canary in every step, the ledger's ε lies inside the
+    Gaussian-DP fit's two-sided 99.9% confidence interval, and that interval is at most half
+    of it wide (:data:`TIGHT_TRIALS` runs a side; the ledger by the PRV accountant, numerically
+    tight for these Gaussian releases where RDP's ε is 5–10% above the exact one), for
+    replace-one (DPSGD-GC, DP-FedAvg) as for add/remove (DP-SGD) neighbours, for a projection
+    onto public gradients that carry the canary's coordinate (PCDP-SGD), for DP-SCAFFOLD scored
+    on its control variates (:class:`dpfl.audit.ControlVariateScorer`), RPDP-SGD at k' = d
+    (:data:`WHOLE_BUDGET`) and client-level DP-FedAvg-quantile with the counted canary client
+    scored on both its releases (:class:`dpfl.audit.ReleaseScorer`). It tests the estimator,
+    not one draw: a change of seeded streams moves the fit within its interval."""
+    result = reduced_audit(name, trials=TIGHT_TRIALS, accountant="prv",
+                           **WHOLE_BUDGET.get(name, {}))
+    ledger, fitted = result.epsilon_ledger, result.gaussian
+    mu, stderr = standardised_difference(result.scores_out, result.scores_in)
+    assert math.isclose(fitted.mu, mu, rel_tol=1e-9)
+    z = float(norm.ppf((1 + TIGHT_CONFIDENCE) / 2))
+    low, high = (gaussian_dp_epsilon(mu - z * stderr, result.delta),
+                 gaussian_dp_epsilon(mu + z * stderr, result.delta))
+    assert low <= ledger <= high
+    assert high - low <= 0.5 * ledger
+    assert fitted.epsilon_lower <= ledger
     assert abs(fitted.std_ratio - 1) < 0.1
 
 
@@ -232,8 +258,9 @@ def test_the_gaussian_fit_catches_a_fifth_less_noise(name, monkeypatch):
 
 
 #: where halved noise is caught at 200 runs a side by a margin under 0.5 in ε, 1,000 runs
-HALF_NOISE_TRIALS = {"adaptdp-fedavg": 1000, "fedpcdp": 1000,
-                     "fedpdp": 1000, "pcdp-sgd": 1000, "pdp-sgd": 1000, "rsdp-sgd": 1000}
+HALF_NOISE_TRIALS = {"adaptdp-fedavg": 1000, "dp-fedavg": 1000, "dp-scaffold": 1000,
+                     "dp-sgd": 1000, "fedpcdp": 1000, "fedpdp": 1000, "pcdp-sgd": 1000,
+                     "pdp-sgd": 1000, "rsdp-sgd": 1000}
 
 
 @pytest.mark.parametrize("name", [n for n in ALGORITHMS.names()

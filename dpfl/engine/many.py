@@ -99,9 +99,9 @@ class FoldRandomness(Randomness):
         super().__init__(streams[0][0].seed, secure=streams[0][0].secure)
         self.streams = list(streams)
 
-    def key(self, client: int, server_round: int, purpose: str) -> int:
+    def digest(self, client: int, server_round: int, purpose: str) -> bytes:
         rng, own = self.streams[client]
-        return rng.key(own, server_round, purpose)
+        return rng.digest(own, server_round, purpose)
 
 
 @dataclass

@@ -5,7 +5,11 @@ comes from :class:`Randomness`. Seeded (the default), each draw comes from a gen
 the run seed, the client id, the round and a purpose string: streams are independent across
 clients, rounds and purposes, and a client draws the same numbers whether it runs alone in a
 Flower ClientApp or batched with others in the engine. Anyone who knows the seed can regenerate
-them: seeded randomness is for simulation and research.
+them: seeded randomness is for simulation and research. A stream's generator is torch's mt19937
+with its 624 state words made from the SHA-256 of the stream's name (:func:`seeded_generator`),
+not seeded through ``manual_seed``, which keeps only the low 32 bits of a seed: two of a run's
+streams would then draw the same numbers whenever their seeds agreed in those bits, about S²/2³³
+pairs among S streams, and two releases of one client would carry the same noise.
 
 With ``secure=True`` (run-config ``secure-noise``) no draw touches a seeded generator: every
 uniform, permutation and Gaussian comes from the operating system's CSPRNG (``os.urandom``,
@@ -30,6 +34,7 @@ other settings draw independent noise.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import math
@@ -49,6 +54,40 @@ _SYSTEM = secrets.SystemRandom()
 
 #: where a secure draw's random bytes come from: ``source(n)`` gives ``n`` bytes
 Source = Callable[[int], bytes]
+
+
+#: mt19937's state words: 624, kept as 64-bit words after the state's initial seed (8 bytes),
+#: its position ``left`` and ``seeded`` flag (4 bytes each) and ``next`` (8 bytes), in the bytes
+#: of torch's CPU generator state (:func:`mt19937_state`)
+MT_WORDS = 624
+MT_OFFSET = 24
+
+
+@functools.cache
+def mt19937_state() -> np.ndarray:
+    """The bytes of a freshly seeded CPU generator's state (next draw: a twist of the words),
+    checked against mt19937's own initialisation of seed 5489 so that a layout torch changed
+    stops every seeded draw in one line rather than drawing from the wrong bytes."""
+    state = torch.Generator().manual_seed(5489).get_state().numpy().copy()
+    expected = [5489]
+    for i in range(1, 4):
+        expected.append((1812433253 * (expected[-1] ^ (expected[-1] >> 30)) + i) & 0xFFFF_FFFF)
+    found = state[MT_OFFSET:MT_OFFSET + 32].view("<u8").tolist()
+    if found != expected or len(state) < MT_OFFSET + 8 * MT_WORDS:
+        raise RuntimeError(f"torch {torch.__version__}'s CPU generator state is not laid out as "
+                           f"dpfl's seeded streams expect (mt19937 words at byte {MT_OFFSET})")
+    return state
+
+
+def seeded_generator(digest: bytes) -> torch.Generator:
+    """A CPU generator whose mt19937 state is 624 words of SHAKE-128 of ``digest``: every bit of
+    the digest decides its draws."""
+    state = mt19937_state().copy()
+    state[MT_OFFSET:MT_OFFSET + 8 * MT_WORDS].view("<u8")[:] = np.frombuffer(
+        hashlib.shake_128(digest).digest(4 * MT_WORDS), dtype="<u4")
+    gen = torch.Generator()
+    gen.set_state(torch.from_numpy(state))
+    return gen
 
 
 def keystream(key: bytes) -> Source:
@@ -108,21 +147,23 @@ class Randomness:
         """One of :data:`MODES`."""
         return "secure" if self.secure else "keyed" if self._secret is not None else "seeded"
 
-    def key(self, client: int, server_round: int, purpose: str) -> int:
-        """The 63-bit seed of stream (client, round, purpose) (seeded randomness only: keyed
-        and secure draws never seed a generator)."""
+    def digest(self, client: int, server_round: int, purpose: str) -> bytes:
+        """The SHA-256 of seeded stream (client, round, purpose)'s name (seeded randomness
+        only: keyed and secure draws never come from a generator)."""
         if self.mode != "seeded":
             raise RuntimeError(f"{self.mode} randomness has no seeded streams: draw through "
                                f"Randomness' methods")
-        text = f"dpfl/{self.seed}/{client}/{server_round}/{purpose}".encode()
-        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+        return hashlib.sha256(f"dpfl/{self.seed}/{client}/{server_round}/{purpose}".encode()
+                              ).digest()
 
-    def generator(self, client: int, server_round: int, purpose: str,
-                  device: torch.device | str = "cpu") -> torch.Generator:
+    def key(self, client: int, server_round: int, purpose: str) -> int:
+        """A 63-bit number of stream (client, round, purpose)'s digest, a seed for another
+        run's randomness (streams draw from their whole digest: :meth:`generator`)."""
+        return int.from_bytes(self.digest(client, server_round, purpose)[:8], "little") >> 1
+
+    def generator(self, client: int, server_round: int, purpose: str) -> torch.Generator:
         """The seeded generator of stream (client, round, purpose)."""
-        gen = torch.Generator(device=device)
-        gen.manual_seed(self.key(client, server_round, purpose))
-        return gen
+        return seeded_generator(self.digest(client, server_round, purpose))
 
     def source(self, client: int, server_round: int, purpose: str) -> Source | None:
         """Where the secure draws of stream (client, round, purpose) come from: the keystream

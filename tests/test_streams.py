@@ -1,13 +1,16 @@
-"""Keyed randomness (a node's secret): every draw from a ChaCha20 keystream under the stream's
-HMAC, never from a seeded torch generator, whose seed keeps only 32 bits."""
+"""Random streams: a seeded stream's generator gets its whole state from the stream's digest,
+a keyed stream (a node's secret) is a ChaCha20 keystream under the stream's HMAC; neither goes
+through torch's ``manual_seed``, which keeps only 32 bits of a seed."""
 
 import hashlib
 import hmac
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
-from dpfl.privacy.randomness import Randomness
+from dpfl.privacy.randomness import MT_OFFSET, MT_WORDS, Randomness, mt19937_state
 
 KEY = bytes(range(32))
 
@@ -26,28 +29,63 @@ def test_a_torch_generator_keeps_only_the_low_32_bits_of_its_seed():
     assert torch.equal(draw(12345), draw(12345 + 2 ** 40))
 
 
-def test_streams_whose_seeds_shared_32_bits_draw_different_noise():
-    """Two purposes of one client and round whose HMAC seeds (as dpfl derived them until
-    2026-12-06: the digest's first 8 bytes, shifted right once) agree in the low 32 bits, found
-    by a birthday search: seeded generators gave both streams the same noise; keystreams do
-    not."""
+def colliding_purposes(digest: Callable[[str], bytes]) -> tuple[str, str]:
+    """Two purposes whose seeds as dpfl derived them until 2026-12-06 (a stream digest's first
+    8 bytes, shifted right once) agree in the low 32 bits, by a birthday search: a generator
+    seeded with either drew the same numbers."""
     seen: dict[int, str] = {}
     for i in range(1_000_000):
         purpose = f"noise-{i}"
-        text = f"dpfl/5/run/3/7/{purpose}".encode()
-        seed = int.from_bytes(hmac.new(KEY, text, hashlib.sha256).digest()[:8], "little") >> 1
-        low = seed & 0xFFFF_FFFF
+        low = (int.from_bytes(digest(purpose)[:8], "little") >> 1) & 0xFFFF_FFFF
         if low in seen:
-            first, second = seen[low], purpose
-            break
+            return seen[low], purpose
         seen[low] = purpose
+    pytest.fail("no 32-bit collision among a million streams")
+
+
+@pytest.mark.parametrize("mode", ["seeded", "keyed"])
+def test_streams_whose_seeds_shared_32_bits_draw_different_noise(mode):
+    """Such a pair of one client and round gave two releases the same noise; now each stream's
+    draws depend on its whole digest."""
+    if mode == "seeded":
+        rng = Randomness(5)
+        def digest(purpose: str) -> bytes:
+            return hashlib.sha256(f"dpfl/5/3/7/{purpose}".encode()).digest()
     else:
-        pytest.fail("no 32-bit collision among a million streams")
-    rng = keyed()
+        rng = keyed()
+        def digest(purpose: str) -> bytes:
+            return hmac.new(KEY, f"dpfl/5/run/3/7/{purpose}".encode(), hashlib.sha256).digest()
+    first, second = colliding_purposes(digest)
     a = rng.normal([3], 7, first, (64,), torch.ones(1))
     b = rng.normal([3], 7, second, (64,), torch.ones(1))
     assert not torch.equal(a, b)
     assert (a - b).abs().max() > 0.1
+    assert not torch.equal(rng.permutation(3, 7, first, 100), rng.permutation(3, 7, second, 100))
+
+
+def init_genrand(seed: int) -> list[int]:
+    """mt19937's state words for a 32-bit ``seed`` (Matsumoto & Nishimura's init_genrand)."""
+    words = [seed & 0xFFFF_FFFF]
+    for i in range(1, MT_WORDS):
+        words.append((1812433253 * (words[-1] ^ (words[-1] >> 30)) + i) & 0xFFFF_FFFF)
+    return words
+
+
+def test_the_generator_state_is_laid_out_as_seeded_streams_write_it():
+    """Words written where seeded streams write them draw what torch's own seeding of those
+    words draws: the layout the streams rely on, pinned."""
+    state = mt19937_state()
+    assert state[MT_OFFSET:MT_OFFSET + 8 * MT_WORDS].view("<u8").tolist() == init_genrand(5489)
+    for seed in (0, 1, 2 ** 31 + 7):
+        written = state.copy()
+        written[MT_OFFSET:MT_OFFSET + 8 * MT_WORDS].view("<u8")[:] = np.asarray(
+            init_genrand(seed), dtype=np.uint32)
+        gen = torch.Generator()
+        gen.set_state(torch.from_numpy(written))
+        reference = torch.Generator().manual_seed(seed)
+        assert torch.equal(torch.randn(100, generator=gen), torch.randn(100, generator=reference))
+        assert torch.equal(torch.randperm(50, generator=gen),
+                           torch.randperm(50, generator=reference))
 
 
 def test_keyed_draws_use_no_torch_generator(monkeypatch):
