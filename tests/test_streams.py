@@ -155,3 +155,31 @@ def test_a_keyed_record_keeps_its_coin_whatever_the_number_of_records():
     fewer = rng.bernoulli_rows([0], [999], 3, "batch", [0.1])[0]
     more = rng.bernoulli_rows([0], [1000], 3, "batch", [0.1])[0]
     assert torch.equal(fewer, more[more < 999])
+
+
+@pytest.mark.parametrize("mode", ["seeded", "keyed", "secure"])
+def test_a_batch_is_a_uniform_subset_drawn_in_o_of_k(mode, monkeypatch):
+    """Every 3-subset of 6 positions equally likely (χ² over 20 subsets, 6,000 streams), the
+    complement route above k = n/2 too (4 of 6), positions increasing and distinct; a batch of 64
+    of 6,000 records reads about 72 uniforms of its stream, not 6,000."""
+    from itertools import combinations
+
+    from scipy.stats import chisquare
+
+    rng = {"seeded": Randomness(5), "keyed": keyed(), "secure": Randomness(5, secure=True)}[mode]
+    for k in (3, 4):
+        subsets = {s: i for i, s in enumerate(combinations(range(6), k))}
+        counts = np.zeros(len(subsets))
+        for r in range(6000):
+            picks = rng.sample_without_replacement([0], [6], r, "batch", k)[0].tolist()
+            assert picks == sorted(set(picks))
+            counts[subsets[tuple(picks)]] += 1
+        assert chisquare(counts).pvalue > 1e-3
+    assert rng.sample_without_replacement([0], [6], 1, "batch", 6)[0].tolist() == list(range(6))
+    assert len(rng.sample_without_replacement([0], [6], 1, "batch", 0)[0]) == 0
+    read = []
+    real = Randomness.uniform
+    monkeypatch.setattr(Randomness, "uniform", lambda self, *args: read.append(args[-1]) or
+                        real(self, *args))
+    batch = rng.sample_without_replacement([0], [6000], 1, "batch", 64)[0]
+    assert len(batch) == 64 and len(set(batch.tolist())) == 64 and read == [72]

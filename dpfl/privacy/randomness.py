@@ -123,6 +123,33 @@ def secure_standard_normal(n: int, source: Source | None = None) -> torch.Tensor
     return normals.reshape(SECURE_SUMMANDS, n).sum(dim=0).div_(math.sqrt(SECURE_SUMMANDS))
 
 
+def first_distinct(n: int, k: int, uniforms: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """``k`` distinct positions of ``range(n)``, increasing, every k-subset equally likely: the
+    first k distinct values of the positions ⌊u·n⌋ of a stream's uniforms u on [0, 1)
+    (``uniforms(m)``: its first m), a repeat skipped — sequential sampling without replacement,
+    whose first k distinct draws are a uniform k-subset. Above k = n/2 the n − k positions left
+    out are drawn so. About k + k²/2n uniforms (the rounding of u·n favours no position by more
+    than n·2⁻⁵³)."""
+    if not 0 <= k <= n:
+        raise ValueError(f"cannot draw {k} distinct positions of {n}")
+    drop = k > n // 2
+    want = n - k if drop else k
+    m = want + want * want // max(n, 1) + 8
+    while True:
+        picks = (uniforms(m).numpy() * n).astype(np.int64)  # ⌊u·n⌋ < n: u·n rounds below n
+        chosen = np.sort(picks[:want])
+        if want < 2 or (chosen[1:] != chosen[:-1]).all():  # no repeat: the usual case
+            break
+        _, first = np.unique(picks, return_index=True)
+        if len(first) >= want:
+            chosen = np.sort(picks[np.sort(first)[:want]])
+            break
+        m *= 2
+    if drop:
+        chosen = np.setdiff1d(np.arange(n), chosen, assume_unique=True)
+    return torch.from_numpy(chosen)
+
+
 #: where the draws come from, weakest first: the run's seed (anyone who knows it can regenerate
 #: them), a keystream under a node's secret key (only the key's holder can), the OS CSPRNG
 #: (nobody)
@@ -210,13 +237,23 @@ class Randomness:
                                  stable=True)
         return torch.randperm(n, generator=self.generator(client, server_round, purpose))
 
+    def uniform(self, client: int, server_round: int, purpose: str, n: int) -> torch.Tensor:
+        """The first ``n`` float64 uniforms of stream (client, round, purpose) on [0, 1), 53
+        random bits each (a longer draw of a seeded or keyed stream begins with them; secure
+        draws are fresh every call)."""
+        if self.mode == "seeded":
+            gen = self.generator(client, server_round, purpose)
+            return torch.rand(n, generator=gen, dtype=torch.float64)
+        # 1 − u of a uniform on (0, 1] that is a multiple of 2⁻⁵³: exact
+        return secure_uniform(n, self.source(client, server_round, purpose)).neg_().add_(1.0)
+
     def sample_without_replacement(self, clients: Sequence[int], sizes: Sequence[int],
                                    server_round: int, purpose: str, k: int) -> list[torch.Tensor]:
-        """For each client, ``k`` distinct positions drawn uniformly from ``range(size)``."""
-        if self.secure:
-            return [torch.tensor(_SYSTEM.sample(range(size), k), dtype=torch.long)
-                    for size in sizes]
-        return [self.permutation(client, server_round, purpose, size)[:k]
+        """For each client, ``k`` distinct positions of ``range(size)``, every k-subset equally
+        likely, increasing (:func:`first_distinct` of its stream's uniforms: O(k) draws where
+        a permutation of the whole partition takes O(size))."""
+        return [first_distinct(size, k, functools.partial(self.uniform, client, server_round,
+                                                          purpose))
                 for client, size in zip(clients, sizes, strict=True)]
 
     def bernoulli_rows(self, clients: Sequence[int], sizes: Sequence[int], server_round: int,
