@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from dpfl.privacy.randomness import MT_OFFSET, MT_WORDS, Randomness, mt19937_state
+from dpfl.privacy.randomness import (
+    MT_OFFSET,
+    MT_WORDS,
+    Randomness,
+    first_distinct,
+    mt19937_state,
+)
 
 KEY = bytes(range(32))
 
@@ -159,27 +165,36 @@ def test_a_keyed_record_keeps_its_coin_whatever_the_number_of_records():
 
 @pytest.mark.parametrize("mode", ["seeded", "keyed", "secure"])
 def test_a_batch_is_a_uniform_subset_drawn_in_o_of_k(mode, monkeypatch):
-    """Every 3-subset of 6 positions equally likely (χ² over 20 subsets, 6,000 streams), the
-    complement route above k = n/2 too (4 of 6), positions increasing and distinct; a batch of 64
-    of 6,000 records reads about 72 uniforms of its stream, not 6,000."""
+    """Every subset equally likely (χ² over 6,000 streams): 2 of 16 (the sparse route, k ≤ n/8:
+    the first distinct positions of the stream's uniforms, increasing), 3 of 6 (a permutation's
+    prefix), and 3 and 4 of 6 by :func:`first_distinct` itself, where repeats are frequent; a
+    batch of 64 of 6,000 records reads 72 uniforms of its stream, not a permutation of 6,000."""
     from itertools import combinations
 
     from scipy.stats import chisquare
 
     rng = {"seeded": Randomness(5), "keyed": keyed(), "secure": Randomness(5, secure=True)}[mode]
-    for k in (3, 4):
-        subsets = {s: i for i, s in enumerate(combinations(range(6), k))}
+    draws = {
+        (16, 2): lambda r: rng.sample_without_replacement([0], [16], r, "batch", 2)[0].tolist(),
+        (6, 3): lambda r: sorted(rng.sample_without_replacement([0], [6], r, "batch", 3)[0]
+                                 .tolist()),
+        **{(6, k): lambda r, k=k: first_distinct(
+            6, k, lambda m: rng.uniform(0, r, "batch", m)).tolist() for k in (3, 4)}}
+    for (n, k), draw in draws.items():
+        subsets = {s: i for i, s in enumerate(combinations(range(n), k))}
         counts = np.zeros(len(subsets))
         for r in range(6000):
-            picks = rng.sample_without_replacement([0], [6], r, "batch", k)[0].tolist()
+            picks = draw(r)
             assert picks == sorted(set(picks))
             counts[subsets[tuple(picks)]] += 1
-        assert chisquare(counts).pvalue > 1e-3
-    assert rng.sample_without_replacement([0], [6], 1, "batch", 6)[0].tolist() == list(range(6))
+        assert chisquare(counts).pvalue > 1e-3, (n, k)
+    assert sorted(rng.sample_without_replacement([0], [6], 1, "b", 6)[0].tolist()) == [*range(6)]
     assert len(rng.sample_without_replacement([0], [6], 1, "batch", 0)[0]) == 0
+    with pytest.raises(ValueError, match="cannot draw 7 distinct positions of 6"):
+        rng.sample_without_replacement([0], [6], 1, "batch", 7)
     read = []
     real = Randomness.uniform
     monkeypatch.setattr(Randomness, "uniform", lambda self, *args: read.append(args[-1]) or
                         real(self, *args))
-    batch = rng.sample_without_replacement([0], [6000], 1, "batch", 64)[0]
-    assert len(batch) == 64 and len(set(batch.tolist())) == 64 and read == [72]
+    batch = rng.sample_without_replacement([0], [6000], 1, "batch", 64)[0].tolist()
+    assert batch == sorted(set(batch)) and len(batch) == 64 and read == [72]

@@ -12,8 +12,8 @@ streams would then draw the same numbers whenever their seeds agreed in those bi
 pairs among S streams, and two releases of one client would carry the same noise.
 
 With ``secure=True`` (run-config ``secure-noise``) no draw touches a seeded generator: every
-uniform, permutation and Gaussian comes from the operating system's CSPRNG (``os.urandom``,
-``secrets``), and Gaussian noise is made resistant to floating-point attacks the way Opacus'
+uniform, permutation and Gaussian comes from the operating system's CSPRNG (``os.urandom``),
+and Gaussian noise is made resistant to floating-point attacks the way Opacus'
 ``secure_mode`` does it (each sample is the sum of four standard normals divided by two, in
 float64, before the cast to the message's dtype): Holohan & Braghin, "Secure Random Sampling in
 Differential Privacy", arXiv:2107.10138, §5.1; the attack on Gaussian DP-SGD is Jin et al.,
@@ -39,7 +39,6 @@ import hashlib
 import hmac
 import math
 import os
-import secrets
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -48,8 +47,6 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 SERVER = -1  # the client id used for the server's own draws (client sampling)
 SECURE_SUMMANDS = 4  # standard normals summed (then halved) per secure Gaussian sample
-
-_SYSTEM = secrets.SystemRandom()
 
 
 #: where a secure draw's random bytes come from: ``source(n)`` gives ``n`` bytes
@@ -123,31 +120,24 @@ def secure_standard_normal(n: int, source: Source | None = None) -> torch.Tensor
     return normals.reshape(SECURE_SUMMANDS, n).sum(dim=0).div_(math.sqrt(SECURE_SUMMANDS))
 
 
+#: a batch of b of n records is drawn as :func:`first_distinct` positions where b ≤ n/8 (about
+#: b + b²/2n uniforms, almost no repeats), as the first b of a permutation of all n above
+SPARSE_BATCH = 8
+
+
 def first_distinct(n: int, k: int, uniforms: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """``k`` distinct positions of ``range(n)``, increasing, every k-subset equally likely: the
     first k distinct values of the positions ⌊u·n⌋ of a stream's uniforms u on [0, 1)
     (``uniforms(m)``: its first m), a repeat skipped — sequential sampling without replacement,
-    whose first k distinct draws are a uniform k-subset. Above k = n/2 the n − k positions left
-    out are drawn so. About k + k²/2n uniforms (the rounding of u·n favours no position by more
-    than n·2⁻⁵³)."""
-    if not 0 <= k <= n:
-        raise ValueError(f"cannot draw {k} distinct positions of {n}")
-    drop = k > n // 2
-    want = n - k if drop else k
-    m = want + want * want // max(n, 1) + 8
+    whose first k distinct draws are a uniform k-subset. About k + k²/2n uniforms (the rounding
+    of u·n favours no position by more than n·2⁻⁵³; ⌊u·n⌋ < n for u < 1)."""
+    m = k + k * k // max(n, 1) + 8
     while True:
-        picks = (uniforms(m).numpy() * n).astype(np.int64)  # ⌊u·n⌋ < n: u·n rounds below n
-        chosen = np.sort(picks[:want])
-        if want < 2 or (chosen[1:] != chosen[:-1]).all():  # no repeat: the usual case
-            break
-        _, first = np.unique(picks, return_index=True)
-        if len(first) >= want:
-            chosen = np.sort(picks[np.sort(first)[:want]])
-            break
+        # a dict keeps each position's first draw, in the order drawn
+        picks = list(dict.fromkeys((uniforms(m) * n).long().tolist()))
+        if len(picks) >= k:
+            return torch.tensor(sorted(picks[:k]), dtype=torch.long)
         m *= 2
-    if drop:
-        chosen = np.setdiff1d(np.arange(n), chosen, assume_unique=True)
-    return torch.from_numpy(chosen)
 
 
 #: where the draws come from, weakest first: the run's seed (anyone who knows it can regenerate
@@ -226,13 +216,10 @@ class Randomness:
         return noise.to(device)
 
     def permutation(self, client: int, server_round: int, purpose: str, n: int) -> torch.Tensor:
-        """A uniformly random permutation of ``range(n)`` (int64) from the stream (keyed: the
-        order of n random 64-bit words, uniform but where two words tie, about n²/2⁶⁵)."""
-        if self.secure:
-            order = list(range(n))
-            _SYSTEM.shuffle(order)
-            return torch.tensor(order, dtype=torch.long)
-        if self.mode == "keyed":
+        """A uniformly random permutation of ``range(n)`` (int64) from the stream (keyed and
+        secure: the order of n random 64-bit words, uniform but where two words tie, about
+        n²/2⁶⁵)."""
+        if self.mode != "seeded":
             return torch.argsort(words(n, self.source(client, server_round, purpose)),
                                  stable=True)
         return torch.randperm(n, generator=self.generator(client, server_round, purpose))
@@ -250,11 +237,17 @@ class Randomness:
     def sample_without_replacement(self, clients: Sequence[int], sizes: Sequence[int],
                                    server_round: int, purpose: str, k: int) -> list[torch.Tensor]:
         """For each client, ``k`` distinct positions of ``range(size)``, every k-subset equally
-        likely, increasing (:func:`first_distinct` of its stream's uniforms: O(k) draws where
-        a permutation of the whole partition takes O(size))."""
-        return [first_distinct(size, k, functools.partial(self.uniform, client, server_round,
-                                                          purpose))
-                for client, size in zip(clients, sizes, strict=True)]
+        likely: where ``k`` is at most a :data:`SPARSE_BATCH`-th of ``size``, the increasing
+        :func:`first_distinct` positions of its stream's uniforms (O(k) draws), else the first
+        ``k`` of the stream's permutation of ``range(size)``."""
+        out = []
+        for client, size in zip(clients, sizes, strict=True):
+            if not 0 <= k <= size:
+                raise ValueError(f"cannot draw {k} distinct positions of {size}")
+            out.append(first_distinct(size, k, functools.partial(
+                self.uniform, client, server_round, purpose)) if SPARSE_BATCH * k <= size else
+                self.permutation(client, server_round, purpose, size)[:k])
+        return out
 
     def bernoulli_rows(self, clients: Sequence[int], sizes: Sequence[int], server_round: int,
                        purpose: str, rates: Sequence[float]) -> list[torch.Tensor]:
