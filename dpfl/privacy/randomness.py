@@ -257,10 +257,7 @@ class Randomness:
         (add/remove neighbours) keeps the same first ``size`` records."""
         out = []
         for client, size, rate in zip(clients, sizes, rates, strict=True):
-            coins = (secure_uniform(size, self.source(client, server_round, purpose))
-                     if self.mode != "seeded" else
-                     torch.rand(size, generator=self.generator(client, server_round, purpose),
-                                dtype=torch.float64))
+            coins = self.uniform(client, server_round, purpose, size)
             # NumPy's scan for the kept positions: the same int64 positions, a third of the time
             out.append(torch.from_numpy(np.flatnonzero(coins.numpy() < rate)))
         return out
