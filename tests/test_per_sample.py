@@ -507,6 +507,46 @@ def test_a_group_taken_jointly_equals_its_clients_alone_bitwise(name, batch):
     assert len(records) == (1 if verdicts["mean"] else 6) + (2 if verdicts["difference"] else 12)
 
 
+@pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic"])
+def test_a_ragged_batch_gives_each_client_its_own_records_alone_bitwise(name):
+    """Poisson batches come ragged: client c's records are the first ``lengths[c]`` of its row
+    and the rest is padding. Each client's clipped mean (divided by the public b, not its own
+    length), norms, losses, clipped difference mean and per-sample norms equal those of its
+    own records alone, bit for bit (a Flower node's call), whatever the padding holds (NaN
+    here) and however the others' lengths fall; a client without records gets zeros, and
+    the padding's norms are 0."""
+    lengths, b = [5, 0, 2, 5, 3], 4  # the longest first and fourth: a layout of whole rows
+    flat_model, flat, x, y = _setup(name, clients=5, batch=5, seed=3)
+    padded_x = x.clone()
+    for c, n in enumerate(lengths):
+        padded_x[c, n:] = float("nan")
+    difference = dict(clip=0.2, clip_diff=0.05, gamma=0.5)
+    for _ in range(2):  # a joint layout's verdict is taken on the first call, used on the second
+        losses = torch.zeros(5, 5)
+        means, norms = flat_model.clipped_mean(flat, padded_x, y, 0.1, losses=losses,
+                                               lengths=lengths, divisor=b)
+        increments = flat_model.clipped_difference_mean(flat, flat * 0.9, padded_x, y,
+                                                        lengths=lengths, divisor=b, **difference)
+        only_norms = flat_model.per_sample_norms(flat, padded_x, y, lengths=lengths)
+        for c, n in enumerate(lengths):
+            assert torch.equal(norms[c, n:], torch.zeros(5 - n))
+            assert torch.equal(only_norms[c], norms[c])
+            if n == 0:
+                assert not means[c].any() and not increments[c].any()
+                continue
+            own_x, own_y = x[c:c + 1, :n], y[c:c + 1, :n]
+            own_losses = torch.zeros(1, n)
+            mean, own_norms = flat_model.clipped_mean(flat, own_x, own_y, 0.1, losses=own_losses,
+                                                      divisor=b)
+            assert torch.equal(means[c], mean[0]) and torch.equal(norms[c, :n], own_norms[0])
+            assert torch.equal(losses[c, :n], own_losses[0])
+            assert torch.equal(increments[c], flat_model.clipped_difference_mean(
+                flat, flat * 0.9, own_x, own_y, divisor=b, **difference)[0])
+    # the divisor is the public b: the sum of the client's clipped gradients over b
+    full = flat_model.clipped_mean(flat, x[:1], y[:1], 0.1)[0][0]
+    assert _close(means[0], full * 5 / b)
+
+
 def test_clients_at_points_of_the_same_bits_share_a_tape():
     """Per-client points ``[C, d]`` (a round of local steps) whose rows hold the same bits, as
     every client's do at the round's first step, are taken as one point: the group may share a

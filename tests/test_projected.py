@@ -14,6 +14,7 @@ import torch
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis import rdp as rdp_analysis
 
+from dpfl.algorithms.base import Batches
 from dpfl.algorithms.projected import Basis, top_eigenspace
 from dpfl.algorithms.subspace import GradientBasis
 from dpfl.datasets import load_dataset
@@ -122,7 +123,7 @@ def _by_hand(problem, after_clipping=False):
     cohort = problem.full_cohort()
     steps, coords = [], []
     rates = [hp.batch_size / n for n in cohort.sizes]  # the releases' sample rate b/n
-    for (xb, yb) in cohort.poisson(Randomness(0), 1, "batch-0", rates):
+    for (xb, yb) in Batches(hp.batch_size, *cohort.poisson(Randomness(0), 1, "batch-0", rates)):
         g = model.per_sample_gradients(x0, xb.unsqueeze(0), yb.unsqueeze(0))[0]
         if after_clipping:
             clipped = g * clip_factors(torch.linalg.vector_norm(g, dim=1), hp.clip)[:, None]
@@ -560,7 +561,8 @@ def test_dp_fedprox_clips_the_gradient_plus_the_proximal_term(tmp_path):
     cohort = problem.full_cohort()
     point = x0
     for k in range(2):
-        (xb, yb), = cohort.poisson(Randomness(0), 1, f"batch-{k}", [60 / cohort.sizes[0]])
+        (xb, yb), = Batches(60, *cohort.poisson(Randomness(0), 1, f"batch-{k}",
+                                                [60 / cohort.sizes[0]]))
         g = model.per_sample_gradients(point, xb.unsqueeze(0), yb.unsqueeze(0))[0]
         g = g + 3.0 * (point - x0)
         g = g * clip_factors(torch.linalg.vector_norm(g, dim=1), 0.5)[:, None]

@@ -83,6 +83,7 @@ from dpfl.algorithms.local_dpsgd import (
 )
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import Param, at_least, hyperparameter, open_unit, positive
+from dpfl.models.rows import record_means
 from dpfl.privacy import CALIBRATIONS, Query, Target, clip_by_norm
 from dpfl.privacy.subsampled_rdp import noise_size
 
@@ -205,10 +206,14 @@ class AdaptDPFedAvg(FederatedDPSGD[AdaptDPFedAvgHyperparameters]):
                            empty=(torch.zeros(1, dtype=torch.float64),), device=ctx.device)
         return {"s": s.float().cpu()}, states
 
-    def statistic(self, xb: Tensor, yb: Tensor, x: Tensor) -> tuple[Tensor]:
-        """``[C, 1]``: the mean of min(‖∇ℓ_z(x)‖², Ĝ²) over each client's batch (float64)."""
-        norms = self.model.per_sample_norms(x, xb, yb)
-        return (norms.double().square().clamp(max=self.hp.clip ** 2).mean(dim=1, keepdim=True),)
+    def statistic(self, xb: Tensor, yb: Tensor, x: Tensor, *, lengths: list[int] | None = None,
+                  divisor: int | None = None) -> tuple[Tensor]:
+        """``[C, 1]``: (1/b) Σ_j min(‖∇ℓ_j(x)‖², Ĝ²) over each client's batch (float64; a
+        ragged batch: ``lengths``, b = ``divisor``, as
+        :meth:`~dpfl.models.FlatModel.clipped_mean`; fixed-size: the batch's mean)."""
+        norms = self.model.per_sample_norms(x, xb, yb, lengths=lengths)
+        terms = norms.double().square().clamp(max=self.hp.clip ** 2)
+        return (record_means(terms, lengths, divisor)[:, None],)
 
 
 @ALGORITHMS.register_class

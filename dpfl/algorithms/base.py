@@ -132,12 +132,21 @@ class Cohort:
 
 
     def poisson(self, rng: Randomness, server_round: int, purpose: str,
-                rates: Sequence[float]) -> list[Batch]:
+                rates: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Poisson sampling: each of client ``ids[i]``'s records independently with probability
-        ``rates[i]``; one ``(x [n_i, ...], y [n_i])`` per client, in stored order."""
+        ``rates[i]``, in stored order: a ragged batch ``(x [C, n, ...], y [C, n], lengths)``,
+        client i's records the first ``lengths[i]`` of its row, the rest zeros (n the longest
+        batch)."""
         picks = rng.bernoulli_rows(self.ids, self.sizes, server_round, purpose, rates)
         kept = [idx[p] for idx, p in zip(self.indices, picks, strict=True)]
-        return [(self.x.index_select(0, rows), self.y.index_select(0, rows)) for rows in kept]
+        lengths = [len(rows) for rows in kept]
+        n = max(lengths, default=0)
+        x = self.x.new_zeros(len(self), n, *self.x.shape[1:])
+        y = self.y.new_zeros(len(self), n)
+        for i, rows in enumerate(kept):
+            torch.index_select(self.x, 0, rows, out=x[i, :len(rows)])
+            torch.index_select(self.y, 0, rows, out=y[i, :len(rows)])
+        return x, y, lengths
 
     def draw(self, ctx: ClientContext, purpose: str, release: str, batch_size: int) -> Batches:
         """Every client's mini-batch for one step of ``release`` (stream ``purpose``), sampled
@@ -152,81 +161,44 @@ class Cohort:
         releases = [rel[release] for rel in ctx.releases]
         if releases[0].relation is Relation.ADD_REMOVE:
             rates = [r.sample_rate for r in releases]
-            return Batches(batch_size,
-                           rows=self.poisson(ctx.rng, ctx.server_round, purpose, rates))
-        return Batches(batch_size,
-                       stacked=self.sample(ctx.rng, ctx.server_round, purpose, batch_size))
+            return Batches(batch_size, *self.poisson(ctx.rng, ctx.server_round, purpose, rates))
+        return Batches(batch_size, *self.sample(ctx.rng, ctx.server_round, purpose, batch_size))
 
 
 @dataclass(frozen=True)
 class Batches:
-    """Every client's mini-batch of one step (:meth:`Cohort.draw`): fixed-size, ``stacked``
-    ``(x [C, b, ...], y [C, b])``, or Poisson, one ``(x [n_i, ...], y [n_i])`` per client
-    (``rows``). ``batch_size`` b divides every batch mean: under Poisson sampling the expected
-    size, a public number, not the batch's own (Abadi et al. 2016, §3.1)."""
+    """Every client's mini-batch of one step (:meth:`Cohort.draw`): ``x [C, n, ...]``,
+    ``y [C, n]``, fixed-size (n = b), or Poisson, ragged: client i's records are the first
+    ``lengths[i]`` of its row. ``batch_size`` b divides every batch mean: under Poisson
+    sampling the expected size, a public number, not the batch's own (Abadi et al. 2016,
+    §3.1)."""
 
     batch_size: int
-    stacked: Batch | None = None
-    rows: list[Batch] | None = None
+    x: torch.Tensor
+    y: torch.Tensor
+    lengths: list[int] | None = None
 
     def __len__(self) -> int:
-        return len(self.stacked[1]) if self.stacked is not None else len(self.rows or [])
+        return len(self.y)
 
     def __iter__(self) -> Iterator[Batch]:
         """Each client's batch, in cohort order."""
-        return iter(zip(*self.stacked) if self.stacked is not None else self.rows or [])
-
-    def groups(self) -> Iterator[tuple[list[int] | None, torch.Tensor, torch.Tensor]]:
-        """``(positions, x [C', n, ...], y [C', n])`` for the clients whose batches have one
-        size n; positions None: every client (fixed-size batches, or Poisson ones that happen
-        to have one size)."""
-        if self.stacked is not None:
-            yield None, *self.stacked
-            return
-        rows = self.rows or []
-        by_size: dict[int, list[int]] = {}
-        for i, (_, y) in enumerate(rows):
-            by_size.setdefault(len(y), []).append(i)
-        for positions in by_size.values():
-            yield (None if len(positions) == len(rows) else positions,
-                   torch.stack([rows[i][0] for i in positions]),
-                   torch.stack([rows[i][1] for i in positions]))
+        if self.lengths is None:
+            return iter(zip(self.x, self.y))
+        return iter((x[:n], y[:n]) for x, y, n in zip(self.x, self.y, self.lengths))
 
     def means(self, fn: Callable[..., tuple[torch.Tensor, ...]], *points: torch.Tensor | None,
               empty: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Each client's ``(1/b) Σ_{j∈B_i}`` over its batch B_i, and per-client values:
-        ``fn(x [C', n, ...], y [C', n], *points)`` returns ``(mean [C', ...], *values
-        [C', ...])`` for clients whose batches share one size n (one call for fixed-size
-        batches), the mean over the n records, which becomes (n/b)·mean; ``points`` are given
-        as they are (``[d]``, None) or as those clients' rows (``[C, ...]``). A client with an
-        empty batch gets ``empty`` (one client's values: zeros)."""
-        out: list[torch.Tensor] = []
-        for positions, x, y in self.groups():
-            n, size = y.shape[1], len(y)
-            rows = as_slice(positions)  # consecutive clients (under Poisson sampling, often
-            # one): their rows of a point as a view, not a copy
-            if n == 0:
-                results = tuple(e.to(device).expand(size, *e.shape).clone() for e in empty)
-            else:
-                mean, *values = fn(x.to(device), y.to(device), *(
-                    p if p is None or p.dim() == 1 or rows is None else p[rows]
-                    for p in points))
-                results = (mean if n == self.batch_size else mean * (n / self.batch_size),
-                           *values)
-            if positions is None:
-                return results
-            out = out or [r.new_empty(len(self), *r.shape[1:]) for r in results]
-            for whole, part in zip(out, results, strict=True):
-                whole[rows] = part
-        return tuple(out)
-
-
-def as_slice(positions: list[int] | None) -> list[int] | slice | None:
-    """``positions`` as a slice where they are consecutive and increasing (indexing a tensor
-    with it is then a view), else as given."""
-    if positions is None or positions != list(range(positions[0], positions[-1] + 1)):
-        return positions
-    return slice(positions[0], positions[-1] + 1)
+        """Each client's ``(1/b) Σ_{j∈B_i}`` over its batch B_i, and per-client values, from one
+        call ``fn(x [C, n, ...], y [C, n], *points, lengths=, divisor=b)`` that returns
+        ``(sum/b [C, ...], *values [C, ...])`` over each client's records (``lengths``, None
+        for fixed-size batches: :meth:`~dpfl.models.FlatModel.clipped_mean`'s ragged batches);
+        ``points`` are given as they are (``[d]``, None, or every client's rows). Where no
+        client has a record, every client gets ``empty`` (one client's values: zeros)."""
+        if self.x.shape[1] == 0:
+            return tuple(e.to(device).expand(len(self), *e.shape).clone() for e in empty)
+        return fn(self.x.to(device), self.y.to(device), *points, lengths=self.lengths,
+                  divisor=self.batch_size)
 
 
 @dataclass

@@ -100,6 +100,7 @@ from dpfl.config import (
     unit_interval,
 )
 from dpfl.errors import ConfigError
+from dpfl.models.rows import record_means
 from dpfl.privacy import CALIBRATIONS, Query, Randomness, Target, clip_factors
 
 # ---- hyperparameters ---------------------------------------------------------------------------
@@ -309,12 +310,15 @@ class Clip21Family(Algorithm[Clip21Hyperparameters]):
         relation needs it (:meth:`Cohort.draw`: Poisson sampling under add/remove)."""
         r = self.radius()
 
-        def clipped(xb: Tensor, yb: Tensor, x: Tensor) -> tuple[Tensor, ...]:
+        def clipped(xb: Tensor, yb: Tensor, x: Tensor, *, lengths: list[int] | None,
+                    divisor: int) -> tuple[Tensor, ...]:
             losses = torch.empty(yb.shape, device=ctx.device) if ctx.diagnosing else None
-            mean, norms = self.model.clipped_mean(x, xb, yb, r, losses=losses)
+            mean, norms = self.model.clipped_mean(x, xb, yb, r, losses=losses, lengths=lengths,
+                                                  divisor=divisor)
             if losses is None:
                 return (mean,)
-            return mean, losses.mean(dim=1), (norms > r).float().mean(dim=1)
+            return (mean, record_means(losses, lengths),
+                    record_means((norms > r).float(), lengths))
 
         batches = cohort.draw(ctx, "batch", self.release(), self.hp.batch_size)
         empty = (x.new_zeros(self.model.d),) + (x.new_zeros(()),) * (2 if ctx.diagnosing else 0)

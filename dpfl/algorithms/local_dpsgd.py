@@ -54,7 +54,7 @@ from dpfl.config import (
     hyperparameter,
     positive,
 )
-from dpfl.models.rows import aligned, aligned_rows
+from dpfl.models.rows import aligned, aligned_rows, record_means
 from dpfl.privacy import Query, Randomness, Relation
 
 if TYPE_CHECKING:
@@ -200,10 +200,11 @@ class LocalDPSGD:
         """``[C, d]`` (1/b) Σ_j clip_C(∇ℓ_j + offset) over each client's batch (b = batch-size,
         the expected size under Poisson sampling: :meth:`Batches.means`), and the fraction of
         each batch clipped (0 for an empty one)."""
-        def clipped(xb: Tensor, yb: Tensor, params: Tensor, offset: Tensor | None
-                    ) -> tuple[Tensor, Tensor]:
-            mean, norms = self.model.clipped_mean(params, xb, yb, radius, offset=offset)
-            return mean, (norms > radius).float().mean(dim=1)
+        def clipped(xb: Tensor, yb: Tensor, params: Tensor, offset: Tensor | None, *,
+                    lengths: list[int] | None, divisor: int) -> tuple[Tensor, Tensor]:
+            mean, norms = self.model.clipped_mean(params, xb, yb, radius, offset=offset,
+                                                  lengths=lengths, divisor=divisor)
+            return mean, record_means((norms > radius).float(), lengths)
 
         mean, clipped_fraction = batches.means(
             clipped, params, offset, empty=(params.new_zeros(self.model.d), params.new_zeros(())),

@@ -273,14 +273,16 @@ class Prisma(Algorithm[PrismaHyperparameters]):
         v = v.cpu()
         return {"v": v}, {"v": v}
 
-    def query(self, xb: Tensor, yb: Tensor, x: Tensor, x_prev: Tensor | None = None
-              ) -> tuple[Tensor]:
-        """The round's query before its noise, over batches of one size: the clipped mean at
-        t = 0 (line 7) and with γ = 1 (no momentum: the difference term has weight 0, DPSGD-GC's
-        query), else the increment q_i^t."""
+    def query(self, xb: Tensor, yb: Tensor, x: Tensor, x_prev: Tensor | None = None, *,
+              lengths: list[int] | None = None, divisor: int | None = None) -> tuple[Tensor]:
+        """The round's query before its noise (a ragged batch: ``lengths``, ``divisor``, as
+        :meth:`~dpfl.models.FlatModel.clipped_mean`): the clipped mean at t = 0 (line 7) and
+        with γ = 1 (no momentum: the difference term has weight 0, DPSGD-GC's query), else the
+        increment q_i^t."""
+        ragged = {"lengths": lengths, "divisor": divisor}
         if x_prev is None or self.hp.gamma == 1:
-            return self.model.clipped_mean(x, xb, yb, self.hp.clip)[:1]
-        return (self.increment(x, x_prev, xb, yb),)
+            return self.model.clipped_mean(x, xb, yb, self.hp.clip, **ragged)[:1]
+        return (self.increment(x, x_prev, xb, yb, **ragged),)
 
     def difference_clip(self) -> float:
         """C3, the clip of each per-sample difference c_j − c̃_j: ``clip-diff`` (eq. (20)), or
@@ -293,14 +295,16 @@ class Prisma(Algorithm[PrismaHyperparameters]):
             return hp.smoothness_L * hp.learning_rate * hp.server_clip
         return hp.clip_diff
 
-    def increment(self, x: Tensor, x_prev: Tensor, xb: Tensor, yb: Tensor) -> Tensor:
+    def increment(self, x: Tensor, x_prev: Tensor, xb: Tensor, yb: Tensor, *,
+                  lengths: list[int] | None = None, divisor: int | None = None) -> Tensor:
         """q_i^t ``[C, d]``: (1/b) Σ_j [γ·c_j + (1 − γ)·clip_C3(c_j − c̃_j)] with c_j, c̃_j the
         C1-clipped per-sample gradients at x^t and x^{t−1} on the same batch and C3 from
         :meth:`difference_clip`, without materialising them where the model has ghost
         norms."""
         hp = self.hp
         return self.model.clipped_difference_mean(
-            x, x_prev, xb, yb, clip=hp.clip, gamma=hp.gamma, clip_diff=self.difference_clip())
+            x, x_prev, xb, yb, clip=hp.clip, gamma=hp.gamma, clip_diff=self.difference_clip(),
+            lengths=lengths, divisor=divisor)
 
 
 @ALGORITHMS.register_class

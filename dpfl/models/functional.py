@@ -29,7 +29,9 @@ the model and the input shape only), on 64-byte-aligned copies of their data, in
 64-byte-aligned output rows (:func:`~dpfl.models.rows.aligned_rows`), and a group's clip
 factors come from elementwise, correctly rounded operations, so client i's result does not
 depend on how many other clients share the call: a Flower client (C = 1) and the in-process
-engine (C = 100) agree bit for bit on CPU.
+engine (C = 100) agree bit for bit on CPU. A ragged batch (Poisson sampling: client i's records
+the first ``lengths[i]`` of its row, the rest padding) cuts each client's chunks from its own
+records alone, so its result does not depend on the others' lengths either.
 
 Joint tapes. Where a group's clients share one point (one ``[d]`` point, or rows of
 ``[C, d]`` holding the same bits, as at a round's first local step) and each brings a whole
@@ -75,7 +77,7 @@ per-sample loss, the convention of PriSMA eq. 22. The Clip21 paper's logistic re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 
 import torch
@@ -91,6 +93,7 @@ from dpfl.models.rows import (
     client_radii,
     difference_weights,
     non_finite_rows,
+    zero_empty,
 )
 from dpfl.models.tape import TapeEngine
 
@@ -223,7 +226,7 @@ class FlatModel:
         """``[C, d]``: the gradient of each client's mean loss over its ``b`` samples; the
         per-sample losses (without the regulariser) are written into ``losses [C, b]`` if given.
         A client's gradient that is not finite is the mean over its records whose loss and
-        gradient are finite, or zero (:meth:`_finite_mean`; module docstring)."""
+        gradient are finite, or zero (:func:`finite_mean`; module docstring)."""
         n_clients = x.shape[0]
         out = aligned_rows(x, n_clients, self.d)
         if self.linear is not None:
@@ -256,34 +259,12 @@ class FlatModel:
 
     def _finite_means(self, flat: Tensor, x: Tensor, y: Tensor, out: Tensor) -> Tensor:
         """``out`` (:meth:`batch_gradients`), each of its rows that is not finite replaced by
-        :meth:`_finite_mean` (one sum over ``out`` when all are finite)."""
+        :func:`finite_mean` (one sum over ``out`` when all are finite)."""
         if (bad := non_finite_rows(out)) is not None:
             for c in bad.nonzero().flatten().tolist():
-                out[c] = self._finite_mean(flat[None] if flat.dim() == 1 else flat[c:c + 1],
-                                           x[c:c + 1], y[c:c + 1])
+                out[c] = finite_mean(self, flat[None] if flat.dim() == 1 else flat[c:c + 1],
+                                     x[c:c + 1], y[c:c + 1])
         return out
-
-    def _finite_mean(self, flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
-        """``[d]``: one client's (``x [1, b, ...]``) mean-loss gradient over its records whose
-        per-sample loss and gradient are finite, the others contributing zero (still divided
-        by b), or zero if even that is not finite; the records left out are counted. The
-        client's message is clipped after this (Clip21's τ, the quantile family's C), so any
-        value of it is covered."""
-        b = x.shape[1]
-        total = flat.new_zeros(self.d)
-        losses = flat.new_empty(1, b)
-        kept = 0
-        for _, start, rows in self._per_sample_rows(flat, x, y, losses):
-            keep = (torch.isfinite(rows).all(dim=1)
-                    & torch.isfinite(losses[0, start:start + len(rows)]))
-            total += rows[keep].sum(dim=0)
-            kept += int(keep.sum())
-        mean = total / b
-        if non_finite_rows(mean[None]) is not None:
-            mean.zero_()
-            kept = 0
-        self.dropped.count += b - kept
-        return mean
 
     def full_gradient(self, flat: Tensor, x: Tensor, y: Tensor, batch_size: int = 4096) -> Tensor:
         """``[d]``: the gradient of the mean loss (regulariser included) over all of ``x [N, ...]``,
@@ -309,12 +290,12 @@ class FlatModel:
         of ``chunk_size`` samples from ``start`` (what :meth:`per_sample_gradients` stacks, in
         ``chunk_size × d`` memory at a time). A sample whose gradient is not finite gets a zero
         row: it is dropped (module docstring), and counted."""
-        for c, start, rows in self._per_sample_rows(flat, x, y):
+        for c, start, rows in self.per_sample_rows(flat, x, y):
             if (bad := non_finite_rows(rows)) is not None:
                 self.dropped.drop(bad, rows)
             yield c, start, rows
 
-    def _per_sample_rows(self, flat: Tensor, x: Tensor, y: Tensor, losses: Tensor | None = None
+    def per_sample_rows(self, flat: Tensor, x: Tensor, y: Tensor, losses: Tensor | None = None
                          ) -> Iterator[tuple[int, int, Tensor]]:
         """:meth:`per_sample_gradient_chunks` as computed (a row may be inf or NaN), each in
         fresh memory; the per-sample losses (without the regulariser) go to ``losses [C, b]``
@@ -326,6 +307,7 @@ class FlatModel:
     def clipped_mean(
         self, flat: Tensor, x: Tensor, y: Tensor, clip: float | Tensor, *,
         losses: Tensor | None = None, offset: Tensor | None = None,
+        lengths: Sequence[int] | None = None, divisor: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Per-sample clipping: ``(1/b) Σ_j clip_C(g_ij)`` for each client, with
         ``clip_C(g) = min(1, C/‖g‖)·g``; ``g`` is unchanged when ``‖g‖ ≤ C``, ``g = 0`` included.
@@ -339,34 +321,42 @@ class FlatModel:
         memory does not grow with ``C``: beyond the inputs and outputs it is one chunk's
         per-sample values (see ``chunk_bytes``; Linear layers on ``[n, in]`` inputs cost only
         their inputs and output gradients, ``‖g_j‖·‖a_j‖``). A sample whose gradient is not
-        finite contributes zero and its norm is reported as 0 (module docstring).
+        finite contributes zero and its norm is reported as 0 (module docstring). A ragged
+        batch (``lengths``, module docstring) sums client c's first ``lengths[c]`` records over
+        ``divisor`` (default b); its padding's norms are 0, a client without records zeros.
         """
         n_clients, b = x.shape[:2]
         radii = client_radii(clip, n_clients)
         out = aligned_rows(x, n_clients, self.d)  # the first chunk's GEMMs overwrite it (β = 0)
-        norms = x.new_empty(n_clients, b)
+        norms = x.new_empty(n_clients, b) if lengths is None else x.new_zeros(n_clients, b)
         size = self.chunk_length(flat, x, y, rows=self.linear is not None)
+        ragged = {"lengths": lengths, "divisor": divisor or b}
         if self.linear is not None:
-            self.linear.clipped_mean(flat, x, y, radii, size, out, norms, losses, offset)
+            self.linear.clipped_mean(flat, x, y, radii, size, out, norms, losses, offset,
+                                     **ragged)
         else:
             self.tapes.clipped_mean(flat, x, y, radii, size, out, norms, losses, offset,
-                                    group_size=self.group_length(flat, x, y, size))
-        return out, norms
+                                    group_size=self.group_length(flat, x, y, size), **ragged)
+        return zero_empty(out, lengths), norms
 
-    def per_sample_norms(self, flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    def per_sample_norms(self, flat: Tensor, x: Tensor, y: Tensor, *,
+                         lengths: Sequence[int] | None = None) -> Tensor:
         """``[C, b]``: the per-sample gradients' norms :meth:`clipped_mean` reports (0 for a
-        dropped sample), bit for bit, without its weighted sums (AdaptDP-FedAvg's radius
-        statistic; a linear model's closed form computes the clipped mean)."""
+        dropped sample, and for a ragged batch's padding), bit for bit, without its weighted
+        sums (AdaptDP-FedAvg's radius statistic; a linear model's closed form computes the
+        clipped mean)."""
         if self.linear is not None:
-            return self.clipped_mean(flat, x, y, 1.0)[1]
-        norms = x.new_empty(x.shape[:2])
+            return self.clipped_mean(flat, x, y, 1.0, lengths=lengths)[1]
+        norms = x.new_empty(x.shape[:2]) if lengths is None else x.new_zeros(x.shape[:2])
         size = self.chunk_length(flat, x, y, rows=False)
-        self.tapes.norms(flat, x, y, size, norms, group_size=self.group_length(flat, x, y, size))
+        self.tapes.norms(flat, x, y, size, norms, group_size=self.group_length(flat, x, y, size),
+                         lengths=lengths)
         return norms
 
     def clipped_difference_mean(
         self, flat: Tensor, flat_before: Tensor, x: Tensor, y: Tensor, *, clip: float,
-        clip_diff: float | None, gamma: float,
+        clip_diff: float | None, gamma: float, lengths: Sequence[int] | None = None,
+        divisor: int | None = None,
     ) -> Tensor:
         """``[C, d]``: ``(1/b) Σ_j [γ·c_j + (1 − γ)·clip_C3(c_j − c̃_j)]`` for each client, with
         ``c_j = clip_C(g_j)`` and ``c̃_j = clip_C(g̃_j)`` the clipped gradients of sample j at
@@ -378,21 +368,24 @@ class FlatModel:
         β_j = min(1, C3/‖c_j − c̃_j‖) the sum is two weighted GEMMs per layer:
         Σ_j (γ + (1 − γ)β_j)α_j g_j − Σ_j (1 − γ)β_j α̃_j g̃_j. Memory: two chunks' tapes.
         A sample whose gradient is not finite at either point contributes zero at both
-        (module docstring).
+        (module docstring). A ragged batch (``lengths``, ``divisor``): :meth:`clipped_mean`.
         """
         n_clients, b = x.shape[:2]
         out = aligned_rows(x, n_clients, self.d)
         size = self.chunk_length(flat, x, y, rows=self.linear is not None)
-        weights = partial(difference_weights, clip=clip, clip_diff=clip_diff, gamma=gamma, b=b)
+        weights = partial(difference_weights, clip=clip, clip_diff=clip_diff, gamma=gamma,
+                          b=divisor or b)
         if self.linear is not None:
-            self.linear.clipped_difference_mean(flat, flat_before, x, y, size, out, weights)
-            return out
+            self.linear.clipped_difference_mean(flat, flat_before, x, y, size, out, weights,
+                                                lengths=lengths)
+            return zero_empty(out, lengths)
         if self.chunk_bytes is not None:  # two tapes at once
             size = max(1, size // 2)
         self.tapes.clipped_difference_mean(flat, flat_before, x, y, size, out, weights,
                                            group_size=self.group_length(flat, x, y, size,
-                                                                        tapes=2))
-        return out
+                                                                        tapes=2),
+                                           lengths=lengths)
+        return zero_empty(out, lengths)
 
     def chunk_length(self, flat: Tensor, x: Tensor, y: Tensor, *, rows: bool) -> int:
         """Samples per chunk for inputs like ``x [C, b, ...]``: ``chunk_size`` (a linear model's
@@ -421,3 +414,26 @@ class FlatModel:
             self._sample_bytes[key] = (self.linear.sample_bytes(x) if self.linear is not None
                                        else self.tapes.sample_bytes(flat, x, y, rows=rows))
         return self._sample_bytes[key]
+
+
+def finite_mean(model: FlatModel, flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """``[d]``: one client's (``x [1, b, ...]``) mean-loss gradient over its records whose
+    per-sample loss and gradient are finite, the others contributing zero (still divided by b),
+    or zero if even that is not finite; the records left out are counted in ``model.dropped``.
+    The client's message is clipped after this (Clip21's τ, the quantile family's C), so any
+    value of it is covered (:meth:`FlatModel.batch_gradients`' fallback for such a client)."""
+    b = x.shape[1]
+    total = flat.new_zeros(model.d)
+    losses = flat.new_empty(1, b)
+    kept = 0
+    for _, start, rows in model.per_sample_rows(flat, x, y, losses):
+        keep = (torch.isfinite(rows).all(dim=1)
+                & torch.isfinite(losses[0, start:start + len(rows)]))
+        total += rows[keep].sum(dim=0)
+        kept += int(keep.sum())
+    mean = total / b
+    if non_finite_rows(mean[None]) is not None:
+        mean.zero_()
+        kept = 0
+    model.dropped.count += b - kept
+    return mean

@@ -11,7 +11,7 @@ model: :mod:`dpfl.audit.gradient_canary`), has each block's rows side by side.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 
 import torch
@@ -123,17 +123,18 @@ class ClosedFormLinear:
 
     def clipped_mean(self, flat: Tensor, x: Tensor, y: Tensor, radii: list[float], size: int,
                      out: Tensor, norms: Tensor, losses: Tensor | None,
-                     offset: Tensor | None) -> None:
+                     offset: Tensor | None, *, lengths: Sequence[int] | None = None,
+                     divisor: int) -> None:
         """:meth:`~dpfl.models.FlatModel.clipped_mean` into ``out`` and ``norms``: the rows of
-        a chunk (n·d memory) clipped and summed by one matrix-vector product."""
-        b = x.shape[1]
+        a chunk (n·d memory) clipped and summed by one matrix-vector product, over each
+        client's first ``lengths[c]`` records (all without), the sum divided by ``divisor``."""
         for c in range(x.shape[0]):
             point = self.flat.point(flat, c)
             reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
             if offset is not None:
                 reg = aligned(offset[c]) if reg is None else reg + offset[c]
             row = out[c]
-            for start, xs, ys in chunks(x, y, c, size):
+            for start, xs, ys in chunks(x, y, c, size, None if lengths is None else lengths[c]):
                 n = len(xs)
                 rows = self.per_sample(
                     point, xs, ys, None if losses is None else losses[c, start:start + n])
@@ -142,23 +143,25 @@ class ClosedFormLinear:
                 norms[c, start:start + n] = torch.linalg.vector_norm(rows, dim=1)
                 if (bad := non_finite_rows(norms[c, start:start + n])) is not None:
                     self.dropped.drop(bad, rows, norms[c, start:start + n])
-                w = clip_factors(norms[c, start:start + n], radii[c]).div_(b)
+                w = clip_factors(norms[c, start:start + n], radii[c]).div_(divisor)
                 if start == 0:
                     torch.mv(rows.t(), w, out=row)
                 else:
                     row.addmv_(rows.t(), w)
 
     def clipped_difference_mean(self, flat: Tensor, flat_before: Tensor, x: Tensor, y: Tensor,
-                                size: int, out: Tensor, weights: partial) -> None:
+                                size: int, out: Tensor, weights: partial, *,
+                                lengths: Sequence[int] | None = None) -> None:
         """:meth:`~dpfl.models.FlatModel.clipped_difference_mean` into ``out``, from both
         points' rows of each chunk (``weights``: :func:`~dpfl.models.rows.difference_weights`
-        with the clips bound)."""
+        with the clips and divisor bound), over each client's first ``lengths[c]`` records
+        (all without)."""
         for c in range(x.shape[0]):
             point, before = self.flat.point(flat, c), self.flat.point(flat_before, c)
             reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
             reg_before = self.flat.reg_grad(before) if self.flat.nonconvex_reg else None
             row = out[c]
-            for start, xs, ys in chunks(x, y, c, size):
+            for start, xs, ys in chunks(x, y, c, size, None if lengths is None else lengths[c]):
                 rows = self.per_sample(point, xs, ys)
                 rows_before = self.per_sample(before, xs, ys)
                 if reg is not None and reg_before is not None:  # both or neither

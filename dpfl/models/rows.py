@@ -5,6 +5,7 @@ chunks and groups samples are processed in, and the clip weights computed from n
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -160,12 +161,36 @@ class Chunk:
         return values[self.pos:self.pos + self.n]
 
 
-def chunks(x: Tensor, y: Tensor, c: int, size: int):
+def chunks(x: Tensor, y: Tensor, c: int, size: int, length: int | None = None):
     """(start, x, y) for client c's fixed-size sample chunks of ``size`` samples, each on
-    aligned memory."""
-    for start in range(0, x.shape[1], size):
-        stop = start + size
+    aligned memory, over its first ``length`` samples (default: all of ``x [C, n, ...]``'s;
+    a ragged batch pads each client's records to the longest)."""
+    end = x.shape[1] if length is None else length
+    for start in range(0, end, size):
+        stop = min(start + size, end)
         yield start, aligned(x[c, start:stop]), aligned(y[c, start:stop])
+
+
+def zero_empty(out: Tensor, lengths: Sequence[int] | None) -> Tensor:
+    """``out [C, ...]`` with the rows of the clients without records (``lengths[c] == 0``,
+    which no chunk writes) zeroed."""
+    for c, n in enumerate(lengths or ()):
+        if n == 0:
+            out[c].zero_()
+    return out
+
+
+def record_means(values: Tensor, lengths: Sequence[int] | None, divisor: int | None = None
+                 ) -> Tensor:
+    """``[C]``: each client's sum of ``values [C, n]`` over its records (its first
+    ``lengths[c]``; all n without ``lengths``) divided by ``divisor`` (default: its number of
+    records), 0 for a client without records. Client by client on its own records, so that
+    a client's value does not depend on the others' lengths."""
+    if lengths is None:
+        n = values.shape[1]
+        return values.mean(dim=1) if divisor in (None, n) else values.sum(dim=1) / divisor
+    return torch.stack([values[c, :n].sum() / (divisor or n) if n else values.new_zeros(())
+                        for c, n in enumerate(lengths)])
 
 
 def client_radii(clip: float | Tensor, n_clients: int) -> list[float]:

@@ -5,7 +5,7 @@ forming the ``[b, d]`` matrix where a layer has ghost norms."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -98,9 +98,8 @@ class TapeEngine:
 
     def rows(self, flat: Tensor, x: Tensor, y: Tensor, size: int,
              losses: Tensor | None = None) -> Iterator[tuple[int, int, Tensor]]:
-        """``(client, start, [n, d])``: every sample's gradient, regulariser included,
-        materialised in fresh memory, in chunks of ``size`` (a row may be inf or NaN); losses
-        to ``losses [C, b]`` if given."""
+        """``(client, start, [n, d])``: every sample's gradient, regulariser included, in
+        fresh memory, in chunks of ``size`` (a row may be inf or NaN); losses to ``losses``."""
         for c in range(x.shape[0]):
             point = self.flat.point(flat, c)
             params = self.flat.params(point.detach())
@@ -118,22 +117,22 @@ class TapeEngine:
 
     def clipped_mean(self, flat: Tensor, x: Tensor, y: Tensor, radii: list[float], size: int,
                      out: Tensor, norms: Tensor, losses: Tensor | None,
-                     offset: Tensor | None, *, group_size: int | None = None) -> None:
+                     offset: Tensor | None, *, group_size: int | None = None,
+                     lengths: Sequence[int] | None = None, divisor: int) -> None:
         """:meth:`~dpfl.models.FlatModel.clipped_mean` into ``out`` and ``norms``, group by
         group of at most ``group_size`` samples (:meth:`groups`; :meth:`clip_group`)."""
-        b = x.shape[1]
         results = {"out": out, "norms": norms} | ({} if losses is None else {"losses": losses})
-        for group in self.groups(flat, x, y, size, group_size=group_size, offset=offset):
+        for group in self.groups(flat, x, y, size, group_size=group_size, offset=offset,
+                                 lengths=lengths):
             own = [radii[chunk.client] for chunk in group]
-            self.by_layout(("mean", *results), group, b, partial(self.clip_group, own, b),
-                           results)
+            self.by_layout(("mean", *results), group, x.shape[1],
+                           partial(self.clip_group, own, divisor), results)
 
     def clip_group(self, radii: list[float], b: int, group: list[Chunk],
                    into: dict[str, Tensor], joint: bool) -> None:
-        """One group's share of :meth:`clipped_mean` (``radii``: its chunks'): pass 1 records
-        the tapes and the norms (:meth:`tapes_and_norms`), pass 2 adds each chunk's weighted
-        sums, into ``into``'s ``out``, ``norms`` and (if kept) ``losses``, at row
-        ``chunk.client``."""
+        """One group's share of :meth:`clipped_mean` (``radii``: its chunks'; ``b``: the
+        divisor): pass 1 records the tapes and norms (:meth:`tapes_and_norms`), pass 2 adds
+        each chunk's weighted sums into ``into`` (``out``, ``norms``, ``losses``) at its row."""
         out, norms = into["out"], into["norms"]
         tapes, norm = self.tapes_and_norms(group, into.get("losses"), joint)
         w = clip_factors(norm, sample_radii(radii, group)).div_(b)  # 1/b where ‖g_j‖ ≤ C
@@ -161,10 +160,10 @@ class TapeEngine:
         return tapes, sq.clamp_min_(0).sqrt_()
 
     def norms(self, flat: Tensor, x: Tensor, y: Tensor, size: int, out: Tensor, *,
-              group_size: int | None = None) -> None:
+              group_size: int | None = None, lengths: Sequence[int] | None = None) -> None:
         """:meth:`~dpfl.models.FlatModel.per_sample_norms` into ``out [C, b]``: pass 1 of
         :meth:`clip_group` alone, group by group (:meth:`groups`; :meth:`norm_group`)."""
-        for group in self.groups(flat, x, y, size, group_size=group_size):
+        for group in self.groups(flat, x, y, size, group_size=group_size, lengths=lengths):
             self.by_layout(("norms",), group, x.shape[1], self.norm_group, {"norms": out})
 
     def norm_group(self, group: list[Chunk], into: dict[str, Tensor], joint: bool) -> None:
@@ -177,13 +176,14 @@ class TapeEngine:
 
     def clipped_difference_mean(self, flat: Tensor, flat_before: Tensor, x: Tensor, y: Tensor,
                                 size: int, out: Tensor, weights: partial, *,
-                                group_size: int | None = None) -> None:
+                                group_size: int | None = None,
+                                lengths: Sequence[int] | None = None) -> None:
         """:meth:`~dpfl.models.FlatModel.clipped_difference_mean` into ``out``, group by group
         of at most ``group_size`` samples (:meth:`groups`; :meth:`clip_difference_group`;
         ``weights``: :func:`~dpfl.models.rows.difference_weights` with the clips bound)."""
-        b = x.shape[1]
-        for group in self.groups(flat, x, y, size, group_size=group_size, before=flat_before):
-            self.by_layout(("difference",), group, b,
+        for group in self.groups(flat, x, y, size, group_size=group_size, before=flat_before,
+                                 lengths=lengths):
+            self.by_layout(("difference",), group, x.shape[1],
                            partial(self.clip_difference_group, weights), {"out": out})
 
     def clip_difference_group(self, weights: partial, group: list[Chunk],
@@ -266,10 +266,7 @@ class TapeEngine:
         """Whether ``clip`` with one tape for ``group`` gives what it gave ``results`` with a
         tape per chunk, bit for bit (a Flower node computes a lone client by chunks, and the
         engine must equal it): the group is computed again jointly, into rows of its own laid
-        out as the caller's, and compared. Which kernel a library runs, and so the rounding,
-        depends on the shapes, strides and alignment of its operands and on the threads, not on
-        their values (one layout, one verdict: :func:`layout`); a layer that mixes samples, or
-        whose tape does not lead with the samples, gives other numbers and stays per chunk."""
+        out as the caller's, and compared (one layout, one verdict: :func:`layout`)."""
         clients = [chunk.client for chunk in group]
         own = {name: aligned_rows(v, len(group), v.shape[1]) for name, v in results.items()}
         counted = self.dropped.count
@@ -300,7 +297,8 @@ class TapeEngine:
 
     def groups(self, flat: Tensor, x: Tensor, y: Tensor, size: int, *,
                group_size: int | None = None, offset: Tensor | None = None,
-               before: Tensor | None = None) -> Iterator[list[Chunk]]:
+               before: Tensor | None = None, lengths: Sequence[int] | None = None
+               ) -> Iterator[list[Chunk]]:
         """Every client's chunks of at most ``size`` samples, client by client, gathered into
         groups of consecutive chunks of at most ``group_size`` samples in all (default
         ``size``; :meth:`~dpfl.models.FlatModel.group_length`): a group's per-sample values are
@@ -308,9 +306,11 @@ class TapeEngine:
         the group instead of one per client. That arithmetic is elementwise and correctly
         rounded, so no value depends on the grouping. ``offset [C, d]`` is added to every
         per-sample gradient of client c (with the regulariser's); ``before`` is a second point
-        (``[d]`` or ``[C, d]``) each chunk is also taken at. Consecutive clients at points of the same bits (a round of
-        local steps starts every client at the broadcast model) share one list of parameters,
-        so that a group of them may be taken jointly (:func:`layout`)."""
+        (``[d]`` or ``[C, d]``) each chunk is also taken at; ``lengths``: client c's records
+        are its first ``lengths[c]`` (a ragged batch; one without any has no chunk).
+        Consecutive clients at points of the same bits (a round of local steps starts every
+        client at the broadcast model) share one list of parameters, so that a group of them
+        may be taken jointly (:func:`layout`)."""
         group: list[Chunk] = []
         held, most = 0, group_size or size
         points: dict[str, tuple[Tensor, list[Tensor], Tensor | None]] = {}
@@ -327,7 +327,7 @@ class TapeEngine:
             if offset is not None:
                 reg = aligned(offset[c]) if reg is None else reg + offset[c]
             _, params_before, reg_before = points.get("before", (None, None, None))
-            for start, xs, ys in chunks(x, y, c, size):
+            for start, xs, ys in chunks(x, y, c, size, None if lengths is None else lengths[c]):
                 if group and held + len(xs) > most:
                     yield group
                     group, held = [], 0
@@ -442,7 +442,10 @@ def squares(tape: Tape, reg: Tensor | None, sq: Tensor,
 
 
 def layout(group: list[Chunk], b: int, kind: tuple[str, ...], stackable: bool) -> tuple | None:
-    """What decides whether one tape for ``group`` equals a tape per chunk: ``kind`` (the
+    """What decides whether one tape for ``group`` equals a tape per chunk. Which kernel a
+    library runs, and so the rounding, depends on the shapes, strides and alignment of its
+    operands and on the threads, not on their values; a layer that mixes samples, or whose tape
+    does not lead with the samples, gives other numbers and stays per chunk. So: ``kind`` (the
     method, what it returns), whether each point is shared or each client's own (``stackable``:
     the model can take those in one pass), the shapes, dtypes, device, threads, and whether a
     regulariser or offset is added; or None where the group cannot be taken jointly: fewer than
