@@ -218,6 +218,28 @@ def test_a_whole_data_batch_is_the_clients_data_and_a_smaller_one_is_drawn():
     assert len(set(map(frozenset, small))) > 1
 
 
+def test_a_poisson_batch_packs_each_clients_kept_records_in_order():
+    """``Cohort.poisson``: each client's records kept by its own coins (its stream, whatever
+    the others'), in stored order, packed one client after another with nothing between them;
+    ``Batches`` gives them back client by client, an empty batch included."""
+    from dpfl.algorithms import Cohort
+    from dpfl.algorithms.base import Batches
+    from dpfl.privacy import Randomness
+
+    x = torch.arange(24.0).reshape(12, 2)
+    y = torch.arange(12)
+    indices = [torch.tensor([5, 0, 7, 2]), torch.tensor([1, 3, 4, 6]), torch.tensor([8, 9, 10, 11])]
+    cohort = Cohort([0, 1, 2], x, y, indices)
+    rates = [0.5, 0.0, 0.8]
+    xb, yb, lengths = cohort.poisson(Randomness(3), 1, "batch", rates)
+    assert len(yb) == sum(lengths) and lengths[1] == 0
+    for i, (xs, ys) in enumerate(Batches(2, xb, yb, lengths)):
+        picks = Randomness(3).bernoulli_rows([i], [4], 1, "batch", [rates[i]])[0]
+        assert torch.equal(ys, indices[i][picks]) and torch.equal(xs, x[ys])
+        alone = Cohort([i], x, y, [indices[i]]).poisson(Randomness(3), 1, "batch", [rates[i]])
+        assert torch.equal(alone[1], ys)
+
+
 def _probe(**declarations):
     """A ContractProbe whose class attributes or methods are replaced by ``declarations``."""
     return type("Probe", (ContractProbe,), declarations)(ProbeHyperparameters(), None, 4)

@@ -509,25 +509,24 @@ def test_a_group_taken_jointly_equals_its_clients_alone_bitwise(name, batch):
 
 @pytest.mark.parametrize("name", ["mlp", "clip21-cnn", "logistic"])
 def test_a_ragged_batch_gives_each_client_its_own_records_alone_bitwise(name):
-    """Poisson batches come ragged: client c's records are the first ``lengths[c]`` of its row
-    and the rest is padding. Each client's clipped mean (divided by the public b, not its own
+    """Poisson batches come ragged: ``lengths[c]`` records of client c, the clients' records
+    packed one after another. Each client's clipped mean (divided by the public b, not its own
     length), norms, losses, clipped difference mean and per-sample norms equal those of its
-    own records alone, bit for bit (a Flower node's call), whatever the padding holds (NaN
-    here) and however the others' lengths fall; a client without records gets zeros, and
-    the padding's norms are 0."""
+    own records alone, bit for bit (a Flower node's call), however the others' lengths fall;
+    a client without records gets zeros, and the norms beyond a client's records are 0."""
     lengths, b = [5, 0, 2, 5, 3], 4  # the longest first and fourth: a layout of whole rows
     flat_model, flat, x, y = _setup(name, clients=5, batch=5, seed=3)
-    padded_x = x.clone()
-    for c, n in enumerate(lengths):
-        padded_x[c, n:] = float("nan")
+    packed_x = torch.cat([x[c, :n] for c, n in enumerate(lengths)])
+    packed_y = torch.cat([y[c, :n] for c, n in enumerate(lengths)])
     difference = dict(clip=0.2, clip_diff=0.05, gamma=0.5)
     for _ in range(2):  # a joint layout's verdict is taken on the first call, used on the second
         losses = torch.zeros(5, 5)
-        means, norms = flat_model.clipped_mean(flat, padded_x, y, 0.1, losses=losses,
+        means, norms = flat_model.clipped_mean(flat, packed_x, packed_y, 0.1, losses=losses,
                                                lengths=lengths, divisor=b)
-        increments = flat_model.clipped_difference_mean(flat, flat * 0.9, padded_x, y,
+        increments = flat_model.clipped_difference_mean(flat, flat * 0.9, packed_x, packed_y,
                                                         lengths=lengths, divisor=b, **difference)
-        only_norms = flat_model.per_sample_norms(flat, padded_x, y, lengths=lengths)
+        only_norms = flat_model.per_sample_norms(flat, packed_x, packed_y, lengths=lengths)
+        assert norms.shape == only_norms.shape == (5, 5)
         for c, n in enumerate(lengths):
             assert torch.equal(norms[c, n:], torch.zeros(5 - n))
             assert torch.equal(only_norms[c], norms[c])
@@ -545,6 +544,11 @@ def test_a_ragged_batch_gives_each_client_its_own_records_alone_bitwise(name):
     # the divisor is the public b: the sum of the client's clipped gradients over b
     full = flat_model.clipped_mean(flat, x[:1], y[:1], 0.1)[0][0]
     assert _close(means[0], full * 5 / b)
+    # no records at all: zeros, and nothing computed
+    nothing = flat_model.clipped_mean(flat, packed_x[:0], packed_y[:0], 0.1, lengths=[0, 0],
+                                      divisor=b)
+    assert nothing[0].shape == (2, flat_model.d) and not nothing[0].any()
+    assert nothing[1].shape == (2, 0)
 
 
 def test_clients_at_points_of_the_same_bits_share_a_tape():

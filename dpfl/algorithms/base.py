@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 import torch
 
 from dpfl.config import Value
+from dpfl.models.rows import client_records
 from dpfl.privacy import SERVER, Query, Randomness, Relation, Release, Side, add_noise, stds
 
 if TYPE_CHECKING:
@@ -134,19 +135,13 @@ class Cohort:
     def poisson(self, rng: Randomness, server_round: int, purpose: str,
                 rates: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Poisson sampling: each of client ``ids[i]``'s records independently with probability
-        ``rates[i]``, in stored order: a ragged batch ``(x [C, n, ...], y [C, n], lengths)``,
-        client i's records the first ``lengths[i]`` of its row, the rest zeros (n the longest
-        batch)."""
+        ``rates[i]``, in stored order: a ragged batch ``(x [Σ n_i, ...], y [Σ n_i], lengths)``,
+        the clients' records one after another (:func:`~dpfl.models.rows.client_records`)."""
         picks = rng.bernoulli_rows(self.ids, self.sizes, server_round, purpose, rates)
         kept = [idx[p] for idx, p in zip(self.indices, picks, strict=True)]
-        lengths = [len(rows) for rows in kept]
-        n = max(lengths, default=0)
-        x = self.x.new_zeros(len(self), n, *self.x.shape[1:])
-        y = self.y.new_zeros(len(self), n)
-        for i, rows in enumerate(kept):
-            torch.index_select(self.x, 0, rows, out=x[i, :len(rows)])
-            torch.index_select(self.y, 0, rows, out=y[i, :len(rows)])
-        return x, y, lengths
+        rows = torch.cat(kept) if kept else torch.empty(0, dtype=torch.long)
+        return (self.x.index_select(0, rows), self.y.index_select(0, rows),
+                [len(k) for k in kept])
 
     def draw(self, ctx: ClientContext, purpose: str, release: str, batch_size: int) -> Batches:
         """Every client's mini-batch for one step of ``release`` (stream ``purpose``), sampled
@@ -167,11 +162,11 @@ class Cohort:
 
 @dataclass(frozen=True)
 class Batches:
-    """Every client's mini-batch of one step (:meth:`Cohort.draw`): ``x [C, n, ...]``,
-    ``y [C, n]``, fixed-size (n = b), or Poisson, ragged: client i's records are the first
-    ``lengths[i]`` of its row. ``batch_size`` b divides every batch mean: under Poisson
-    sampling the expected size, a public number, not the batch's own (Abadi et al. 2016,
-    §3.1)."""
+    """Every client's mini-batch of one step (:meth:`Cohort.draw`): fixed-size, ``x [C, b,
+    ...]``, ``y [C, b]``, or Poisson, ragged: ``lengths[i]`` records of client i, packed one
+    client after another (:func:`~dpfl.models.rows.client_records`). ``batch_size`` b divides
+    every batch mean: under Poisson sampling the expected size, a public number, not the
+    batch's own (Abadi et al. 2016, §3.1)."""
 
     batch_size: int
     x: torch.Tensor
@@ -179,23 +174,22 @@ class Batches:
     lengths: list[int] | None = None
 
     def __len__(self) -> int:
-        return len(self.y)
+        return len(self.y) if self.lengths is None else len(self.lengths)
 
     def __iter__(self) -> Iterator[Batch]:
         """Each client's batch, in cohort order."""
-        if self.lengths is None:
-            return iter(zip(self.x, self.y))
-        return iter((x[:n], y[:n]) for x, y, n in zip(self.x, self.y, self.lengths))
+        return client_records(self.x, self.y, self.lengths)
 
     def means(self, fn: Callable[..., tuple[torch.Tensor, ...]], *points: torch.Tensor | None,
               empty: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
         """Each client's ``(1/b) Σ_{j∈B_i}`` over its batch B_i, and per-client values, from one
-        call ``fn(x [C, n, ...], y [C, n], *points, lengths=, divisor=b)`` that returns
-        ``(sum/b [C, ...], *values [C, ...])`` over each client's records (``lengths``, None
-        for fixed-size batches: :meth:`~dpfl.models.FlatModel.clipped_mean`'s ragged batches);
-        ``points`` are given as they are (``[d]``, None, or every client's rows). Where no
-        client has a record, every client gets ``empty`` (one client's values: zeros)."""
-        if self.x.shape[1] == 0:
+        call ``fn(x, y, *points, lengths=, divisor=b)`` that returns ``(sum/b [C, ...],
+        *values [C, ...])`` over each client's records (the batches as they are: ``lengths``
+        None for fixed-size ones; :meth:`~dpfl.models.FlatModel.clipped_mean`'s ragged
+        batches); ``points`` are given as they are (``[d]``, None, or every client's rows).
+        Where no client has a record, every client gets ``empty`` (one client's values:
+        zeros)."""
+        if not self.y.numel():
             return tuple(e.to(device).expand(len(self), *e.shape).clone() for e in empty)
         return fn(self.x.to(device), self.y.to(device), *points, lengths=self.lengths,
                   divisor=self.batch_size)

@@ -248,7 +248,7 @@ class KroneckerRows(Subspace):
         size = model.chunk_length(point, x[None], y[None], rows=False)
         reg = model.flat.reg_grad(point) if model.flat.nonconvex_reg else None
         towards = None if reg is None else self.coords(reg)
-        for _, xs, ys in chunks(x[None], y[None], 0, size):
+        for _, xs, ys in chunks(x, y, size):
             factors = {id(f.layer): f for f in layer_factors(model, point, xs, ys)}
             parts = []
             for block in self.blocks:

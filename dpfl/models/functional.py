@@ -29,9 +29,10 @@ the model and the input shape only), on 64-byte-aligned copies of their data, in
 64-byte-aligned output rows (:func:`~dpfl.models.rows.aligned_rows`), and a group's clip
 factors come from elementwise, correctly rounded operations, so client i's result does not
 depend on how many other clients share the call: a Flower client (C = 1) and the in-process
-engine (C = 100) agree bit for bit on CPU. A ragged batch (Poisson sampling: client i's records
-the first ``lengths[i]`` of its row, the rest padding) cuts each client's chunks from its own
-records alone, so its result does not depend on the others' lengths either.
+engine (C = 100) agree bit for bit on CPU. A ragged batch (Poisson sampling: ``lengths[i]``
+records of client i, the clients' records packed one after another, ``x [Σ lengths, ...]``:
+:func:`~dpfl.models.rows.client_records`) cuts each client's chunks from its own records alone,
+so its result does not depend on the others' lengths either.
 
 Joint tapes. Where a group's clients share one point (one ``[d]`` point, or rows of
 ``[C, d]`` holding the same bits, as at a round's first local step) and each brings a whole
@@ -90,9 +91,11 @@ from dpfl.models.rows import (
     Dropped,
     aligned,
     aligned_rows,
+    batch_shape,
     client_radii,
     difference_weights,
     non_finite_rows,
+    stacked_view,
     zero_empty,
 )
 from dpfl.models.tape import TapeEngine
@@ -322,34 +325,39 @@ class FlatModel:
         per-sample values (see ``chunk_bytes``; Linear layers on ``[n, in]`` inputs cost only
         their inputs and output gradients, ``‖g_j‖·‖a_j‖``). A sample whose gradient is not
         finite contributes zero and its norm is reported as 0 (module docstring). A ragged
-        batch (``lengths``, module docstring) sums client c's first ``lengths[c]`` records over
-        ``divisor`` (default b); its padding's norms are 0, a client without records zeros.
+        batch (``lengths``, module docstring) sums each client's records over ``divisor``
+        (default b); norms ``[C, longest]``, 0 beyond a client's records; no records: zeros.
         """
-        n_clients, b = x.shape[:2]
+        n_clients, b = batch_shape(x, lengths)
         radii = client_radii(clip, n_clients)
         out = aligned_rows(x, n_clients, self.d)  # the first chunk's GEMMs overwrite it (β = 0)
         norms = x.new_empty(n_clients, b) if lengths is None else x.new_zeros(n_clients, b)
-        size = self.chunk_length(flat, x, y, rows=self.linear is not None)
+        if b == 0:
+            return out.zero_(), norms
+        sized = stacked_view(x, y, lengths)
+        size = self.chunk_length(flat, *sized, rows=self.linear is not None)
         ragged = {"lengths": lengths, "divisor": divisor or b}
         if self.linear is not None:
             self.linear.clipped_mean(flat, x, y, radii, size, out, norms, losses, offset,
                                      **ragged)
         else:
             self.tapes.clipped_mean(flat, x, y, radii, size, out, norms, losses, offset,
-                                    group_size=self.group_length(flat, x, y, size), **ragged)
+                                    group_size=self.group_length(flat, *sized, size), **ragged)
         return zero_empty(out, lengths), norms
 
     def per_sample_norms(self, flat: Tensor, x: Tensor, y: Tensor, *,
                          lengths: Sequence[int] | None = None) -> Tensor:
         """``[C, b]``: the per-sample gradients' norms :meth:`clipped_mean` reports (0 for a
-        dropped sample, and for a ragged batch's padding), bit for bit, without its weighted
-        sums (AdaptDP-FedAvg's radius statistic; a linear model's closed form computes the
-        clipped mean)."""
-        if self.linear is not None:
+        dropped sample, and beyond a client's records in a ragged batch), bit for bit, without
+        its weighted sums (AdaptDP-FedAvg's radius statistic; a linear model's closed form
+        computes the clipped mean)."""
+        n_clients, b = batch_shape(x, lengths)
+        if self.linear is not None or b == 0:
             return self.clipped_mean(flat, x, y, 1.0, lengths=lengths)[1]
-        norms = x.new_empty(x.shape[:2]) if lengths is None else x.new_zeros(x.shape[:2])
-        size = self.chunk_length(flat, x, y, rows=False)
-        self.tapes.norms(flat, x, y, size, norms, group_size=self.group_length(flat, x, y, size),
+        norms = x.new_empty(n_clients, b) if lengths is None else x.new_zeros(n_clients, b)
+        sized = stacked_view(x, y, lengths)
+        size = self.chunk_length(flat, *sized, rows=False)
+        self.tapes.norms(flat, x, y, size, norms, group_size=self.group_length(flat, *sized, size),
                          lengths=lengths)
         return norms
 
@@ -370,9 +378,12 @@ class FlatModel:
         A sample whose gradient is not finite at either point contributes zero at both
         (module docstring). A ragged batch (``lengths``, ``divisor``): :meth:`clipped_mean`.
         """
-        n_clients, b = x.shape[:2]
+        n_clients, b = batch_shape(x, lengths)
         out = aligned_rows(x, n_clients, self.d)
-        size = self.chunk_length(flat, x, y, rows=self.linear is not None)
+        if b == 0:
+            return out.zero_()
+        sized = stacked_view(x, y, lengths)
+        size = self.chunk_length(flat, *sized, rows=self.linear is not None)
         weights = partial(difference_weights, clip=clip, clip_diff=clip_diff, gamma=gamma,
                           b=divisor or b)
         if self.linear is not None:
@@ -382,7 +393,7 @@ class FlatModel:
         if self.chunk_bytes is not None:  # two tapes at once
             size = max(1, size // 2)
         self.tapes.clipped_difference_mean(flat, flat_before, x, y, size, out, weights,
-                                           group_size=self.group_length(flat, x, y, size,
+                                           group_size=self.group_length(flat, *sized, size,
                                                                         tapes=2),
                                            lengths=lengths)
         return zero_empty(out, lengths)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dpfl.models.flat import FlatParameters, LinearBlock
-from dpfl.models.rows import Dropped, Layer, aligned, chunks, non_finite_rows
+from dpfl.models.rows import Dropped, Layer, aligned, chunks, client_records, non_finite_rows
 from dpfl.privacy.clipping import clip_factors
 
 
@@ -114,7 +114,7 @@ class ClosedFormLinear:
         for c in range(x.shape[0]):
             point = self.flat.point(flat, c)
             reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
-            for start, xs, ys in chunks(x, y, c, size):
+            for start, xs, ys in chunks(x[c], y[c], size):
                 rows = self.per_sample(point, xs, ys, None if losses is None
                                        else losses[c, start:start + len(xs)])
                 if reg is not None:
@@ -126,15 +126,16 @@ class ClosedFormLinear:
                      offset: Tensor | None, *, lengths: Sequence[int] | None = None,
                      divisor: int) -> None:
         """:meth:`~dpfl.models.FlatModel.clipped_mean` into ``out`` and ``norms``: the rows of
-        a chunk (n·d memory) clipped and summed by one matrix-vector product, over each
-        client's first ``lengths[c]`` records (all without), the sum divided by ``divisor``."""
-        for c in range(x.shape[0]):
+        a chunk (n·d memory) clipped and summed by one matrix-vector product, the sum divided
+        by ``divisor``; with ``lengths`` a ragged batch
+        (:func:`~dpfl.models.rows.client_records`)."""
+        for c, (records, labels) in enumerate(client_records(x, y, lengths)):
             point = self.flat.point(flat, c)
             reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
             if offset is not None:
                 reg = aligned(offset[c]) if reg is None else reg + offset[c]
             row = out[c]
-            for start, xs, ys in chunks(x, y, c, size, None if lengths is None else lengths[c]):
+            for start, xs, ys in chunks(records, labels, size):
                 n = len(xs)
                 rows = self.per_sample(
                     point, xs, ys, None if losses is None else losses[c, start:start + n])
@@ -154,14 +155,14 @@ class ClosedFormLinear:
                                 lengths: Sequence[int] | None = None) -> None:
         """:meth:`~dpfl.models.FlatModel.clipped_difference_mean` into ``out``, from both
         points' rows of each chunk (``weights``: :func:`~dpfl.models.rows.difference_weights`
-        with the clips and divisor bound), over each client's first ``lengths[c]`` records
-        (all without)."""
-        for c in range(x.shape[0]):
+        with the clips and divisor bound); with ``lengths`` a ragged batch
+        (:func:`~dpfl.models.rows.client_records`)."""
+        for c, (records, labels) in enumerate(client_records(x, y, lengths)):
             point, before = self.flat.point(flat, c), self.flat.point(flat_before, c)
             reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
             reg_before = self.flat.reg_grad(before) if self.flat.nonconvex_reg else None
             row = out[c]
-            for start, xs, ys in chunks(x, y, c, size, None if lengths is None else lengths[c]):
+            for start, xs, ys in chunks(records, labels, size):
                 rows = self.per_sample(point, xs, ys)
                 rows_before = self.per_sample(before, xs, ys)
                 if reg is not None and reg_before is not None:  # both or neither

@@ -5,7 +5,7 @@ chunks and groups samples are processed in, and the clip weights computed from n
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -161,14 +161,37 @@ class Chunk:
         return values[self.pos:self.pos + self.n]
 
 
-def chunks(x: Tensor, y: Tensor, c: int, size: int, length: int | None = None):
-    """(start, x, y) for client c's fixed-size sample chunks of ``size`` samples, each on
-    aligned memory, over its first ``length`` samples (default: all of ``x [C, n, ...]``'s;
-    a ragged batch pads each client's records to the longest)."""
-    end = x.shape[1] if length is None else length
-    for start in range(0, end, size):
-        stop = min(start + size, end)
-        yield start, aligned(x[c, start:stop]), aligned(y[c, start:stop])
+def chunks(x: Tensor, y: Tensor, size: int):
+    """(start, x, y) for one client's records ``x [n, ...]``, ``y [n]`` in fixed-size chunks of
+    ``size`` samples, each on aligned memory."""
+    for start in range(0, len(x), size):
+        yield start, aligned(x[start:start + size]), aligned(y[start:start + size])
+
+
+def client_records(x: Tensor, y: Tensor, lengths: Sequence[int] | None = None
+                   ) -> Iterator[tuple[Tensor, Tensor]]:
+    """Each client's records, in order: the rows of ``x [C, b, ...]``, ``y [C, b]``, or with
+    ``lengths`` (a ragged batch, as Poisson sampling draws it) the clients' records packed one
+    after another, ``x [Σ lengths, ...]``, ``y [Σ lengths]``."""
+    if lengths is None:
+        yield from zip(x, y)
+        return
+    start = 0
+    for n in lengths:
+        yield x[start:start + n], y[start:start + n]
+        start += n
+
+
+def batch_shape(x: Tensor, lengths: Sequence[int] | None) -> tuple[int, int]:
+    """``(C, b)``: the clients and the longest batch of ``x`` (:func:`client_records`)."""
+    return (x.shape[0], x.shape[1]) if lengths is None else (len(lengths), max(lengths, default=0))
+
+
+def stacked_view(x: Tensor, y: Tensor, lengths: Sequence[int] | None) -> tuple[Tensor, Tensor]:
+    """``x [C, n, ...]``, ``y [C, n]`` as given, or a ragged batch's records as one row
+    ``[1, Σ lengths, ...]``: what sizes a batch's chunks (the record shape, and n at least any
+    client's length, which is all a chunk's length reads)."""
+    return (x, y) if lengths is None else (x[None], y[None])
 
 
 def zero_empty(out: Tensor, lengths: Sequence[int] | None) -> Tensor:

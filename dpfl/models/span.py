@@ -238,7 +238,7 @@ class GradientSpan:
         # a pass moved within this span computed its inputs' products with the span's
         known = shifts.inputs if shifts is not None and shifts.span is self \
             and shifts.dtype == dtype else {}
-        for _, xs, ys in chunks(x[None], y[None], 0, size):
+        for _, xs, ys in chunks(x, y, size):
             factors = layer_factors(model, point, xs, ys, dtype, shifts)
             dots = self._cross(factors, len(ys), dtype, known)
             if own_reg is not None:

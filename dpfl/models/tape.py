@@ -21,7 +21,9 @@ from dpfl.models.rows import (
     Layer,
     aligned,
     aligned_rows,
+    batch_shape,
     chunks,
+    client_records,
     non_finite_rows,
     same_bits,
     sample_radii,
@@ -104,7 +106,7 @@ class TapeEngine:
             point = self.flat.point(flat, c)
             params = self.flat.params(point.detach())
             reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
-            for start, xs, ys in chunks(x, y, c, size):
+            for start, xs, ys in chunks(x[c], y[c], size):
                 losses_out = None if losses is None else losses[c, start:start + len(xs)]
                 rows = x.new_zeros(len(xs), self.flat.d)
                 for layer, a, g in self.record(params, xs, ys, losses_out):
@@ -125,7 +127,7 @@ class TapeEngine:
         for group in self.groups(flat, x, y, size, group_size=group_size, offset=offset,
                                  lengths=lengths):
             own = [radii[chunk.client] for chunk in group]
-            self.by_layout(("mean", *results), group, x.shape[1],
+            self.by_layout(("mean", *results), group, batch_shape(x, lengths)[1],
                            partial(self.clip_group, own, divisor), results)
 
     def clip_group(self, radii: list[float], b: int, group: list[Chunk],
@@ -164,7 +166,8 @@ class TapeEngine:
         """:meth:`~dpfl.models.FlatModel.per_sample_norms` into ``out [C, b]``: pass 1 of
         :meth:`clip_group` alone, group by group (:meth:`groups`; :meth:`norm_group`)."""
         for group in self.groups(flat, x, y, size, group_size=group_size, lengths=lengths):
-            self.by_layout(("norms",), group, x.shape[1], self.norm_group, {"norms": out})
+            self.by_layout(("norms",), group, batch_shape(x, lengths)[1], self.norm_group,
+                           {"norms": out})
 
     def norm_group(self, group: list[Chunk], into: dict[str, Tensor], joint: bool) -> None:
         """One group's share of :meth:`norms` (a norm not finite: 0, dropped, as there)."""
@@ -183,7 +186,7 @@ class TapeEngine:
         ``weights``: :func:`~dpfl.models.rows.difference_weights` with the clips bound)."""
         for group in self.groups(flat, x, y, size, group_size=group_size, before=flat_before,
                                  lengths=lengths):
-            self.by_layout(("difference",), group, x.shape[1],
+            self.by_layout(("difference",), group, batch_shape(x, lengths)[1],
                            partial(self.clip_difference_group, weights), {"out": out})
 
     def clip_difference_group(self, weights: partial, group: list[Chunk],
@@ -306,15 +309,14 @@ class TapeEngine:
         the group instead of one per client. That arithmetic is elementwise and correctly
         rounded, so no value depends on the grouping. ``offset [C, d]`` is added to every
         per-sample gradient of client c (with the regulariser's); ``before`` is a second point
-        (``[d]`` or ``[C, d]``) each chunk is also taken at; ``lengths``: client c's records
-        are its first ``lengths[c]`` (a ragged batch; one without any has no chunk).
-        Consecutive clients at points of the same bits (a round of local steps starts every
+        (``[d]`` or ``[C, d]``) each chunk is also taken at; with ``lengths``, ``x`` and ``y``
+        are a ragged batch (:func:`~dpfl.models.rows.client_records`). Consecutive clients at points of the same bits (a round of local steps starts every
         client at the broadcast model) share one list of parameters, so that a group of them
         may be taken jointly (:func:`layout`)."""
         group: list[Chunk] = []
         held, most = 0, group_size or size
         points: dict[str, tuple[Tensor, list[Tensor], Tensor | None]] = {}
-        for c in range(x.shape[0]):
+        for c, (records, labels) in enumerate(client_records(x, y, lengths)):
             for name, where in (("now", flat), ("before", before)):
                 if where is not None and (where.dim() > 1 or name not in points):
                     point = self.flat.point(where, c)
@@ -327,7 +329,7 @@ class TapeEngine:
             if offset is not None:
                 reg = aligned(offset[c]) if reg is None else reg + offset[c]
             _, params_before, reg_before = points.get("before", (None, None, None))
-            for start, xs, ys in chunks(x, y, c, size, None if lengths is None else lengths[c]):
+            for start, xs, ys in chunks(records, labels, size):
                 if group and held + len(xs) > most:
                     yield group
                     group, held = [], 0
