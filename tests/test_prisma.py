@@ -83,6 +83,27 @@ def test_a_client_computes_the_same_alone_or_batched(small_config):
         assert torch.equal(_step(problem, [i])[0]["c"][0], together[i])
 
 
+def test_a_poisson_batchs_diagnostics_are_each_clients_own(small_config):
+    """Under add/remove each client's Poisson batch has its own length: with non-private
+    diagnostics on, the upload, the mean training loss and the fraction clipped of each
+    client are those it computes alone (its own records, however long the others' batches)."""
+    problem = build_problem(small_config(noise_multiplier=1.0, relation="add-remove"))
+    cohort = problem.full_cohort()
+
+    def step(ids):
+        runtime = ClientRuntime(problem.algorithm, problem.releases, Randomness(0),
+                                diagnostics=True)
+        return runtime.step("train", 1, {"x": problem.x0}, {}, cohort.select(ids))
+
+    together, _, metrics = step([0, 1, 2, 3])
+    for i in range(4):
+        alone, _, own = step([i])
+        assert torch.equal(alone["c"][0], together["c"][i])
+        for name in ("train-loss", "clipped-fraction"):
+            assert torch.equal(own[name][0], metrics[name][i])
+    assert ((metrics["clipped-fraction"] >= 0) & (metrics["clipped-fraction"] <= 1)).all()
+
+
 def test_paper_calibration_uses_theorem_3_with_the_clients_data_size(small_config):
     problem = build_problem(small_config(calibration="paper", epsilon=4.0, delta=1e-5,
                                          num_server_rounds=100))

@@ -100,7 +100,7 @@ from dpfl.config import (
     unit_interval,
 )
 from dpfl.errors import ConfigError
-from dpfl.models.rows import record_means
+from dpfl.models.rows import batch_shape, record_means
 from dpfl.privacy import CALIBRATIONS, Query, Randomness, Target, clip_factors
 
 # ---- hyperparameters ---------------------------------------------------------------------------
@@ -312,7 +312,8 @@ class Clip21Family(Algorithm[Clip21Hyperparameters]):
 
         def clipped(xb: Tensor, yb: Tensor, x: Tensor, *, lengths: list[int] | None,
                     divisor: int) -> tuple[Tensor, ...]:
-            losses = torch.empty(yb.shape, device=ctx.device) if ctx.diagnosing else None
+            losses = (torch.empty(batch_shape(yb, lengths), device=ctx.device)
+                      if ctx.diagnosing else None)
             mean, norms = self.model.clipped_mean(x, xb, yb, r, losses=losses, lengths=lengths,
                                                   divisor=divisor)
             if losses is None:
