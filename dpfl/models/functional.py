@@ -299,7 +299,7 @@ class FlatModel:
             yield c, start, rows
 
     def per_sample_rows(self, flat: Tensor, x: Tensor, y: Tensor, losses: Tensor | None = None
-                         ) -> Iterator[tuple[int, int, Tensor]]:
+                        ) -> Iterator[tuple[int, int, Tensor]]:
         """:meth:`per_sample_gradient_chunks` as computed (a row may be inf or NaN), each in
         fresh memory; the per-sample losses (without the regulariser) go to ``losses [C, b]``
         if given."""
