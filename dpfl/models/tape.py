@@ -85,10 +85,9 @@ class TapeEngine:
     def record(self, params: list[Tensor], x: Tensor, y: Tensor,
                losses_out: Tensor | None = None, *, shifts: Shifts | None = None) -> Tape:
         """One forward and backward pass at ``params`` (views of a detached point): (layer,
-        input, output gradient) per trainable layer; the per-sample losses are copied into
-        ``losses_out`` when given. With ``shifts`` the pass is at the point moved within a
-        span, each layer's output less its shift (the gradient with respect to the moved
-        layer's output is the recorded output's: they differ by a function of the input)."""
+        input, output gradient) per trainable layer; per-sample losses to ``losses_out``. With
+        ``shifts``, at the point moved within a span: each layer's output less its shift (its
+        gradient is the recorded output's, as the two differ by a function of the input)."""
         self.tape, self.shifts = [], shifts
         try:
             with torch.enable_grad():
@@ -124,11 +123,12 @@ class TapeEngine:
         """:meth:`~dpfl.models.FlatModel.clipped_mean` into ``out`` and ``norms``, group by
         group of at most ``group_size`` samples (:meth:`groups`; :meth:`clip_group`)."""
         results = {"out": out, "norms": norms} | ({} if losses is None else {"losses": losses})
+        b = batch_shape(x, lengths)[1]  # a whole batch's length, for the layout
         for group in self.groups(flat, x, y, size, group_size=group_size, offset=offset,
                                  lengths=lengths):
             own = [radii[chunk.client] for chunk in group]
-            self.by_layout(("mean", *results), group, batch_shape(x, lengths)[1],
-                           partial(self.clip_group, own, divisor), results)
+            self.by_layout(("mean", *results), group, b, partial(self.clip_group, own, divisor),
+                           results)
 
     def clip_group(self, radii: list[float], b: int, group: list[Chunk],
                    into: dict[str, Tensor], joint: bool) -> None:
@@ -165,9 +165,9 @@ class TapeEngine:
               group_size: int | None = None, lengths: Sequence[int] | None = None) -> None:
         """:meth:`~dpfl.models.FlatModel.per_sample_norms` into ``out [C, b]``: pass 1 of
         :meth:`clip_group` alone, group by group (:meth:`groups`; :meth:`norm_group`)."""
+        b = batch_shape(x, lengths)[1]
         for group in self.groups(flat, x, y, size, group_size=group_size, lengths=lengths):
-            self.by_layout(("norms",), group, batch_shape(x, lengths)[1], self.norm_group,
-                           {"norms": out})
+            self.by_layout(("norms",), group, b, self.norm_group, {"norms": out})
 
     def norm_group(self, group: list[Chunk], into: dict[str, Tensor], joint: bool) -> None:
         """One group's share of :meth:`norms` (a norm not finite: 0, dropped, as there)."""
@@ -184,9 +184,10 @@ class TapeEngine:
         """:meth:`~dpfl.models.FlatModel.clipped_difference_mean` into ``out``, group by group
         of at most ``group_size`` samples (:meth:`groups`; :meth:`clip_difference_group`;
         ``weights``: :func:`~dpfl.models.rows.difference_weights` with the clips bound)."""
+        b = batch_shape(x, lengths)[1]
         for group in self.groups(flat, x, y, size, group_size=group_size, before=flat_before,
                                  lengths=lengths):
-            self.by_layout(("difference",), group, batch_shape(x, lengths)[1],
+            self.by_layout(("difference",), group, b,
                            partial(self.clip_difference_group, weights), {"out": out})
 
     def clip_difference_group(self, weights: partial, group: list[Chunk],
@@ -307,12 +308,11 @@ class TapeEngine:
         ``size``; :meth:`~dpfl.models.FlatModel.group_length`): a group's per-sample values are
         held at once, and its per-sample scalar arithmetic (norms, clip factors) is one pass for
         the group instead of one per client. That arithmetic is elementwise and correctly
-        rounded, so no value depends on the grouping. ``offset [C, d]`` is added to every
-        per-sample gradient of client c (with the regulariser's); ``before`` is a second point
-        (``[d]`` or ``[C, d]``) each chunk is also taken at; with ``lengths``, ``x`` and ``y``
-        are a ragged batch (:func:`~dpfl.models.rows.client_records`). Consecutive clients at points of the same bits (a round of local steps starts every
-        client at the broadcast model) share one list of parameters, so that a group of them
-        may be taken jointly (:func:`layout`)."""
+        rounded, so no value depends on the grouping. ``offset [C, d]`` is added to client c's
+        per-sample gradients (with the regulariser's); ``before``: a second point each chunk is
+        also taken at; ``lengths``: a ragged batch (:func:`~dpfl.models.rows.client_records`).
+        Consecutive clients at points of the same bits (a round's first local step) share one
+        list of parameters, so that a group of them may be taken jointly (:func:`layout`)."""
         group: list[Chunk] = []
         held, most = 0, group_size or size
         points: dict[str, tuple[Tensor, list[Tensor], Tensor | None]] = {}
