@@ -22,7 +22,8 @@ run: install
 # The whole suite: in parallel (pytest-xdist, JOBS workers, one a core by default; a module
 # marked xdist_group runs on one worker, which builds its shared fixtures once), then the
 # tests that must run alone (marker serial). test-fast: the inner loop, without real Flower
-# processes, Docker, the serial tests and the reproductions' smoke runs. The suite and the
+# processes, Docker, the serial tests, the reproductions' smoke runs and the tests marked slow
+# (the audit's statistical fits, tests that start fresh interpreters). The suite and the
 # benchmarks read the datasets from $DPFL_DATA_DIR, else from dpfl's per-user data folder
 # (docs/data.md), and never download them.
 JOBS ?= auto
@@ -31,7 +32,7 @@ test: install
 	$(PY) -m pytest -q -m serial
 
 test-fast: install
-	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup -m "not flower and not serial and not smoke"
+	$(PY) -m pytest -q -n $(JOBS) --dist loadgroup -m "not flower and not serial and not smoke and not slow"
 
 bench: install
 	$(PY) benchmarks/run_all.py

@@ -330,6 +330,7 @@ def test_the_grids_and_noise_are_the_papers():
     assert RunConfig(config) and RunConfig(dp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task, points, paper", [("t1", [(0.1, 3.0), (0.5, 0.5)], False),
                                                  ("t3", [(0.3, 0.05), (0.1, 0.5)], False),
                                                  ("t2", [(0.1, 0.5), (0.03, 0.1)], True)])

@@ -37,6 +37,7 @@ def _run_with_system_malloc(folder: Path) -> tuple[str, dict]:
     return out.stdout.split()[0], torch.load(folder / "r" / "model.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt only")
 def test_kept_by_default_off_with_system_and_the_model_is_the_same(tmp_path, monkeypatch):
     """The default in this process (a test worker), ``DPFL_MALLOC=system`` in a fresh one (a

@@ -96,6 +96,7 @@ def test_non_finite_scores_are_refused():
         epsilon_lower_bound(np.array([0.0, np.nan]), np.array([1.0, 2.0]), delta=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALGORITHMS.names())
 def test_the_audit_never_refutes_an_algorithms_ledger(name):
     """Soundness: at ε = 2, every algorithm's ε lower bound, and the Gaussian-DP fit's lower
@@ -131,6 +132,7 @@ def standardised_difference(out: np.ndarray, inn: np.ndarray) -> tuple[float, fl
     return mu, math.sqrt(1 / n + 1 / m + mu ** 2 / (2 * (n + m)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dpsgd-gc", "dp-sgd", "dp-fedavg", "pcdp-sgd", "dp-scaffold",
                                   "rpdp-sgd", "dp-fedavg-quantile"])
 def test_the_gradient_canary_is_tight(name):
@@ -226,6 +228,7 @@ def shrink_noise(monkeypatch, factor: float) -> None:
                             real(releases, radius) / factor)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in ALGORITHMS.names()
                                   if not ALGORITHMS.get(n).noise_free])
 def test_the_audit_catches_skipped_clipping(name, monkeypatch):
@@ -245,6 +248,7 @@ def test_the_audit_catches_noise_far_below_its_release(name, monkeypatch):
     assert result.bound.epsilon > result.epsilon_ledger
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dpsgd-gc", "dp-sgd", "dp-fedavg", "pcdp-sgd", "fedpcdp",
                                   "dp-scaffold", "dp-fedavg-quantile"])
 def test_the_gaussian_fit_catches_a_fifth_less_noise(name, monkeypatch):
@@ -265,6 +269,7 @@ HALF_NOISE_TRIALS = {"adaptdp-fedavg": 1000, "dp-fedavg": 1000, "dp-scaffold": 1
                      "pdp-sgd": 1000, "rsdp-sgd": 1000}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in ALGORITHMS.names()
                                   if not ALGORITHMS.get(n).noise_free])
 def test_the_gaussian_fit_catches_half_the_noise(name, monkeypatch):

@@ -209,6 +209,7 @@ def test_dpsgd_gc_reads_fraction_train():
 
 # One case of each stage that can refuse: parsing a key, the schema, loading data, building
 # the federation. A process per case costs seconds of imports, so the others run in-process.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["unknown_key", "key_the_algorithm_does_not_use",
                                   "missing_data_directory", "batch_larger_than_client"])
 def test_bad_input_stops_the_process_with_status_2_and_no_traceback(name, tmp_path):
@@ -223,6 +224,7 @@ def test_bad_input_stops_the_process_with_status_2_and_no_traceback(name, tmp_pa
     assert _nothing_written(tmp_path)
 
 
+@pytest.mark.slow
 def test_flower_refuses_the_fast_engine_mode_before_starting_anything(tmp_path):
     results = tmp_path / "results"
     proc = subprocess.run(

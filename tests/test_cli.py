@@ -79,6 +79,7 @@ def _interrupted(command: list[str], tmp_path, env: dict | None = None):
     return proc.returncode, "".join(seen) + out, err
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_dpfl_run_exits_130_without_a_traceback(tmp_path):
     """Ctrl-C: the results folder is closed (interrupted, with what was spent), one line, exit
     status 130, no traceback."""

@@ -334,6 +334,7 @@ def test_partition_is_fixed_by_the_seed(name):
     assert not all(np.array_equal(a, b) for a, b in zip(first, other, strict=True))
 
 
+@pytest.mark.slow
 def test_partition_is_a_pure_function_across_processes():
     """A fresh process splits as this one does; there flwr-datasets' partitioners come without
     the package's visualisation and metrics (seaborn), and a later import of the package is

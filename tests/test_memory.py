@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory.py"
 MIB = 2**20
 
@@ -22,6 +24,7 @@ def _peak(model: str, batch: int, budget: int | None) -> dict[str, float]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_chunk_byte_budget_bounds_the_peak_memory_of_a_clipped_step():
     """Clip21 CNN, batch 512: chunks of 256 samples (the default) hold ~40 MiB of counted
     per-sample values; a 4 MiB budget cuts the chunk to ~25 samples, and the step's peak falls

@@ -59,6 +59,7 @@ def test_node_view_equals_the_run(folder):
     assert len(list(folder.glob("releases-*.json"))) == 2
 
 
+@pytest.mark.slow
 def test_a_warm_message_loads_no_dataset_library_and_no_opacus_package(folder):
     """A message with a warm cache loads no dataset library and no accountant; a default-policy
     node's budget check after it (ε of its ledger with the round's releases) runs Opacus' RDP

@@ -74,6 +74,7 @@ def test_constraints_txt_and_pyproject_pin_the_same_versions_of_every_dependency
         assert req.specifier.contains(uv[canonicalize_name(req.name)]), dependency
 
 
+@pytest.mark.slow
 def test_the_fab_unpacks_to_a_project_pip_builds_and_holds_the_pins(tmp_path):
     fab = build_fab(ROOT, tmp_path / "fab")
     unpacked = tmp_path / "unpacked"

@@ -47,6 +47,7 @@ def assert_same_run(folder: Path, reference: Path, *, runtimes: bool = False) ->
     assert summaries[0] == summaries[1]
 
 
+@pytest.mark.slow
 def test_an_engine_run_killed_mid_way_resumes_to_the_uninterrupted_result(tmp_path, device):
     """SIGKILL after a checkpoint is on disk, then ``dpfl run --resume FOLDER``."""
     values = {**STATEFUL, "num-server-rounds": 10, "results-dir": str(tmp_path), "device": device}
