@@ -1,5 +1,6 @@
 """The project surface: every run-config key is in pyproject.toml and documented in
-docs/configuration.md, every relative link in the documentation points to a file, the core
+docs/configuration.md, every relative link in the documentation points to a file (and to a
+heading of it where it names one), the core
 imports nothing from Flower, and no class is over about 300 lines."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import ast
 import re
 import tomllib
+from pathlib import Path
+from tempfile import NamedTemporaryFile
 
 import pytest
 
@@ -49,6 +52,40 @@ def test_docs_link_checker_finds_links():
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_relative_link_points_to_a_file_that_exists(doc):
     broken = [t for t in relative_links(doc) if not (doc.parent / t).exists()]
+    assert not broken, broken
+
+
+def anchors(path):
+    """The anchors GitHub gives ``path``'s headings: lower case, punctuation but ``-`` and ``_``
+    dropped, spaces as ``-``; a repeated one numbered ``-1``, ``-2``, ..."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*$", text, flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        yield slug if count == 0 else f"{slug}-{count}"
+
+
+def test_anchors_follow_githubs_rule():
+    with NamedTemporaryFile("w", suffix=".md") as f:
+        f.write("# A `key`, ε = 2 (x/y)\n## Repeat\n## Repeat\n```\n# not a heading\n```\n")
+        f.flush()
+        assert list(anchors(Path(f.name))) == ["a-key-ε--2-xy", "repeat", "repeat-1"]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_link_to_a_heading_finds_it(doc):
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.DOTALL)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    broken = []
+    for target in LINK.findall(text):
+        path, _, anchor = target.partition("#")
+        if not anchor or re.match(r"^[a-z][a-z0-9+.-]*:", path, re.IGNORECASE):
+            continue
+        where = doc.parent / path if path else doc
+        if where.suffix == ".md" and where.exists() and anchor not in set(anchors(where)):
+            broken.append(target)
     assert not broken, broken
 
 
