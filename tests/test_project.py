@@ -1,15 +1,13 @@
 """The project surface: every run-config key is in pyproject.toml and documented in
-docs/configuration.md, every relative link in the documentation points to a file (and to a
-heading of it where it names one), the core
-imports nothing from Flower, and no class is over about 300 lines."""
+docs/configuration.md, every relative link in the documentation points to a file and to a
+heading of it where it names one, the core imports nothing from Flower, and no class is over
+about 300 lines."""
 
 from __future__ import annotations
 
 import ast
 import re
 import tomllib
-from pathlib import Path
-from tempfile import NamedTemporaryFile
 
 import pytest
 
@@ -34,15 +32,21 @@ def test_docs_document_every_key():
     assert not missing, missing
 
 
-def relative_links(path):
-    """Relative link targets of a Markdown file, without their #anchor (code spans and fenced
-    blocks excluded)."""
+def local_links(path):
+    """``(file, anchor)`` of each link of a Markdown file that is not a URL (http:, https:,
+    mailto: ...): ``file`` relative to it ("" for its own), ``anchor`` "" where it names none
+    (code spans and fenced blocks excluded)."""
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
     text = re.sub(r"`[^`\n]*`", "", text)
     for target in LINK.findall(text):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("#"):
-            continue  # http:, https:, mailto: ..., or an anchor in the same file
-        yield target.split("#", 1)[0]
+        if not re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):
+            file, _, anchor = target.partition("#")
+            yield file, anchor
+
+
+def relative_links(path):
+    """Relative link targets of a Markdown file, without their #anchor."""
+    return [file for file, _ in local_links(path) if file]
 
 
 def test_docs_link_checker_finds_links():
@@ -67,25 +71,17 @@ def anchors(path):
         yield slug if count == 0 else f"{slug}-{count}"
 
 
-def test_anchors_follow_githubs_rule():
-    with NamedTemporaryFile("w", suffix=".md") as f:
-        f.write("# A `key`, ε = 2 (x/y)\n## Repeat\n## Repeat\n```\n# not a heading\n```\n")
-        f.flush()
-        assert list(anchors(Path(f.name))) == ["a-key-ε--2-xy", "repeat", "repeat-1"]
+def test_anchors_follow_githubs_rule(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# A `key`, ε = 2 (x/y)\n## Repeat\n## Repeat\n```\n# not a heading\n```\n")
+    assert list(anchors(page)) == ["a-key-ε--2-xy", "repeat", "repeat-1"]
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_link_to_a_heading_finds_it(doc):
-    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.DOTALL)
-    text = re.sub(r"`[^`\n]*`", "", text)
-    broken = []
-    for target in LINK.findall(text):
-        path, _, anchor = target.partition("#")
-        if not anchor or re.match(r"^[a-z][a-z0-9+.-]*:", path, re.IGNORECASE):
-            continue
-        where = doc.parent / path if path else doc
-        if where.suffix == ".md" and where.exists() and anchor not in set(anchors(where)):
-            broken.append(target)
+    broken = [f"{file}#{anchor}" for file, anchor in local_links(doc)
+              if anchor and (where := doc.parent / file if file else doc).suffix == ".md"
+              and where.exists() and anchor not in set(anchors(where))]
     assert not broken, broken
 
 
