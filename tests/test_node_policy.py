@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import Context, RecordDict
+from flwr.app import Context, Message, MessageType, RecordDict
 from opacus.accountants import RDPAccountant
 
 from dpfl.algorithms import ServerContext
@@ -63,6 +63,7 @@ class Node:
         self.context = Context(run_id=1, node_id=1,
                                node_config={"partition-id": 0, **node_config},
                                state=RecordDict(), run_config=self.config.as_dict())
+        self.lineage = Lineage.fresh()  # each node serves a run of its own
 
     def send(self, server_round: int, x: torch.Tensor | None = None, exchange: str = "train"
              ) -> RecordDict:
@@ -70,7 +71,19 @@ class Node:
         state = algorithm.init_server_state(self.problem.x0 if x is None else x)
         state = algorithm.begin_round(state, ServerContext(server_round, Randomness(0), [0], 3))
         message = train_message(algorithm.broadcast(exchange, state, server_round), exchange,
-                                server_round, [0], Lineage((("run", 0),)))
+                                server_round, [0], self.lineage)
+        return client_app(message, self.context).content
+
+    def attack(self, server_round: int, exchange: str) -> RecordDict:
+        """Exchange ``exchange`` labelled round ``server_round``, with the broadcast of a round
+        that runs it (what a server that skips or reorders exchanges can send)."""
+        algorithm = self.problem.algorithm
+        legit = next(r for r in (1, 2) if exchange in
+                     {e.name for e in algorithm.round_exchanges(r)})
+        state = algorithm.begin_round(algorithm.init_server_state(self.problem.x0),
+                                      ServerContext(legit, Randomness(0), [0], 3))
+        message = train_message(algorithm.broadcast(exchange, state, legit), exchange,
+                                server_round, [0], self.lineage)
         return client_app(message, self.context).content
 
     def upload(self, reply: RecordDict) -> torch.Tensor:
@@ -159,30 +172,40 @@ def test_this_process_is_no_simulation_and_a_node_config_is_checked():
 # ---- item 7: a replayed round --------------------------------------------------------------
 
 def test_a_node_refuses_a_replayed_round_it_would_answer_with_the_same_noise(tmp_path):
-    """A server asks round 1 again with another model (or after the client's state moved on):
-    the difference of two replies with the same noise would be exact. A node with seeded or
-    keyed noise refuses it; a node whose state is back where it was before round 1 (a resumed
-    run) answers the same request bit for bit again and is not charged twice; a secure node
-    answers with fresh noise and is charged twice."""
+    """A server asks round 1 again, with the same model or another: a node answers each
+    exchange of a run once, whatever its noise (a secure node's fresh noise would be a second
+    release of the same round). A resumed run (a new segment of the run's lineage) may ask the
+    rounds after its checkpoint again: with seeded or keyed noise the difference of two replies
+    with the same noise would be exact, so the node refuses other inputs; a node whose state is
+    back where it was before round 1 answers the same request bit for bit again and is not
+    charged twice; a secure node answers with fresh noise and is charged twice."""
     values = {**BASE, "results-dir": str(tmp_path)}
     other = torch.full_like(build_problem(RunConfig(values)).x0, 0.01)
-    for policy in (TRUSTING, real(tmp_path, noise="keyed")):
+    for policy, same_noise in ((TRUSTING, True), (real(tmp_path, noise="keyed"), True),
+                               (real(tmp_path / "secure"), False)):
         node = Node(values, **policy)
         first = node.send(1)
         for x in (other, None):
             refused = node.send(1, x)
             assert list(refused) == ["refused"]
             assert str(refused["refused"]["reason"]).startswith(
+                "round 1, exchange 'train' repeats or precedes an exchange this run already "
+                "answered")
+        node.lineage = node.lineage.resumed(0)
+        if same_noise:
+            refused = node.send(1, other)
+            assert str(refused["refused"]["reason"]).startswith(
                 "replay: round 1, exchange 'train' was answered before with other inputs")
-    node.context.state = RecordDict()  # its state as before round 1; its ledger is on disk
-    again = node.send(1)
-    assert torch.equal(node.upload(again), node.upload(first))
-    assert dict(again["charged.0"]) == {"message": 1}  # round 1 once: the same release
-    assert dict(node.send(2, other)["charged.0"]) == {"message": 2}  # the next round is new
-    secure = Node(values, **real(tmp_path / "secure"))
-    first, again = secure.send(1), secure.send(1, other)
-    assert not torch.equal(secure.upload(first), secure.upload(again))
-    assert dict(again["charged.0"]) == {"message": 2}
+            node.lineage = node.lineage.resumed(0)
+            node.context.state = RecordDict()  # its state as before round 1 (ledger on disk)
+            again = node.send(1)
+            assert torch.equal(node.upload(again), node.upload(first))
+            assert dict(again["charged.0"]) == {"message": 1}  # round 1 once: the same release
+            assert dict(node.send(2, other)["charged.0"]) == {"message": 2}  # the next is new
+        else:
+            again = node.send(1, other)
+            assert not torch.equal(node.upload(first), node.upload(again))
+            assert dict(again["charged.0"]) == {"message": 2}
 
 
 # ---- item 8: the node's own policy -----------------------------------------------------------
@@ -309,3 +332,124 @@ def test_a_refused_round_is_charged_for_every_client_that_replied(tmp_path):
     assert summary["epsilon"]["1"] == pytest.approx(steps[2]["1"], rel=1e-12)
     assert summary["epsilon"]["0"] == pytest.approx(steps[1]["0"], rel=1e-12)
     assert engine["rounds_completed"] == 5
+
+
+# ---- second audit, finding 1: the cap holds whatever the server sends -------------------------
+
+def test_a_capped_node_never_passes_its_cap_whatever_exchanges_a_server_sends(tmp_path):
+    """The audit's attack, for every algorithm a real node accepts: a server sends each round's
+    exchanges skipped (AdaptDP's ``train`` without its ``statistic``, PriSMA's ``train`` in
+    round 1), out of order and repeated, to a secure node capped after about three rounds. The
+    node answers only what the algorithm's round structure allows, each exchange once, and its
+    ledger (of every release it made, checked before each one) never passes the cap; the cap
+    does stop it."""
+    from tests.test_privacy_boundary import LOCAL, base
+
+    for case, (name, extra) in enumerate(LOCAL):
+        values = {**base(name), **extra, "algorithm": name, "noise-multiplier": 2.0,
+                  "results-dir": str(tmp_path)}
+        probe = Node(values, **TRUSTING)
+        algorithm, releases = probe.problem.algorithm, probe.problem.releases(0)
+        budget = NodeLedger()
+        for r in range(1, 4):
+            budget.charge("probe", r, [x for x in releases if x.exchange in
+                                       {e.name for e in algorithm.round_exchanges(r)}], 0)
+        cap = budget.epsilon("rdp", 1e-5) * 1.001
+        state_dir = tmp_path / f"{case}-{name}"
+        node = Node(values, **real(state_dir, **{"max-epsilon": cap}))
+        names = [e.name for e in algorithm.exchanges]
+        reasons: set[str] = set()
+        for server_round in range(1, 9):
+            for exchange in [*reversed(names), *names, *names]:  # backwards, forwards, again
+                reply = node.attack(server_round, exchange)
+                if "refused" in reply:
+                    reasons.add(str(reply["refused"]["reason"]).split(":")[0])
+                path = state_dir / "state" / "ledger" / "client-0.json"
+                ledger = NodeLedger.from_json(path.read_text()) if path.exists() else NodeLedger()
+                assert ledger.epsilon("rdp", 1e-5) <= cap, (name, server_round, exchange)
+        assert ledger.events, name  # it answered rounds
+        assert f"node policy max-epsilon={cap:g}" in reasons, (name, reasons)
+        assert any("repeats or precedes" in r for r in reasons), (name, reasons)
+        if len(names) > 1:
+            assert any("skips exchange" in r or "has no exchange" in r for r in reasons), name
+
+
+# ---- second audit, finding 2: no refusal depends on a record count ------------------------------
+
+def test_a_site_is_refused_by_the_two_bounds_alone_never_by_its_record_count(tmp_path,
+                                                                            monkeypatch):
+    """The audit's binary search: a server varies min-client-records to learn, from which runs
+    a site refuses, how many records it holds. A site's node trains under its operator's own
+    bound (node config), and a run that declares another is refused by comparing the two
+    values, before the data is read: the answers are the same for a site of 479 records and one
+    of 478 (whose data file is not even there), and only the node's own bound is served."""
+    from dpfl.client.app import hosted
+    from dpfl.client.cache import node_problem
+    from dpfl.cli import main
+    from dpfl.wire import ClientsQuery, decode_refusal
+
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path / "cache"))
+    node_problem.cache_clear()
+    site = tmp_path / "site.npz"  # client 2's 479 records of the split
+    run_keys = {"algorithm": "dpsgd-gc", "num-partitions": 3, "seed": 2, "batch-size": 16,
+                "noise-multiplier": 1.2}
+    assert main(["export-partition", str(site), "-c", "num-partitions=3 seed=2",
+                 "--partition-id", "2"]) == 0
+
+    as_the_server()
+
+    def answer(data: Path, declared: int) -> str:
+        config = RunConfig({**run_keys, "min-client-records": declared})
+        context = Context(run_id=1, node_id=1, state=RecordDict(), run_config=config.as_dict(),
+                          node_config={"partition-ids": "2", "data-path": str(data),
+                                       "min-client-records": 300, **real(tmp_path)})
+        content = hosted(Message(ClientsQuery().encode(), 1, MessageType.QUERY + ".clients"),
+                         context).content
+        refused = decode_refusal(content)
+        return "hosts [2]" if refused is None else refused.reason
+
+    for declared in (100, 299, 301, 478, 479, 480, 1000):
+        reasons = {answer(data, declared) for data in (site, tmp_path / "missing.npz")}
+        assert reasons == {f"node config key 'min-client-records': the node trains under its "
+                           f"own bound, 300, and the run declares {declared} (allowed: 300)"}
+    assert answer(site, 300) == "hosts [2]"
+    node_problem.cache_clear()
+    with pytest.raises(NodeConfigError, match="^node config key 'min-client-records': a node "
+                                              "with its own data"):
+        NodePolicy.of({"data-path": str(site)}, RunConfig(run_keys))
+
+
+# ---- second audit, finding 4: a cap under one relation ------------------------------------------
+
+def test_a_nodes_cap_is_stated_under_its_own_relation(tmp_path):
+    """The same noise costs less under add/remove than under replace-one: a node's cap must
+    not mean what the server's relation makes it mean. Under the default cap-relation
+    (replace-one) an add/remove release of multiplier z is charged as a replace-one release of
+    z/2 (Opacus' ε of that history); a node whose cap is stated under add/remove refuses a
+    replace-one run, naming the key."""
+    poisson = {**BASE, "relation": "add-remove", "results-dir": str(tmp_path)}
+    release = Node(poisson, **TRUSTING).problem.releases(0)[0]
+    assert release.relation == "add-remove"
+    ledger = NodeLedger()
+    ledger.charge("run", 1, [release], every=0)
+    z, q, steps = release.event
+    half = NodeLedger(events=[["add-remove", z / 2, q, steps]])
+    assert ledger.epsilon("rdp", 1e-5) == half.epsilon("rdp", 1e-5, relation="add-remove")
+    for events, relation in (((z / 2, q, steps), "replace-one"), ((z, q, steps), "add-remove")):
+        opacus = RDPAccountant()  # fewer orders than the ledger's: an upper bound, close
+        opacus.history = [events]
+        assert ledger.epsilon("rdp", 1e-5, relation=relation) == pytest.approx(
+            opacus.get_epsilon(1e-5), rel=0.05)
+    assert ledger.epsilon("rdp", 1e-5) > 2 * ledger.epsilon("rdp", 1e-5, relation="add-remove")
+    node = Node(poisson, **real(tmp_path / "one", **{"max-epsilon": 100}))
+    node.send(1)
+    (path,) = (tmp_path / "one").glob("state/ledger/client-0.json")
+    assert NodeLedger.from_json(path.read_text()).epsilon("rdp", 1e-5) == pytest.approx(
+        ledger.epsilon("rdp", 1e-5), rel=1e-12)
+    fixed = Node({**BASE, "results-dir": str(tmp_path)},
+                 **real(tmp_path / "two", **{"cap-relation": "add-remove"}))
+    assert str(fixed.send(1)["refused"]["reason"]) == (
+        "node policy cap-relation=add-remove: the cap is stated under add-remove, and a "
+        "replace-one release has no add-remove ε (allowed: runs under add-remove)")
+    with pytest.raises(NodeConfigError, match="^node config key 'cap-relation'"):
+        NodePolicy.of({"cap-relation": "swap"}, RunConfig(BASE))

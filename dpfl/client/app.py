@@ -23,9 +23,10 @@ from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from dpfl.checkpoint import Lineage
 from dpfl.client.cache import node_problem
 from dpfl.client.numpy_client import AlgorithmClient, node_clients
-from dpfl.client.policy import NodePolicy
+from dpfl.client.policy import NodeConfigError, NodePolicy
 from dpfl.client.state_files import StateFiles, state_folder
 from dpfl.errors import ConfigError
+from dpfl.flower_secagg import install_mask_expansion
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused
 from dpfl.rounds.secure_sum import node_vector, quantisations, quiet_flower
@@ -38,12 +39,21 @@ from dpfl.wire import (
     encode_refusal,
 )
 
+install_mask_expansion()  # before Flower's secaggplus_mod masks anything
 app = ClientApp()
 log = logging.getLogger("dpfl")
 
 
 def _problem(context: Context) -> Problem:
-    """The node's view of the run, from its node-local cache (see :mod:`dpfl.client.cache`)."""
+    """The node's view of the run, from its node-local cache (see :mod:`dpfl.client.cache`).
+    A node that sets its own ``min-client-records`` compares the run's with it first, by the
+    two values alone: the node reads its data only for a run that trains under the node's own
+    bound, so that no refusal depends on how many records it holds."""
+    own = context.node_config.get("min-client-records")
+    declared = context.run_config.get("min-client-records", 0)
+    if own is not None and str(own) != str(declared):
+        raise NodeConfigError("min-client-records", f"the node trains under its own bound, "
+                              f"{own}, and the run declares {declared}", allowed=str(own))
     return node_problem(tuple(sorted(context.run_config.items())), tuple(node_clients(context)),
                         str(context.node_config.get("data-path", "")))
 
@@ -56,7 +66,8 @@ def _client(lineage: Lineage | None, context: Context, problem: Problem,
     files = None if lineage is None else StateFiles(
         state_folder(context.node_config), lineage, int(problem.config["checkpoint-every"]))
     return AlgorithmClient(problem, context, clients, files,
-                           run="" if lineage is None else lineage.run)
+                           run="" if lineage is None else lineage.run,
+                           segment="" if lineage is None else lineage.current)
 
 
 def _refused(msg: Message, refused: ClientRefused, what: str) -> Message:
@@ -118,8 +129,14 @@ def secure_stages(msg: Message, context: Context, call_next: ClientAppCallable) 
 
 @app.train(mods=[secure_stages])
 def train(msg: Message, context: Context) -> Message:
-    """One exchange of the configured algorithm (see :func:`reply`)."""
-    return reply(msg, context, _problem(context))
+    """One exchange of the configured algorithm (see :func:`reply`); a run this node does not
+    build (its own config's, or the run's on this node's data) is refused as at discovery,
+    whichever request comes first."""
+    try:
+        problem = _problem(context)
+    except ConfigError as error:
+        return _refused(msg, ClientRefused(node_clients(context), str(error)), "refuses")
+    return reply(msg, context, problem)
 
 
 def reply(msg: Message, context: Context, problem: Problem) -> Message:

@@ -102,6 +102,8 @@ class NodeLedger:
     # run -> {"total": {name: count}, "recent": [[round, name], ...], "floor": round}
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
     answered: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # "run/segment" -> [round, [the exchanges of that round answered, in order]]
+    progress: dict[str, list[Any]] = field(default_factory=dict)
 
     # ---- spending ----------------------------------------------------------------------
     def charge(self, run: str, server_round: int, releases: Iterable[Release], every: int) -> None:
@@ -135,16 +137,58 @@ class NodeLedger:
                 counts[name] -= 1
         return {name: n for name, n in counts.items() if n}
 
-    def epsilon(self, accountant: str, delta: float, extra: Iterable[Release] = ()) -> float:
-        """ε of every release recorded (and of ``extra``, were they made next) at ``delta``:
-        under the one relation of them all, else as replace-one releases."""
+    def epsilon(self, accountant: str, delta: float, extra: Iterable[Release] = (), *,
+                relation: Relation | str = Relation.REPLACE_ONE) -> float:
+        """ε under ``relation`` (the node's ``cap-relation``) of every release recorded (and of
+        ``extra``, were they made next) at ``delta``. An add/remove release of multiplier z is
+        a replace-one release of multiplier z/2 (a replacement is a removal and an addition);
+        a replace-one release has no add/remove ε (:func:`convertible`), and a node whose cap
+        is stated under add/remove refuses it before it is made."""
+        relation = Relation(relation)
         events = [*self.events, *([r.relation, *r.event] for r in extra)]
-        relations = {relation for relation, *_ in events}
-        common = relations.pop() if len(relations) == 1 else "replace-one"
-        ledger = PrivacyLedger(accountant, common)
-        ledger.history = [(Relation(common).multiplier(z, of=relation), q, int(steps))
-                          for relation, z, q, steps in events]
+        if not all(convertible(of, relation) for of, *_ in events):
+            raise ValueError(f"replace-one releases have no {relation} ε")
+        ledger = PrivacyLedger(accountant, relation)
+        ledger.history = [(relation.multiplier(z, of=of), q, int(steps))
+                          for of, z, q, steps in events]
         return ledger.epsilon(delta)
+
+    # ---- the round structure ---------------------------------------------------------------
+    def out_of_order(self, run: str, segment: str, server_round: int, exchange: str,
+                     order: list[str]) -> str | None:
+        """Why answering exchange ``exchange`` of round ``server_round`` (whose exchanges are
+        ``order``) in segment ``segment`` of run ``run`` would break the round structure, or
+        None. A segment answers rounds in increasing order, each round's exchanges in their
+        order from its first, and nothing twice; a new segment (a resume) starts at the first
+        exchange of a round its run's resume window still holds (:func:`_floor`): a round the
+        run answered before the checkpoint the resume must start from is not answered again."""
+        if exchange not in order:
+            return (f"round {server_round} has no exchange {exchange!r} (its exchanges: "
+                    f"{', '.join(order)})")
+        last, answered = self.progress.get(f"{run}/{segment}", (None, []))
+        if last is None:
+            floor = self.runs.get(run, {}).get("floor", 0)
+            if server_round <= floor:
+                return (f"round {server_round} is older than a resume of this run may repeat "
+                        f"(rounds after {floor})")
+        if last is not None and (server_round < last or exchange in answered
+                                 and server_round == last):
+            return (f"round {server_round}, exchange {exchange!r} repeats or precedes an "
+                    f"exchange this run already answered (last: round {last}, "
+                    f"{answered[-1]!r}); a node answers each exchange once")
+        expected = order[len(answered)] if server_round == last else order[0]
+        if exchange != expected:
+            return (f"round {server_round}, exchange {exchange!r} skips exchange {expected!r} "
+                    f"of its round (exchanges run in order: {', '.join(order)})")
+        return None
+
+    def answer(self, run: str, segment: str, server_round: int, exchange: str) -> None:
+        """Record that segment ``segment`` of run ``run`` answered ``(round, exchange)``
+        (after :meth:`out_of_order` admitted it)."""
+        done = self.progress.setdefault(f"{run}/{segment}", [server_round, []])
+        if done[0] != server_round:
+            done[:] = [server_round, []]
+        done[1].append(exchange)
 
     # ---- the replay guard ----------------------------------------------------------------
     def answered_with(self, context: str, server_round: int, exchange: str) -> str | None:
@@ -173,13 +217,21 @@ class NodeLedger:
 
     # ---- storage -------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps({"events": self.events, "runs": self.runs, "answered": self.answered})
+        return json.dumps({"events": self.events, "runs": self.runs, "answered": self.answered,
+                           "progress": self.progress})
 
     @classmethod
     def from_json(cls, text: str) -> NodeLedger:
         data = json.loads(text)
         return cls(events=[list(e) for e in data["events"]], runs=dict(data["runs"]),
-                   answered=dict(data["answered"]))
+                   answered=dict(data["answered"]), progress=dict(data.get("progress", {})))
+
+
+def convertible(relation: Relation | str, to: Relation | str) -> bool:
+    """Whether a release private under ``relation`` has an ε under ``to``: every release under
+    replace-one (an add/remove release as one of half its multiplier), only add/remove ones
+    under add/remove."""
+    return Relation(to) is Relation.REPLACE_ONE or Relation(relation) is Relation.ADD_REMOVE
 
 
 def _floor(last: int, every: int) -> int:

@@ -80,12 +80,13 @@ class AlgorithmClient(NumPyClient):
     keeps)."""
 
     def __init__(self, problem: Problem, context: Context, clients: list[int],
-                 files: StateFiles | None = None, *, run: str = "") -> None:
+                 files: StateFiles | None = None, *, run: str = "", segment: str = "") -> None:
         self.problem = problem
         self.state = context.state
         self.clients = clients
         self.files = files
         self.run = run or f"flower-{context.run_id}"
+        self.segment = segment or self.run  # the run's attempt: its start, or a resume
         config = problem.config
         self.policy = NodePolicy.of(context.node_config, config)
         self.context = stream_context(config)
@@ -193,6 +194,7 @@ class AlgorithmClient(NumPyClient):
         guarded = self.noise != "secure"  # the same noise for the same request
         seen = broadcast_digest(broadcast.items()) if guarded else ""
         with self.store.open(self.clients) as ledgers:
+            self.check_order(ledgers, exchange, server_round)
             digests = [input_digest(context=self.context, client=c, chain=chain,
                                     server_round=server_round, exchange=exchange, broadcast=seen,
                                     releases=self._releases(c, exchange),
@@ -205,6 +207,7 @@ class AlgorithmClient(NumPyClient):
                 exchange, server_round, broadcast, states, self.problem.cohort(self.clients))
             every = int(self.problem.config["checkpoint-every"])
             for c, digest in zip(self.clients, digests, strict=True):
+                ledgers[c].answer(self.run, self.segment, server_round, exchange)
                 if c in new:
                     ledgers[c].charge(self.run, server_round, self._releases(c, exchange), every)
                     if guarded:
@@ -230,17 +233,31 @@ class AlgorithmClient(NumPyClient):
                             f"{exchange!r} was answered before with other inputs, and its noise "
                             f"would repeat (noise={self.noise}); a node answers a round once")
 
+    def check_order(self, ledgers: dict[int, NodeLedger], exchange: str,
+                    server_round: int) -> None:
+        """Refuse an exchange that breaks the algorithm's round structure for one of the
+        clients (:meth:`~dpfl.client.node_ledger.NodeLedger.out_of_order`): one it does not
+        run in that round, one out of order, a repeat, whatever the node's noise."""
+        order = [e.name for e in self.problem.algorithm.round_exchanges(server_round)]
+        reasons = {c: ledgers[c].out_of_order(self.run, self.segment, server_round, exchange,
+                                              order) for c in self.clients}
+        if broken := [c for c, reason in reasons.items() if reason]:
+            raise ClientRefused(broken, str(reasons[broken[0]]))
+
     def check_budget(self, ledgers: dict[int, NodeLedger], clients: list[int], exchange: str,
                      server_round: int) -> None:
-        """Refuse round ``server_round`` at its first exchange when its releases would take one of
-        ``clients`` past the node's ε cap, by the node's ledger (its accountant and δ)."""
+        """Refuse exchange ``exchange`` of round ``server_round`` when its releases and those of
+        the round's exchanges after it would take one of ``clients`` past the node's ε cap, by
+        the node's ledger (its accountant, δ and cap relation): checked before every release,
+        so that the round's first exchange admits only a round that fits whole."""
         policy = self.policy
         today = [e.name for e in self.problem.algorithm.round_exchanges(server_round)]
-        if math.isinf(policy.max_epsilon) or exchange != today[0]:
+        if math.isinf(policy.max_epsilon):
             return
+        rest = today[today.index(exchange):]
         spent = [c for c in clients if ledgers[c].epsilon(
-            policy.accountant, policy.delta,
-            [r for r in self._releases(c) if r.exchange in today]) > policy.max_epsilon]
+            policy.accountant, policy.delta, [r for r in self._releases(c) if r.exchange in rest],
+            relation=policy.cap_relation) > policy.max_epsilon]
         if spent:
             raise ClientRefused(spent, f"node policy max-epsilon={policy.max_epsilon:g}: "
                                 f"round {server_round} would take ε past it "

@@ -33,7 +33,18 @@ node config key           a real node's default            meaning
                                                            sensitivity) of any release
 ``diagnostics``           ``false``                        whether ``non-private-diagnostics``
                                                            may send exact statistics
+``cap-relation``          ``"replace-one"``                the neighbouring relation
+                                                           ``max-epsilon`` is stated in: under
+                                                           replace-one an add/remove release
+                                                           is charged as one of half its noise
+                                                           multiplier; under add/remove a
+                                                           replace-one run is refused
 ``relations``             ``"replace-one,add-remove"``     the neighbouring relations accepted
+``min-client-records``    ``0`` (required with             the public lower bound on each
+                          ``data-path``)                   client's record count that the node
+                                                           trains and is charged under: a run
+                                                           must declare the same, else it is
+                                                           refused (by the two values alone)
 ``algorithms``            every algorithm whose clients    the algorithms accepted (names,
                           noise their own uploads          comma-separated)
 ========================  ===============================  ==================================
@@ -62,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from dpfl.algorithms import ALGORITHMS
+from dpfl.client.node_ledger import convertible
 from dpfl.errors import ConfigError, did_you_mean
 from dpfl.privacy import Randomness, Relation
 from dpfl.privacy.randomness import MODES
@@ -72,7 +84,8 @@ log = logging.getLogger("dpfl")
 #: dpfl.client.cache and dpfl.client.state_files)
 PLACEMENT = ("partition-id", "num-partitions", "partition-ids", "data-path", "state-dir")
 POLICY = ("trust-server", "noise", "noise-key", "max-epsilon", "delta", "accountant",
-          "min-noise-multiplier", "diagnostics", "distributed-noise", "relations", "algorithms")
+          "cap-relation", "min-noise-multiplier", "diagnostics", "distributed-noise",
+          "relations", "algorithms", "min-client-records")
 ACCOUNTANTS = ("rdp", "prv")
 #: a real node's ε cap when its node config sets none
 DEFAULT_MAX_EPSILON = 10.0
@@ -141,6 +154,24 @@ def _number(config: Mapping[str, Any], key: str, default: float, *, low: float,
 RELATION_NAMES = tuple(r.value for r in Relation)
 
 
+def _records(node_config: Mapping[str, Any], run_config: Mapping[str, Any],
+             trust: bool) -> int | None:
+    """The node's own ``min-client-records`` (None: the run's, which the node then takes as it
+    is: a node that trusts the server, or one hosting clients of the run's split, whose record
+    counts the run config itself decides). A node with its own data (``data-path``) must set it:
+    a count only the node knows must never decide what it answers."""
+    if "min-client-records" not in node_config:
+        if "data-path" in node_config and not trust:
+            raise NodeConfigError("min-client-records", "a node with its own data (data-path) "
+                                  "needs its own public lower bound on its records",
+                                  allowed="an integer >= 1, at most the site's record count")
+        return None
+    value = node_config["min-client-records"]
+    if isinstance(value, bool) or not str(value).isdigit() or int(value) < 1:
+        raise NodeConfigError("min-client-records", f"{value!r}", allowed="an integer >= 1")
+    return int(value)
+
+
 def _names(config: Mapping[str, Any], key: str, default: Iterable[str],
            known: Iterable[str]) -> frozenset[str]:
     known = sorted(known)
@@ -164,11 +195,13 @@ class NodePolicy:
     max_epsilon: float
     delta: float
     accountant: str
+    cap_relation: Relation
     min_noise_multiplier: float
     diagnostics: bool
     distributed: bool
     relations: frozenset[str]
     algorithms: frozenset[str]
+    min_client_records: int | None
     state_dir: Path
 
     @classmethod
@@ -195,6 +228,9 @@ class NodePolicy:
                                          else "rdp"))
         if accountant not in ACCOUNTANTS:
             raise NodeConfigError("accountant", f"{accountant!r}", allowed=ACCOUNTANTS)
+        cap_relation = str(node_config.get("cap-relation", Relation.REPLACE_ONE))
+        if cap_relation not in RELATION_NAMES:
+            raise NodeConfigError("cap-relation", f"{cap_relation!r}", allowed=RELATION_NAMES)
         state_dir = state_folder(node_config)
         return cls(
             trust_server=trust, noise=noise,
@@ -205,7 +241,7 @@ class NodePolicy:
                                 closed=False),
             delta=_number(node_config, "delta", float(run_config["delta"]) if trust
                           else DEFAULT_DELTA, low=0.0, high=1.0, closed=False),
-            accountant=accountant,
+            accountant=accountant, cap_relation=Relation(cap_relation),
             min_noise_multiplier=_number(node_config, "min-noise-multiplier", 0.0, low=0.0),
             diagnostics=_flag(node_config, "diagnostics", trust),
             distributed=_flag(node_config, "distributed-noise", trust),
@@ -213,6 +249,7 @@ class NodePolicy:
             algorithms=_names(node_config, "algorithms",
                               ALGORITHMS.names() if trust else local_algorithms(),
                               ALGORITHMS.names()),
+            min_client_records=_records(node_config, run_config, trust),
             state_dir=state_dir)
 
     # ---- what the node refuses ---------------------------------------------------------
@@ -226,6 +263,15 @@ class NodePolicy:
         if relation not in self.relations:
             return (f"node policy relations: relation {str(relation)!r} is not accepted (allowed: "
                     f"{', '.join(sorted(self.relations))})")
+        if not convertible(relation, self.cap_relation):
+            return (f"node policy cap-relation={self.cap_relation}: the cap is stated under "
+                    f"{self.cap_relation}, and a {relation} release has no {self.cap_relation} "
+                    f"ε (allowed: runs under {self.cap_relation})")
+        declared = int(config["min-client-records"])
+        if self.min_client_records is not None and declared != self.min_client_records:
+            return (f"node policy min-client-records={self.min_client_records}: the run "
+                    f"declares min-client-records={declared} (allowed: "
+                    f"{self.min_client_records})")
         if config["non-private-diagnostics"] and not self.diagnostics:
             return ("node policy diagnostics=false: exact, un-noised statistics "
                     "(non-private-diagnostics) may not leave this node")

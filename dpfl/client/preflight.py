@@ -16,6 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 from flwr.app import Context, RecordDict
 
 from dpfl.client.numpy_client import node_clients
@@ -78,6 +79,18 @@ def check_node(text: str) -> list[str]:
         if not Path(site).is_file():
             raise NodeConfigError("data-path", f"{site!r} is not a file",
                                   allowed="the site's .npz data file")
-        lines.append(f"ok  data file {site}")
+        try:
+            with np.load(site, allow_pickle=False) as archive:
+                records = len(archive["y"])
+        except (OSError, ValueError, KeyError) as error:
+            raise NodeConfigError("data-path", f"cannot read {site!r} ({error})",
+                                  allowed="the site's .npz data file") from None
+        bound = policy.min_client_records
+        if bound is not None and bound > records:  # said here, to the operator only
+            raise NodeConfigError("min-client-records", f"{bound} exceeds the {records} "
+                                  f"records of {site!r}: the node would refuse every run",
+                                  allowed=f"1..{records}")
+        lines.append(f"ok  data file {site}: {records} records"
+                     + (f", min-client-records={bound}" if bound is not None else ""))
     lines.append("this node can serve dpfl runs")
     return lines

@@ -46,6 +46,7 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
 from flwr.serverapp import Grid
 
+from dpfl.flower_secagg import install_mask_expansion
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused, Replies
 from dpfl.rounds.secure_sum import (
@@ -57,6 +58,8 @@ from dpfl.rounds.secure_sum import (
 )
 from dpfl.rounds.transport import ClientsLost
 from dpfl.wire import SecureTrainReply, TrainRequest
+
+install_mask_expansion()  # before Flower's SecAggPlusWorkflow unmasks anything
 
 #: how many times setup and share-keys start again after losing a node
 RESTARTS = 3
