@@ -133,7 +133,7 @@ def test_a_site_with_its_own_data(tmp_path, deployment, app):
     site = tmp_path / "site-2.npz"
     assert main(["export-partition", str(site), "-c", format_overrides(case),
                  "--partition-id", "2"]) == 0
-    env = deployment.start(NODES, node_config={2: f'data-path="{site}"'},
+    env = deployment.start(NODES, node_config={2: f'data-path="{site}" min-client-records=200'},
                            policy=TRUSTING)
     _deployed_equals_engine(tmp_path, env, case, app)
 
