@@ -84,3 +84,18 @@ def test_a_run_names_the_values_auto_gave(tmp_path, capsys, untuned):
     defaults = ALGORITHMS.get("clip21-sgd2m").defaults
     assert (f"clip21-sgd2m's defaults: learning-rate={defaults['learning-rate']!r} "
             f"clip={defaults['clip']!r}") in capsys.readouterr().out
+
+
+def test_the_readmes_demo_line_is_what_the_default_run_prints_now(tmp_path, capsys):
+    """The README quotes the demo's last round line; the default run (the engine: ``make run``'s
+    ``flwr run`` gives the same model bit for bit, and ``tests/test_docs.py`` checks the
+    printed line there too) prints it now. It went stale once when the "auto" defaults began
+    to follow ε."""
+    import re
+
+    from tests.conftest import ROOT
+
+    quoted = re.search(r"`(round 30/30 \| [^`]*)`", (ROOT / "README.md").read_text()).group(1)
+    run(RunConfig({"results-dir": str(tmp_path)}), echo=True)
+    printed = re.search(r"^(round 30/30 \| .*\(δ=[^)]*\))", capsys.readouterr().out, re.M)
+    assert printed is not None and quoted == printed.group(1)

@@ -156,7 +156,9 @@ def test_the_readmes_two_commands_run_as_written(tmp_path):
             shutil.rmtree(made) if made.is_dir() else made.unlink()
         if results.is_dir() and not before:
             results.rmdir()
-    assert "round 30/30" in output and "source .venv/bin/activate" in output
+    assert "source .venv/bin/activate" in output
+    quoted = re.search(r"`(round 30/30 \| [^`]*)`", (ROOT / "README.md").read_text()).group(1)
+    assert re.search(r"^" + re.escape(quoted) + r" \| ", output, re.M), quoted  # what it prints
     assert re.search(r"^tests/test_docs\.py: \d+$", output, re.M)  # make test collected
 
 
