@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 
 # the dependencies at the versions constraints.txt pins (docs/install.md)
 $(VENV)/.installed: pyproject.toml constraints.txt
+	@echo "installing dpfl and its pinned dependencies into $(VENV) (a few minutes the first time: PyTorch, Flower, Ray)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
@@ -16,6 +17,7 @@ install: $(VENV)/.installed
 
 # The default demo: DPSGD-GC on scikit-learn's digits, 10 virtual SuperNodes, Ray simulation.
 run: install
+	@echo "the demo: a local SuperLink, Ray and 10 simulated SuperNodes, 30 rounds (about a minute)"
 	$(PY) -m dpfl flower
 	@echo "dpfl and flwr are in $(VENV)/bin: run 'source $(VENV)/bin/activate' to put them on PATH"
 

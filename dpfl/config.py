@@ -343,6 +343,15 @@ def _pairs(item: str) -> list[str]:
             keys += _flat_keys(tomllib.loads(f"{match.group(1)} = {match.group(2)}"))
         except tomllib.TOMLDecodeError:
             key, value = match.group(1).strip("\"'"), match.group(2)
+            known = next((p for p in (*COMMON, BATCH_SIZE, LEARNING_RATE, CLIP, FRACTION_TRAIN)
+                          if p.key == key), None)
+            if known is not None and known.kind is not str:  # a word where a number belongs
+                what = {bool: "true or false", int: "an integer"}.get(known.kind, "a number")
+                example = str(known.default).lower() if known.kind is bool else known.default
+                raise ConfigError(key, f"cannot read {match.group(0)!r}: {value!r} is not "
+                                  f"{what}", allowed=f"{what}, e.g. {key}={example}" + (
+                                      f', or {key}="{AUTO}"' if known.per_algorithm else "")
+                                  ) from None
             if re.fullmatch(r"[A-Za-z_][\w.-]*", value):  # a bare word: a string needs quotes
                 raise ConfigError(key, f"cannot read {match.group(0)!r}: a string value needs "
                                   f"quotes", allowed=f'{key}="{value}", quoted for the shell as '

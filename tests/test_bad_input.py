@@ -100,6 +100,10 @@ CASES = {
     "spaces_around_equals": ("clip = 1.0", "run-config", "no spaces around"),
     "string_without_quotes": ("dataset=digits", "dataset", "cannot read 'dataset=digits': a "
                               "string value needs quotes (allowed: dataset=\"digits\""),
+    "word_for_a_number": ("num-server-rounds=ten", "num-server-rounds",
+                          "'ten' is not an integer (allowed: an integer, e.g. "
+                          "num-server-rounds=30)"),
+    "word_for_a_flag": ("secure-noise=yes", "secure-noise", "'yes' is not true or false"),
     "key_given_twice": ("clip=1.0 clip=0.5", "clip", "given twice"),
     "fraction_train_under_prisma": ('algorithm="prisma" fraction-train=0.5', "fraction-train",
                                     "not used by algorithm 'prisma'"),

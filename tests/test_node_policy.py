@@ -220,7 +220,9 @@ def test_a_node_refuses_a_replayed_round_it_would_answer_with_the_same_noise(tmp
      "node policy relations: relation 'add-remove' is not accepted"),
     ({}, {"min-noise-multiplier": 50.0}, "node policy min-noise-multiplier=50"),
     ({"secure-aggregation": True, "distributed-noise": True}, {},
-     "node policy distributed-noise=false"),
+     "node policy distributed-noise=false: this node adds each client's whole noise (a share "
+     "of it protects an upload only while the server follows SecAgg+); its operator allows a "
+     "share with the node config key distributed-noise=true"),
 ], ids=["no-noise", "diagnostics", "central", "relation", "min-noise", "distributed"])
 def test_a_node_refuses_what_its_policy_does_not_accept(tmp_path, caplog, change, node, reason):
     """The server sets the run config; the node's policy (its node config) decides. The run

@@ -278,7 +278,9 @@ class NodePolicy:
         if config["distributed-noise"] and not self.distributed:
             return ("node policy distributed-noise=false: this node adds each client's whole "
                     "noise (a share of it protects an upload only while the server follows "
-                    "SecAgg+)")
+                    "SecAgg+); its operator allows a share with the node config key "
+                    "distributed-noise=true (flower-supernode --node-config "
+                    "'distributed-noise=true')")
         return None
 
     def weak_noise(self, multipliers: Iterable[float]) -> str | None:

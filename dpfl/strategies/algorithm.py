@@ -206,8 +206,8 @@ class AlgorithmStrategy(Strategy):
             hosted = Hosted.decode(reply.content)
             if isinstance(hosted, ClientRefused):
                 if strict:
-                    raise FederationError(f"node {reply.metadata.src_node_id} hosts no client: "
-                                          f"{hosted.reason}")
+                    raise FederationError(f"node {reply.metadata.src_node_id} takes no part "
+                                          f"in the run: {hosted.reason}")
                 continue
             self.asked.add(reply.metadata.src_node_id)
             for c in hosted.clients:
