@@ -89,6 +89,11 @@ def test_a_user_runs_it_on_their_own_arrays(tmp_path, monkeypatch):
                                                         "num_validation": 60}
     dataset = problem.dataset_of(RunConfig(config))
     assert (dataset.num_validation, dataset.num_train) == (60, 540)
+    # a file placed in the data folder, as docs/data.md says, is found from any folder too
+    monkeypatch.setenv("DPFL_DATA_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path.parent)
+    assert plan_of(Lab(tmp_path, smoke=False, only={"dataset": ["mine.npz"], "federation": [
+        "silo-iid"]})).settings == (setting,)
 
 
 @pytest.mark.smoke

@@ -46,6 +46,7 @@ from dpfl.algorithms import ALGORITHMS
 from dpfl.algorithms.tuned import points_of, tuned_value
 from dpfl.config import format_options
 from dpfl.datasets import DATASETS, load_dataset
+from dpfl.datasets.loading import data_folder
 from dpfl.errors import UsageError
 from dpfl.experiments.lab import Lab
 from dpfl.experiments.registry import experiment
@@ -128,12 +129,16 @@ class Setting:
 
 def dataset_axis(value: str) -> tuple[str, str]:
     """An ``--only dataset=`` value as (dataset, file): a registered name, or a user's ``.npz``
-    (the ``npz`` dataset; the file absolute, as every worker reads it)."""
+    (the ``npz`` dataset; the file absolute, as every worker reads it): a path as the shell
+    gives it, else, as ``dataset-options="path=…"`` reads it, in the data folder."""
     if value.endswith(".npz"):
-        file = Path(value).expanduser().absolute()
-        if not file.is_file():
-            raise UsageError(f"--only dataset: {value} is not a file (a dataset name, or an "
-                             f".npz of train_x, train_y, test_x, test_y)")
+        given = Path(value).expanduser()
+        places = [given.absolute(), *([] if given.is_absolute() else [data_folder() / given])]
+        file = next((p for p in places if p.is_file()), None)
+        if file is None:
+            raise UsageError(f"--only dataset: {value} is not a file (looked in "
+                             f"{' and '.join(str(p.parent) for p in places)}; a dataset name, "
+                             f"or an .npz of train_x, train_y, test_x, test_y)")
         return "npz", str(file)
     if value not in DATASETS or value == "npz":
         raise UsageError(f"--only dataset: unknown dataset {value!r} (allowed: "
