@@ -273,7 +273,29 @@ def test_a_stalled_client_is_given_up_at_round_timeout_with_progress_lines(tmp_p
     waiting = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
     assert waiting and waiting[0].startswith(
         "round 2, exchange 'train': waiting for 1 of 3 replies (")
-    assert waiting[0].endswith("s of round-timeout=1.5 s)")
+    assert waiting[0].endswith("s; round-timeout=1.5 s an exchange)")
     assert [r.get("lost_clients") for r in _rounds(tmp_path, "flower")] == [None, [2]]
     assert any("clients [2]: node 3: no reply within round-timeout=1.5 s" in m
                for m in caplog.messages)
+
+
+def test_a_staged_exchange_counts_its_wait_from_the_exchange_start(monkeypatch):
+    """A secure-aggregation exchange waits in several SecAgg+ stages: each line names its
+    stage and counts the seconds from the exchange's start (it used to say "30 s" at every
+    stage)."""
+    from types import SimpleNamespace
+
+    from dpfl.strategies import algorithm
+    from dpfl.strategies.algorithm import FlowerTransport
+
+    monkeypatch.setattr(algorithm, "PROGRESS_EVERY", 0.1)
+    said: list[str] = []
+    strategy = SimpleNamespace(round_timeout=0.25, stopping=None, say=said.append)
+    silent = SimpleNamespace(push_messages=lambda messages: ["m1"],
+                             pull_messages=lambda ids: [])
+    transport = FlowerTransport(strategy, silent)
+    began = time.monotonic() - 60  # the exchange's earlier stages took a minute
+    assert transport.wait(["request"], "round 2, exchange 'train', SecAgg+ stage 3",
+                          since=began) == []
+    assert said and said[0].startswith("round 2, exchange 'train', SecAgg+ stage 3: waiting "
+                                       "for 1 of 1 replies (60 s; round-timeout=0.25 s a stage)")

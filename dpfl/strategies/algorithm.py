@@ -19,6 +19,7 @@ lost (``min-clients`` decides whether the run goes on without them).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -383,8 +384,11 @@ class FlowerTransport:
         what = f"round {server_round}, exchange {exchange!r}"
         problem = self.strategy.problem
         if problem.config["secure-aggregation"] and dispatch.requests:
+            began, stages = time.monotonic(), itertools.count(1)
             replies = secure_exchange(
-                problem, self.grid, lambda messages: self.wait(messages, what),
+                problem, self.grid,
+                lambda messages: self.wait(messages, f"{what}, SecAgg+ stage {next(stages)}",
+                                           since=began),
                 dispatch.requests, problem.survivors if problem.config["distributed-noise"]
                 else 0, nodes_count=not simulated_grid(self.grid))
             replies.unreached.update(dispatch.unreached)
@@ -396,14 +400,18 @@ class FlowerTransport:
         if self.strategy.stopping is not None:
             raise Stopped(self.strategy.stopping)
 
-    def wait(self, messages: list[Message], what: str) -> list[Message]:
+    def wait(self, messages: list[Message], what: str, since: float | None = None
+             ) -> list[Message]:
         """Send ``messages`` and collect their replies for up to ``round-timeout`` seconds,
-        saying every :data:`PROGRESS_EVERY` seconds how many are missing (as
-        ``Grid.send_and_receive`` does, but not silently)."""
+        saying every :data:`PROGRESS_EVERY` seconds how many are missing and how long the
+        exchange has waited (since ``since``: its start, for an exchange of several stages)
+        (as ``Grid.send_and_receive`` does, but not silently)."""
         waiting = set(self.grid.push_messages(messages))
         total, timeout = len(waiting), self.strategy.round_timeout
         replies: list[Message] = []
         start = time.monotonic()
+        per = "an exchange" if since is None else "a stage"
+        since = start if since is None else since
         pause, say = 0.05, start + PROGRESS_EVERY
         while waiting:
             self.check_stop()
@@ -416,7 +424,7 @@ class FlowerTransport:
             if now >= say:
                 say += PROGRESS_EVERY
                 self.strategy.say(f"{what}: waiting for {len(waiting)} of {total} replies "
-                                  f"({now - start:.0f} s of round-timeout={timeout:g} s)")
+                                  f"({now - since:.0f} s; round-timeout={timeout:g} s {per})")
             pause = 0.05 if pulled else min(2 * pause, 1.0)
             time.sleep(min(pause, max(start + timeout - now, 0.0)))
         return replies
