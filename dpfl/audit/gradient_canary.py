@@ -20,6 +20,33 @@ Neighbours, each world a copy of the audited client's data D with one record cha
   against D with it replaced by the canary: 2C·e_θ a step, the sensitivity, which no input
   canary reaches (a record's gradient cannot be made the negative of another's at will).
 
+Displacement. Under add/remove neighbours a release's sensitivity C holds only for Poisson
+batches (Abadi et al., "Deep Learning with Differential Privacy", arXiv:1607.00133, §3.1; the
+sampling Mironov, Talwar & Zhang, "Rényi Differential Privacy of the Sampled Gaussian
+Mechanism", arXiv:1908.10530, analyse): in a fixed-size batch drawn from D plus the canary, the
+canary takes the place of one of D's records, and the sum moves by the canary's clipped
+gradient minus that record's, up to 2C. With D's records at z = 0 the displaced record moves
+nothing on θ and the score shifts by C, as under Poisson sampling: the θ-canary alone cannot
+tell the two samplings apart. So, under add/remove, where every release takes every record
+(sample rate 1: the audit's tight setting, a batch of the client's whole data), each of D's
+records is an *anti-record*, z = −s, its gradient clipped to −C·e_θ (:func:`data_z`). Poisson
+batches at rate 1 hold every record in both worlds: the anti-records add the same −n·C a step
+to both, and the canary shifts the score by C, exactly as before; a fixed-size batch of n of
+the n + 1 records of "in" holds the canary with probability n/(n + 1), and then in place of an
+anti-record: the shift is 2C, the broken mechanism's worst case. Three limits:
+
+* at a sample rate q < 1 the records keep z = 0: Poisson coins over n anti-records would add
+  n·q(1 − q)·C² of variance a step, more than the noise, and hide the canary in every audit of
+  a correct sampler; a fixed-size draw is a property of the code, not of b, and the full-batch
+  audit finds it wherever it is;
+* where a client maps its clipped sum by a random map of its own before the noise (RPDP-SGD's
+  random subspace, RSDP-SGD's random mask: :data:`RANDOM_MAPS`), the anti-records' n·C comes
+  through at a random share, far above the noise, so the records keep z = 0 there as well;
+* both worlds calibrate from the out world's record count n (``min-client-records``, unless
+  the run sets one; :func:`pinned_records`): a rate b/(n + 1) in the in world alone would move
+  the anti-records' sum by itself, the coupling of neighbours that the sampler keeps
+  (docs/privacy.md, "Sampling and the neighbouring relation").
+
 The adversary scores a run by the upload's θ-coordinate (:func:`direction`): the sum over
 rounds of N(0, (σC)²) noise, shifted by the canary's clipped gradients, which is exactly μ-GDP
 for the Gaussian mechanisms: what :mod:`dpfl.audit.gdp` fits.
@@ -111,10 +138,11 @@ def scale(source: Problem, radius: float) -> float:
 
 
 def canary_problem(source: Problem, x: Tensor, y: Tensor, parts: list[np.ndarray],
-                   public_z: float, slots: int = 1) -> Problem:
+                   public_z: float, slots: int = 1, records: int = 0) -> Problem:
     """``source``'s run with the canary model (``slots`` θ added) over records ``x``
     (features and z, :func:`with_z`) and ``y``, split as ``parts``; the public records' z is
-    ``public_z`` in every slot."""
+    ``public_z`` in every slot; ``records``, where not 0, the ``min-client-records`` every
+    client calibrates from."""
     ds, flat = source.dataset, source.model.flat
     public_x = (None if ds.public_x is None
                 else with_z(ds.public_x, public_z, slots, slot=None))
@@ -124,25 +152,50 @@ def canary_problem(source: Problem, x: Tensor, y: Tensor, parts: list[np.ndarray
     module = CanaryModule(copy.deepcopy(flat.template), ds.input_shape, slots).to(source.device)
     model = FlatModel(module, canary_loss(source.model.loss), nonconvex_reg=flat.nonconvex_reg,
                       chunk_bytes=source.model.chunk_bytes)
-    config = source.config.replace(**{"num-partitions": len(parts)})
-    return assemble(config, dataset, parts, model=model)
+    keys = {"num-partitions": len(parts), **({"min-client-records": records} if records else {})}
+    return assemble(source.config.replace(**keys), dataset, parts, model=model)
+
+
+#: algorithms whose clients map each step's clipped sum by a random map of their own (a random
+#: subspace or mask, redrawn each step), under which anti-records would hide the canary
+RANDOM_MAPS = frozenset({"rpdp-sgd", "rsdp-sgd"})
+
+
+def data_z(source: Problem, client: int, s: float) -> float:
+    """z of client ``client``'s data records in the audit's worlds: −s (anti-records, which a
+    fixed-size batch would let the canary displace: module docstring) under add/remove where
+    every release of the client takes every record and no random map scales them, else 0."""
+    algorithm = source.algorithm
+    every = all(r.sample_rate >= 1 for r in source.releases(client))
+    displaceable = algorithm.relation is Relation.ADD_REMOVE and algorithm.name not in RANDOM_MAPS
+    return -s if displaceable and every else 0.0
+
+
+def pinned_records(source: Problem, client: int) -> int:
+    """The record count both worlds calibrate from: the run's ``min-client-records``, else,
+    under add/remove, client ``client``'s count in the out world (0: each client's own)."""
+    bound = int(source.config["min-client-records"])
+    add_remove = source.algorithm.relation is Relation.ADD_REMOVE
+    return bound or (len(source.partitions[client]) if add_remove else 0)
 
 
 def record_trials(source: Problem, client: int, trials: int, radius: float) -> Problem:
-    """The record-level federation for ``client``'s data D (module docstring): ``trials``
-    clients holding the "out" world, ``trials`` the "in" world, then the reference client
-    (out), which drives the server."""
+    """The record-level federation for ``client``'s data D (module docstring; its records
+    anti-records where :func:`data_z` says): ``trials`` clients holding the "out" world,
+    ``trials`` the "in" world, then the reference client (out), which drives the server."""
     rows = torch.from_numpy(source.partitions[client])
     ds, n, s = source.dataset, len(rows), scale(source, radius)
     zero = torch.zeros(1, *ds.input_shape, dtype=ds.train_x.dtype)
-    x = torch.cat([with_z(ds.train_x[rows]), with_z(zero, s), with_z(zero, -s)])
+    x = torch.cat([with_z(ds.train_x[rows], data_z(source, client, s)), with_z(zero, s),
+                   with_z(zero, -s)])
     y = torch.cat([ds.train_y[rows], ds.train_y[rows[:1]], ds.train_y[rows[:1]]])
     rest = np.arange(1, n, dtype=np.int64)
     if source.algorithm.relation is Relation.REPLACE_ONE:
         out, inn = np.concatenate([[n + 1], rest]), np.concatenate([[n], rest])
     else:
         out, inn = np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64)
-    return canary_problem(source, x, y, [out] * trials + [inn] * trials + [out], s)
+    return canary_problem(source, x, y, [out] * trials + [inn] * trials + [out], s,
+                          records=pinned_records(source, client))
 
 
 def sum_worlds(source: Problem, client: int, radius: float) -> tuple[Problem, Problem]:
@@ -150,12 +203,15 @@ def sum_worlds(source: Problem, client: int, radius: float) -> tuple[Problem, Pr
     aggregation): ``source``'s whole federation with the canary model, client ``client``'s data
     D "out" and "in" as :func:`record_trials` has them (its first record replaced by the
     anti-canary and by the canary under replace-one; without and with the canary under
-    add/remove), every other client's data as it is."""
+    add/remove; anti-records where :func:`data_z` says), every other client's data as it is."""
     ds, s = source.dataset, scale(source, radius)
     zero = torch.zeros(1, *ds.input_shape, dtype=ds.train_x.dtype)
-    x = torch.cat([with_z(ds.train_x), with_z(zero, s), with_z(zero, -s)])
-    y = torch.cat([ds.train_y, ds.train_y[:1], ds.train_y[:1]])
-    rows, canary = source.partitions[client], ds.num_train
+    own = torch.from_numpy(source.partitions[client])
+    x = torch.cat([with_z(ds.train_x), with_z(zero, s), with_z(zero, -s),
+                   with_z(ds.train_x[own], data_z(source, client, s))])
+    y = torch.cat([ds.train_y, ds.train_y[:1], ds.train_y[:1], ds.train_y[own]])
+    canary = ds.num_train
+    rows = np.arange(canary + 2, canary + 2 + len(own), dtype=np.int64)  # D, as data_z has it
     if source.algorithm.relation is Relation.REPLACE_ONE:
         out, inn = np.concatenate([[canary + 1], rows[1:]]), np.concatenate([[canary], rows[1:]])
     else:
