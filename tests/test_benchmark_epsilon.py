@@ -1,10 +1,12 @@
 """The matched-ε benchmark: every algorithm's equal search budget, the proxies' noise, the
-selection that never reads the test set, the options a user narrows it with, and the smoke run."""
+selection that never reads the test set, the options a user narrows it with, its figure's panels,
+and the smoke run."""
 
 from __future__ import annotations
 
 import csv
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from dpfl.config import parse_options
 from dpfl.errors import UsageError
 from dpfl.experiments.benchmark import (
     EXCLUDED,
+    FAMILIES,
     GRIDS,
     ROUNDS,
     Setting,
@@ -21,6 +24,7 @@ from dpfl.experiments.benchmark import (
     plan_of,
     rank,
 )
+from dpfl.experiments.family_figure import OTHER, family_figure
 from dpfl.experiments.lab import Lab
 from dpfl.runconfig import RunConfig
 
@@ -94,6 +98,32 @@ def test_a_user_runs_it_on_their_own_arrays(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path.parent)
     assert plan_of(Lab(tmp_path, smoke=False, only={"dataset": ["mine.npz"], "federation": [
         "silo-iid"]})).settings == (setting,)
+
+
+def test_every_algorithm_has_one_family_in_the_figure():
+    members = [a for family in FAMILIES.values() for a in family]
+    assert sorted(members) == sorted(ALGORITHMS)
+
+
+@pytest.mark.filterwarnings("error")
+def test_the_figure_draws_a_panel_per_family_present_each_line_labelled(tmp_path):
+    epsilons = (1.0, 4.0)
+    accuracies = {"prisma": [[70, 72, 71], [80, 81, 82]], "dpsgd-gc": [[75, 76, 74], [84, 85, 83]],
+                  "clip21-sgd": [[10, 11, 9], [12, 10, 11]],  # at chance: below the axis
+                  "dp-sgd": [[85, 86, 84], [89, 90, 88]], "mine": [[60, 61, 62], [70, 70, 70]]}
+    fig = family_figure("a title", epsilons, accuracies, FAMILIES)
+    try:
+        assert [ax.get_title() for ax in fig.axes] == [
+            "PriSMA family", "Clip21 family", "DP-SGD baselines", OTHER]
+        assert [[t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes] == [
+            ["prisma", "dpsgd-gc"], ["clip21-sgd (↓ 10–11%)"], ["dp-sgd"], ["mine"]]
+        for ax in fig.axes:
+            assert ax.get_xscale() == "log" and list(ax.get_xticks()) == list(epsilons)
+            assert ax.get_ylim() == (55.0, 95.0)  # shared, zoomed to those that learn
+            assert list(ax.lines[0].get_ydata()) == [85, 89]  # the best of any family
+        fig.savefig(tmp_path / "figure.png")
+    finally:
+        plt.close(fig)
 
 
 @pytest.mark.smoke

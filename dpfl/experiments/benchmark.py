@@ -40,14 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib.pyplot as plt
-
-from dpfl.algorithms import ALGORITHMS
+from dpfl.algorithms import ALGORITHMS, adaptive, clip21
 from dpfl.algorithms.tuned import points_of, tuned_value
 from dpfl.config import format_options
 from dpfl.datasets import DATASETS, load_dataset
 from dpfl.datasets.loading import data_folder
 from dpfl.errors import UsageError
+from dpfl.experiments.family_figure import family_figure
 from dpfl.experiments.lab import Lab
 from dpfl.experiments.registry import experiment
 from dpfl.experiments.selection import (
@@ -78,6 +77,15 @@ PUBLIC = ("pcdp-sgd", "pdp-sgd", "fedpcdp", "fedpdp")  # project onto 100 public
 # every step as rows of a per-layer Kronecker rotation, read from the tapes (its default
 # rotation materialises every per-sample gradient: 20-52x the round on this MLP)
 FIXED: dict[str, Config] = {"rpdp-sgd": {"random-basis": "kronecker"}}
+#: the figure's panels: the seed papers' families (docs/algorithms.md), the PCDP paper's split
+#: into its methods on the public records' subspace and its baselines without public data
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "PriSMA family": ("prisma", "dpsgd-gc", "non-prisma"),
+    "Clip21 family": clip21.FAMILY,
+    "DP-FedAvg and adaptive clipping": (*adaptive.FAMILY, "dp-fedavg-quantile"),
+    "public-subspace projection": PUBLIC,
+    "DP-SGD baselines": ("dp-sgd", "rsdp-sgd", "rpdp-sgd", "dp-scaffold"),
+}
 
 # Each algorithm's own 16 configurations: its step size × its clip radius (× one key of its own).
 # Per-sample clipping around the fallback defaults' η = 2, C = 1; message clipping (the Clip21
@@ -308,9 +316,6 @@ def rounds_per_cell(plan: Plan, algorithm: str) -> int:
                for (share, _), n in zip(RUNGS, entering, strict=True))
 
 
-MARKERS = "osD^v<>pPX*hH8d"  # the figure's markers, one per line in turn
-
-
 def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Config],
                    results: dict[Cell, list[dict[str, Any]]]) -> None:
     tests = {cell: [final_accuracy(s) for s in runs] for cell, runs in results.items()
@@ -338,24 +343,14 @@ def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Co
               f"{', '.join(map(str, plan.seeds))} at each algorithm's selected point; the best "
               f"per ε in bold, (tie): its paired {LEVEL:.0%} interval against the best contains 0",
               ["algorithm", *[f"ε = {e:g}" for e in plan.epsilons]], rows)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    colours = plt.get_cmap("tab20").colors  # a colour and a marker of its own for each line
-    for i, a in enumerate(plan.algorithms):
-        stats = [mean_std(tests[(setting, a, e)]) for e in plan.epsilons]
-        means = [m for m, _ in stats]
-        colour = colours[i % len(colours)]
-        ax.plot(plan.epsilons, means, marker=MARKERS[i % len(MARKERS)], color=colour, label=a,
-                linestyle="-" if i % 2 == 0 else "--")
-        ax.fill_between(plan.epsilons, [m - s for m, s in stats], [m + s for m, s in stats],
-                        color=colour, alpha=0.12)
-    ax.set(xscale="log", xlabel="ε (δ = 1e-5, RDP accountant)", ylabel="test accuracy (%)",
-           title=title)
-    ax.set_xticks(plan.epsilons, [f"{e:g}" for e in plan.epsilons])
-    ax.minorticks_off()
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.tight_layout()
-    name = f"accuracy-{setting.name}-{setting.federation}"
-    lab.figure(name, fig, f"{title}: test accuracy against ε, mean ± std over the seeds")
+    fig = family_figure(f"{title}: test accuracy (%), mean ± std over seeds "
+                        f"{', '.join(map(str, plan.seeds))} (δ = 1e-5, RDP accountant)",
+                        plan.epsilons, {a: [tests[(setting, a, e)] for e in plan.epsilons]
+                                        for a in plan.algorithms}, FAMILIES)
+    lab.figure(f"accuracy-{setting.name}-{setting.federation}", fig,
+               f"{title}: test accuracy against ε, a panel per family, mean ± std over the "
+               f"seeds; grey: the best of any family at each ε")
+
     def selected(algorithm: str, epsilon: float) -> str:
         point = chosen[(setting, algorithm, epsilon)]
         edges = edge_axes(point, plan.points(algorithm))
