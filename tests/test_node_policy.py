@@ -455,3 +455,30 @@ def test_a_nodes_cap_is_stated_under_its_own_relation(tmp_path):
         "replace-one release has no add-remove ε (allowed: runs under add-remove)")
     with pytest.raises(NodeConfigError, match="^node config key 'cap-relation'"):
         NodePolicy.of({"cap-relation": "swap"}, RunConfig(BASE))
+
+
+def test_check_node_tells_a_sites_operator_whether_its_bound_fits_its_file(tmp_path, capsys,
+                                                                           monkeypatch):
+    """What the node would refuse every run for (its own bound above its records) the
+    operator hears before the node starts, locally: ``dpfl check-node`` reads the file."""
+    import os
+    import sys
+
+    import numpy as np
+
+    from dpfl.cli import main
+
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent) + os.pathsep + "/usr/bin:/bin")
+    site = tmp_path / "site.npz"
+    np.savez(site, x=np.zeros((40, 3), np.float32), y=np.zeros(40, np.int64))
+    config = f'partition-ids="2" data-path="{site}" state-dir="{tmp_path / "state"}"'
+    assert main(["check-node", "--node-config", config + " min-client-records=40"]) == 0
+    assert "ok  data file " + str(site) + ": 40 records, min-client-records=40" in \
+        capsys.readouterr().out
+    assert main(["check-node", "--node-config", config + " min-client-records=41"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"dpfl: error: node config key 'min-client-records': 41 exceeds the 40 records of "
+        f"'{site}': the node would refuse every run (allowed: 1..40)")
+    assert main(["check-node", "--node-config", config]) == 2
+    assert "node config key 'min-client-records': a node with its own data" in \
+        capsys.readouterr().err
