@@ -23,6 +23,7 @@ from typing import NoReturn
 
 from dpfl.config import parse_overrides
 from dpfl.errors import ConfigError, NonFiniteError, UsageError, did_you_mean
+from dpfl.interrupt import exit_status, sigterm_interrupts
 
 
 class _Parser(argparse.ArgumentParser):
@@ -343,6 +344,13 @@ def resume(folder: Path, overrides: dict, command: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    with sigterm_interrupts():
+        return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the command ``args`` name; bad input, a run stopped on a non-finite value and an
+    interruption (Ctrl-C, SIGTERM) end it with one line and the exit status they call for."""
     try:
         if args.command == "reproduce":
             return reproduce(args)
@@ -384,9 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as exc:  # the run stopped; its results folder says so too
         print(f"dpfl: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C: the run closed its results folder (and said where)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM (dpfl.interrupt): the run
+        # closed its results folder (and said where), and stopped what it started
         print("dpfl: interrupted", file=sys.stderr)
-        return 130
+        return exit_status(interrupt)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ invocation a private ``FLWR_HOME`` and free loopback ports (so concurrent runs o
 never share a SuperLink), reads the run's final status from ``flwr ls`` (``flwr run --stream``
 exits 0 whatever the run's fate), and stops the processes the run started, by PID: every
 process whose environment carries the launch's ``DPFL_LAUNCH`` token (the SuperLink, the
-simulation, Ray's processes), when the run ends and when it is interrupted (Ctrl-C). Given a
+simulation, Ray's processes), when the run ends and when it is interrupted (Ctrl-C or SIGTERM,
+:mod:`dpfl.interrupt`). ``flwr run`` runs in a session of its own, so that an interruption
+reaches this process alone, which stops the run in order: the ServerApp first, which closes its
+results folder, while ``flwr run`` still streams its last lines into ``flower.log``. Given a
 Ray address, the simulation runtime attaches to that running cluster instead of starting Ray
 here (:mod:`dpfl.ray_cluster`, docs/multinode.md).
 """
@@ -26,7 +29,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from dpfl.config import Value, format_overrides
@@ -112,41 +116,74 @@ def running(pid: int) -> bool:
     return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
-def stop(pids: list[int], grace: float = 10.0, signum: int = signal.SIGTERM) -> None:
-    """Send ``signum`` to ``pids``; SIGKILL those still :func:`running` ``grace`` seconds on."""
+def send(pids: list[int], signum: int) -> None:
+    """Send ``signum`` to those of ``pids`` that still exist."""
     for pid in pids:
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
+
+
+def stop(pids: list[int], grace: float = 10.0, signum: int = signal.SIGTERM) -> None:
+    """Send ``signum`` to ``pids``; SIGKILL those still :func:`running` ``grace`` seconds on."""
+    send(pids, signum)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(running(p) for p in pids):
         time.sleep(0.2)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    send(pids, signal.SIGKILL)
+
+
+def interrupt_simulations(token: str) -> bool:
+    """Send SIGINT to launch ``token``'s simulations, whose ServerApps close their results
+    folders (in the time Flower's exit allows); whether there was one."""
+    pids = simulations(token)
+    send(pids, signal.SIGINT)
+    return bool(pids)
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# Flower's and Ray's lines that say nothing about this run: its debug log (printed twice),
-# hints about federations that dpfl sizes itself, the private FLWR_HOME it sets up
-NOISE = re.compile(r"^\d\d/\d\d/\d{4} [\d:]+:(DEBUG|INFO):|^INFO :\s*$|Flower configuration "
-                   r"not found|^Starting local SuperLink|^Using SuperLink|Starting logstream|"
-                   r"Since flwr 1\.32|simulated SuperNodes\)|To change federation size|flwr "
-                   r"federation simulation-config|Successfully installed dpfl to|Manually "
-                   r"terminating ClientAppActor|^\s*$")
+# Flower's and Ray's lines that say nothing about this run: its debug log (printed twice; a
+# stopped simulation's in another format), hints about federations that dpfl sizes itself, the
+# private FLWR_HOME it sets up
+NOISE = re.compile(r"^\d\d/\d\d/\d{4} [\d:]+:(DEBUG|INFO):|^DEBUG:flwr:|^INFO :\s*$|"
+                   r"Flower configuration not found|^Starting local SuperLink|^Using SuperLink|"
+                   r"Starting logstream|Since flwr 1\.32|simulated SuperNodes\)|To change "
+                   r"federation size|flwr federation simulation-config|Successfully installed "
+                   r"dpfl to|Manually terminating ClientAppActor|^\s*$")
 
 
 class Stream:
     """What ``flwr run --stream`` printed: all of it (``log``), whether a ``dpfl: error:`` line
     said what went wrong (``explained``), and the results folder the ServerApp named."""
 
-    def __init__(self) -> None:
+    def __init__(self, verbose: bool = False) -> None:
+        self.verbose = verbose
         self.log: list[str] = []
         self.explained = False
         self.results: Path | None = None
+        self.in_traceback = False
+
+    def echo(self, raw: str) -> None:
+        """Keep the line ``raw`` and echo it, less (unless ``verbose``) colour codes, the lines
+        in :data:`NOISE` and the tracebacks Flower logs for an app that raised (dpfl's own
+        ``dpfl: error:`` line says what went wrong)."""
+        self.log.append(raw)
+        line = ANSI.sub("", raw)
+        if line.startswith("done: ") and "; results in " in line:
+            self.results = Path(line.rsplit("; results in ", 1)[1].strip())
+        if not self.verbose:
+            if line.startswith("Traceback (most recent call last):"):
+                self.in_traceback = True
+                return
+            if self.in_traceback:
+                self.in_traceback = line.startswith((" ", "\t"))  # its last line: the exception
+                return
+            if NOISE.search(line):
+                return
+        self.explained = self.explained or line.startswith("dpfl: error:")
+        sys.stdout.write(raw if self.verbose else line)
+        sys.stdout.flush()
 
     def write_log(self, fallback: Path) -> Path:
         """Flower's whole output as ``flower.log`` in the run's results folder (or, for a run
@@ -158,45 +195,47 @@ class Stream:
         return path
 
 
-def stream(cmd: list[str], env: Mapping[str, str], cwd: Path, timeout: float | None, *,
-           verbose: bool = False) -> tuple[int, Stream]:
-    """Run ``cmd`` and echo its output, less (unless ``verbose``) colour codes, the lines in
-    :data:`NOISE` and the tracebacks Flower logs for an app that raised (dpfl's own
-    ``dpfl: error:`` line says what went wrong); returns the exit status and what went by.
-    Past ``timeout`` seconds the command is killed."""
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace")
-    timer = threading.Timer(timeout, proc.kill) if timeout else None
+@contextmanager
+def killed_after(proc: subprocess.Popen, seconds: float | None) -> Iterator[None]:
+    """Inside, ``proc`` is killed once ``seconds`` have passed (never, for None)."""
+    timer = threading.Timer(seconds, proc.kill) if seconds else None
     if timer:
         timer.start()
-    seen, in_traceback = Stream(), False
     try:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            seen.log.append(raw)
-            line = ANSI.sub("", raw)
-            if line.startswith("done: ") and "; results in " in line:
-                seen.results = Path(line.rsplit("; results in ", 1)[1].strip())
-            if not verbose:
-                if line.startswith("Traceback (most recent call last):"):
-                    in_traceback = True
-                    continue
-                if in_traceback:
-                    in_traceback = line.startswith((" ", "\t"))  # its last line: the exception
-                    continue
-                if NOISE.search(line):
-                    continue
-            seen.explained = seen.explained or line.startswith("dpfl: error:")
-            sys.stdout.write(raw if verbose else line)
-            sys.stdout.flush()
-        code = proc.wait()
+        yield
     finally:
         if timer:
             timer.cancel()
+
+
+def stream(cmd: list[str], env: Mapping[str, str], cwd: Path, seen: Stream,
+           timeout: float | None, wind_down: Callable[[], bool]) -> int:
+    """Run ``cmd`` in a session of its own (the terminal's Ctrl-C reaches this process alone),
+    its output echoed by ``seen``; returns its exit status. Past ``timeout`` seconds it is
+    killed. Interrupted (Ctrl-C, SIGTERM), it calls ``wind_down()``, which asks the run to end
+    and says whether there was one to end: then ``cmd``'s output, the run's last lines, is
+    still echoed until it exits (:data:`~dpfl.results.CLOSE_WAIT` and a little more seconds at
+    most) before the interruption goes on."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace",
+                            start_new_session=True)
+    assert proc.stdout is not None
+    try:
+        with killed_after(proc, timeout):
+            try:
+                for raw in proc.stdout:
+                    seen.echo(raw)
+                return proc.wait()
+            except KeyboardInterrupt:
+                if wind_down():
+                    with killed_after(proc, CLOSE_WAIT + 5):
+                        for raw in proc.stdout:
+                            seen.echo(raw)
+                raise
+    finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return code, seen
 
 
 def final_status(flwr: Path, env: Mapping[str, str], cwd: Path) -> tuple[str, str]:
@@ -230,8 +269,8 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
     0 when the run finished completed, else non-zero (one ``dpfl: error:`` line saying how
     it ended). The app is a temporary copy of the app folder, from the checkout or the
     installed wheel (:func:`dpfl.flower_app.app_folder`). Flower's whole output goes to
-    ``flower.log`` in the run's results folder; the console shows it less Flower's and Ray's
-    noise (all of it with ``verbose``).
+    ``flower.log`` in the run's results folder, however the run ends (interrupted too); the
+    console shows it less Flower's and Ray's noise (all of it with ``verbose``).
 
     ``ray_address`` (``HOST:PORT`` of a running Ray cluster's head; this machine must be one
     of its nodes) runs the ClientApps on that cluster instead of a Ray started here; it is
@@ -269,8 +308,12 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
             cmd = [str(flwr), "run", str(app_dir), "--stream", "--run-config",
                    format_overrides(values), "--federation-config",
                    format_overrides(federation)]
-            code, seen = stream(cmd, env, app_dir, timeout, verbose=verbose)
-            log = seen.write_log(Path(values["results-dir"]))
+            seen = Stream(verbose)
+            try:
+                code = stream(cmd, env, app_dir, seen, timeout,
+                              wind_down=lambda: interrupt_simulations(token))
+            finally:  # kept however the run ended, interrupted included
+                log = seen.write_log(Path(values["results-dir"]))
             if code == 0:
                 status, details = final_status(flwr, env, app_dir)
                 if status != "finished:completed":
@@ -279,11 +322,12 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
                           + f" (Flower's log: {log})", file=sys.stderr)
                     code = 1
         return code
-    finally:  # done, failed or interrupted (Ctrl-C): nothing it started outlives it. The
-        # simulation (the ServerApp's process) is not in the terminal's process group, and the
-        # SIGINT Flower's parent monitor raises when its SuperExec stops reaches a thread that
-        # is not the main one: it is interrupted here, and closes its results folder in the time
-        # Flower's exit allows, before the rest is stopped
+    finally:  # done, failed or interrupted (Ctrl-C, SIGTERM): nothing it started outlives it.
+        # The simulation (the ServerApp's process) is not in the terminal's process group, and
+        # the SIGINT Flower's parent monitor raises when its SuperExec stops reaches a thread
+        # that is not the main one: it is interrupted here (an interrupted stream did so
+        # already), and closes its results folder in the time Flower's exit allows, before the
+        # rest is stopped
         stop(simulations(token), grace=CLOSE_WAIT + 5, signum=signal.SIGINT)
         stop([p for p in started_processes(home) if p not in before])
         stop_launched(token)

@@ -7,6 +7,7 @@ import pytest
 
 from dpfl.cli import main
 from dpfl.experiments import EXPERIMENTS
+from tests.interrupting import STOPS, interrupted, round_done
 
 
 def test_keys_lists_the_common_keys_and_each_algorithms_own(capsys):
@@ -48,47 +49,43 @@ def test_a_paper_alone_names_its_experiments(capsys):
     assert "did you mean 'clip21/logreg'" in capsys.readouterr().err
 
 
-def _interrupted(command: list[str], tmp_path, env: dict | None = None):
-    """Start ``python -m dpfl COMMAND`` in its own session, press Ctrl-C (SIGINT to its process
-    group, as a terminal does) once round 2 is printed; returns (exit status, stdout, stderr)."""
-    import os
+def test_sigterm_takes_ctrl_cs_path_and_exits_143(tmp_path, monkeypatch, capsys):
+    """SIGTERM mid-run, in-process: it interrupts the run where Ctrl-C would, the results folder
+    is closed (interrupted), one line, exit status 143, and ``main`` gives back the SIGTERM
+    handler it found."""
+    import json
     import signal
-    import subprocess
-    import sys
 
-    from tests.conftest import ROOT
+    from dpfl.rounds import driver
 
-    # as from a terminal: SIGINT handled by default, even where the suite itself was started in
-    # the background of a script (which starts it, and what it starts, with SIGINT ignored)
-    proc = subprocess.Popen([sys.executable, "-m", "dpfl", *command], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    seen = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("round   2/") or line.startswith("round 2/"):
-                os.killpg(proc.pid, signal.SIGINT)
-                break
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, "".join(seen) + out, err
+    answered = driver.answered
+
+    def terminated(request, transport):
+        if isinstance(request, driver.ExchangeRequest) and request.server_round == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return answered(request, transport)
+
+    monkeypatch.setattr(driver, "answered", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["run", "-q", "-c", f'num-partitions=4 num-server-rounds=3 batch-size=16 '
+                 f'results-dir="{tmp_path}" run-name="cut"']) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "dpfl: interrupted"
+    assert signal.getsignal(signal.SIGTERM) is before
+    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert summary["stopped_early"] == "interrupted in round 2"
 
 
 @pytest.mark.slow
-def test_ctrl_c_on_dpfl_run_exits_130_without_a_traceback(tmp_path):
-    """Ctrl-C: the results folder is closed (interrupted, with what was spent), one line, exit
-    status 130, no traceback."""
+@pytest.mark.parametrize(("signum", "group", "status"), STOPS)
+def test_ctrl_c_or_sigterm_on_dpfl_run_closes_its_results_folder(tmp_path, signum, group,
+                                                                  status):
+    """Ctrl-C, or SIGTERM: the results folder is closed (interrupted, with what was spent), one
+    line, exit status 130 (143 for SIGTERM), no traceback."""
     import json
 
-    code, out, err = _interrupted(["run", "-c", f'num-server-rounds=500 results-dir="{tmp_path}" '
-                                   f'run-name="cut"'], tmp_path)
-    assert code == 130, err
-    assert "Traceback" not in out + err and err.strip().splitlines()[-1] == "dpfl: interrupted"
+    stopped = interrupted(["run", "-c", f'num-server-rounds=500 results-dir="{tmp_path}" '
+                           f'run-name="cut"'], round_done(2), signum, group)
+    stopped.check(status)
     summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert summary["stopped_early"].startswith("interrupted in round")
     assert "the run stopped after" in summary["calibration_check"]

@@ -7,7 +7,8 @@ is stopped whole at the end. A doc change that breaks a command fails here.
 
 - ``readme``: the README's two commands (``make test`` only collects the suite here: it is
   the suite);
-- ``loopback``: docs/deployment.md's TLS federation of three SuperNodes on loopback;
+- ``loopback``: docs/deployment.md's TLS federation of three SuperNodes on loopback (nothing
+  it started left running after its ``kill``), and the same stopped mid-run by SIGTERM;
 - ``ray-one-machine``: docs/multinode.md's two-node Ray cluster on this machine;
 - ``compose-tls``: docs/deployment.md's docker-compose with TLS (where a Docker daemon is
   reachable).
@@ -27,11 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.interrupting import MARK, lingering
 
 # fixed ports (the docs' own) and `ray stop`, which stops every Ray node of the machine
 pytestmark = [pytest.mark.flower, pytest.mark.serial]
@@ -70,33 +73,51 @@ def needs_the_checkouts_venv() -> None:
         pytest.skip(f"the recipes activate {VENV}, which this test run does not use")
 
 
-def run_recipe(name: str, tmp_path: Path, *, timeout: float = 900,
-               env: dict[str, str] | None = None, temp: Path | None = None) -> str:
-    """Run recipe ``name`` from the checkout (``TMPDIR``: ``temp``, by default a new short
-    folder in /tmp, where its ``mktemp -d`` folders go); returns its output; fails with it on
-    a non-zero exit. Everything it started is stopped at the end (its session)."""
-    script = tmp_path / f"{name}.sh"
-    script.write_text("set -e\n" + recipes()[name])
+def start_recipe(script: str, log: Path, env: dict[str, str] | None = None,
+                 temp: Path | None = None) -> subprocess.Popen:
+    """Start ``script`` (a recipe's blocks) with bash from the checkout, in a session of its
+    own, its output to ``log`` (``TMPDIR``: ``temp``, by default a new short folder in /tmp,
+    where its ``mktemp -d`` folders go)."""
+    path = log.with_suffix(".sh")
+    path.write_text("set -e\n" + script)
     # a wide terminal, so that tables (`flwr ls`) are not cut; a short TMPDIR, under which Ray
     # makes its sockets (AF_UNIX paths are short)
     temp = temp or Path(tempfile.mkdtemp(prefix="d", dir="/tmp"))
     environment = {**os.environ, "TMPDIR": str(temp), "COLUMNS": "250", **(env or {})}
     for key in ("FLWR_HOME", "VIRTUAL_ENV"):
         environment.pop(key, None)
-    with open(tmp_path / f"{name}.log", "w") as out:
-        proc = subprocess.Popen(["bash", str(script)], cwd=ROOT, env=environment, stdout=out,
+    with open(log, "w") as out:
+        return subprocess.Popen(["bash", str(path)], cwd=ROOT, env=environment, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_session(proc: subprocess.Popen) -> None:
+    """Stop whatever is left of ``proc``'s session."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            code = proc.wait(timeout=timeout)
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                    time.sleep(2)
-                except ProcessLookupError:
-                    break
+            os.killpg(proc.pid, sig)
+            time.sleep(2)
+        except ProcessLookupError:
+            break
+
+
+def run_recipe(name: str, tmp_path: Path, *, timeout: float = 900,
+               env: dict[str, str] | None = None, temp: Path | None = None,
+               leaves_nothing: bool = False) -> str:
+    """Run recipe ``name`` (:func:`start_recipe`); returns its output; fails with it on a
+    non-zero exit, and, where it ``leaves_nothing``, on a process it started that is still
+    running 30 s after it ended. Everything it started is stopped at the end (its session)."""
+    token = uuid.uuid4().hex
+    proc = start_recipe(recipes()[name], tmp_path / f"{name}.log", {**(env or {}), MARK: token},
+                        temp)
+    try:
+        code = proc.wait(timeout=timeout)
+        left = lingering(token) if leaves_nothing else []
+    finally:
+        stop_session(proc)
     output = (tmp_path / f"{name}.log").read_text()
     assert code == 0, output[-4000:]
+    assert left == [], f"left running: {left}"
     return output
 
 
@@ -110,13 +131,50 @@ def test_the_deployment_guides_loopback_recipe_runs_as_written(tmp_path):
     ls`: the run completed, its ε holds against the server (secret noise on every node)."""
     needs_the_checkouts_venv()
     ports_free(9092, 9094, 9095, 9096)
-    output = run_recipe("loopback", tmp_path)
+    output = run_recipe("loopback", tmp_path, leaves_nothing=True)  # `kill $(jobs -p)`: SIGTERM
     assert "this node can serve dpfl runs" in output and "finished:completed" in output
     summary = json.loads((folder_of(output) / "results" / "loopback" / "summary.json")
                          .read_text())
     assert summary["rounds_completed"] == 3
     assert summary["privacy"]["guarantee_against_server"] is True
     assert summary["privacy"]["noise"] == {"secure": 3}
+
+
+def test_sigterm_to_the_loopback_recipe_mid_run_stops_everything_it_started(tmp_path):
+    """What a CI timeout or a scheduler sends a federation it started, SIGTERM to its process
+    group, in the middle of a run (of 100 rounds here): the SuperLink, the SuperNodes and every
+    process they started (SuperExecs, the ServerApp, ClientApps) stop, and the ServerApp
+    closes its results folder first (``stopped_early``)."""
+    needs_the_checkouts_venv()
+    ports_free(9092, 9094, 9095, 9096)
+    script = recipes()["loopback"]
+    assert "num-server-rounds=3 " in script
+    token, log = uuid.uuid4().hex, tmp_path / "loopback.log"
+    proc = start_recipe(script.replace("num-server-rounds=3 ", "num-server-rounds=100 "), log,
+                        {MARK: token})
+    try:
+        deadline = time.monotonic() + 600
+        while not _round_done(log):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        left = lingering(token)
+    finally:
+        stop_session(proc)
+    assert left == []
+    summary = json.loads((folder_of(log.read_text()) / "results" / "loopback" / "summary.json")
+                         .read_text())
+    assert summary["rounds_completed"] < 100 and summary["stopped_early"]
+
+
+def _round_done(log: Path) -> bool:
+    """Whether the loopback recipe logging to ``log`` has a run with a round done."""
+    output = log.read_text()
+    if not any(line.startswith("/") for line in output.splitlines()):
+        return False
+    rounds = folder_of(output) / "results" / "loopback" / "rounds.jsonl"
+    return rounds.exists() and rounds.stat().st_size > 0
 
 
 def test_the_multinode_guides_one_machine_recipe_runs_as_written(tmp_path):

@@ -13,6 +13,7 @@ from dpfl.launch import flwr_run, started_processes
 from dpfl.privacy import Randomness
 from dpfl.problem import build_problem
 from dpfl.runconfig import RunConfig
+from tests.interrupting import STOPS, interrupted, round_done
 
 pytestmark = pytest.mark.flower
 
@@ -105,7 +106,7 @@ def test_a_federation_of_the_wrong_size_fails_the_run_at_once(tmp_path, capfd):
 
     from dpfl.config import format_overrides
     from dpfl.flower_app import app_folder
-    from dpfl.launch import BIN, final_status, simulation_env, stop, stream
+    from dpfl.launch import BIN, Stream, final_status, simulation_env, stop, stream
 
     overrides = {**CASES["dpsgd-gc"], "num-partitions": 2, "results-dir": str(tmp_path)}
     home = tmp_path / "home"
@@ -113,9 +114,9 @@ def test_a_federation_of_the_wrong_size_fails_the_run_at_once(tmp_path, capfd):
     start = time.monotonic()
     try:
         with app_folder() as app:
-            code, _ = stream([str(BIN / "flwr"), "run", str(app), "--stream", "--run-config",
-                              format_overrides(overrides), "--federation-config",
-                              "num-supernodes=3"], env, app, timeout=600)
+            stream([str(BIN / "flwr"), "run", str(app), "--stream", "--run-config",
+                    format_overrides(overrides), "--federation-config", "num-supernodes=3"],
+                   env, app, Stream(), timeout=600, wind_down=lambda: False)
             status, _ = final_status(BIN / "flwr", env, app)
     finally:
         stop(started_processes(home))
@@ -131,30 +132,18 @@ def test_a_federation_of_the_wrong_size_fails_the_run_at_once(tmp_path, capfd):
     assert started_processes(tmp_path / "home") == []
 
 
-def test_ctrl_c_stops_dpfl_flower_and_every_process_it_started(tmp_path):
-    """Ctrl-C on ``dpfl flower`` mid-run: exit status 130 without a traceback, the ServerApp
-    closed its results folder, and no process it started is left (Flower's SuperLink and
-    SuperExec, the simulation, Ray's processes: they used to be left orphaned)."""
-    import os
-    import time
-    import uuid
-
-    from dpfl.launch import marked
-    from tests.test_cli import _interrupted
-
-    token = uuid.uuid4().hex
-
-    def left() -> list[int]:
-        return marked("DPFL_TEST_MARK", token)
-
-    env = {**os.environ, "DPFL_TEST_MARK": token}
-    code, out, err = _interrupted(["flower", "-c", f'num-server-rounds=300 num-partitions=4 '
-                                   f'results-dir="{tmp_path}" run-name="cut"'], tmp_path, env)
-    assert code == 130, err
-    assert "Traceback" not in out + err and err.strip().splitlines()[-1] == "dpfl: interrupted"
-    deadline = time.monotonic() + 30
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert left() == []
+@pytest.mark.parametrize(("signum", "group", "status"), STOPS)
+def test_ctrl_c_or_sigterm_stops_dpfl_flower_and_every_process_it_started(tmp_path, signum,
+                                                                          group, status):
+    """Ctrl-C, or SIGTERM to dpfl alone, on ``dpfl flower`` mid-run: exit status 130 (143)
+    without a traceback, the ServerApp closed its results folder, ``flower.log`` is kept
+    there, and no process it started is left (Flower's SuperLink and SuperExec, the
+    simulation, Ray's processes: Ctrl-C used to leave them orphaned, SIGTERM left the run going
+    to its last round)."""
+    stopped = interrupted(["flower", "-c", f'num-server-rounds=300 num-partitions=4 '
+                           f'results-dir="{tmp_path}" run-name="cut"'], round_done(2), signum,
+                          group)
+    stopped.check(status)
     summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert summary["rounds_completed"] < 300 and summary["stopped_early"]
+    assert f"results in {tmp_path / 'cut'}" in (tmp_path / "cut" / "flower.log").read_text()

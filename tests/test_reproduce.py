@@ -17,6 +17,7 @@ from dpfl.experiments.lab import read_archive
 from dpfl.experiments.selection import command
 from dpfl.runconfig import RunConfig
 from tests.conftest import ROOT, bash_blocks
+from tests.interrupting import SIGTERM_TO_GROUP, STOPS, interrupted
 
 # one worker runs the module (make test: --dist loadgroup), so that each smoke reproduction the
 # module-scoped fixture builds is built once, not once a worker
@@ -214,6 +215,61 @@ def test_a_resumed_sweep_stopped_early_keeps_its_later_stages_archived(tmp_path,
     resumed.run_many(first)
     resumed.write("the first stage only")  # the report's runs, and no others
     assert sorted(r["config"]["seed"] for r in read_archive(archive).values()) == [0, 1]
+
+
+def test_a_sweeps_run_cut_by_an_interruption_is_run_again(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM during a sweep's run (in the sweep's own process, ``--workers 1``): the
+    run closes its folder, but keeps no ``summary.json`` there, which would mark it finished:
+    the next sweep runs it again, to its last round."""
+    from dpfl.experiments import Lab
+    from dpfl.interrupt import Terminated
+    from dpfl.rounds import driver
+
+    answered = driver.answered
+
+    def terminated(request, transport):
+        if isinstance(request, driver.ExchangeRequest) and request.server_round == 2:
+            raise Terminated
+        return answered(request, transport)
+
+    config = {**POINT, "num-partitions": 4, "num-server-rounds": 3, "batch-size": 16}
+    monkeypatch.setattr(driver, "answered", terminated)
+    with pytest.raises(Terminated):
+        Lab(tmp_path, smoke=True).run_many([config])
+    [folder] = (tmp_path / "runs").iterdir()
+    assert (folder / "model.pt").exists() and not (folder / "summary.json").exists()
+    monkeypatch.setattr(driver, "answered", answered)
+    [summary] = Lab(tmp_path, smoke=True).run_many([config])
+    assert summary["rounds_completed"] == 3 and summary["stopped_early"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "group", "status"), [*STOPS, SIGTERM_TO_GROUP])
+def test_ctrl_c_or_sigterm_stops_a_sweep_and_its_workers_at_once(tmp_path, signum, group,
+                                                                 status):
+    """Ctrl-C or SIGTERM (to dpfl alone, or to its process group) while two workers are in
+    their runs (of 10,000 rounds): no further run starts, the workers are ended at once, the
+    runs they were in left without a summary.json (the next sweep runs them again), the
+    finished ones archived; exit status 130 or 143 in one line. Ctrl-C used to let the sweep
+    go on to its end."""
+    folder = tmp_path / "reproduce-clip21-logreg"
+    runs = folder / "runs"
+
+    def both_workers_in_a_run(_: str) -> bool:
+        return len(list(runs.glob("*/rounds.jsonl"))) >= 2
+
+    stopped = interrupted(["reproduce", "clip21", "logreg", "--only", "tau=0.01", "--workers",
+                           "2", "--results-dir", str(tmp_path)], both_workers_in_a_run, signum,
+                          group)
+    stopped.check(status)
+    assert stopped.seconds < 15, stopped.seconds  # not the half minute a run takes
+    finished = {path.parent.name: json.loads(path.read_text())
+                for path in runs.glob("*/summary.json")}
+    assert all(summary["stopped_early"] is None for summary in finished.values())
+    assert 0 < len(list(runs.iterdir())) - len(finished) <= 2  # the runs cut, none after
+    archive = folder / "runs.jsonl.gz"
+    assert set(read_archive(archive) if archive.exists() else {}) == set(finished)
+    assert not (folder / "report.md").exists()
 
 
 @pytest.mark.smoke

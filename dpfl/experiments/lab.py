@@ -34,6 +34,7 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -61,12 +62,33 @@ ARCHIVED = ("rounds_completed", "stopped_early", "test_loss", "test_accuracy", "
             "cpu_seconds", "calibration_check", "secure_aggregation", "derived")
 
 
-def worker_pool(count: int) -> ProcessPoolExecutor:
+def _leave_interruptions_to_the_sweep() -> None:
+    """A worker leaves interruptions to the sweep's process (:func:`worker_pool`): it ignores
+    Ctrl-C, and SIGTERM, which that process sends it, ends it at once (a forked worker would
+    otherwise keep that process's own SIGTERM handler: :mod:`dpfl.interrupt`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def worker_pool(count: int) -> Iterator[ProcessPoolExecutor]:
     """``count`` worker processes for runs: forked (quick to start), or spawned where there is
     a CUDA device: once this process has asked the driver anything (``torch.cuda.is_available()``
-    does, before any tensor is on the GPU), a forked child can no longer initialise CUDA."""
+    does, before any tensor is on the GPU), a forked child can no longer initialise CUDA.
+
+    Interrupted (Ctrl-C, SIGTERM), the sweep stops at once: the runs not started are cancelled
+    and the workers ended, their runs under way left without a ``summary.json``, so that the
+    next sweep runs them again (:meth:`Lab.run_many`)."""
     method = "spawn" if torch.cuda.is_available() else "fork"
-    return ProcessPoolExecutor(max_workers=count, mp_context=multiprocessing.get_context(method))
+    with ProcessPoolExecutor(max_workers=count, mp_context=multiprocessing.get_context(method),
+                             initializer=_leave_interruptions_to_the_sweep) as pool:
+        try:
+            yield pool
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)
+            for worker in multiprocessing.active_children():
+                worker.terminate()
+            raise
 
 
 def run_key(values: dict[str, Value]) -> str:
@@ -128,8 +150,14 @@ def one_thread() -> Iterator[None]:
 def _run_one(values: dict[str, Value]) -> dict[str, Any]:
     from dpfl.engine import run
 
-    with one_thread():
-        return run(RunConfig(values), echo=False, plot=False)
+    try:
+        with one_thread():
+            return run(RunConfig(values), echo=False, plot=False)
+    except KeyboardInterrupt:  # the run closed its folder, stopped early: not a finished run,
+        # which the next sweep runs again
+        (Path(str(values["results-dir"])) / str(values["run-name"]) / "summary.json").unlink(
+            missing_ok=True)
+        raise
 
 
 def _simulate(simulate: Callable[[list[dict[str, Value]]], list[dict[str, Any]]],
