@@ -8,7 +8,8 @@ certificates and node keys of a federation over TLS; ``dpfl export-partition FIL
 client's records of a run's split as a site's own data file; ``dpfl export-app FOLDER`` writes
 the Flower app that ``flwr run`` and ``flwr build`` read (from a checkout or an installed
 wheel); ``dpfl audit --run-config ...`` measures an empirical lower bound on a configuration's
-ε with canary runs. Bad input prints one line naming the key and the allowed values, and exits with
+ε with canary runs; ``dpfl wait-for superlink|supernodes CONNECTION`` waits, within a bound, for
+a federation's SuperLink or SuperNodes to start, and says why one did not. Bad input prints one line naming the key and the allowed values, and exits with
 status 2.
 """
 
@@ -133,6 +134,18 @@ def _parser() -> argparse.ArgumentParser:
                        "environment and its node config can serve dpfl runs")
     p.add_argument("--node-config", default="",
                    help="the SuperNode's --node-config text, e.g. 'partition-ids=\"0\"'")
+    p = sub.add_parser("wait-for", help="wait, within --timeout, until the SuperLink behind "
+                       "a flwr connection answers, or --count SuperNodes are online there; a "
+                       "watched process that exits ends the wait with why (from its log)")
+    p.add_argument("what", choices=("superlink", "supernodes"))
+    p.add_argument("connection", help="the SuperLink connection's name (as for flwr)")
+    p.add_argument("--count", type=int, default=None,
+                   help="SuperNodes to wait for (default: as many as --pid)")
+    p.add_argument("--pid", type=int, action="append", default=[],
+                   help="a process to watch (repeatable; each with its --log, in order)")
+    p.add_argument("--log", type=Path, action="append", default=[],
+                   help="the file the process of the --pid at the same place logs to")
+    p.add_argument("--timeout", type=float, default=60, help="seconds (default: 60)")
     p = sub.add_parser("keys", help="list the run-config keys: default, paper symbol, meaning")
     p.add_argument("algorithm", nargs="?", help="also list this algorithm's own keys and its "
                    "calibrations' (default: every algorithm's key names)")
@@ -196,6 +209,30 @@ def keys(args: argparse.Namespace) -> int:
         if options is not None:
             print()
             show(f'Keys of calibration="{name}"', params_of(options))
+    return 0
+
+
+def wait_for(args: argparse.Namespace) -> int:
+    """``dpfl wait-for superlink|supernodes CONNECTION``: one line when it is up; one line
+    saying what failed, and status 1, when a watched process exits or time runs out."""
+    from dpfl.started import StartFailed, Watched
+    from dpfl.started import wait_for as wait
+
+    if len(args.pid) != len(args.log):
+        raise UsageError(f"--pid and --log: {len(args.pid)} and {len(args.log)} given "
+                         f"(allowed: one --log for each --pid)")
+    count = len(args.pid) if args.count is None else args.count
+    if args.what == "supernodes" and count < 1:
+        raise UsageError("--count: the SuperNodes to wait for (allowed: 1 or more, or a --pid "
+                         "for each)")
+    role = "the SuperLink" if args.what == "superlink" else "the SuperNode"
+    watched = [Watched(role, pid, log) for pid, log in zip(args.pid, args.log)]
+    try:
+        print(wait(args.what, args.connection, watched, count=count, timeout=args.timeout),
+              flush=True)
+    except StartFailed as failed:
+        print(f"dpfl: error: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -370,6 +407,8 @@ def run_command(args: argparse.Namespace) -> int:
             return audit(args)
         if args.command == "export-app":
             return export_app(args)
+        if args.command == "wait-for":
+            return wait_for(args)
         overrides = parse_overrides(args.run_config) if args.run_config else {}
         if args.resume is not None:
             overrides = resume(args.resume, overrides, args.command)

@@ -8,7 +8,8 @@ is stopped whole at the end. A doc change that breaks a command fails here.
 - ``readme``: the README's two commands (``make test`` only collects the suite here: it is
   the suite);
 - ``loopback``: docs/deployment.md's TLS federation of three SuperNodes on loopback (nothing
-  it started left running after its ``kill``), and the same stopped mid-run by SIGTERM;
+  it started left running after its ``kill``), and the same stopped mid-run by SIGTERM (the
+  same with a mistake made: tests/test_deployment_guide.py);
 - ``ray-one-machine``: docs/multinode.md's two-node Ray cluster on this machine;
 - ``compose-tls``: docs/deployment.md's docker-compose with TLS (where a Docker daemon is
   reachable).
@@ -127,12 +128,16 @@ def folder_of(output: str) -> Path:
 
 
 def test_the_deployment_guides_loopback_recipe_runs_as_written(tmp_path):
-    """TLS, node keys registered, three SuperNodes of their default policy, `flwr run`, `flwr
-    ls`: the run completed, its ε holds against the server (secret noise on every node)."""
+    """TLS, node keys registered, three SuperNodes of their default policy, each start waited
+    for (`dpfl wait-for`), `flwr run`, `flwr ls`: the run completed, shown in full, and its ε
+    holds against the server (secret noise on every node)."""
     needs_the_checkouts_venv()
     ports_free(9092, 9094, 9095, 9096)
-    output = run_recipe("loopback", tmp_path, leaves_nothing=True)  # `kill $(jobs -p)`: SIGTERM
-    assert "this node can serve dpfl runs" in output and "finished:completed" in output
+    # an 80-column terminal, where `flwr ls`'s table would cut the status to `finished…`
+    output = run_recipe("loopback", tmp_path, leaves_nothing=True, env={"COLUMNS": "80"})
+    assert "this node can serve dpfl runs" in output and '"status": "finished:completed"' in output
+    assert re.search(r"^the SuperLink answers at loopback \(\d+ s\)$", output, re.M)
+    assert re.search(r"^3 SuperNodes online at loopback \(\d+ s\)$", output, re.M)
     summary = json.loads((folder_of(output) / "results" / "loopback" / "summary.json")
                          .read_text())
     assert summary["rounds_completed"] == 3
