@@ -175,8 +175,10 @@ FRACTION_TRAIN = Param("fraction-train", 1.0, "Fraction of clients sampled each 
 
 COMMON: tuple[Param, ...] = (
     Param("algorithm", "dpsgd-gc", "Algorithm to run (see the algorithm table)."),
-    Param("dataset", "digits", "Training/test data (see the dataset table)."),
-    Param("model", "mlp", "Model architecture (see the model table)."),
+    Param("dataset", "digits", "Training/test data (see the dataset table), or your own "
+          "callable by reference, \"package.module:callable\" (docs/your-own-model.md)."),
+    Param("model", "mlp", "Model architecture (see the model table), or your own builder by "
+          "reference, \"package.module:callable\" (docs/your-own-model.md)."),
     Param("partitioner", "iid", "How the training set is split over clients."),
     Param("alpha", 0.5, "Dirichlet concentration for partitioner=dirichlet.", check=positive),
     Param("shards-per-partition", 2, "Label shards per client for partitioner=shards.",

@@ -14,10 +14,13 @@ import torch
 from dpfl.algorithms import ALGORITHMS, Algorithm, Cohort, check_schema
 from dpfl.config import parse_options
 from dpfl.datasets import DATASETS, Dataset, load_dataset, partition
+from dpfl.datasets import reference as referenced_data
+from dpfl.datasets.base import HELD_OUT
 from dpfl.datasets.loading import PROVIDED, data_folder
 from dpfl.errors import ConfigError
-from dpfl.models import MODELS, FlatModel, build_model
+from dpfl.models import MODELS, FlatModel, build_model, zoo
 from dpfl.privacy import Query, Release, Target, calibrate
+from dpfl.reference import is_reference, keyword_parameters, resolve
 from dpfl.runconfig import RunConfig
 
 LOSS_OF_TASK = {"classification": "cross-entropy", "binary": "logistic", "regression": "squared"}
@@ -219,10 +222,11 @@ class Problem:
                          options=cfg.calibration_options)
 
 
-def options(config: RunConfig, key: str, kind: str, builder: Any) -> dict[str, object]:
+def options(config: RunConfig, key: str, kind: str) -> dict[str, object]:
     """The run-config key ``key`` (``model-options`` or ``dataset-options``) parsed
     (``key=value`` pairs, keys with ``_`` or ``-``) and checked against the keyword arguments
-    of ``builder``, the selected ``kind``'s (a model builder or a dataset loader)."""
+    of the selected ``kind``'s builder (:func:`option_parameters`): each must be one, of its
+    default's type where it has one."""
     text = str(config[key]).strip()
     if not text:
         return {}
@@ -232,12 +236,15 @@ def options(config: RunConfig, key: str, kind: str, builder: Any) -> dict[str, o
         raise ConfigError(key, f"cannot parse {exc}", allowed="space-separated key=value pairs, "
                           "e.g. 'scaling=symmetric duplicate=3'") from None
     given = {k.replace("-", "_"): v for k, v in parsed.items()}
-    accepted = {p.name: p.default for p in inspect.signature(builder).parameters.values()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in PROVIDED}
+    accepted, takes_any = option_parameters(config, kind)
     for name, value in given.items():
         if name not in accepted:
+            if takes_any:
+                continue
             raise ConfigError(key, f"{kind} {config[kind]!r} has no option {name!r}",
                               allowed=list(accepted) or "none")
+        if accepted[name] is inspect.Parameter.empty or accepted[name] is None:
+            continue  # no default to take a kind from
         wanted = type(accepted[name])  # an option's kind is its default's
         if type(value) is not wanted and not (wanted is float and type(value) is int):
             raise ConfigError(key, f"{kind} {config[kind]!r}: option {name} must be "
@@ -246,13 +253,35 @@ def options(config: RunConfig, key: str, kind: str, builder: Any) -> dict[str, o
     return given
 
 
+def option_parameters(config: RunConfig, kind: str) -> tuple[dict[str, object], bool]:
+    """The options the run's ``kind`` (``model`` or ``dataset``) takes, with their defaults,
+    and whether it takes any (``**kwargs``): a registered builder's keyword-only parameters
+    (but those the run config fills in, :data:`~dpfl.datasets.loading.PROVIDED`); a referenced
+    callable's keyword parameters (but ``input_shape`` and ``num_classes``, or ``seed`` and
+    ``data_dir``), a dataset's with ``num_public`` and ``num_validation``, which dpfl holds
+    out itself."""
+    name = str(config[kind])
+    if is_reference(name):
+        given = zoo.GIVEN if kind == "model" else referenced_data.GIVEN
+        accepted, takes_any = keyword_parameters(resolve(kind, name), given)
+        if kind == "dataset":
+            accepted |= {f"num_{split}": 0 for split in HELD_OUT}
+        return accepted, takes_any
+    builder = (MODELS if kind == "model" else DATASETS).get(name)
+    return {p.name: p.default for p in inspect.signature(builder).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in PROVIDED}, False
+
+
 def dataset_of(config: RunConfig) -> Dataset:
-    """The run's dataset (cached in-process); raises ConfigError where it is not available."""
-    return load_dataset(str(config["dataset"]), seed=int(config["seed"]),
-                        data_dir=str(config["data-dir"]) or None,
-                        download=bool(config["download"]),
-                        **options(config, "dataset-options", "dataset",
-                                  DATASETS.get(str(config["dataset"]))))
+    """The run's dataset (cached in-process): a registered one, or the callable a reference
+    names (:mod:`dpfl.datasets.reference`); raises ConfigError where it is not available."""
+    name, seed, folder = str(config["dataset"]), int(config["seed"]), str(config["data-dir"])
+    given = options(config, "dataset-options", "dataset")
+    if is_reference(name):
+        return referenced_data.load_referenced(name, seed=seed,
+                                               data_dir=data_folder(folder or None), **given)
+    return load_dataset(name, seed=seed, data_dir=folder or None,
+                        download=bool(config["download"]), **given)
 
 
 #: the run-config keys that decide what data each client holds (its rows, the public records);
@@ -302,8 +331,9 @@ def assemble(config: RunConfig, dataset: Dataset, parts: list[np.ndarray],
     if model is None:
         module = build_model(str(config["model"]), input_shape=dataset.input_shape,
                              num_classes=dataset.num_classes, seed=int(config["seed"]),
-                             **options(config, "model-options", "model",
-                                       MODELS.get(str(config["model"])))).to(device)
+                             input_dtype=dataset.train_x.dtype,
+                             **options(config, "model-options", "model")).to(device)
+        # a layer without a per-sample rule (BatchNorm) is refused here, naming key model
         model = FlatModel(module, LOSS_OF_TASK[dataset.task],
                           nonconvex_reg=float(config["nonconvex-reg"]),
                           chunk_bytes=int(config["chunk-bytes"]) or None)

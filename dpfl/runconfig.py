@@ -25,6 +25,8 @@ from dpfl.datasets import DATASETS, PARTITIONERS
 from dpfl.errors import ConfigError, did_you_mean
 from dpfl.models import MODELS
 from dpfl.privacy import CALIBRATIONS
+from dpfl.reference import is_reference, resolve
+from dpfl.registry import Registry
 
 NOISE_KEYS = ("noise-multiplier", "epsilon", "calibration")  # what sets the noise
 
@@ -81,9 +83,10 @@ class RunConfig(Mapping[str, Value]):
                 raise ConfigError(key, "unknown key" + did_you_mean(key, params),
                                   allowed="the keys `dpfl keys` lists")
             merged[key] = params[key].parse(value)
-        for key, registry in (("algorithm", ALGORITHMS), ("dataset", DATASETS),
-                              ("model", MODELS), ("partitioner", PARTITIONERS)):
+        for key, registry in (("algorithm", ALGORITHMS), ("partitioner", PARTITIONERS)):
             registry.get(merged[key])  # raises ConfigError with the allowed names
+        for key, registry in (("dataset", DATASETS), ("model", MODELS)):
+            check_choice(key, registry, str(merged[key]))
         algorithm = ALGORITHMS.get(merged["algorithm"])
         calibration = CALIBRATIONS.get(str(merged["calibration"]), algorithm.name)
         own = params_of(algorithm.Hyperparameters)
@@ -140,6 +143,17 @@ class RunConfig(Mapping[str, Value]):
 
     def as_dict(self) -> dict[str, Value]:
         return dict(self._values)
+
+
+def check_choice(key: str, registry: Registry[Any], value: str) -> None:
+    """A ConfigError unless ``value`` of ``key`` (``model``, ``dataset``) is a registered name
+    or a reference to a callable that imports (:func:`dpfl.reference.resolve`)."""
+    if is_reference(value):
+        resolve(key, value)
+    elif value not in registry:
+        names = ", ".join(registry.names())
+        raise ConfigError(key, f"unknown value {value!r}{did_you_mean(value, registry)}",
+                          allowed=f"{names}, or package.module:callable (your own)")
 
 
 def check_secure_aggregation(algorithm: type[Algorithm], hp: Any,

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from opacus import GradSampleModule
 
+from dpfl.errors import ConfigError
 from dpfl.models import FlatModel, build_model
 from dpfl.models.functional import GROUP_BYTES
 from dpfl.models.rows import aligned_rows
@@ -403,8 +404,9 @@ def test_load_into_round_trips_the_flat_vector():
 
 def test_batchnorm_models_are_refused():
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4))
-    with pytest.raises(TypeError, match="BatchNorm"):
+    with pytest.raises(ConfigError, match="layer '1' \\(BatchNorm2d\\).*use GroupNorm") as error:
         FlatModel(model, "cross-entropy")
+    assert error.value.key == "model"
 
 
 def test_evaluate_reports_mean_loss_and_accuracy():

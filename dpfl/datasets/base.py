@@ -24,7 +24,8 @@ class Dataset:
     name : str
         The registered name it was loaded under.
     train_x, test_x : torch.Tensor
-        float32 features, ``[n, *input_shape]``.
+        float32 features, ``[n, *input_shape]``; int64 for integer inputs (token ids) of a
+        dataset by reference (:mod:`dpfl.datasets.reference`).
     train_y, test_y : torch.Tensor
         ``"classification"``: int64 class labels in ``0..num_classes-1`` (softmax
         cross-entropy). ``"binary"``: float32 labels in ``{-1, +1}`` (logistic loss

@@ -4,12 +4,14 @@ sits in it, the module called at a flat point, and its losses there."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from dpfl.models import grad_sample
+from dpfl.errors import ConfigError
+from dpfl.models.grad_samplers import refusals, rule_for
 from dpfl.models.losses import LOSSES, Loss
 from dpfl.models.rows import Layer, aligned
 
@@ -41,24 +43,8 @@ class FlatParameters:
                 self.numels.append(p.numel())
         self.d = sum(self.numels)
 
-        self.layers: list[Layer] = []
-        for prefix, m in self.module.named_modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                raise TypeError("per-sample gradients: BatchNorm mixes samples; use GroupNorm")
-            own = [(n, p) for n, p in m.named_parameters(recurse=False) if p.requires_grad]
-            if not own:
-                continue
-            grad_sample.check_supported(m)
-            if any(n not in ("weight", "bias") for n, _ in own):
-                raise TypeError(f"per-sample gradients: unexpected parameter in {type(m).__name__}")
-            full = [f"{prefix}.{n}" if prefix else n for n, _ in own]
-            self.layers.append(Layer(
-                module=m,
-                trainable=(getattr(m, "weight", None) is not None and m.weight.requires_grad,
-                           getattr(m, "bias", None) is not None and m.bias.requires_grad),
-                slices=tuple(where[f] for f in full),
-                shapes=tuple(p.shape for _, p in own),
-            ))
+        refusals.check(self.module)
+        self.layers: list[Layer] = list(layers_of(self.module, "", where))
 
     def initial_params(self) -> Tensor:
         """The module's initial trainable parameters, flattened: ``[d]`` float32."""
@@ -142,3 +128,30 @@ def linear_of(module: nn.Module) -> nn.Linear | None:
             and (layers[-1].bias is None or layers[-1].bias.requires_grad)):
         return layers[-1]
     return None
+
+
+def layers_of(module: nn.Module, prefix: str, where: dict[str, slice]) -> Iterator[Layer]:
+    """The layers of ``module`` (named ``prefix``) with trainable parameters, in
+    ``named_modules()`` order: a module whose type has a rule covers its own parameters (its
+    sub-modules are layers of their own); any other module with trainable parameters of its own
+    is covered whole by the generic rule, its sub-modules' parameters included (it may use them
+    without calling them: ``MultiheadAttention``'s ``out_proj``); a module with none is looked
+    into. ``where``: each trainable parameter's flat positions, by full name (a parameter
+    listed under a second name, tied, is refused: its gradient would be split)."""
+    rule = rule_for(module)
+    if any(p.requires_grad for p in module.parameters(recurse=False)):
+        names = [n for n, p in module.named_parameters(recurse=rule.whole) if p.requires_grad]
+        full = [f"{prefix}.{n}" if prefix else n for n in names]
+        for name in full:
+            if name not in where:
+                raise ConfigError("model", f"per-sample gradients: parameter {name!r} is tied "
+                                  "to another (shared by two layers); untie it")
+        if rule.whole:
+            refusals.check_recomputable(module, prefix)
+        yield Layer(module=module, rule=rule, names=tuple(names),
+                    slices=tuple(where[f] for f in full),
+                    shapes=tuple(module.get_parameter(n).shape for n in names))
+        if rule.whole:
+            return
+    for name, child in module.named_children():
+        yield from layers_of(child, f"{prefix}.{name}" if prefix else name, where)

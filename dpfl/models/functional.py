@@ -8,10 +8,12 @@ How per-sample gradients are computed. One forward pass records, for every layer
 parameters, its input ``a`` (forward hooks), and one backward pass of the summed per-sample
 losses gives each such layer's output gradient ``g`` (``torch.autograd.grad`` with respect to the
 layer outputs only, so no parameter gradient is ever formed by autograd). The per-sample
-gradients follow layer by layer (``dpfl.models.grad_sample``). ``clipped_mean`` never forms the
-``[b, d]`` matrix: per-sample norms of ``Linear`` layers come from ``‖g_j‖·‖a_j‖`` and their
-clipped sum from one weighted GEMM ("ghost clipping"); conv and norm layers are materialised
-(``b × d_layer``), which is cheap for the small conv layers of the papers' models.
+gradients follow layer by layer (``dpfl.models.grad_sample``: a rule per layer type, and a
+generic rule for any other module). ``clipped_mean`` never forms the ``[b, d]`` matrix:
+per-sample norms of ``Linear`` layers come from ``‖g_j‖·‖a_j‖`` (on sequences, where cheaper,
+from the Gram trick) and their clipped sum from one weighted GEMM ("ghost clipping"); other
+layers are materialised (``b × d_layer``), which is cheap for the small conv layers of the
+papers' models.
 
 Memory. Clients are processed one at a time, and each client's samples in chunks of at most
 ``chunk_size`` samples, or of as many as fit a byte budget ``chunk_bytes`` for the chunk's
@@ -96,6 +98,7 @@ from dpfl.models.rows import (
     difference_weights,
     non_finite_rows,
     stacked_view,
+    value_like,
     zero_empty,
 )
 from dpfl.models.tape import TapeEngine
@@ -119,9 +122,9 @@ class FlatModel:
     Parameters
     ----------
     module : nn.Module
-        The model; copied, never modified. Its trainable parameters must belong to ``Linear``,
-        ``Conv2d`` or ``GroupNorm`` layers, each called once per forward pass; parameters with
-        ``requires_grad=False`` stay fixed and are not part of the flat vector.
+        The model; copied, never modified. Each layer with trainable parameters is called once
+        per forward pass (rules: :mod:`dpfl.models.grad_samplers`; a layer that mixes samples is
+        refused); parameters with ``requires_grad=False`` stay fixed, out of the flat vector.
     loss : str
         A name in ``LOSSES``: ``cross-entropy``, ``logistic`` (labels ±1) or ``squared``.
     nonconvex_reg : float, default 0.0
@@ -231,7 +234,7 @@ class FlatModel:
         A client's gradient that is not finite is the mean over its records whose loss and
         gradient are finite, or zero (:func:`finite_mean`; module docstring)."""
         n_clients = x.shape[0]
-        out = aligned_rows(x, n_clients, self.d)
+        out = aligned_rows(value_like(x, flat), n_clients, self.d)
         if self.linear is not None:
             for c in range(n_clients):
                 self.linear.gradient(self.flat.point(flat, c), aligned(x[c]), y[c], out[c],
@@ -282,7 +285,7 @@ class FlatModel:
     def per_sample_gradients(self, flat: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """``[C, b, d]``: every sample's gradient (materialised; use ``clipped_mean`` to clip)."""
         n_clients, b = x.shape[:2]
-        out = x.new_zeros(n_clients, b, self.d)
+        out = value_like(x, flat).new_zeros(n_clients, b, self.d)
         for c, start, rows in self.per_sample_gradient_chunks(flat, x, y):
             out[c, start : start + len(rows)] = rows
         return out
@@ -330,8 +333,9 @@ class FlatModel:
         """
         n_clients, b = batch_shape(x, lengths)
         radii = client_radii(clip, n_clients)
-        out = aligned_rows(x, n_clients, self.d)  # the first chunk's GEMMs overwrite it (β = 0)
-        norms = x.new_empty(n_clients, b) if lengths is None else x.new_zeros(n_clients, b)
+        like = value_like(x, flat)
+        out = aligned_rows(like, n_clients, self.d)  # the first chunk's GEMMs overwrite it (β = 0)
+        norms = like.new_empty(n_clients, b) if lengths is None else like.new_zeros(n_clients, b)
         if b == 0:
             return out.zero_(), norms
         sized = stacked_view(x, y, lengths)
@@ -354,7 +358,8 @@ class FlatModel:
         n_clients, b = batch_shape(x, lengths)
         if self.linear is not None or b == 0:
             return self.clipped_mean(flat, x, y, 1.0, lengths=lengths)[1]
-        norms = x.new_empty(n_clients, b) if lengths is None else x.new_zeros(n_clients, b)
+        like = value_like(x, flat)
+        norms = like.new_empty(n_clients, b) if lengths is None else like.new_zeros(n_clients, b)
         sized = stacked_view(x, y, lengths)
         size = self.chunk_length(flat, *sized, rows=False)
         self.tapes.norms(flat, x, y, size, norms, group_size=self.group_length(flat, *sized, size),
@@ -379,7 +384,7 @@ class FlatModel:
         (module docstring). A ragged batch (``lengths``, ``divisor``): :meth:`clipped_mean`.
         """
         n_clients, b = batch_shape(x, lengths)
-        out = aligned_rows(x, n_clients, self.d)
+        out = aligned_rows(value_like(x, flat), n_clients, self.d)
         if b == 0:
             return out.zero_()
         sized = stacked_view(x, y, lengths)

@@ -7,27 +7,45 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from dpfl.privacy.clipping import clip_factors
 
+if TYPE_CHECKING:
+    from dpfl.models.grad_samplers import Rule
+
 ALIGNMENT = 64  # bytes; PyTorch's CPU allocator aligns every fresh tensor to this
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity
 class Layer:
-    """A layer with trainable parameters and where they sit in the flat vector."""
+    """A layer with trainable parameters, the rule that forms their per-sample gradients
+    (:mod:`dpfl.models.grad_samplers`), and where they sit in the flat vector."""
 
     module: nn.Module
-    trainable: tuple[bool, bool]  # (weight, bias)
+    rule: Rule
+    names: tuple[str, ...]  # its trainable parameters, as module.named_parameters() names them
     slices: tuple[slice, ...]  # flat positions of the trainable ones, in that order
     shapes: tuple[torch.Size, ...]
+
+    @property
+    def trainable(self) -> tuple[bool, bool]:
+        """Whether its ``weight`` and its ``bias`` are trainable (the rules of layers made of
+        those two)."""
+        return "weight" in self.names, "bias" in self.names
 
     def parts(self, vector: Tensor) -> list[Tensor]:
         """``vector [d]``'s pieces for the layer's trainable parameters, in their shapes."""
         return [vector[s].view(shape) for s, shape in zip(self.slices, self.shapes)]
+
+
+def value_like(x: Tensor, point: Tensor) -> Tensor:
+    """What per-sample values take their dtype and device from: the inputs ``x``, or the point
+    where the inputs are not floating-point (token ids)."""
+    return x if x.is_floating_point() else point
 
 
 def aligned(t: Tensor) -> Tensor:
@@ -159,6 +177,11 @@ class Chunk:
     def of(self, values: Tensor) -> Tensor:
         """The chunk's entries of a group's per-sample ``values``."""
         return values[self.pos:self.pos + self.n]
+
+    @property
+    def values(self) -> Tensor:
+        """What its per-sample values take their dtype and device from (:func:`value_like`)."""
+        return value_like(self.x, self.params[0])
 
 
 def chunks(x: Tensor, y: Tensor, size: int):

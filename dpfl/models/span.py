@@ -137,10 +137,10 @@ def layer_factors(model: FlatModel, point: Tensor, x: Tensor, y: Tensor,
             if model.linear is None else model.linear.record(point.detach(), x, y))
     factors = []
     for layer, a, g in tape:
-        if grad_sample.has_ghost(layer.module, a):
+        if grad_sample.has_products(layer.module, a):
             factors.append(Factors(layer, a=a.to(dtype), delta=g.to(dtype)))
         else:
-            grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
+            grads = grad_sample.materialise(layer, a, g)
             factors.append(Factors(layer, grads=torch.cat(grads, dim=1).to(dtype)))
     return factors
 

@@ -7,13 +7,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from dpfl.models import grad_sample, stacked
+from dpfl.models.calls import Outputs, rows_of
+from dpfl.models.calls import zeroed as zeroed_rows
 from dpfl.models.flat import FlatParameters
+from dpfl.models.grad_samplers import fallback
 from dpfl.models.rows import (
     Chunk,
     Dropped,
@@ -26,6 +29,7 @@ from dpfl.models.rows import (
     client_records,
     non_finite_rows,
     same_bits,
+    value_like,
     sample_radii,
     zero_rows,
 )
@@ -34,8 +38,9 @@ from dpfl.privacy.clipping import clip_factors
 if TYPE_CHECKING:
     from dpfl.models.span import Shifts
 
-#: one chunk's record: (layer, its input a, its output gradient δ) per trainable layer
-Tape = list[tuple[Layer, Tensor, Tensor]]
+#: one chunk's record: (layer, its input a, its output gradient δ) per trainable layer (a
+#: whole-module layer's: its call and its outputs' gradients, :class:`~dpfl.models.calls.Batched`)
+Tape = list[tuple[Layer, Any, Any]]
 #: each layer's materialised per-sample gradients, None for a layer with ghost norms
 Materialised = list[list[Tensor] | None]
 
@@ -61,22 +66,21 @@ class TapeEngine:
         #: and bias among the parameters), where clients at points of their own may share a
         #: pass (:meth:`record_stacked`); None for any other model
         self.sequence = stacked.sequence(flat) if joint else None
+        self.samples = 0  # in the pass being recorded
         for layer in flat.layers:
-            layer.module.register_forward_hook(partial(self.capture, layer))
+            layer.module.register_forward_hook(partial(self.capture, layer), with_kwargs=True)
 
-    def capture(self, layer: Layer, module: nn.Module, inputs: tuple[Tensor, ...],
-                output: Tensor) -> Tensor | None:
-        """Forward hook: put (layer, input, output) on the tape while one is being recorded."""
+    def capture(self, layer: Layer, module: nn.Module, inputs: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any) -> Any:
+        """Forward hook: put the layer's call on the tape (:func:`entry`) while one is recorded."""
         tape = self.tape
         if tape is None:
             return None
         if any(entry[0] is layer for entry in tape):
             name = type(module).__name__
             raise RuntimeError(f"per-sample gradients: {name} is called twice in one forward")
-        if not output.requires_grad:
-            # Nothing below this layer is trainable: start the graph here.
-            output = output.detach().requires_grad_()
-        tape.append((layer, inputs[0].detach(), output))
+        a, output, tracked = entry(layer, inputs, kwargs, output, self.samples)
+        tape.append((layer, a, tracked))
         if self.shifts is not None and (shift := self.shifts.output(layer, inputs[0])) is not None:
             # the moved layer's output; its gradient is the recorded output's
             return output - shift
@@ -88,7 +92,7 @@ class TapeEngine:
         input, output gradient) per trainable layer; per-sample losses to ``losses_out``. With
         ``shifts``, at the point moved within a span: each layer's output less its shift (its
         gradient is the recorded output's, as the two differ by a function of the input)."""
-        self.tape, self.shifts = [], shifts
+        self.tape, self.shifts, self.samples = [], shifts, len(x)
         try:
             with torch.enable_grad():
                 losses = self.flat.loss.per_sample(self.flat.forward_with(params, x), y)
@@ -107,9 +111,9 @@ class TapeEngine:
             reg = self.flat.reg_grad(point) if self.flat.nonconvex_reg else None
             for start, xs, ys in chunks(x[c], y[c], size):
                 losses_out = None if losses is None else losses[c, start:start + len(xs)]
-                rows = x.new_zeros(len(xs), self.flat.d)
+                rows = value_like(xs, point).new_zeros(len(xs), self.flat.d)
                 for layer, a, g in self.record(params, xs, ys, losses_out):
-                    grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
+                    grads = grad_sample.materialise(layer, a, g)
                     for p, where in zip(grads, layer.slices):
                         rows[:, where] = p
                 if reg is not None:
@@ -153,7 +157,7 @@ class TapeEngine:
         for the group: :meth:`joint_tapes`) and its materialised gradients, and the group's
         per-sample norms ‖g_j + reg‖ ``[n]`` (inf or NaN where not finite); the per-sample
         losses go to ``losses`` if given."""
-        sq = group[0].x.new_zeros(sum(chunk.n for chunk in group))
+        sq = group[0].values.new_zeros(sum(chunk.n for chunk in group))
         recorded = (tape for tape, in self.joint_tapes(group, losses, "params")) \
             if joint else (self.record(chunk.params, chunk.x, chunk.y, chunk_losses(losses, chunk))
                            for chunk in group)
@@ -196,7 +200,7 @@ class TapeEngine:
         tapes of each chunk (or with ``joint`` each point's one for the group) and the squared
         norms and cross terms, pass 2 adds the weighted sums into ``into``'s ``out``."""
         out = into["out"]
-        sq, sq_before, dots = group[0].x.new_zeros(3, sum(chunk.n for chunk in group))
+        sq, sq_before, dots = group[0].values.new_zeros(3, sum(chunk.n for chunk in group))
         tapes = []
         recorded = self.joint_tapes(group, None, "params", "params_before") \
             if joint else ((self.record(chunk.params, chunk.x, chunk.y),
@@ -243,7 +247,7 @@ class TapeEngine:
         ``losses``."""
         n = group[0].n
         xs, ys = joined([chunk.x for chunk in group]), joined([chunk.y for chunk in group])
-        joint_losses = None if losses is None else xs.new_empty(len(ys))
+        joint_losses = None if losses is None else value_like(xs, losses).new_empty(len(ys))
         tapes = []
         for i, name in enumerate(points):
             lists = [getattr(chunk, name) for chunk in group]
@@ -253,7 +257,8 @@ class TapeEngine:
         if joint_losses is not None:  # whole batches of consecutive clients: whole rows
             first = group[0].client
             losses[first:first + len(group)].copy_(joint_losses.view(len(group), n))
-        return [tuple([(layer, a[i * n:(i + 1) * n], g[i * n:(i + 1) * n]) for layer, a, g in tape]
+        return [tuple([(layer, rows_of(a, i * n, (i + 1) * n), rows_of(g, i * n, (i + 1) * n))
+                       for layer, a, g in tape]
                       for tape in tapes) for i in range(len(group))]
 
     def record_stacked(self, params: list[Tensor], x: Tensor, y: Tensor,
@@ -359,21 +364,46 @@ class TapeEngine:
             sum(s.numel() for s in layer.shapes)
             for layer, a, _ in tape if not grad_sample.has_ghost(layer.module, a))
         values = sum(saved.values()) + sum(g.nbytes for _, _, g in tape)
-        return values + x.element_size() * count
+        return values + value_like(x, flat).element_size() * count
 
 
-def output_gradients(tape: list[tuple[Layer, Tensor, Tensor]], losses: Tensor,
+def entry(layer: Layer, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any, n: int
+          ) -> tuple[Any, Any, Tensor | Outputs]:
+    """What the tape keeps of a layer's call on ``n`` samples: (its input, the output to hand
+    on, what to differentiate). A rule reads its input's samples on the first axis; a layer
+    of a whole-module rule keeps its whole call
+    (:func:`~dpfl.models.grad_samplers.fallback.record`)."""
+    if layer.rule.whole:
+        return fallback.record(layer, inputs, kwargs, output, n)
+    if len(inputs[0]) != n:
+        raise ValueError(f"per-sample gradients: {type(layer.module).__name__} is called on "
+                         f"{len(inputs[0])} rows, not the batch's {n} samples")
+    if not output.requires_grad:
+        # Nothing below this layer is trainable: start the graph here.
+        output = output.detach().requires_grad_()
+    return inputs[0].detach(), output, output
+
+
+def output_gradients(tape: list[tuple[Layer, Any, Tensor | Outputs]], losses: Tensor,
                      losses_out: Tensor | None) -> Tape:
     """A recorded forward pass's tape: (layer, input, output) per trainable layer becomes
     (layer, input, the output's gradient of the summed per-sample ``losses``; zero for an
-    output the losses do not use); the losses are copied into ``losses_out`` when given."""
+    output the losses do not use; a whole-module layer's tracked outputs' gradients, samples
+    leading); the losses are copied into ``losses_out`` when given."""
     if losses_out is not None:
         losses_out.copy_(losses.detach())
     if not tape:
         return []
-    grads = torch.autograd.grad(losses.sum(), [out for _, _, out in tape], allow_unused=True)
-    return [(layer, a, torch.zeros_like(out) if g is None else g)
-            for (layer, a, out), g in zip(tape, grads)]
+    outs = [out.tensors if isinstance(out, Outputs) else (out,) for _, _, out in tape]
+    grads = iter(torch.autograd.grad(losses.sum(), [t for ts in outs for t in ts],
+                                     allow_unused=True))
+    recorded: Tape = []
+    for (layer, a, out), ts in zip(tape, outs):
+        mine = [next(grads) for _ in ts]
+        g = out.gradients(mine) if isinstance(out, Outputs) else \
+            torch.zeros_like(out) if mine[0] is None else mine[0]
+        recorded.append((layer, a, g))
+    return recorded
 
 
 def zeroed(bad: Tensor, tape: Tape, materialised: Materialised) -> tuple[Tape, Materialised]:
@@ -382,7 +412,7 @@ def zeroed(bad: Tensor, tape: Tape, materialised: Materialised) -> tuple[Tape, M
     remove a NaN from a GEMM."""
     if not bool(bad.any()):
         return tape, materialised
-    return ([(layer, zero_rows(a, bad), zero_rows(g, bad)) for layer, a, g in tape],
+    return ([(layer, zeroed_rows(a, bad), zeroed_rows(g, bad)) for layer, a, g in tape],
             [None if grads is None else [zero_rows(p, bad) for p in grads]
              for grads in materialised])
 
@@ -392,17 +422,20 @@ def pair_dots(now: Tape, now_grads: Materialised, reg: Tensor | None, before: Ta
               inputs: InputSquares) -> None:
     """⟨g_j + reg, g̃_j + reg_before⟩ ``[n]`` of the same samples' per-sample gradients at two
     points: for a Linear layer (g_j = δ_j a_jᵀ) ⟨δ_j a_jᵀ, δ̃_j ã_jᵀ⟩ = (δ_j·δ̃_j)(a_j·ã_j),
-    plus δ_j·δ̃_j for the bias; else the materialised rows' dot products. Added to ``dots`` in
-    place."""
+    plus δ_j·δ̃_j for the bias (on sequences the sum of these over pairs of positions); else
+    the materialised rows' dot products. Added to ``dots`` in place."""
     for (layer, a, g), grads, (_, a2, g2), grads2 in zip(now, now_grads, before, before_grads,
                                                         strict=True):
         if grads is None or grads2 is None:  # the same layer on the same samples: both ghost
-            deltas = (g * g2).sum(dim=1)
-            if layer.trainable[0]:  # a layer whose input does not depend on the point: ‖a_j‖²
-                dots += deltas * (inputs.of(a) if InputSquares.same(a, a2)
-                                  else (a * a2).sum(dim=1))
-            if layer.trainable[1]:
-                dots += deltas
+            if a.dim() > 2:  # a sequence: Σ_{t,s} (δ_t·δ̃_s)(a_t·ã_s)
+                dots += grad_sample.ghost_pair_dots(a, g, a2, g2, layer.trainable)
+            else:
+                deltas = (g * g2).sum(dim=1)
+                if layer.trainable[0]:  # an input that does not depend on the point: ‖a_j‖²
+                    dots += deltas * (inputs.of(a) if InputSquares.same(a, a2)
+                                      else (a * a2).sum(dim=1))
+                if layer.trainable[1]:
+                    dots += deltas
             if reg_before is not None:
                 dots += grad_sample.ghost_dots(a, g, layer.trainable, layer.parts(reg_before))
             if reg is not None:
@@ -427,12 +460,13 @@ def squares(tape: Tape, reg: Tensor | None, sq: Tensor,
     for layer, a, g in tape:
         if grad_sample.has_ghost(layer.module, a):
             sq += grad_sample.ghost_sq_norms(a, g, layer.trainable,
-                                             None if inputs is None else inputs.of(a))
+                                             None if inputs is None or a.dim() > 2
+                                             else inputs.of(a))
             if reg is not None:
                 sq += 2 * grad_sample.ghost_dots(a, g, layer.trainable, layer.parts(reg))
             materialised.append(None)
         else:
-            grads = grad_sample.materialise(layer.module, a, g, layer.trainable)
+            grads = grad_sample.materialise(layer, a, g)
             for p, where in zip(grads, layer.slices):
                 sq += p.square().sum(dim=1)
                 if reg is not None:

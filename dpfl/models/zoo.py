@@ -1,4 +1,5 @@
-"""The models of the four papers, by the name a run config gives them.
+"""The models of the four papers, by the name a run config gives them, and a user's own model by
+reference (``model="package.module:callable"``, :mod:`dpfl.reference`).
 
 ``build_model(name, input_shape=, num_classes=, seed=)`` draws the initial weights from ``seed``
 alone (the global RNG is left as it was), so every client and every runtime starts from the same
@@ -18,53 +19,88 @@ from torch import nn
 from dpfl.config import format_options
 from dpfl.errors import ConfigError
 from dpfl.models.resnet import ResNet20
+from dpfl.reference import accepted, first_line, is_reference, resolve
 from dpfl.registry import Registry
 
 ModelBuilder = Callable[..., nn.Module]
 MODELS: Registry[ModelBuilder] = Registry("model")
+#: what a referenced builder is given, where its signature takes it
+GIVEN = ("input_shape", "num_classes")
 MAX_SIZE = 2**20  # the largest width (or group count) an option may ask for
 
 
 def build_model(
-    name: str, *, input_shape: tuple[int, ...], num_classes: int, seed: int, **options: object
+    name: str, *, input_shape: tuple[int, ...], num_classes: int, seed: int,
+    input_dtype: torch.dtype = torch.float32, **options: object
 ) -> nn.Module:
-    """Build model ``name`` for inputs of ``input_shape`` (no batch axis), with weights drawn
-    from ``seed``.
+    """Build model ``name`` (a registered name, or a reference: :func:`builder_of`) for inputs
+    of ``input_shape`` (no batch axis) and ``input_dtype``, with weights drawn from ``seed``.
 
     ``options`` go to the model's builder (e.g. ``hidden=`` for ``random-feature-mlp``).
-    Raises ``ConfigError`` for an unknown name (key ``model``), a size option out of range
-    (``model-options``, :func:`check_options`), and a model that cannot be built with the
-    options or does not take the inputs (one zero record is run through it).
+    Raises ``ConfigError`` for an unknown name or a bad reference (key ``model``), a size option
+    out of range (``model-options``, :func:`check_options`), and a model that cannot be built
+    with the options or does not take the inputs (one zero record is run through it).
     """
-    builder = MODELS.get(name)
+    builder = builder_of(name)
     check_options(options)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return _checked(builder, tuple(input_shape), num_classes, **options)
+            return _checked(builder, tuple(input_shape), num_classes, input_dtype, **options)
     except ConfigError:  # an option the builder refuses names itself
         raise
-    except (RuntimeError, ValueError) as exc:  # a size torch refuses, a shape mismatch
+    except Exception as exc:
+        if is_reference(name):  # the user's code: whatever it raised, on one line
+            given = f" with {format_options(options)}" if options else ""
+            raise ConfigError("model", f"{name!r}{given} failed on inputs of shape "
+                              f"{tuple(input_shape)} ({input_dtype}): {type(exc).__name__}: "
+                              f"{first_line(exc)}") from None
+        if not isinstance(exc, RuntimeError | ValueError):
+            raise
+        # a size torch refuses, a shape mismatch
         problem = f"does not take inputs of shape {tuple(input_shape)}: {exc}".splitlines()[0]
         if options:
             raise ConfigError("model-options", f"model {name!r} with {format_options(options)} "
                               f"{problem}") from None
         raise ConfigError("model", f"{name!r} {problem}",
                           allowed=[m for m in MODELS if m != name
-                                   and _takes(m, tuple(input_shape), num_classes)]) from None
+                                   and _takes(m, tuple(input_shape), num_classes, input_dtype)]
+                          ) from None
+
+
+def builder_of(name: str) -> ModelBuilder:
+    """The builder of model ``name``: a registered one, or the user's callable a reference
+    names, called with ``input_shape`` and ``num_classes`` as keywords where its signature
+    takes them, and the model options as further keywords."""
+    if not is_reference(name):
+        return MODELS.get(name)
+    function = resolve("model", name)
+
+    def build(input_shape: tuple[int, ...], num_classes: int, **options: object) -> nn.Module:
+        given = accepted(function, dict(zip(GIVEN, (input_shape, num_classes), strict=True)))
+        return function(**given, **options)
+
+    return build
 
 
 def _checked(builder: ModelBuilder, input_shape: tuple[int, ...], num_classes: int,
-             **options: object) -> nn.Module:
-    """``builder``'s model, after one zero record went through it; ``ValueError`` for a model
-    with an empty layer (inputs too small for its convolutions)."""
+             input_dtype: torch.dtype = torch.float32, **options: object) -> nn.Module:
+    """``builder``'s model, after one zero record of ``input_dtype`` went through it in eval
+    mode (a layer that mixes samples is then refused by its name, not by its batch of one);
+    ``TypeError`` for a builder that returns no ``nn.Module``, ``ValueError`` for a model with
+    an empty layer (inputs too small for its convolutions)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Initializing zero-element tensors")
         model = builder(input_shape, num_classes, **options)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"returned a {type(model).__name__}, not a torch.nn.Module")
     if any(p.numel() == 0 for p in model.parameters()):
         raise ValueError("a layer of the model is empty")
+    modes = {module: module.training for module in model.modules()}
     with torch.no_grad():
-        model(torch.zeros(1, *input_shape))
+        model.eval()(torch.zeros(1, *input_shape, dtype=input_dtype))
+    for module, training in modes.items():
+        module.training = training
     return model
 
 
@@ -78,10 +114,12 @@ def check_options(options: Mapping[str, object]) -> None:
                               f"{value}", allowed=f"1..{MAX_SIZE}")
 
 
-def _takes(name: str, input_shape: tuple[int, ...], num_classes: int) -> bool:
-    """Whether model ``name``, at its default options, takes inputs of ``input_shape``."""
+def _takes(name: str, input_shape: tuple[int, ...], num_classes: int,
+           input_dtype: torch.dtype) -> bool:
+    """Whether model ``name``, at its default options, takes inputs of ``input_shape`` and
+    ``input_dtype``."""
     try:
-        _checked(MODELS.get(name), input_shape, num_classes)
+        _checked(MODELS.get(name), input_shape, num_classes, input_dtype)
     except (RuntimeError, ValueError):
         return False
     return True

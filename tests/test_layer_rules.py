@@ -1,0 +1,322 @@
+"""Per-sample gradient rules beyond the zoo's layers: every rule of the registry, the generic
+rule, frozen parameters, and the layers refused when the model is built.
+
+Each model here is checked against a per-sample loop (one ``torch.autograd.grad`` per sample) in
+float64 at rtol = 1e-10, relative to the largest entry: the per-sample gradients, the norms
+``clipped_mean`` and ``per_sample_norms`` report, and the clipped mean itself (some samples
+clipped, some not).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpfl.errors import ConfigError
+from dpfl.models import FlatModel, grad_sample
+from dpfl.models.grad_samplers import FALLBACK, RULES
+
+RTOL = 1e-10
+
+# vmap runs scaled_dot_product_attention sample by sample (torch has no batching rule for it)
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
+CLASSES = 3
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor) -> bool:
+    err = (ours.double() - ref.double()).abs().max().item()
+    return err <= RTOL * max(ref.double().abs().max().item(), 1e-12)
+
+
+class Head(nn.Module):
+    """``body``, flattened, then a Linear head to ``CLASSES`` logits."""
+
+    def __init__(self, body: nn.Module, features: int) -> None:
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(features, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)).flatten(1))
+
+
+class Tokens(nn.Module):
+    """Token ids [n, T] → Embedding(padding_idx=0) → ``body`` → mean over the unpadded
+    positions → Linear head; ``mask``: the body is called with the padding as
+    ``src_key_padding_mask`` (a transformer layer)."""
+
+    def __init__(self, body: nn.Module, width: int = 8, vocab: int = 11,
+                 mask: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width, padding_idx=0)
+        self.body = body
+        self.mask = mask
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = x == 0
+        h = self.embed(x)
+        h = self.body(h, src_key_padding_mask=pad) if self.mask else self.body(h)
+        keep = (~pad).unsqueeze(-1).to(h.dtype)
+        return self.head(self.norm((h * keep).sum(dim=1) / keep.sum(dim=1).clamp_min(1)))
+
+
+class CharLSTM(nn.Module):
+    """A character model: Embedding → LSTM → the last position's output → Linear head
+    (``batch_first``), or → GRU → the final state h_n → head (sequence-first)."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Embedding(11, 6)
+        rnn = nn.LSTM if batch_first else nn.GRU
+        self.rnn = rnn(6, 5, num_layers=2, batch_first=batch_first)
+        self.head = nn.Linear(5, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.batch_first else self.embed(x).transpose(0, 1)
+        out, state = self.rnn(h)
+        return self.head(out[:, -1] if self.batch_first else state[-1])
+
+
+class LoRALinear(nn.Module):
+    """A frozen pretrained ``Linear`` plus a trainable low-rank update: y = W x + b + B A x
+    (Hu et al. 2021); ``modules``: A and B as ``Linear`` layers (their own rules), else as
+    parameters of this module (the generic rule, with W and b frozen inside it)."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int, modules: bool) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out).requires_grad_(False)
+        self.modules_ = modules
+        if modules:
+            self.a = nn.Linear(d_in, rank, bias=False)
+            self.b = nn.Linear(rank, d_out, bias=False)
+        else:
+            self.a_weight = nn.Parameter(torch.randn(rank, d_in) / d_in ** 0.5)
+            self.b_weight = nn.Parameter(torch.randn(d_out, rank) / rank ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = self.b(self.a(x)) if self.modules_ else x @ self.a_weight.t() @ self.b_weight.t()
+        return self.base(x) + update
+
+
+def _lora(modules: bool) -> nn.Module:
+    """A frozen pretrained MLP with LoRA adapters on both layers."""
+    return nn.Sequential(nn.Flatten(), LoRALinear(12, 10, 2, modules), nn.Tanh(),
+                         LoRALinear(10, CLASSES, 2, modules))
+
+
+class SelfAttention(nn.Module):
+    """Self-attention over [n, T, width] by a sequence-first ``MultiheadAttention`` (on
+    [T, n, width]), the padding masked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2)
+
+    def forward(self, h: torch.Tensor, src_key_padding_mask: torch.Tensor) -> torch.Tensor:
+        h = h.transpose(0, 1)
+        out = self.attention(h, h, h, key_padding_mask=src_key_padding_mask,
+                             need_weights=False)[0]
+        return out.transpose(0, 1)
+
+
+class Scaled(nn.Module):
+    """A user's module with a parameter of its own: y = s ∘ tanh(W x)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(12, 6)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * torch.tanh(self.inner(x.flatten(1)))
+
+
+# name -> (model builder, input shape, whether the inputs are token ids)
+MODELS = {
+    "linear-on-sequences-ghost": (lambda: Head(nn.Linear(16, 16), 2 * 16), (2, 16), False),
+    "linear-on-sequences-materialised": (lambda: Head(nn.Linear(4, 5), 3 * 5), (3, 4), False),
+    "conv1d": (lambda: Head(nn.Conv1d(2, 4, 3, stride=2, padding=1), 4 * 4), (2, 7), False),
+    "conv1d-grouped": (lambda: Head(nn.Conv1d(8, 8, 3, groups=2, dilation=2), 8 * 3),
+                       (8, 7), False),
+    "conv2d-same-padding": (lambda: Head(nn.Conv2d(2, 3, 3, padding="same"), 3 * 25),
+                            (2, 5, 5), False),
+    "conv2d-reflect": (lambda: Head(nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"),
+                                    3 * 25), (2, 5, 5), False),
+    "conv3d": (lambda: Head(nn.Conv3d(1, 2, 2, padding=1), 2 * 4 * 4 * 4), (1, 3, 3, 3), False),
+    "conv3d-grouped": (lambda: Head(nn.Conv3d(8, 4, 2, bias=False), 4 * 8), (8, 3, 3, 3),
+                       False),
+    "layernorm": (lambda: Head(nn.LayerNorm(4), 3 * 4), (3, 4), False),
+    "layernorm-2d-shape": (lambda: Head(nn.LayerNorm((3, 4)), 12), (3, 4), False),
+    "groupnorm": (lambda: Head(nn.GroupNorm(2, 4), 4 * 5), (4, 5), False),
+    "instancenorm1d": (lambda: Head(nn.InstanceNorm1d(3, affine=True), 3 * 5), (3, 5), False),
+    "instancenorm2d": (lambda: Head(nn.InstanceNorm2d(3, affine=True), 3 * 16), (3, 4, 4),
+                       False),
+    "instancenorm3d": (lambda: Head(nn.InstanceNorm3d(2, affine=True), 2 * 27), (2, 3, 3, 3),
+                       False),
+    "embedding-padded": (lambda: Tokens(nn.Identity()), (6,), True),
+    "user-module": (lambda: Head(Scaled(), 6), (3, 4), False),
+    "transformer": (lambda: Tokens(nn.TransformerEncoderLayer(
+        8, 2, dim_feedforward=16, dropout=0.0, batch_first=True), mask=True), (6,), True),
+    "attention-sequence-first": (lambda: Tokens(SelfAttention(), mask=True), (6,), True),
+    "lstm-batch-first": (lambda: CharLSTM(batch_first=True), (5,), True),
+    "gru-sequence-first": (lambda: CharLSTM(batch_first=False), (5,), True),
+    "lora-linear-adapters": (lambda: _lora(modules=True), (12,), False),
+    "lora-parameter-adapters": (lambda: _lora(modules=False), (12,), False),
+}
+
+
+def _setup(name: str, clients: int = 2, batch: int = 6):
+    build, shape, tokens = MODELS[name]
+    torch.manual_seed(0)
+    model = FlatModel(build().double(), "cross-entropy")  # frozen parameters too
+    gen = torch.Generator().manual_seed(1)
+    if tokens:  # ids 1..10, and some padding (0) at the ends of the sequences
+        x = torch.randint(1, 11, (clients, batch, *shape), generator=gen)
+        x[:, ::2, -2:] = 0
+    else:
+        x = torch.randn(clients, batch, *shape, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (clients, batch), generator=gen)
+    flat = (model.initial_params() + 0.1 * torch.randn(model.d, generator=gen)).double()
+    return model, flat, x, y
+
+
+def _loop(model: FlatModel, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+          ) -> torch.Tensor:
+    """[b, d]: one autograd pass per sample on the module holding ``flat``, in float64."""
+    module = model.load_into(flat).double()
+    params = [p for p in module.parameters() if p.requires_grad]
+    rows = []
+    for j in range(len(x)):
+        xj = x[j:j + 1] if not x.is_floating_point() else x[j:j + 1].double()
+        loss = model.loss.per_sample(module(xj), y[j:j + 1]).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        rows.append(torch.cat([torch.zeros_like(p).reshape(-1) if g is None else g.reshape(-1)
+                               for p, g in zip(params, grads)]))
+    return torch.stack(rows)
+
+
+def _clipped(grads: torch.Tensor, clip: float) -> torch.Tensor:
+    clip = torch.tensor(clip, dtype=torch.float32).item()
+    norms = grads.norm(dim=1)
+    return (grads * torch.where(norms > clip, clip / norms, torch.ones_like(norms))[:, None]
+            ).mean(dim=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_per_sample_gradients_norms_and_clipped_mean_equal_a_per_sample_loop(name):
+    model, flat, x, y = _setup(name)
+    ours = model.per_sample_gradients(flat, x, y)
+    loops = [_loop(model, flat, x[c], y[c]) for c in range(len(x))]
+    clip = torch.cat(loops).norm(dim=1).median().item()  # some samples clipped, some not
+    means, norms = model.clipped_mean(flat, x, y, clip)
+    alone = model.per_sample_norms(flat, x, y)
+    for c, loop in enumerate(loops):
+        assert _close(ours[c], loop)
+        assert _close(norms[c], loop.norm(dim=1)) and _close(alone[c], loop.norm(dim=1))
+        assert _close(means[c], _clipped(loop, clip))
+
+
+@pytest.mark.parametrize("name", ["linear-on-sequences-ghost", "transformer",
+                                  "lstm-batch-first"])
+def test_the_clipped_difference_equals_a_per_sample_loop(name):
+    model, flat, x, y = _setup(name)
+    before = flat + 0.05 * torch.randn(flat.shape, generator=torch.Generator().manual_seed(2),
+                                       dtype=flat.dtype)
+    ours = model.clipped_difference_mean(flat, before, x, y, clip=0.5, clip_diff=0.3,
+                                         gamma=0.25)
+    for c in range(len(x)):
+        now, then = _loop(model, flat, x[c], y[c]), _loop(model, before, x[c], y[c])
+
+        def clip(g: torch.Tensor, radius: float) -> torch.Tensor:
+            radius = torch.tensor(radius, dtype=torch.float32).item()
+            norms = g.norm(dim=1, keepdim=True)
+            return g * torch.where(norms > radius, radius / norms, torch.ones_like(norms))
+
+        c_now, c_then = clip(now, 0.5), clip(then, 0.5)
+        ref = (0.25 * c_now + 0.75 * clip(c_now - c_then, 0.3)).mean(dim=0)
+        assert _close(ours[c], ref)
+
+
+def test_every_registered_layer_type_has_its_own_rule():
+    layers = [nn.Linear(3, 2), nn.Conv1d(2, 2, 1), nn.Conv2d(2, 2, 1), nn.Conv3d(2, 2, 1),
+              nn.Embedding(4, 2), nn.LayerNorm(2), nn.GroupNorm(1, 2),
+              nn.InstanceNorm1d(2, affine=True), nn.InstanceNorm2d(2, affine=True),
+              nn.InstanceNorm3d(2, affine=True)]
+    assert {type(m) for m in layers} <= set(RULES)
+    model = FlatModel(nn.Sequential(*[nn.Sequential(m) for m in layers]), "cross-entropy")
+    assert all(layer.rule is not FALLBACK for layer in model.flat.layers)
+
+
+def test_modules_without_a_rule_are_covered_whole_by_the_generic_rule():
+    model = _setup("transformer")[0]
+    kinds = {type(layer.module).__name__: layer for layer in model.flat.layers}
+    attention = kinds["MultiheadAttention"]
+    assert attention.rule is FALLBACK  # its out_proj too, used without being called
+    assert attention.names == ("in_proj_weight", "in_proj_bias", "out_proj.weight",
+                               "out_proj.bias")
+    assert {"Embedding", "Linear", "LayerNorm"} <= set(kinds)
+
+
+def test_a_linear_layer_on_sequences_clips_without_materialising_its_gradients(monkeypatch):
+    model, flat, x, y = _setup("linear-on-sequences-ghost")
+    expected = model.clipped_mean(flat, x, y, 0.5)
+    materialise = grad_sample.materialise
+
+    def no_sequence_linear(layer, a, g):
+        assert not (type(layer.module) is nn.Linear and a.dim() > 2), "materialised"
+        return materialise(layer, a, g)
+
+    monkeypatch.setattr(grad_sample, "materialise", no_sequence_linear)
+    means, norms = model.clipped_mean(flat, x, y, 0.5)
+    assert torch.equal(means, expected[0]) and torch.equal(norms, expected[1])
+
+
+@pytest.mark.parametrize("modules", [True, False])
+def test_frozen_parameters_are_neither_trained_nor_clipped(modules):
+    """A frozen pretrained network with LoRA adapters: the flat vector holds the adapters
+    alone, so clipping and noise see only them, and the frozen weights travel unchanged."""
+    model = FlatModel(_lora(modules), "cross-entropy")
+    assert model.d == (12 * 2 + 2 * 10) + (10 * 2 + 2 * CLASSES)
+    loaded = model.load_into(torch.zeros(model.d))
+    assert torch.equal(loaded[1].base.weight, model.flat.template[1].base.weight)
+
+
+def _refused(module: nn.Module, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as error:
+        FlatModel(module, "cross-entropy")
+    assert error.value.key == "model" and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("layer, match", [
+    (nn.BatchNorm1d(4), r"'1' \(BatchNorm1d\) normalises with the batch's .* use GroupNorm"),
+    (nn.SyncBatchNorm(4), r"'1' \(SyncBatchNorm\) .* use GroupNorm"),
+    (nn.InstanceNorm1d(4, affine=True, track_running_stats=True),
+     r"running statistics.*track_running_stats=False"),
+])
+def test_layers_that_mix_samples_are_refused_naming_their_replacement(layer, match):
+    _refused(nn.Sequential(nn.Conv1d(1, 4, 1), layer), match)
+
+
+def test_an_embedding_scaled_by_the_batchs_token_counts_is_refused():
+    _refused(nn.Sequential(nn.Embedding(5, 3, scale_grad_by_freq=True)), "scale_grad_by_freq")
+
+
+def test_dropout_inside_a_module_the_generic_rule_recomputes_is_refused():
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)  # p = 0.1
+    _refused(Tokens(layer), r"'body.self_attn' \(MultiheadAttention\) draws dropout masks")
+    FlatModel(Tokens(layer.eval()), "cross-entropy")  # no dropout in evaluation mode
+
+
+def test_a_sequence_first_transformer_layer_is_refused():
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0)
+    _refused(Tokens(layer), r"'body' \(TransformerEncoderLayer\).*use batch_first=True")
+
+
+def test_tied_parameters_are_refused():
+    embed, head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+    head.weight = embed.weight
+    _refused(nn.Sequential(embed, head), r"'1.weight' is tied")
