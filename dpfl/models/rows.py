@@ -5,17 +5,27 @@ chunks and groups samples are processed in, and the clip weights computed from n
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from dpfl.privacy.clipping import clip_factors
 
-if TYPE_CHECKING:
-    from dpfl.models.grad_samplers import Rule
+
+
+class LayerRule(Protocol):
+    """What a layer holds of its per-sample rule (:class:`dpfl.models.grad_samplers.Rule`, which
+    the rules' registry makes): the gradients from the tape's (a, g), and whether the tape keeps
+    the layer's whole call."""
+
+    @property
+    def per_sample(self) -> Callable[[Layer, Any, Any], list[Tensor]]: ...
+
+    @property
+    def whole(self) -> bool: ...
 
 ALIGNMENT = 64  # bytes; PyTorch's CPU allocator aligns every fresh tensor to this
 
@@ -26,7 +36,7 @@ class Layer:
     (:mod:`dpfl.models.grad_samplers`), and where they sit in the flat vector."""
 
     module: nn.Module
-    rule: Rule
+    rule: LayerRule
     names: tuple[str, ...]  # its trainable parameters, as module.named_parameters() names them
     slices: tuple[slice, ...]  # flat positions of the trainable ones, in that order
     shapes: tuple[torch.Size, ...]

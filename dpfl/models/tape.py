@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -35,8 +35,13 @@ from dpfl.models.rows import (
 )
 from dpfl.privacy.clipping import clip_factors
 
-if TYPE_CHECKING:
-    from dpfl.models.span import Shifts
+
+
+class Shifts(Protocol):
+    """A forward pass at a point moved within a gradient span
+    (:class:`dpfl.models.span.Shifts`): how much less each layer outputs on its inputs."""
+
+    def output(self, layer: Layer, h: Tensor) -> Tensor | None: ...
 
 #: one chunk's record: (layer, its input a, its output gradient δ) per trainable layer (a
 #: whole-module layer's: its call and its outputs' gradients, :class:`~dpfl.models.calls.Batched`)
