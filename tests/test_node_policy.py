@@ -159,6 +159,7 @@ def test_this_process_is_no_simulation_and_a_node_config_is_checked():
     trusting = NodePolicy.of({"trust-server": True}, config)
     assert (trusting.noise, trusting.max_epsilon, trusting.diagnostics) == ("seeded", math.inf,
                                                                             True)
+    assert policy.cap_relation == "replace-one" and trusting.cap_relation is None  # the run's
     assert NodePolicy.of({"trust-server": True}, RunConfig({**BASE, "secure-noise": True})
                          ).noise == "secure"  # a run may ask for more, never for less
     for bad, key in (({"secure-noise": True}, "secure-noise"), ({"noise": "weak"}, "noise"),
@@ -356,7 +357,7 @@ def test_a_capped_node_never_passes_its_cap_whatever_exchanges_a_server_sends(tm
         for r in range(1, 4):
             budget.charge("probe", r, [x for x in releases if x.exchange in
                                        {e.name for e in algorithm.round_exchanges(r)}], 0)
-        cap = budget.epsilon("rdp", 1e-5) * 1.001
+        cap = budget.epsilon("rdp", 1e-5, relation="replace-one") * 1.001  # a real node's
         state_dir = tmp_path / f"{case}-{name}"
         node = Node(values, **real(state_dir, **{"max-epsilon": cap}))
         names = [e.name for e in algorithm.exchanges]
@@ -368,7 +369,8 @@ def test_a_capped_node_never_passes_its_cap_whatever_exchanges_a_server_sends(tm
                     reasons.add(str(reply["refused"]["reason"]).split(":")[0])
                 path = state_dir / "state" / "ledger" / "client-0.json"
                 ledger = NodeLedger.from_json(path.read_text()) if path.exists() else NodeLedger()
-                assert ledger.epsilon("rdp", 1e-5) <= cap, (name, server_round, exchange)
+                assert ledger.epsilon("rdp", 1e-5, relation="replace-one") <= cap, (
+                    name, server_round, exchange)
         assert ledger.events, name  # it answered rounds
         assert f"node policy max-epsilon={cap:g}" in reasons, (name, reasons)
         assert any("repeats or precedes" in r for r in reasons), (name, reasons)
@@ -436,18 +438,21 @@ def test_a_nodes_cap_is_stated_under_its_own_relation(tmp_path):
     ledger.charge("run", 1, [release], every=0)
     z, q, steps = release.event
     half = NodeLedger(events=[["add-remove", z / 2, q, steps]])
-    assert ledger.epsilon("rdp", 1e-5) == half.epsilon("rdp", 1e-5, relation="add-remove")
+    assert ledger.epsilon("rdp", 1e-5, relation="replace-one") == half.epsilon("rdp", 1e-5)
     for events, relation in (((z / 2, q, steps), "replace-one"), ((z, q, steps), "add-remove")):
         opacus = RDPAccountant()  # fewer orders than the ledger's: an upper bound, close
         opacus.history = [events]
         assert ledger.epsilon("rdp", 1e-5, relation=relation) == pytest.approx(
             opacus.get_epsilon(1e-5), rel=0.05)
-    assert ledger.epsilon("rdp", 1e-5) > 2 * ledger.epsilon("rdp", 1e-5, relation="add-remove")
+    assert ledger.epsilon("rdp", 1e-5, relation="replace-one") > 2 * ledger.epsilon("rdp", 1e-5)
     node = Node(poisson, **real(tmp_path / "one", **{"max-epsilon": 100}))
     node.send(1)
     (path,) = (tmp_path / "one").glob("state/ledger/client-0.json")
     assert NodeLedger.from_json(path.read_text()).epsilon("rdp", 1e-5) == pytest.approx(
-        ledger.epsilon("rdp", 1e-5), rel=1e-12)
+        ledger.epsilon("rdp", 1e-5), rel=1e-12)  # the same release, charged once
+    capped = Node(poisson, **real(tmp_path / "capped", **{"max-epsilon": ledger.epsilon(
+        "rdp", 1e-5) * 1.01}))  # enough under add/remove, not under replace-one
+    assert str(capped.send(1)["refused"]["reason"]).startswith("node policy max-epsilon=")
     fixed = Node({**BASE, "results-dir": str(tmp_path)},
                  **real(tmp_path / "two", **{"cap-relation": "add-remove"}))
     assert str(fixed.send(1)["refused"]["reason"]) == (

@@ -138,14 +138,18 @@ class NodeLedger:
         return {name: n for name, n in counts.items() if n}
 
     def epsilon(self, accountant: str, delta: float, extra: Iterable[Release] = (), *,
-                relation: Relation | str = Relation.REPLACE_ONE) -> float:
-        """ε under ``relation`` (the node's ``cap-relation``) of every release recorded (and of
-        ``extra``, were they made next) at ``delta``. An add/remove release of multiplier z is
-        a replace-one release of multiplier z/2 (a replacement is a removal and an addition);
-        a replace-one release has no add/remove ε (:func:`convertible`), and a node whose cap
-        is stated under add/remove refuses it before it is made."""
-        relation = Relation(relation)
+                relation: Relation | str | None = None) -> float:
+        """ε under ``relation`` (the node's ``cap-relation``; None: the one relation of every
+        release, else replace-one) of every release recorded (and of ``extra``, were they made
+        next) at ``delta``. An add/remove release of multiplier z is a replace-one release of
+        multiplier z/2 (a replacement is a removal and an addition); a replace-one release has
+        no add/remove ε (:func:`convertible`), and a node whose cap is stated under add/remove
+        refuses it before it is made."""
         events = [*self.events, *([r.relation, *r.event] for r in extra)]
+        if relation is None:
+            relations = {of for of, *_ in events}
+            relation = relations.pop() if len(relations) == 1 else Relation.REPLACE_ONE
+        relation = Relation(relation)
         if not all(convertible(of, relation) for of, *_ in events):
             raise ValueError(f"replace-one releases have no {relation} ε")
         ledger = PrivacyLedger(accountant, relation)

@@ -257,7 +257,8 @@ class AlgorithmClient(NumPyClient):
         rest = today[today.index(exchange):]
         spent = [c for c in clients if ledgers[c].epsilon(
             policy.accountant, policy.delta, [r for r in self._releases(c) if r.exchange in rest],
-            relation=policy.cap_relation) > policy.max_epsilon]
+            relation=policy.cap_relation or self.problem.algorithm.relation
+        ) > policy.max_epsilon]
         if spent:
             raise ClientRefused(spent, f"node policy max-epsilon={policy.max_epsilon:g}: "
                                 f"round {server_round} would take ε past it "

@@ -33,7 +33,8 @@ node config key           a real node's default            meaning
                                                            sensitivity) of any release
 ``diagnostics``           ``false``                        whether ``non-private-diagnostics``
                                                            may send exact statistics
-``cap-relation``          ``"replace-one"``                the neighbouring relation
+``cap-relation``          ``"replace-one"`` (the run's     the neighbouring relation
+                          under ``trust-server``)
                                                            ``max-epsilon`` is stated in: under
                                                            replace-one an add/remove release
                                                            is charged as one of half its noise
@@ -195,7 +196,7 @@ class NodePolicy:
     max_epsilon: float
     delta: float
     accountant: str
-    cap_relation: Relation
+    cap_relation: Relation | None  # None: the run's own (a node that trusts the server)
     min_noise_multiplier: float
     diagnostics: bool
     distributed: bool
@@ -228,8 +229,8 @@ class NodePolicy:
                                          else "rdp"))
         if accountant not in ACCOUNTANTS:
             raise NodeConfigError("accountant", f"{accountant!r}", allowed=ACCOUNTANTS)
-        cap_relation = str(node_config.get("cap-relation", Relation.REPLACE_ONE))
-        if cap_relation not in RELATION_NAMES:
+        cap_relation = node_config.get("cap-relation", None if trust else Relation.REPLACE_ONE)
+        if cap_relation is not None and str(cap_relation) not in RELATION_NAMES:
             raise NodeConfigError("cap-relation", f"{cap_relation!r}", allowed=RELATION_NAMES)
         state_dir = state_folder(node_config)
         return cls(
@@ -241,7 +242,8 @@ class NodePolicy:
                                 closed=False),
             delta=_number(node_config, "delta", float(run_config["delta"]) if trust
                           else DEFAULT_DELTA, low=0.0, high=1.0, closed=False),
-            accountant=accountant, cap_relation=Relation(cap_relation),
+            accountant=accountant,
+            cap_relation=None if cap_relation is None else Relation(str(cap_relation)),
             min_noise_multiplier=_number(node_config, "min-noise-multiplier", 0.0, low=0.0),
             diagnostics=_flag(node_config, "diagnostics", trust),
             distributed=_flag(node_config, "distributed-noise", trust),
@@ -263,7 +265,7 @@ class NodePolicy:
         if relation not in self.relations:
             return (f"node policy relations: relation {str(relation)!r} is not accepted (allowed: "
                     f"{', '.join(sorted(self.relations))})")
-        if not convertible(relation, self.cap_relation):
+        if self.cap_relation is not None and not convertible(relation, self.cap_relation):
             return (f"node policy cap-relation={self.cap_relation}: the cap is stated under "
                     f"{self.cap_relation}, and a {relation} release has no {self.cap_relation} "
                     f"ε (allowed: runs under {self.cap_relation})")
