@@ -137,6 +137,39 @@ def test_a_changed_npz_outside_the_data_folder_is_not_served_from_the_cache(fold
     assert len(list(folder.glob("data-*.pt"))) == 2
 
 
+def test_an_edited_data_module_is_not_served_from_the_cache(folder, tmp_path, monkeypatch):
+    """``dataset="module:callable"``: the user edits the module between runs; a node keys its
+    cached rows by the module's file too, and builds them again."""
+    import importlib
+    import os
+
+    module = tmp_path / "edited_data.py"
+
+    def write(rows: int) -> None:
+        module.write_text(
+            "import numpy as np\n\n\n"
+            "def load(*, seed):\n"
+            "    rng = np.random.default_rng(seed)\n"
+            f"    x, y = rng.normal(size=({rows}, 4)).astype(np.float32), "
+            f"rng.integers(0, 2, {rows})\n"
+            "    return x, y, x[:5], y[:5]\n")
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write(20)
+    values = {**DIGITS, "dataset": "edited_data:load", "num-partitions": 2}
+    before = node_problem(_items(values), (0,))
+    write(30)
+    os.utime(module, ns=(module.stat().st_atime_ns, module.stat().st_mtime_ns + 10**9))
+    importlib.reload(importlib.import_module("edited_data"))  # a fresh message's process
+    from dpfl.datasets import reference
+
+    for cached in (node_problem, cached_problem, loading._load, reference._load):
+        cached.cache_clear()
+    after = node_problem(_items(values), (0,))
+    assert (len(before.dataset.train_y), len(after.dataset.train_y)) == (10, 15)
+    assert len(list(folder.glob("data-*.pt"))) == 2
+
+
 def test_an_unreadable_entry_is_rebuilt(folder):
     node_problem(_items(DIGITS), (2,))
     expected = cached_problem(_items(DIGITS)).cohort([2])

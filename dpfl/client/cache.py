@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ from dpfl.datasets.loading import CACHE_DIR_ENV, stamp, user_cache
 from dpfl.datasets.site import site_node_data
 from dpfl.errors import ConfigError
 from dpfl.problem import DATA_KEYS, Problem, cached_problem, data_dir
+from dpfl.reference import is_reference
 from dpfl.runconfig import RunConfig
 
 log = logging.getLogger("dpfl")
@@ -78,6 +80,18 @@ def _named_file(config: RunConfig, source: str) -> tuple[int, int] | None:
     except ValueError:  # the run's own checks name the key
         return None
     return stamp(arrays.source(str(path), Path(source))) if path else None
+
+
+def _referenced_code(config: RunConfig) -> tuple[str, int, int] | None:
+    """Path, size and time of the module a ``dataset="module:callable"`` reference names (its
+    own file: what a user edits between runs), None for a registered dataset."""
+    dataset = str(config["dataset"])
+    if not is_reference(dataset):
+        return None
+    spec = importlib.util.find_spec(dataset.partition(":")[0])
+    origin = spec.origin if spec is not None else None
+    found = stamp(Path(origin)) if origin is not None else None
+    return None if found is None else (origin, *found)
 
 
 def _digest(*parts: object) -> str:
@@ -129,7 +143,8 @@ def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
     else:
         source = data_dir(config)
         key = _digest({k: config[k] for k in DATA_KEYS}, clients, source, _fingerprint(source),
-                      _named_file(config, source), dpfl.__version__, NODE_DATA_LAYOUT)
+                      _named_file(config, source), _referenced_code(config), dpfl.__version__,
+                      NODE_DATA_LAYOUT)
     path = folder / f"data-{key}.pt"
     try:
         data = torch.load(path, mmap=True, weights_only=True)
