@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,13 @@ def jsonable(value: Any) -> Any:
 
 
 def run_name(config: RunConfig, runtime: str) -> str:
+    """``run-name``, else ``algorithm-dataset-sSEED-runtime-time``, portable on every platform
+    (a ``module:callable`` dataset's colon becomes a dash)."""
     if config["run-name"]:
         return str(config["run-name"])
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return f"{config['algorithm']}-{config['dataset']}-s{config['seed']}-{runtime}-{stamp}"
+    dataset = re.sub(r"[^\w.-]", "-", str(config["dataset"]))
+    return f"{config['algorithm']}-{dataset}-s{config['seed']}-{runtime}-{stamp}"
 
 
 def results_path(config: RunConfig, runtime: str) -> Path:

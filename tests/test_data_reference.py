@@ -130,3 +130,11 @@ def test_a_bad_dataset_reference_gives_one_line_naming_the_key(name, tmp_path, c
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("dpfl: error: run config key 'dataset") and fragment in lines[0]
     assert not results.exists()
+
+
+def test_an_automatic_results_folder_name_holds_no_colon():
+    """The reference's colon is not portable in a folder name (Windows refuses it)."""
+    from dpfl.results import run_name
+
+    name = run_name(RunConfig({"dataset": "tests.fixtures.user_code:blobs"}), "engine")
+    assert name.startswith("dpsgd-gc-tests.fixtures.user_code-blobs-s0-engine-") and ":" not in name
