@@ -24,7 +24,8 @@ from dpfl.privacy import (
     clip_by_norm,
     stds,
 )
-from dpfl.privacy.ledger import PRV_MAX_POINTS, _prv_points, composed
+from dpfl.privacy.ledger import composed
+from dpfl.privacy.prv import MAX_POINTS, grid_points
 
 
 def _release(noise_multiplier, sample_rate, steps=1, relation="replace-one"):
@@ -188,13 +189,13 @@ def test_a_prv_history_whose_grid_is_too_large_is_given_infinite_epsilon():
     for history in (((0.01, 0.004, 2),), ((0.0078, 1.0, 200), (30.7, 1.0, 200)),
                     ((1.0, 0.01, 10_000),), ((12.0, 1.0, 200), (1.0, 1.0, 200))):
         points = opacus_points(history)
-        assert 0.9 * points <= _prv_points(history, 1e-5) <= points
+        assert 0.9 * points <= grid_points(history, 1e-5) <= points
     for tiny in (((0.01, 0.004, 2),), ((0.0078, 1.0, 200), (30.7, 1.0, 200))):
-        assert _prv_points(tiny, 1e-5) > PRV_MAX_POINTS
+        assert grid_points(tiny, 1e-5) > MAX_POINTS
         ledger = PrivacyLedger(accountant="prv", relation="add-remove", history=list(tiny))
         assert math.isinf(ledger.epsilon(1e-5))
     useful = ((1.0, 0.01, 10_000),)
-    assert _prv_points(useful, 1e-5) < PRV_MAX_POINTS / 4
+    assert grid_points(useful, 1e-5) < MAX_POINTS / 4
     ledger = PrivacyLedger(accountant="prv", relation="add-remove", history=list(useful))
     opacus = PRVAccountant()
     opacus.history = list(useful)

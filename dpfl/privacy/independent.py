@@ -66,7 +66,8 @@ from fractions import Fraction
 
 import numpy as np
 
-Event = tuple[float, float, int]  # (noise_multiplier, sample_rate, steps)
+from dpfl.privacy.accountants import ACCOUNTANTS as REGISTRY
+from dpfl.privacy.accountants import Event
 
 PLD = "dp-accounting-pld"
 RDP = "dp-accounting-rdp"
@@ -241,3 +242,7 @@ def epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float:
     if accountant == PLD:
         return pld_refined(history, delta)
     return rdp_epsilon(history, delta, wor=accountant == RDP_WOR)
+
+
+for _name in ACCOUNTANTS:  # each is the ledger's accountant of its name
+    REGISTRY.add(_name, functools.partial(epsilon, _name))

@@ -2,12 +2,13 @@
 
 Following ``dp_accounting``'s event view, a ledger never adds ε values by hand. It records each
 :class:`~dpfl.privacy.release.Release` as an event (noise multiplier, sample rate, steps) in
-Opacus' compact history format and asks an accountant for the ε of the whole history at the
-run's δ: Opacus' RDP or PRV accountant (``rdp``, ``prv``; ``rdp`` minimises over orders extended
-past Opacus' defaults where they help, :mod:`dpfl.privacy.rdp`); ``rdp-wor``, the RDP bound for
-fixed-size sampling without replacement under replace-one neighbours (Wang et al. 2019,
-Theorem 9; :mod:`dpfl.privacy.subsampled_rdp`) that the adaptive-clipping paper accounts with;
-or ``rdp-classical``, Opacus' Poisson-subsampled RDP converted the classical way,
+Opacus' compact history format and asks an accountant, by its name in
+:data:`~dpfl.privacy.accountants.ACCOUNTANTS`, for the ε of the whole history at the run's δ:
+Opacus' RDP or PRV accountant (``rdp``, minimised over orders extended past Opacus' defaults
+where they help, :mod:`dpfl.privacy.rdp`; ``prv``, :mod:`dpfl.privacy.prv`); ``rdp-wor``, the
+RDP bound for fixed-size sampling without replacement under replace-one neighbours (Wang et al.
+2019, Theorem 9; :mod:`dpfl.privacy.subsampled_rdp`) that the adaptive-clipping paper accounts
+with; or ``rdp-classical``, Opacus' Poisson-subsampled RDP converted the classical way,
 ε = min_α RDP(α) + ln(1/δ)/(α − 1) over the integer orders 2–256 (Mironov 2017; TF-Privacy's
 ``rdp_accountant``), which papers of the TF-Privacy era report (Opacus' own conversion, Balle
 et al. 2020, is tighter). Google's ``dp_accounting`` gives a second, independent ε of the same
@@ -35,77 +36,25 @@ from __future__ import annotations
 import functools
 import json
 import math
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from dpfl.privacy import independent, rdp
+from dpfl.privacy import independent
+from dpfl.privacy import prv, rdp, subsampled_rdp  # noqa: F401  (register their accountants)
+from dpfl.privacy.accountants import ACCOUNTANTS, Event
 from dpfl.privacy.release import Release, Side
-from dpfl.privacy.subsampled_rdp import epsilon_of_history
-
-Event = tuple[float, float, int]  # (noise_multiplier, sample_rate, steps)
-
-
-#: the integer orders of the classical conversion (TF-Privacy's ``rdp_accountant`` and Opacus
-#: before 1.0): Opacus' default orders stop at 63, too low for small ε
-CLASSICAL_ORDERS = tuple(range(2, 257))
-
 
 @functools.lru_cache(maxsize=65536)
 def _epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float:
+    """ε at ``delta`` of ``history`` by the registered ``accountant`` (ConfigError naming the
+    registered ones for another name): 0 without events, inf where a multiplier is ≤ 0."""
+    epsilon = ACCOUNTANTS.get(accountant)
     if not history:
         return 0.0
     if any(z <= 0 for z, _, _ in history):
         return math.inf
-    if accountant in independent.ACCOUNTANTS:
-        return independent.epsilon(accountant, history, delta)
-    if accountant == "rdp-wor":
-        return epsilon_of_history(history, delta)
-    if accountant == "rdp-classical":
-        curve = sum(rdp.curve(z, q, CLASSICAL_ORDERS) * steps for z, q, steps in history)
-        orders = np.asarray(CLASSICAL_ORDERS, dtype=np.float64)
-        return float(np.min(curve + math.log(1 / delta) / (orders - 1)))
-    if accountant == "rdp":
-        # RDPAccountant.get_epsilon, with each (z, q) curve computed once (the RDP of `steps`
-        # compositions is `steps` times the one-step curve, as in Opacus), over more orders
-        return rdp.epsilon(history, delta)
-    if accountant == "prv" and _prv_points(history, delta) > PRV_MAX_POINTS:
-        return math.inf
-    # Opacus is imported on use: a ClientApp that only records releases never loads it
-    from opacus.accountants import create_accountant
-
-    acc = create_accountant(mechanism=accountant)
-    acc.history = list(history)
-    with warnings.catch_warnings():  # PRV's numerics warn (and give inf) at tiny noise
-        warnings.simplefilter("ignore")
-        return float(acc.get_epsilon(delta=delta))
-
-
-#: the most points of the grid on which Opacus' PRV accountant discretises a history (it holds
-#: several float64 arrays of that length). Its safe domain spans at least the RDP ε of the
-#: history at δ/4,000, so a history over the limit has an RDP ε in the thousands (noise far too
-#: small to protect anything); its grid would take gigabytes and minutes (a DPSGD-GC run at
-#: noise multiplier 0.01 spent 6, 67 and 212 s on the ε of rounds 1–3; the quantile family's
-#: calibration asked for 173 GiB at z ≈ 0.008), and its PRV ε is given as inf, a valid bound.
-#: Runs with any useful noise stay far below it (σ = 1, q = 0.01, 10,000 steps: 7.8·10⁵ points).
-PRV_MAX_POINTS = 2**22
-
-
-def _prv_points(history: tuple[Event, ...], delta: float) -> float:
-    """A lower bound on the length of the grid Opacus' PRV accountant discretises ``history``
-    on for ``get_epsilon(delta)`` at its default tolerances (ε error 0.01, δ error δ/1000): its
-    safe domain [−L, L] has L ≥ 3 + the RDP ε of the history at a quarter of the δ error,
-    which :func:`dpfl.privacy.rdp.epsilon` bounds from below (it minimises over more orders
-    than Opacus' RDP accountant there), and its mesh is the ε error over
-    √(T·ln(12/δ error)/2) for T steps (``PRVAccountant._get_domain``). No grid is made, and the
-    RDP curves are the ledger's cached ones."""
-    eps_error, delta_error = 0.01, delta / 1000
-    half_width = 3 + max(rdp.epsilon(history, delta_error / 4), eps_error)
-    steps = sum(n for *_, n in history)
-    return 2 * half_width * math.sqrt(steps * math.log(12 / delta_error) / 2) / eps_error
+    return epsilon(history, delta)
 
 
 def composed(history: Iterable[Event]) -> tuple[Event, ...]:

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from dpfl.privacy.accountants import ACCOUNTANTS
+
 #: bisection range of the noise size (log space)
 SIGMA_RANGE = (1e-8, 1e8)
 #: the largest order evaluated (a sum of α terms): an ε whose α* exceeds it (ε below
@@ -142,3 +144,6 @@ def epsilon_of_history(history: tuple[tuple[float, float, int], ...], delta: flo
         return math.inf
     rdp = sum(steps * _rdp_curve(z, q, orders) for z, q, steps in history)
     return float(np.min(epsilon_from_rdp(rdp, np.asarray(orders, dtype=np.float64), delta)))
+
+
+ACCOUNTANTS.add("rdp-wor", epsilon_of_history)
