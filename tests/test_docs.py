@@ -220,6 +220,7 @@ def test_the_readmes_two_commands_run_as_written(tmp_path):
         if results.is_dir() and not before:
             results.rmdir()
     assert "source .venv/bin/activate" in output
+    assert "the demo: a local SuperLink, Ray and 10 simulated SuperNodes" in output  # not silent
     quoted = re.search(r"`(round 30/30 \| [^`]*)`", (ROOT / "README.md").read_text()).group(1)
     assert re.search(r"^" + re.escape(quoted) + r" \| ", output, re.M), quoted  # what it prints
     assert re.search(r"^tests/test_docs\.py: \d+$", output, re.M)  # make test collected
