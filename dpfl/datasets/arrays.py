@@ -84,7 +84,7 @@ def _read(file: Path, state: tuple[int, int] | None) -> Dataset:
     if train_x.shape[1:] != test_x.shape[1:]:
         raise ConfigError(KEY, f"path: {file}: train_x's rows are {tuple(train_x.shape[1:])}, "
                           f"test_x's {tuple(test_x.shape[1:])}: one input shape for both")
-    train_y, test_y = (_labels(file, name, arrays[name], len(x), task)
+    train_y, test_y = (labels(f"path: {file}", name, arrays[name], len(x), task)
                        for name, x in (("train_y", train_x), ("test_y", test_x)))
     num_classes = 1
     if task == "classification":
@@ -109,20 +109,25 @@ def _features(file: Path, name: str, values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(x)
 
 
-def _labels(file: Path, name: str, values: np.ndarray, rows: int, task: str) -> torch.Tensor:
+def labels(where: str, name: str, values: np.ndarray, rows: int, task: str, *,
+           key: str = KEY) -> torch.Tensor:
+    """One label per row in the ``task``'s convention (integers 0..K-1, ±1, or finite reals),
+    or a ConfigError on ``key`` whose message begins with ``where`` (the file, or
+    a reference, the labels came from)."""
     if values.shape != (rows,):
-        raise ConfigError(KEY, f"path: {file}: {name} must hold one label per row, shape "
-                          f"({rows},), got {values.shape}")
+        raise ConfigError(key, f"{where}: {name} must hold one label per row, shape ({rows},), "
+                          f"got {values.shape}")
     if task == "classification":
-        if not np.issubdtype(values.dtype, np.integer) or values.min() < 0:
-            raise ConfigError(KEY, f"path: {file}: {name}: classification labels are integers "
-                              f"0..K-1, got {values.dtype} from {values.min()}")
+        if not np.issubdtype(values.dtype, np.integer) or (rows and values.min() < 0):
+            raise ConfigError(key, f"{where}: {name}: classification labels are integers "
+                              f"0..K-1, got {values.dtype}"
+                              + (f" from {values.min()}" if rows else ""))
         return torch.from_numpy(values.astype(np.int64))
     if not np.issubdtype(values.dtype, np.number) or np.iscomplexobj(values):
-        raise ConfigError(KEY, f"path: {file}: {name} must be real numbers, got {values.dtype}")
+        raise ConfigError(key, f"{where}: {name} must be real numbers, got {values.dtype}")
     y = values.astype(np.float32)
     if task == "binary" and not np.isin(y, (-1.0, 1.0)).all():
-        raise ConfigError(KEY, f"path: {file}: {name}: binary labels are -1 and +1")
+        raise ConfigError(key, f"{where}: {name}: binary labels are -1 and +1")
     if not np.isfinite(y).all():
-        raise ConfigError(KEY, f"path: {file}: {name} holds NaN or infinite values")
+        raise ConfigError(key, f"{where}: {name} holds NaN or infinite values")
     return torch.from_numpy(y)

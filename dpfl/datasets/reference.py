@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dpfl.datasets.arrays import labels
 from dpfl.datasets.base import TASKS, Dataset, hold_out
 from dpfl.errors import ConfigError
 from dpfl.reference import accepted, first_line, resolve
@@ -96,13 +97,13 @@ def as_dataset(reference: str, result: object) -> Dataset:
     if train_x.shape[1:] != test_x.shape[1:]:
         raise ConfigError(KEY, f"{reference!r}: training inputs are {tuple(train_x.shape[1:])}, "
                           f"test inputs {tuple(test_x.shape[1:])}: one input shape for both")
-    labels = _array(reference, "train_y", train_y), _array(reference, "test_y", test_y)
+    ys = _array(reference, "train_y", train_y), _array(reference, "test_y", test_y)
     task = str(fields.get("task", "classification" if all(
-        np.issubdtype(y.dtype, np.integer) for y in labels) else "regression"))
+        np.issubdtype(y.dtype, np.integer) for y in ys) else "regression"))
     if task not in TASKS:
         raise ConfigError(KEY, f"{reference!r}: task {task!r} is not a task", allowed=TASKS)
-    train_y, test_y = (_labels(reference, name, y, len(x), task) for name, y, x in
-                       (("train_y", labels[0], train_x), ("test_y", labels[1], test_x)))
+    train_y, test_y = (labels(repr(reference), name, y, len(x), task, key=KEY)
+                       for name, y, x in (("train_y", ys[0], train_x), ("test_y", ys[1], test_x)))
     num_classes = _num_classes(reference, task, fields.get("num_classes"), train_y, test_y)
     sizes = None
     if fields.get("clients") is not None:
@@ -183,27 +184,10 @@ def _features(reference: str, name: str, values: object) -> torch.Tensor:
     return torch.from_numpy(x)
 
 
-def _labels(reference: str, name: str, y: np.ndarray, rows: int, task: str) -> torch.Tensor:
-    if y.shape != (rows,):
-        raise ConfigError(KEY, f"{reference!r}: {name} must hold one label per row, shape "
-                          f"({rows},), got {y.shape}")
-    if task == "classification":
-        if not np.issubdtype(y.dtype, np.integer) or (rows and y.min() < 0):
-            raise ConfigError(KEY, f"{reference!r}: {name}: classification labels are integers "
-                              f"0..K-1, got {y.dtype}")
-        return torch.from_numpy(y.astype(np.int64))
-    labels = y.astype(np.float32)
-    if task == "binary" and not np.isin(labels, (-1.0, 1.0)).all():
-        raise ConfigError(KEY, f"{reference!r}: {name}: binary labels are -1 and +1")
-    if not np.isfinite(labels).all():
-        raise ConfigError(KEY, f"{reference!r}: {name} holds NaN or infinite values")
-    return torch.from_numpy(labels)
-
-
-def _num_classes(reference: str, task: str, given: object, *labels: torch.Tensor) -> int:
+def _num_classes(reference: str, task: str, given: object, *ys: torch.Tensor) -> int:
     if task != "classification":
         return 1
-    largest = max(int(y.max()) for y in labels if len(y))
+    largest = max(int(y.max()) for y in ys if len(y))
     count = largest + 1 if given is None else given
     if isinstance(count, bool) or not isinstance(count, int | np.integer) or count < 2 \
             or largest >= count:
