@@ -37,6 +37,7 @@ from dpfl.config import Value, format_overrides
 from dpfl.errors import UsageError
 from dpfl.federation import BIN, free_port
 from dpfl.flower_app import app_folder
+from dpfl.process_family import Family
 from dpfl.problem import build_problem, data_dir
 from dpfl.ray_cluster import check_cluster, client_resources
 from dpfl.results import CLOSE_WAIT
@@ -85,12 +86,13 @@ def simulations(token: str) -> list[int]:
     return [pid for pid in launched(token) if "flwr-simulation" in cmds.get(pid, "")]
 
 
-def stop_launched(token: str, settle: float = 2.0) -> None:
-    """Stop every process of launch ``token`` (:func:`launched`), again until none is left
-    for ``settle`` seconds: a dying Ray node can still start an agent or two."""
+def stop_launched(token: str, family: Family, settle: float = 2.0) -> None:
+    """Stop every process of launch ``token`` (:func:`launched`) and of its ``family`` (those it
+    started, marked or not: :mod:`dpfl.process_family`), again until none is left for
+    ``settle`` seconds: a dying Ray node can still start an agent or two."""
     quiet_since = time.monotonic()
     while time.monotonic() - quiet_since < settle:
-        if pids := launched(token):
+        if pids := sorted(set(launched(token)) | set(family.living())):
             stop(pids)
             quiet_since = time.monotonic()
         else:
@@ -209,16 +211,18 @@ def killed_after(proc: subprocess.Popen, seconds: float | None) -> Iterator[None
 
 
 def stream(cmd: list[str], env: Mapping[str, str], cwd: Path, seen: Stream,
-           timeout: float | None, wind_down: Callable[[], bool]) -> int:
+           timeout: float | None, wind_down: Callable[[], bool],
+           started: Callable[[int], None] = lambda pid: None) -> int:
     """Run ``cmd`` in a session of its own (the terminal's Ctrl-C reaches this process alone),
     its output echoed by ``seen``; returns its exit status. Past ``timeout`` seconds it is
     killed. Interrupted (Ctrl-C, SIGTERM), it calls ``wind_down()``, which asks the run to end
     and says whether there was one to end: then ``cmd``'s output, the run's last lines, is
     still echoed until it exits (:data:`~dpfl.results.CLOSE_WAIT` and a little more seconds at
-    most) before the interruption goes on."""
+    most) before the interruption goes on. ``started`` is given its PID."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace",
                             start_new_session=True)
+    started(proc.pid)
     assert proc.stdout is not None
     try:
         with killed_after(proc, timeout):
@@ -303,33 +307,35 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
         env["RAY_ADDRESS"] = ray_address.strip()
     flwr = BIN / "flwr"
     before = set(started_processes(home))
-    try:
-        with app_folder() as app_dir:
-            cmd = [str(flwr), "run", str(app_dir), "--stream", "--run-config",
-                   format_overrides(values), "--federation-config",
-                   format_overrides(federation)]
-            seen = Stream(verbose)
-            try:
-                code = stream(cmd, env, app_dir, seen, timeout,
-                              wind_down=lambda: interrupt_simulations(token))
-            finally:  # kept however the run ended, interrupted included
-                log = seen.write_log(Path(values["results-dir"]))
-            if code == 0:
-                status, details = final_status(flwr, env, app_dir)
-                if status != "finished:completed":
-                    print(f"dpfl: error: the Flower run ended {status}"
-                          + ("" if seen.explained else f": {details}")
-                          + f" (Flower's log: {log})", file=sys.stderr)
-                    code = 1
-        return code
-    finally:  # done, failed or interrupted (Ctrl-C, SIGTERM): nothing it started outlives it.
-        # The simulation (the ServerApp's process) is not in the terminal's process group, and
-        # the SIGINT Flower's parent monitor raises when its SuperExec stops reaches a thread
-        # that is not the main one: it is interrupted here (an interrupted stream did so
-        # already), and closes its results folder in the time Flower's exit allows, before the
-        # rest is stopped
-        stop(simulations(token), grace=CLOSE_WAIT + 5, signum=signal.SIGINT)
-        stop([p for p in started_processes(home) if p not in before])
-        stop_launched(token)
-        if flwr_home is None:
-            shutil.rmtree(home, ignore_errors=True)
+    with Family() as family:  # all it starts, marked or not: dpfl.process_family
+        try:
+            with app_folder() as app_dir:
+                cmd = [str(flwr), "run", str(app_dir), "--stream", "--run-config",
+                       format_overrides(values), "--federation-config",
+                       format_overrides(federation)]
+                seen = Stream(verbose)
+                try:
+                    code = stream(cmd, env, app_dir, seen, timeout,
+                                  wind_down=lambda: interrupt_simulations(token),
+                                  started=family.follow)
+                finally:  # kept however the run ended, interrupted included
+                    log = seen.write_log(Path(values["results-dir"]))
+                if code == 0:
+                    status, details = final_status(flwr, env, app_dir)
+                    if status != "finished:completed":
+                        print(f"dpfl: error: the Flower run ended {status}"
+                              + ("" if seen.explained else f": {details}")
+                              + f" (Flower's log: {log})", file=sys.stderr)
+                        code = 1
+            return code
+        finally:  # done, failed or interrupted (Ctrl-C, SIGTERM): nothing it started outlives
+            # it. The simulation (the ServerApp's process) is not in the terminal's process
+            # group, and the SIGINT Flower's parent monitor raises when its SuperExec stops
+            # reaches a thread that is not the main one: it is interrupted here (an interrupted
+            # stream did so already), and closes its results folder in the time Flower's exit
+            # allows, before the rest is stopped
+            stop(simulations(token), grace=CLOSE_WAIT + 5, signum=signal.SIGINT)
+            stop([p for p in started_processes(home) if p not in before])
+            stop_launched(token, family)
+            if flwr_home is None:
+                shutil.rmtree(home, ignore_errors=True)

@@ -51,7 +51,7 @@ class StoppedCommand:
         assert self.code == status, self.err[-3000:]
         assert "Traceback" not in self.out + self.err, self.err[-3000:]
         assert self.err.strip().splitlines()[-1] == "dpfl: interrupted"
-        assert self.left == []
+        assert self.left == [], self.left
 
 
 def round_done(n: int) -> Callable[[str], bool]:

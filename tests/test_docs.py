@@ -145,9 +145,6 @@ def test_the_deployment_guides_loopback_recipe_runs_as_written(tmp_path):
     assert summary["privacy"]["noise"] == {"secure": 3}
 
 
-@pytest.mark.xfail(strict=False, reason="in one of three full runs the ServerApp outlived the "
-                   "30 s allowed after SIGTERM, retrying its connection to the stopped "
-                   "SuperLink; the cause is not established")
 def test_sigterm_to_the_loopback_recipe_mid_run_stops_everything_it_started(tmp_path):
     """What a CI timeout or a scheduler sends a federation it started, SIGTERM to its process
     group, in the middle of a run (of 100 rounds here): the SuperLink, the SuperNodes and every

@@ -26,6 +26,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.exit import add_exit_handler
 
 from dpfl.errors import ConfigError
+from dpfl.interrupt import wake_main_thread_when_parent_exits
 from dpfl.problem import cached_problem
 from dpfl.results import CLOSE_WAIT
 from dpfl.rounds import Stopped
@@ -65,7 +66,10 @@ def results_closed_first(strategy: AlgorithmStrategy) -> Iterator[None]:
     signal goes straight to them. Only the main thread takes signals: a ServerApp run in a
     thread (Flower's simulation runtime runs it so) registers with Flower's exit instead a
     handler that runs before its kill clock starts: it asks the strategy to stop (its exchange
-    raises :class:`Stopped`, the round loop closes the results folder) and waits for that."""
+    raises :class:`Stopped`, the round loop closes the results folder) and waits for that. In
+    the main thread, the SIGINT of Flower's parent monitor is delivered to the main thread
+    itself (:func:`~dpfl.interrupt.wake_main_thread_when_parent_exits`), or a ServerApp waiting
+    on Flower's object transfers would outlive its SuperExec, retrying."""
     if threading.current_thread() is not threading.main_thread():
         closed = threading.Event()
 
@@ -82,20 +86,24 @@ def results_closed_first(strategy: AlgorithmStrategy) -> Iterator[None]:
             closed.set()
         return
     previous = {sig: handler for sig in SIGNALS if callable(handler := signal.getsignal(sig))}
+    handled = threading.Event()
 
     def stop(signum: int, _frame: object) -> None:
+        handled.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         raise Stopped(signum)
 
     for sig in previous:
         signal.signal(sig, stop)
+    wake_main_thread_when_parent_exits(handled)
     try:
         yield
     except Stopped as stopped:
         previous[stopped.signum](stopped.signum, None)  # Flower's exit: raises SystemExit
         raise
     finally:
+        handled.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
