@@ -145,18 +145,14 @@ def reply(msg: Message, context: Context, problem: Problem) -> Message:
     hosted = set(node_clients(context))
     clients = [c for c in request.clients if c in hosted]
     spec = problem.algorithm.exchange(request.exchange)
-    if tuple(request.broadcast) != spec.broadcast:
-        raise ValueError(f"exchange {spec.name!r} broadcasts {spec.broadcast}, got "
-                         f"{tuple(request.broadcast)}")
     secure = RECORD_KEY_CONFIGS in msg.content.config_records  # through SecAgg+'s mod
     try:
         if problem.config["distributed-noise"] and not secure:
             raise ClientRefused(clients, "distributed-noise: this node adds a share of its "
                                 "noise only to uploads that Flower's SecAgg+ masks, and this "
                                 "request came without it")
-        client = _client(request.lineage, context, problem, clients)
-        uploads, _, metrics = client.fit(list(request.broadcast.values()),
-                                         {"exchange": spec.name, "round": request.server_round})
+        answer = _client(request.lineage, context, problem, clients).answer(
+            spec.name, request.server_round, dict(request.broadcast))
     except (ClientRefused, ConfigError) as error:  # ConfigError: the node's own config, or
         # the run's on this node's data
         refused = error if isinstance(error, ClientRefused) else ClientRefused(clients,
@@ -169,12 +165,8 @@ def reply(msg: Message, context: Context, problem: Problem) -> Message:
         grids = quantisations(problem, spec.name)
         context.state.config_records[SECURE_STATE] = ConfigRecord({"participants": len(clients)})
         return Message(SecureTrainReply(
-            [node_vector(grids[k], torch.as_tensor(u)) for k, u in zip(spec.uploads, uploads,
-                                                                        strict=True)],
-            {c: client.charged[c] for c in clients}, client.noise).encode(), reply_to=msg)
+            [node_vector(grids[k], torch.as_tensor(answer.uploads[k])) for k in spec.uploads],
+            answer.charged, answer.noise).encode(), reply_to=msg)
     return Message(TrainReply(
-        {c: {k: u[i] for k, u in zip(spec.uploads, uploads, strict=True)}
-         for i, c in enumerate(clients)},
-        {c: client.charged[c] for c in clients}, client.noise,
-        {c: {k.rsplit(".", 1)[0]: v for k, v in metrics.items() if k.endswith(f".{c}")}
-         for c in clients} if metrics else {}).encode(), reply_to=msg)
+        {c: {k: answer.uploads[k][i] for k in spec.uploads} for i, c in enumerate(clients)},
+        answer.charged, answer.noise, answer.diagnostics).encode(), reply_to=msg)

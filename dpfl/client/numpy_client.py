@@ -1,6 +1,6 @@
 """``AlgorithmClient``: the algorithm's client side as a Flower ``NumPyClient``.
 
-Its ``fit`` runs one exchange of the configured algorithm for the node's participating clients
+Its ``answer`` (and ``fit``, the same as Flower's ``NumPyClient`` gives it) runs one exchange of the configured algorithm for the node's participating clients
 (one partition in simulation, or a cohort, in one batched call), under the node's own policy
 (:mod:`dpfl.client.policy`): it draws their noise and batches where the policy says, refuses
 (:class:`~dpfl.rounds.ClientRefused`) what the policy does not accept, a round that would take
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,20 @@ from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused, ClientRuntime
 
 log = logging.getLogger("dpfl")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The node's participating clients' answer to one exchange: each declared upload by name,
+    stacked over the clients ``[C, ...]`` and noised; each client's counts of the run's
+    releases after it (:meth:`~dpfl.client.node_ledger.NodeLedger.counts`); where the node's
+    noise came from (:data:`~dpfl.privacy.randomness.MODES`); and, under
+    non-private-diagnostics only, each client's diagnostics by name."""
+
+    uploads: dict[str, np.ndarray]
+    charged: dict[int, dict[str, int]]
+    noise: str
+    diagnostics: dict[int, dict[str, float]]
 
 
 def node_clients(context: Context) -> list[int]:
@@ -95,7 +110,6 @@ class AlgorithmClient(NumPyClient):
         self.runtime = ClientRuntime.of(problem, rng=rng)
         keep_freed_memory()  # a cohort node's [clients, d] blocks, reused across messages
         self.store = LedgerStore(self.state, self.ledger_folder())
-        self.charged: dict[int, dict[str, int]] = {}  # after fit: each client's counts
 
     def ledger_folder(self) -> Path | None:
         """Where the clients' ledgers are kept (:class:`LedgerStore`): every run's, in the
@@ -173,26 +187,22 @@ class AlgorithmClient(NumPyClient):
             if self.files is not None:
                 self.files.save(c, server_round, own, chains[i])
 
-    # ---- NumPyClient ---------------------------------------------------------------------
-    def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int,
-                                                                      dict]:
-        """One exchange: ``parameters`` are its broadcast arrays in their declared order,
-        ``config`` holds ``exchange`` and ``round``. Returns the declared uploads, each stacked
-        over ``clients`` ``[C, ...]`` and noised, the number of clients (Flower's example count:
-        dpfl weights clients equally and does not send it) and, under non-private-diagnostics
-        only, each client's diagnostics as ``{"<name>.<client>": value}``; ``charged`` then
-        holds each client's counts of this run's releases. Raises
-        :class:`~dpfl.rounds.ClientRefused`."""
+    # ---- one exchange ----------------------------------------------------------------------
+    def answer(self, exchange: str, server_round: int,
+               broadcast: dict[str, np.ndarray]) -> Answer:
+        """The participating clients' answer to exchange ``exchange`` of round ``server_round``,
+        given its ``broadcast`` arrays by name. Raises :class:`~dpfl.rounds.ClientRefused`."""
         algorithm = self.problem.algorithm
-        exchange, server_round = str(config["exchange"]), int(config["round"])
         spec = algorithm.exchange(exchange)
-        broadcast = {k: torch.from_numpy(np.asarray(a))
-                     for k, a in zip(spec.broadcast, parameters, strict=True)}
+        if tuple(broadcast) != spec.broadcast:
+            raise ValueError(f"exchange {spec.name!r} broadcasts {spec.broadcast}, got "
+                             f"{tuple(broadcast)}")
+        tensors = {k: torch.from_numpy(np.asarray(a)) for k, a in broadcast.items()}
         if reason := self.refusal():
             raise ClientRefused(self.clients, reason)
         states, chains = self._load()
         guarded = self.noise != "secure"  # the same noise for the same request
-        seen = broadcast_digest(broadcast.items()) if guarded else ""
+        seen = broadcast_digest(tensors.items()) if guarded else ""
         with self.store.open(self.clients) as ledgers:
             self.check_order(ledgers, exchange, server_round)
             digests = [input_digest(context=self.context, client=c, chain=chain,
@@ -204,7 +214,7 @@ class AlgorithmClient(NumPyClient):
                    if not guarded or self.check_replay(ledgers[c], server_round, exchange, digest)]
             self.check_budget(ledgers, new, exchange, server_round)
             uploads, states, diagnostics = self.runtime.step(
-                exchange, server_round, broadcast, states, self.problem.cohort(self.clients))
+                exchange, server_round, tensors, states, self.problem.cohort(self.clients))
             every = int(self.problem.config["checkpoint-every"])
             for c, digest in zip(self.clients, digests, strict=True):
                 ledgers[c].answer(self.run, self.segment, server_round, exchange)
@@ -213,10 +223,27 @@ class AlgorithmClient(NumPyClient):
                     if guarded:
                         ledgers[c].remember(self.context, server_round, exchange, digest, every)
             self._save(server_round, states, digests)
-            self.charged = {c: ledgers[c].counts(self.run, server_round) for c in self.clients}
-        metrics = {f"{k}.{c}": float(v[i]) for k, v in diagnostics.items()
-                   for i, c in enumerate(self.clients)}
-        return [uploads[k].cpu().numpy() for k in spec.uploads], len(self.clients), metrics
+            charged = {c: ledgers[c].counts(self.run, server_round) for c in self.clients}
+        return Answer(
+            {k: uploads[k].cpu().numpy() for k in spec.uploads}, charged, self.noise,
+            {c: {k: float(v[i]) for k, v in diagnostics.items()}
+             for i, c in enumerate(self.clients)} if diagnostics else {})
+
+    # ---- NumPyClient ---------------------------------------------------------------------
+    def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int,
+                                                                      dict]:
+        """:meth:`answer` as Flower's ``NumPyClient`` gives it: ``parameters`` are the
+        exchange's broadcast arrays in their declared order, ``config`` holds ``exchange`` and
+        ``round``. Returns the declared uploads in their order, each stacked over ``clients``
+        ``[C, ...]`` and noised; the number of clients as the example count (dpfl weights
+        clients equally and sends no count); and the diagnostics as Flower's flat metrics,
+        ``{"<name>.<client>": value}`` (non-private-diagnostics only)."""
+        spec = self.problem.algorithm.exchange(str(config["exchange"]))
+        answer = self.answer(spec.name, int(config["round"]),
+                             dict(zip(spec.broadcast, parameters, strict=True)))
+        return ([answer.uploads[k] for k in spec.uploads], len(self.clients),
+                {f"{k}.{c}": v for c, values in answer.diagnostics.items()
+                 for k, v in values.items()})
 
     def check_replay(self, ledger: NodeLedger, server_round: int, exchange: str,
                      digest: str) -> bool:
