@@ -14,13 +14,13 @@ of :func:`dpfl.config.hyperparameter` fields). :func:`calibrate` applies the cho
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dpfl.errors import ConfigError
-from dpfl.privacy import rdp
+from dpfl.privacy import prv, rdp, subsampled_rdp  # noqa: F401  (register their accountants)
+from dpfl.privacy.accountants import ACCOUNTANTS
 from dpfl.privacy.release import Query, Release
 
 
@@ -92,33 +92,20 @@ class CalibrationRegistry:
 CALIBRATIONS = CalibrationRegistry()
 
 
-#: the largest target ε whose noise Opacus' PRV search finds (above, it runs for minutes or more)
-PRV_EPSILON_MAX = 100.0
-
-
 @functools.lru_cache(maxsize=1024)
 def accountant_noise_multiplier(*, epsilon: float, delta: float, sample_rate: float,
                                 steps: int, accountant: str) -> float:
-    """Smallest multiplier with ε(accountant; multiplier, sample_rate, steps) ≤ epsilon, by
-    Opacus' ``get_noise_multiplier`` (for ``rdp`` its search with the ledger's ε, whose orders
-    extend Opacus' defaults: :func:`dpfl.privacy.rdp.noise_multiplier`)."""
-    if accountant == "prv" and epsilon > PRV_EPSILON_MAX:
-        raise ConfigError("epsilon", f"{epsilon:g} is beyond what the prv accountant's search "
-                          f"handles (it does not end)", allowed=f"at most {PRV_EPSILON_MAX:g} "
-                          f"with accountant=\"prv\", or accountant=\"rdp\"")
+    """Smallest multiplier with ε(accountant; multiplier, sample_rate, steps) ≤ epsilon, by the
+    registered accountant's own search (:class:`~dpfl.privacy.accountants.Accountant`: Opacus'
+    ``get_noise_multiplier``; for ``rdp`` its search with the ledger's ε, whose orders extend
+    Opacus' defaults: :func:`dpfl.privacy.rdp.noise_multiplier`)."""
+    search = ACCOUNTANTS.get(accountant).noise_multiplier
+    if search is None:
+        raise ConfigError("accountant", f"{accountant!r} gives ε only, it calibrates no noise",
+                          allowed=", ".join(n for n in ACCOUNTANTS.names()
+                                            if ACCOUNTANTS.get(n).noise_multiplier))
     try:
-        if accountant == "rdp":
-            return rdp.noise_multiplier(epsilon_target=epsilon, delta=delta,
-                                        sample_rate=sample_rate, steps=steps)
-        # imported on use: the whole of Opacus loads with it (dpfl.privacy.rdp)
-        from opacus.accountants.utils import get_noise_multiplier
-
-        with warnings.catch_warnings():  # PRV's numerics warn at tiny ε
-            warnings.simplefilter("ignore", UserWarning)
-            return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta,
-                                              sample_rate=sample_rate, steps=steps,
-                                              accountant=accountant,
-                                              epsilon_tolerance=0.01))
+        return search(epsilon=epsilon, delta=delta, sample_rate=sample_rate, steps=steps)
     except ValueError as exc:  # Opacus: "The privacy budget is too low."
         raise ConfigError("epsilon", f"ε={epsilon} at δ={delta} over {steps} steps is not "
                           f"reachable: {exc}") from None

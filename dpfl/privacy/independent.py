@@ -67,12 +67,16 @@ from fractions import Fraction
 import numpy as np
 
 from dpfl.privacy.accountants import ACCOUNTANTS as REGISTRY
-from dpfl.privacy.accountants import Event
+from dpfl.privacy.accountants import Accountant, Event
 
 PLD = "dp-accounting-pld"
 RDP = "dp-accounting-rdp"
 RDP_WOR = "dp-accounting-rdp-wor"
 ACCOUNTANTS = (PLD, RDP, RDP_WOR)
+ABOUT = {PLD: "Google's dp-accounting, privacy loss distributions: an independent check, "
+              "usually tighter",
+         RDP: "Google's dp-accounting, RDP: an independent check",
+         RDP_WOR: "Google's dp-accounting, RDP of sampling without replacement"}
 
 #: the PLD's coarsest first discretisation interval (1/√K for K subsampled compositions, if
 #: smaller); each further pass divides it by √10
@@ -245,4 +249,4 @@ def epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float:
 
 
 for _name in ACCOUNTANTS:  # each is the ledger's accountant of its name
-    REGISTRY.add(_name, functools.partial(epsilon, _name))
+    REGISTRY.add(_name, Accountant(functools.partial(epsilon, _name), ABOUT[_name]))

@@ -49,7 +49,7 @@ from dpfl.privacy.release import Release, Side
 def _epsilon(accountant: str, history: tuple[Event, ...], delta: float) -> float:
     """ε at ``delta`` of ``history`` by the registered ``accountant`` (ConfigError naming the
     registered ones for another name): 0 without events, inf where a multiplier is ≤ 0."""
-    epsilon = ACCOUNTANTS.get(accountant)
+    epsilon = ACCOUNTANTS.get(accountant).epsilon
     if not history:
         return 0.0
     if any(z <= 0 for z, _, _ in history):

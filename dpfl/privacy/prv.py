@@ -8,7 +8,8 @@ import math
 import warnings
 
 from dpfl.privacy import rdp
-from dpfl.privacy.accountants import ACCOUNTANTS, Event
+from dpfl.errors import ConfigError
+from dpfl.privacy.accountants import ACCOUNTANTS, Accountant, Event
 
 #: the most points of the grid on which Opacus' PRV accountant discretises a history (it holds
 #: several float64 arrays of that length). Its safe domain spans at least the RDP ε of the
@@ -18,6 +19,8 @@ from dpfl.privacy.accountants import ACCOUNTANTS, Event
 #: calibration asked for 173 GiB at z ≈ 0.008), and its PRV ε is given as inf, a valid bound.
 #: Runs with any useful noise stay far below it (σ = 1, q = 0.01, 10,000 steps: 7.8·10⁵ points).
 MAX_POINTS = 2**22
+#: the largest target ε whose noise Opacus' PRV search finds (above, it runs for minutes or more)
+EPSILON_MAX = 100.0
 
 
 def grid_points(history: tuple[Event, ...], delta: float) -> float:
@@ -34,7 +37,6 @@ def grid_points(history: tuple[Event, ...], delta: float) -> float:
     return 2 * half_width * math.sqrt(steps * math.log(12 / delta_error) / 2) / eps_error
 
 
-@ACCOUNTANTS.register("prv")
 def epsilon(history: tuple[Event, ...], delta: float) -> float:
     """Opacus' ``PRVAccountant.get_epsilon(delta)`` of ``history``; inf where its grid would
     exceed :data:`MAX_POINTS` points."""
@@ -48,3 +50,23 @@ def epsilon(history: tuple[Event, ...], delta: float) -> float:
     with warnings.catch_warnings():  # PRV's numerics warn (and give inf) at tiny noise
         warnings.simplefilter("ignore")
         return float(accountant.get_epsilon(delta=delta))
+
+
+def noise_multiplier(*, epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+    """Opacus' ``get_noise_multiplier`` with its PRV accountant (ε tolerance 0.01); refused
+    above :data:`EPSILON_MAX`."""
+    if epsilon > EPSILON_MAX:
+        raise ConfigError("epsilon", f"{epsilon:g} is beyond what the prv accountant's search "
+                          f"handles (it does not end)", allowed=f"at most {EPSILON_MAX:g} "
+                          f"with accountant=\"prv\", or accountant=\"rdp\"")
+    from opacus.accountants.utils import get_noise_multiplier
+
+    with warnings.catch_warnings():  # PRV's numerics warn at tiny ε
+        warnings.simplefilter("ignore", UserWarning)
+        return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta,
+                                          sample_rate=sample_rate, steps=steps,
+                                          accountant="prv", epsilon_tolerance=0.01))
+
+
+ACCOUNTANTS.add("prv", Accountant(epsilon, "Opacus' PRV accountant, numerical",
+                                  noise_multiplier))

@@ -56,7 +56,7 @@ from types import ModuleType
 
 import numpy as np
 
-from dpfl.privacy.accountants import ACCOUNTANTS, Event
+from dpfl.privacy.accountants import ACCOUNTANTS, Accountant, Event
 
 #: orders below Opacus' smallest (1.1): 1 + 10^(−3 + k/10), k = 0…19
 LOW_ORDERS = tuple(1 + 10 ** (-3 + k / 10) for k in range(20))
@@ -197,14 +197,11 @@ def epsilon(history: tuple[Event, ...], delta: float, *, extended: bool = True) 
     return eps
 
 
-ACCOUNTANTS.add("rdp", epsilon)
-
 #: the integer orders of the classical conversion (TF-Privacy's ``rdp_accountant`` and Opacus
 #: before 1.0): Opacus' default orders stop at 63, too low for small ε
 CLASSICAL_ORDERS = tuple(range(2, 257))
 
 
-@ACCOUNTANTS.register("rdp-classical")
 def classical_epsilon(history: tuple[Event, ...], delta: float) -> float:
     """ε at ``delta`` of the history's Opacus RDP (Poisson-subsampled Gaussian) converted the
     classical way, ε = min_α RDP(α) + ln(1/δ)/(α − 1) over :data:`CLASSICAL_ORDERS` (Mironov
@@ -236,3 +233,15 @@ def noise_multiplier(*, epsilon_target: float, delta: float, sample_rate: float,
         else:
             sigma_low = sigma
     return sigma_high
+
+
+def calibrated(*, epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+    """:func:`noise_multiplier` as the registry's accountants give it."""
+    return noise_multiplier(epsilon_target=epsilon, delta=delta, sample_rate=sample_rate,
+                            steps=steps)
+
+
+ACCOUNTANTS.add("rdp", Accountant(epsilon, "Opacus' RDP accountant", calibrated))
+ACCOUNTANTS.add("rdp-classical", Accountant(
+    classical_epsilon, "the classical RDP conversion the PCDP paper's tables print: looser than "
+    "Opacus' conversion"))

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from dpfl.privacy.accountants import ACCOUNTANTS
+from dpfl.privacy.accountants import ACCOUNTANTS, Accountant
 
 #: bisection range of the noise size (log space)
 SIGMA_RANGE = (1e-8, 1e8)
@@ -146,4 +146,6 @@ def epsilon_of_history(history: tuple[tuple[float, float, int], ...], delta: flo
     return float(np.min(epsilon_from_rdp(rdp, np.asarray(orders, dtype=np.float64), delta)))
 
 
-ACCOUNTANTS.add("rdp-wor", epsilon_of_history)
+ACCOUNTANTS.add("rdp-wor", Accountant(
+    epsilon_of_history, "Wang et al.'s bound for fixed-size sampling without replacement, the "
+    "adaptive-clipping paper's: looser than the Poisson analysis"))

@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 
 from dpfl.privacy import CALIBRATIONS, Accounting
+from dpfl.privacy.accountants import ACCOUNTANTS
 from dpfl.problem import Problem
 from dpfl.runconfig import RunConfig
 
@@ -33,20 +34,6 @@ SECRET = ("replies carry only noised uploads covered by the releases, with noise
 
 NODES_DECIDE = ("each node's policy decides where its clients' noise comes from: summary.json "
                 "says what they used")
-
-#: why the ledger's other accountants give another ε for the same releases
-OTHER_ACCOUNTANTS = {
-    "rdp-wor": "Wang et al.'s bound for fixed-size sampling without replacement, the "
-               "adaptive-clipping paper's: looser than the Poisson analysis",
-    "rdp-classical": "the classical RDP conversion the PCDP paper's tables print: looser than "
-                     "Opacus' conversion",
-    "prv": "Opacus' PRV accountant, numerical",
-    "rdp": "Opacus' RDP accountant",
-    "dp-accounting-pld": "Google's dp-accounting, privacy loss distributions: an independent "
-                         "check, usually tighter",
-    "dp-accounting-rdp": "Google's dp-accounting, RDP: an independent check",
-    "dp-accounting-rdp-wor": "Google's dp-accounting, RDP of sampling without replacement",
-}
 
 #: the statements of runs that protect nothing against the server by their settings alone
 UNPROTECTED = (NON_PRIVATE, CENTRAL, NOISE_FREE)
@@ -159,7 +146,7 @@ def calibration_check(problem: Problem, accounting: Accounting, rounds_done: int
     if float(cfg["noise-multiplier"]) >= 0 or problem.algorithm.noise_free or not epsilon:
         return None
     by_accountant = list(accounting.report_by_accountant().items())
-    others = "; ".join(f"{name} {value:.4g} ({OTHER_ACCOUNTANTS.get(name, 'another bound')})"
+    others = "; ".join(f"{name} {value:.4g} ({ACCOUNTANTS.get(name).about})"
                        for name, value in by_accountant[1:])
     if others:
         others = (f". The same noise by the ledger's other accountants: {others}: other "
