@@ -313,7 +313,7 @@ def parse_overrides(text: Iterable[str] | str) -> dict[str, Value]:
     ``.toml``: that file), but strictly: text that is not a ``key=value`` pair, a key without a
     value and a key given twice (in one item or over several) are refused, where Flower drops
     the text or lets the last value win; a value TOML cannot read names its key."""
-    from flwr.common.config import parse_config_args
+    from dpfl.flower_internals import parse_config_args
 
     items = [text] if isinstance(text, str) else list(text)
     if not (len(items) == 1 and items[0].endswith(".toml")):

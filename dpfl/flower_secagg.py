@@ -40,11 +40,11 @@ import numpy as np
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from dpfl.flower_internals import SECAGG_MASK_CALLERS
 from dpfl.privacy.randomness import keystream
 
 #: the modules of Flower's SecAgg+ that import the mask generator by this name
-CALLERS = ("flwr.client.mod.secure_aggregation.secaggplus_mod",
-           "flwr.server.workflow.secure_aggregation.secaggplus_workflow")
+CALLERS = SECAGG_MASK_CALLERS
 NAME = "pseudo_rand_gen"
 PARAMETERS = ["seed", "num_range", "dimensions_list"]
 #: HKDF's context: these keys expand SecAgg+ masks and nothing else

@@ -21,9 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from flwr.supercore.constant import DEFAULT_SIMULATION_CONFIG
-
 from dpfl.errors import UsageError
+from dpfl.flower_internals import DEFAULT_SIMULATION_CONFIG
 
 #: Flower's client-resources when the federation config names none
 DEFAULT_CPUS = int(DEFAULT_SIMULATION_CONFIG.client_resources_num_cpus)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: what each exit code of a Flower program means, where dpfl knows better words for it
-#: than Flower's own help text (``flwr.supercore.exit.exit_code.EXIT_CODE_HELP``)
+#: than Flower's own help text (``EXIT_CODE_HELP``: :mod:`dpfl.flower_internals`)
 CAUSES = {
     305: "Flower exit code 305: it could not connect to the SuperLink",
     302: "Flower exit code 302: its --auth-supernode-private-key file is not an EC private key",
@@ -117,7 +117,7 @@ def log_cause(text: str) -> tuple[str, str]:
 
 def _flower_help(code: int) -> str:
     try:
-        from flwr.supercore.exit.exit_code import EXIT_CODE_HELP
+        from dpfl.flower_internals import EXIT_CODE_HELP
     except ImportError:  # another Flower: the code alone
         return "see Flower's exit codes"
     return EXIT_CODE_HELP.get(code, "see Flower's exit codes")

@@ -206,7 +206,8 @@ class SecureTrainReply:
 
     def encode(self) -> RecordDict:
         from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
-        from flwr.compat.common.recorddict_compat import fitres_to_recorddict
+
+        from dpfl.flower_internals import fitres_to_recorddict
 
         content = fitres_to_recorddict(FitRes(Status(Code.OK, ""), ndarrays_to_parameters(
             self.sums), num_examples=1, metrics={}), keep_input=True)

@@ -28,7 +28,7 @@ from tests.test_docs import (VENV, needs_the_checkouts_venv, ports_free, recipes
 #: seconds a recipe with a mistake may take to fail (its waits give up after 60 s each)
 BOUND = 120
 
-# what Flower 1.41's programs write to their logs (colours removed) when each mistake is made
+# what Flower 1.42's programs write to their logs (colours removed) when each mistake is made
 NOT_REGISTERED = """INFO :      Starting Flower SuperNode
 INFO:     Uvicorn running on http://127.0.0.1:9096 (Press CTRL+C to quit)
 ERROR :     Exit Code: 305
@@ -116,7 +116,7 @@ def test_an_answer_the_superlinks_log_does_not_show_is_not_its_answer(tmp_path):
         wait_for("superlink", "loopback", [alive], timeout=1, interval=0.1,
                  poll=lambda *_: {"success": True, "nodes": []})
 
-    def seen(*_) -> dict:  # the SuperLink's own log shows the request (Flower 1.41's words)
+    def seen(*_) -> dict:  # the SuperLink's own log shows the request (Flower 1.42's words)
         log.write_text(log.read_text() + "INFO :      ControlServicer.ListNodes\n")
         return {"success": True, "nodes": []}
 

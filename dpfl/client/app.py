@@ -17,8 +17,6 @@ from flwr.app import ConfigRecord, Context, Message
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
-from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 
 from dpfl.checkpoint import Lineage
 from dpfl.client.cache import node_problem
@@ -26,6 +24,7 @@ from dpfl.client.numpy_client import AlgorithmClient, node_clients
 from dpfl.client.policy import NodeConfigError, NodePolicy
 from dpfl.client.state_files import StateFiles, state_folder
 from dpfl.errors import ConfigError
+from dpfl.flower_internals import RECORD_KEY_CONFIGS, SecAggKey, Stage
 from dpfl.flower_secagg import install_mask_expansion
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused

@@ -30,7 +30,7 @@ PROGRAMS = ("flower-supernode", "flower-superexec")
 def check_node(text: str) -> list[str]:
     """The lines of a node's check, one per thing checked; raises :class:`UsageError` or
     :class:`~dpfl.client.policy.NodeConfigError` (one line) on the first that fails."""
-    from flwr.common.config import parse_config_args
+    from dpfl.flower_internals import parse_config_args
 
     lines = []
     here = Path(sys.executable).parent

@@ -23,9 +23,9 @@ from contextlib import contextmanager
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
-from flwr.supercore.exit import add_exit_handler
 
 from dpfl.errors import ConfigError
+from dpfl.flower_internals import add_exit_handler
 from dpfl.interrupt import wake_main_thread_when_parent_exits
 from dpfl.problem import cached_problem
 from dpfl.results import CLOSE_WAIT

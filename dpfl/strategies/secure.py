@@ -39,13 +39,17 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import FitIns, Parameters, parameters_to_ndarrays
 from flwr.server import LegacyContext
-from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.strategy import Strategy as LegacyStrategy
 from flwr.server.workflow import SecAggPlusWorkflow
-from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
-from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
 from flwr.serverapp import Grid
 
+from dpfl.flower_internals import (
+    MAIN_CONFIGS_RECORD,
+    MAIN_PARAMS_RECORD,
+    GridClientProxy,
+    WorkflowKey,
+    WorkflowState,
+)
 from dpfl.flower_secagg import install_mask_expansion
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused, Replies
@@ -184,7 +188,7 @@ def _secure_exchange(problem: Problem, grid: Grid,
         context = LegacyContext(Context(run_id=0, node_id=0, node_config={},
                                         state=RecordDict(), run_config={}), strategy=shim)
         context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
-            {Key.CURRENT_ROUND: server_round})
+            {WorkflowKey.CURRENT_ROUND: server_round})
         context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
         state = WorkflowState()
         ready = flow.setup_stage(relay, context, state) and flow.share_keys_stage(
