@@ -11,6 +11,7 @@ also logs).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 
 import torch
 from flwr.app import ConfigRecord, Context, Message
@@ -23,6 +24,7 @@ from dpfl.client.cache import node_problem
 from dpfl.client.numpy_client import AlgorithmClient, node_clients
 from dpfl.client.policy import NodeConfigError, NodePolicy
 from dpfl.client.state_files import StateFiles, state_folder
+from dpfl.config import Value
 from dpfl.errors import ConfigError
 from dpfl.flower_internals import RECORD_KEY_CONFIGS, SecAggKey, Stage
 from dpfl.flower_secagg import install_mask_expansion
@@ -169,3 +171,23 @@ def reply(msg: Message, context: Context, problem: Problem) -> Message:
     return Message(TrainReply(
         {c: {k: answer.uploads[k][i] for k in spec.uploads} for i, c in enumerate(clients)},
         answer.charged, answer.noise, answer.diagnostics).encode(), reply_to=msg)
+
+
+def client_app(run_config: Callable[[Context], Mapping[str, Value]]) -> ClientApp:
+    """A ClientApp that answers as :data:`app` does, for the run ``run_config(context)`` gives,
+    whatever run config Flower gives the app: a user's own app, whose run config holds its own
+    keys (:class:`dpfl.PrivateFederation`). Each handler sees the node's context (its node
+    config, state and run) with that run config."""
+    own = ClientApp()
+
+    def ours(context: Context) -> Context:
+        return Context(run_id=context.run_id, node_id=context.node_id,
+                       node_config=context.node_config, state=context.state,
+                       run_config=dict(run_config(context)))
+
+    def stages(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        return secure_stages(msg, ours(context), call_next)
+
+    own.query("clients")(lambda msg, context: hosted(msg, ours(context)))
+    own.train(mods=[stages])(train)  # the mod hands the handler its context
+    return own

@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 
-import dpfl
 from dpfl.atomic import write_atomically
 from dpfl.config import parse_options
 from dpfl.datasets import arrays
@@ -48,6 +47,7 @@ from dpfl.errors import ConfigError
 from dpfl.problem import DATA_KEYS, Problem, cached_problem, data_dir
 from dpfl.reference import is_reference
 from dpfl.runconfig import RunConfig
+from dpfl.version import __version__
 
 log = logging.getLogger("dpfl")
 
@@ -139,11 +139,11 @@ def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
         source = str(Path(site).resolve())
         stat = Path(source).stat() if Path(source).is_file() else None
         key = _digest("site", source, stat and (stat.st_size, stat.st_mtime_ns),
-                      config["dataset"], config["num-partitions"], clients, dpfl.__version__)
+                      config["dataset"], config["num-partitions"], clients, __version__)
     else:
         source = data_dir(config)
         key = _digest({k: config[k] for k in DATA_KEYS}, clients, source, _fingerprint(source),
-                      _named_file(config, source), _referenced_code(config), dpfl.__version__,
+                      _named_file(config, source), _referenced_code(config), __version__,
                       NODE_DATA_LAYOUT)
     path = folder / f"data-{key}.pt"
     try:
@@ -181,7 +181,7 @@ def node_problem(items: tuple[tuple[str, object], ...], clients: tuple[int, ...]
     problem = Problem.from_node_data(config, data)
     problem.source = source
     key = _digest({k: v for k, v in items if k not in OUTPUT_KEYS}, clients, site,
-                  dpfl.__version__)
+                  __version__)
     path = folder / f"releases-{key}.json"
     try:
         problem.restore_calibrations(json.loads(path.read_text()))

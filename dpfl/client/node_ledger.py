@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-import dpfl
 from dpfl.atomic import write_atomically
 from dpfl.privacy import PrivacyLedger, Relation, Release
+from dpfl.version import __version__
 
 log = logging.getLogger("dpfl")
 
@@ -91,7 +91,7 @@ def input_digest(*, context: str, client: int, chain: str, server_round: int, ex
     from its data on), the exchange, the broadcast, the releases' calibration, dpfl's version,
     the device and torch's thread count. Equal digests give equal replies bit for bit."""
     return _sha(context, client, chain, server_round, exchange, broadcast,
-                [r.event for r in releases], dpfl.__version__, device, torch.get_num_threads())
+                [r.event for r in releases], __version__, device, torch.get_num_threads())
 
 
 @dataclass

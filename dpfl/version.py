@@ -1,0 +1,3 @@
+"""dpfl's version, as ``pyproject.toml`` states it."""
+
+__version__ = "0.1.0"

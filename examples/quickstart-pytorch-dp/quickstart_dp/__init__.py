@@ -1,0 +1,1 @@
+"""quickstart-dp: Flower's quickstart-pytorch, differentially private with dpfl."""
