@@ -73,6 +73,30 @@ def test_flwr_run_of_the_example_is_private_and_equals_the_engine(tmp_path, exam
     assert all(torch.equal(engine[k], flower[k]) for k in flower)
 
 
+@pytest.mark.flower
+def test_the_example_over_real_supernodes_draws_secret_noise(tmp_path):
+    """The same apps over a SuperLink and three SuperNodes of their default policy: the run
+    completes, every node drew secret noise, and the ε holds against the server."""
+    from dpfl.federation import LocalFederation
+
+    with LocalFederation(tmp_path) as federation:
+        federation.env["DPFL_CACHE_DIR"] = str(tmp_path / "cache")
+        federation.env["DPFL_STATE_DIR"] = str(tmp_path / "state")
+        env = federation.start(["0", "1", "2"])
+        done = subprocess.run(
+            [str(BIN / "flwr"), "run", str(EXAMPLE), "local-deployment", "--stream",
+             "--run-config", format_overrides({**SMALL, "num-clients": 3})],
+            env=env, cwd=tmp_path, text=True, capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (summary_file,) = tmp_path.rglob("summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert summary["rounds_completed"] == 2
+    assert summary["privacy"]["guarantee_against_server"] is True
+    assert summary["privacy"]["noise"] == {"secure": 3}
+    (final,) = tmp_path.rglob("final_model.pt")
+    assert torch.load(final).keys() == torch.load(summary_file.parent / "model.pt").keys()
+
+
 def test_hyperparameters_as_the_algorithms_dataclass_give_the_same_run(example):
     given = example.federation(_run_config(**SMALL))
     typed = given.run_config.hyperparameters
