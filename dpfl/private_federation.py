@@ -119,6 +119,15 @@ class PrivateFederation:
         the seed starts elsewhere each time)."""
         return ArrayRecord(self.problem.model.flat.template.state_dict())
 
+    def run(self, *, echo: bool = True) -> dict[str, Any]:
+        """The same run on dpfl's in-process engine, on this machine, without Flower: the
+        model Flower's runtimes give, bit for bit, from :meth:`initial_arrays`; returns the
+        run's summary (``summary.json``). With ``num_clients=1`` it is centralized DP
+        training of one dataset."""
+        from dpfl.engine import run
+
+        return run(self.run_config, echo=echo)
+
     def strategy(self) -> PrivateStrategy:
         """The server side, a Flower ``Strategy`` to ``start`` in a ServerApp."""
         return PrivateStrategy(self.problem)

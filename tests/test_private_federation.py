@@ -5,6 +5,7 @@ dpfl's engine on the same run bit for bit; bad settings stop in one line naming 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,10 +17,8 @@ import torch
 import dpfl
 from dpfl.algorithms import ALGORITHMS
 from dpfl.config import format_overrides
-from dpfl.engine import run
 from dpfl.errors import ConfigError
 from dpfl.launch import BIN, final_status, simulation_env, started_processes, stop
-from dpfl.runconfig import RunConfig
 from tests.conftest import ROOT
 
 EXAMPLE = ROOT / "examples" / "quickstart-pytorch-dp"
@@ -67,8 +66,11 @@ def test_flwr_run_of_the_example_is_private_and_equals_the_engine(tmp_path, exam
     net = example.Net()
     net.load_state_dict(final)  # the user's model, trained
     # the same federation on dpfl's engine: the same model, bit for bit
-    values = example.federation(_run_config(**SMALL)).values
-    run(RunConfig({**values, "results-dir": str(tmp_path), "run-name": "engine"}), echo=False)
+    private = example.federation(_run_config(**SMALL))
+    engine_run = dpfl.PrivateFederation(
+        **{**{f.name: getattr(private, f.name) for f in dataclasses.fields(private)},
+           "options": {**private.options, "results-dir": str(tmp_path), "run-name": "engine"}})
+    assert engine_run.run(echo=False)["rounds_completed"] == 2
     engine = torch.load(tmp_path / "engine" / "model.pt")
     assert all(torch.equal(engine[k], flower[k]) for k in flower)
 
