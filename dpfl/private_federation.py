@@ -161,21 +161,30 @@ class PrivateStrategy(AlgorithmStrategy):
               ) -> Result:
         """Run the federation from ``initial_arrays`` (the model's ``state_dict``; its
         trainable parameters are trained, the rest kept). Evaluation is the server's, on the
-        test set of the federation's data each round (``Result.evaluate_metrics_serverapp``);
-        ``evaluate_fn`` and the configs are not used. The results folder is closed, with
-        ``stopped_early``, when Flower stops the ServerApp."""
+        test set of the federation's data (every ``eval-every`` rounds); ``evaluate_fn``, as
+        Flower's strategies call it, is called then too with the model's ``state_dict``, and
+        its metrics join the server's in ``Result.evaluate_metrics_serverapp``. The train and
+        evaluate configs are not used. The results folder is closed, with ``stopped_early``,
+        when Flower stops the ServerApp."""
         from dpfl.server.app import results_closed_first
 
         module = copy.deepcopy(self.problem.model.flat.template)
         module.load_state_dict(initial_arrays.to_torch_state_dict())
         trainable = [p for p in module.parameters() if p.requires_grad]
         x0 = torch.cat([p.detach().reshape(-1) for p in trainable]).to(torch.float32)
+
+        def arrays(record: ArrayRecord) -> ArrayRecord:
+            """The model's ``state_dict`` at the flat point ``record`` holds."""
+            with torch.no_grad():
+                for p, v in zip(trainable, from_record(record)["x"].split(
+                        [p.numel() for p in trainable]), strict=True):
+                    p.copy_(v.view_as(p))
+            return ArrayRecord(module.state_dict())
+
+        own = None if evaluate_fn is None else (
+            lambda server_round, record: evaluate_fn(server_round, arrays(record)))
         with results_closed_first(self):
-            result = super().start(grid, to_record({"x": x0}), num_rounds, timeout)
-        trained = from_record(result.arrays)["x"]
-        with torch.no_grad():
-            for p, v in zip(trainable, trained.split([p.numel() for p in trainable]),
-                            strict=True):
-                p.copy_(v.view_as(p))
-        result.arrays = ArrayRecord(module.state_dict())
+            result = super().start(grid, to_record({"x": x0}), num_rounds, timeout,
+                                   evaluate_fn=own)
+        result.arrays = arrays(result.arrays)
         return result

@@ -65,6 +65,11 @@ def test_flwr_run_of_the_example_is_private_and_equals_the_engine(tmp_path, exam
     assert final.keys() == flower.keys() and all(torch.equal(final[k], flower[k]) for k in final)
     net = example.Net()
     net.load_state_dict(final)  # the user's model, trained
+    # the ServerApp's own evaluate_fn saw the model of each round: its accuracy is dpfl's
+    for line in (folder / "rounds.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert record["evaluate_fn"]["accuracy"] == pytest.approx(record["test_accuracy"],
+                                                                  abs=1e-6)
     # the same federation on dpfl's engine: the same model, bit for bit
     private = example.federation(_run_config(**SMALL))
     engine_run = dpfl.PrivateFederation(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,9 @@ class RoundLoop:
     ``resume=true`` is checked against its checkpoint here, before anything starts."""
 
     def __init__(self, problem: Problem, runtime: str, *, echo: bool = True, plot: bool = True,
-                 x0: torch.Tensor | None = None) -> None:
+                 x0: torch.Tensor | None = None,
+                 evaluate_fn: Callable[[int, torch.Tensor], Mapping[str, float] | None]
+                 | None = None) -> None:
         check_runtime(problem.config, runtime)
         self.problem = problem
         self.config = cfg = problem.config
@@ -143,6 +145,7 @@ class RoundLoop:
         self.checkpointer.check_releases(releases_of(problem))
         self.monitor = RunMonitor(problem, echo)
         self.evaluate = Evaluator(problem)
+        self.evaluate_fn = evaluate_fn  # the caller's own, on the global model: its record key
         self.report = ReportWriter(problem, runtime, self.checkpointer.path, echo, plot)
         self.echo = echo
         self.stop_reason = ""
@@ -304,6 +307,9 @@ class RoundLoop:
         if server_round % int(self.config["eval-every"]) == 0 or server_round == rounds:
             self.report.last_eval = self.evaluate(self.algorithm.global_params(self.state))
             record.update(self.report.last_eval)
+            if self.evaluate_fn is not None and (own := self.evaluate_fn(
+                    server_round, self.algorithm.global_params(self.state))):
+                record["evaluate_fn"] = {k: float(v) for k, v in own.items()}
         epsilon = self.accounting.report()
         record.update({
             "epsilon": epsilon,

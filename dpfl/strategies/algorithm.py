@@ -332,17 +332,21 @@ class AlgorithmStrategy(Strategy):
               ) -> Result:
         """Discover the nodes, then run the round loop over them from ``initial_arrays``
         (``x``). ``num_rounds`` must be the run config's ``num-server-rounds``; ``timeout``
-        (seconds an exchange waits for replies) is its ``round-timeout`` unless given;
-        evaluation is the loop's (central), so ``evaluate_fn`` and the configs are not
-        used."""
+        (seconds an exchange waits for replies) is its ``round-timeout`` unless given.
+        Evaluation is the loop's (central, every ``eval-every`` rounds); ``evaluate_fn`` is
+        called then too, with the global model (``x``), and its metrics join the loop's in
+        ``Result.evaluate_metrics_serverapp`` and the round's record (``evaluate_fn``). The
+        train and evaluate configs are not used."""
         if num_rounds != int(self.problem.config["num-server-rounds"]):
             raise FederationError(f"num_rounds={num_rounds} but num-server-rounds="
                                   f"{self.problem.config['num-server-rounds']}")
         if timeout is not None:
             self.round_timeout = timeout
         self.summary()
+        own = None if evaluate_fn is None else (
+            lambda server_round, x: evaluate_fn(server_round, to_record({"x": x})))
         loop = RoundLoop(self.problem, "flower", echo=self.echo,
-                         x0=from_record(initial_arrays)["x"])
+                         x0=from_record(initial_arrays)["x"], evaluate_fn=own)
         self.discover(grid, loop.checkpointer.lineage)
         drive(loop, FlowerTransport(self, grid))
         if loop.stop_reason.startswith("min-clients"):
@@ -353,7 +357,8 @@ class AlgorithmStrategy(Strategy):
         for record in loop.records:
             if "test_loss" in record:
                 result.evaluate_metrics_serverapp[record["round"]] = MetricRecord(
-                    {k: record[k] for k in SET_METRICS if record.get(k) is not None})
+                    {**{k: record[k] for k in SET_METRICS if record.get(k) is not None},
+                     **record.get("evaluate_fn", {})})
         return result
 
 

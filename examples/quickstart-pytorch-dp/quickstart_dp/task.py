@@ -6,6 +6,7 @@ import gzip
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -53,6 +54,16 @@ def load_mnist(data_dir: Path, seed: int, max_train_records: int = 0):
     test_x, test_y = images("t10k-images-idx3-ubyte.gz"), _idx(
         data_dir / "mnist" / "t10k-labels-idx1-ubyte.gz").astype(np.int64)
     return train_x, train_y, test_x, test_y
+
+
+def test(net: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """The mean cross-entropy loss and the accuracy of ``net`` on ``(x, y)``."""
+    net.eval()
+    with torch.no_grad():
+        logits = net(torch.from_numpy(x))
+        labels = torch.from_numpy(y)
+        return (F.cross_entropy(logits, labels).item(),
+                (logits.argmax(1) == labels).float().mean().item())
 
 
 def federation(run_config) -> PrivateFederation:
