@@ -114,6 +114,9 @@ def without(ctx: ServerContext, gone: dict[int, str], where: str, min_clients: i
     return dataclasses.replace(ctx, participants=remaining)
 
 
+#: a caller's own evaluation of the global model: (round, x) → its metrics, or None
+Evaluation = Callable[[int, torch.Tensor], Mapping[str, float] | None]
+
 class RoundLoop:
     """One problem's run to the end (or to ``max-epsilon``), as a generator (:meth:`run`).
 
@@ -123,9 +126,7 @@ class RoundLoop:
     ``resume=true`` is checked against its checkpoint here, before anything starts."""
 
     def __init__(self, problem: Problem, runtime: str, *, echo: bool = True, plot: bool = True,
-                 x0: torch.Tensor | None = None,
-                 evaluate_fn: Callable[[int, torch.Tensor], Mapping[str, float] | None]
-                 | None = None) -> None:
+                 x0: torch.Tensor | None = None, evaluate_fn: Evaluation | None = None) -> None:
         check_runtime(problem.config, runtime)
         self.problem = problem
         self.config = cfg = problem.config
@@ -305,10 +306,10 @@ class RoundLoop:
         rounds = int(self.config["num-server-rounds"])
         record: dict[str, Any] = {"round": server_round, **means(diagnostics)}
         if server_round % int(self.config["eval-every"]) == 0 or server_round == rounds:
-            self.report.last_eval = self.evaluate(self.algorithm.global_params(self.state))
-            record.update(self.report.last_eval)
-            if self.evaluate_fn is not None and (own := self.evaluate_fn(
-                    server_round, self.algorithm.global_params(self.state))):
+            x = self.algorithm.global_params(self.state)
+            record.update(last_eval := self.evaluate(x))
+            self.report.last_eval = last_eval
+            if self.evaluate_fn and (own := self.evaluate_fn(server_round, x)):
                 record["evaluate_fn"] = {k: float(v) for k, v in own.items()}
         epsilon = self.accounting.report()
         record.update({
