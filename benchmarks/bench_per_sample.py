@@ -27,6 +27,31 @@ tapes from one pass, where the first group of its layout was checked to give the
 against off (a tape per client), interleaved: µs a client each, their ratio, and whether the
 results were bit for bit equal and which layouts were taken jointly.
 
+Sequence models (:data:`SEQUENCES`): token ids of 80 characters (vocabulary 65) into
+
+- ``char-rnn-lstm``: examples/shakespeare's ``char_rnn`` (Embedding 8 → LSTM 64 → the last
+  step's output → Linear to the next character's 65 logits), batch 16 (the example's) and 64;
+  dpfl serves the LSTM by its recurrent rule (``dpfl.models.grad_samplers.recurrent``);
+- ``transformer-encoder``: Embedding 64 → ``nn.TransformerEncoder`` of 2 batch-first
+  ``nn.TransformerEncoderLayer`` (d_model 64, 4 heads, feed-forward 128, dropout 0) → mean
+  over the positions → Linear to 10 classes; dpfl serves its ``MultiheadAttention`` by the
+  generic rule, its Linear and LayerNorm layers by their own rules.
+
+Opacus cannot take ``nn.LSTM`` or ``nn.MultiheadAttention``: its candidates (only theirs) get
+the model through ``opacus.validators.ModuleValidator.fix``, which swaps in ``DPLSTM`` and
+``DPMultiheadAttention`` with the same weights. The clipped means are compared as for the
+other models where the swapped model is the same function (checked on the outputs first; if
+not, the row says "not comparable"), Opacus' gradients mapped onto the original parameters by
+name (``in_proj_weight`` is ``DPMultiheadAttention``'s q, k, v weights stacked). ``DPLSTM``
+is ``LSTM``'s function. Opacus 1.6's ``DPMultiheadAttention`` with ``batch_first=True`` is not,
+from 2 heads on: it reassembles the heads with a ``view`` where a transpose is due, mixing
+heads and positions within each sample. So the transformer's clipped means are compared on a
+1-head variant (the same models otherwise); its timings keep 4 heads (Opacus' work is the
+same). The plain step and dpfl run the model as written. A mode Opacus refuses for a model
+gets a row saying so ("not supported by Opacus X.Y: …", no figure). Each sequence model
+also gets the row ``dpfl ÷ Opacus' faster``: dpfl's clipped step over the faster of Opacus'
+two, per repeat (target < 1: ahead of Opacus). They take about 20 s of the full run.
+
 On the CPU by default; ``--device cuda`` runs every candidate on the GPU (each timed call
 waits for the GPU's kernels).
 
@@ -35,14 +60,19 @@ waits for the GPU's kernels).
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import opacus
 import torch
 import torch.nn.functional as F
 from opacus import PrivacyEngine
+from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -68,6 +98,75 @@ REPEATS = {("mlp", 1): (200, 30), ("mlp", 10): (60, 10), ("clip21-cnn", 1): (100
            ("clip21-cnn", 10): (25, 5), ("resnet20", 1): (10, 3)}
 OPACUS = {"Opacus GradSampleModule": "hooks", "Opacus ghost clipping": "ghost"}
 JOINT = ((256, 16), (64, 32), (10, 64))  # (clients, batch) of the joint-tape rows
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _example(folder: str, name: str) -> object:
+    """The module ``examples/<folder>/<name>.py``, imported under a name of its own (each
+    example has its own ``model.py``), and kept in ``sys.modules`` (Opacus deep-copies the
+    model, which must find its class)."""
+    key = f"example_{folder}_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "examples" / folder
+                                                      / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+def _char_rnn() -> nn.Module:
+    return _example("shakespeare", "model").char_rnn(65)
+
+
+class Encoder(nn.Module):
+    """Token ids → Embedding → 2 batch-first transformer encoder layers (no dropout) → the mean
+    over the positions → Linear."""
+
+    def __init__(self, vocabulary: int = 65, classes: int = 10, width: int = 64,
+                 heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, width)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(width, heads, dim_feedforward=2 * width, dropout=0.0,
+                                       batch_first=True), layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)).mean(dim=1))
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """A model over token ids ``[b, length]`` (< ``vocabulary``) with ``classes`` logits, built
+    by ``build`` (weights from the global seed), timed at each batch of ``repeats``
+    (batch → (repeats, quick repeats)), its clipped means compared at the first; ``fix``:
+    Opacus gets it through ``ModuleValidator.fix`` (module docstring); ``compared``: the
+    variant the clipped means are compared on, where Opacus' swapped model computes another
+    function than ``build``'s (said in the row: ``note``)."""
+
+    build: Callable[[], nn.Module]
+    vocabulary: int
+    classes: int
+    length: int
+    repeats: dict[int, tuple[int, int]]
+    fix: bool = True
+    compared: Callable[[], nn.Module] | None = None
+    note: str = ""
+
+
+# these rows take about 20 s on 2 busy cores (Opacus' DPLSTM is most of it); a third model
+# goes here as one more entry, e.g. examples/sms_spam_lora's MiniLM with LoRA adapters
+# (``build``: its builder through ``_example("sms_spam_lora", "model")``, its vocabulary,
+# classes and length; the frozen base stays out of every candidate's clipping)
+SEQUENCES: dict[str, Sequences] = {
+    "char-rnn-lstm": Sequences(_char_rnn, 65, 65, 80, {16: (30, 5), 64: (10, 3)}),
+    # Opacus 1.6's DPMultiheadAttention with batch_first=True puts the heads back with a view
+    # where a transpose is due (positions and heads mixed within each sample, from 2 heads on):
+    # another function, timed all the same (the same work), compared on one head
+    "transformer-encoder": Sequences(Encoder, 65, 10, 80, {16: (20, 4), 64: (6, 2)},
+                                     compared=lambda: Encoder(heads=1), note="1 head"),
+}
 
 Step = Callable[[], None]
 
@@ -75,22 +174,37 @@ Step = Callable[[], None]
 DEVICE = torch.device("cpu")  # --device
 
 
-def _data(name: str, n_clients: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(name: str, n_clients: int, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
+    if name in SEQUENCES:
+        spec = SEQUENCES[name]
+        return (torch.randint(0, spec.vocabulary, (n_clients, batch, spec.length),
+                              generator=gen).to(DEVICE),
+                torch.randint(0, spec.classes, (n_clients, batch), generator=gen).to(DEVICE))
     shape = MODELS[name][0]
-    return (torch.randn(n_clients, BATCH, *shape, generator=gen).to(DEVICE),
-            torch.randint(0, 10, (n_clients, BATCH), generator=gen).to(DEVICE))
+    return (torch.randn(n_clients, batch, *shape, generator=gen).to(DEVICE),
+            torch.randint(0, 10, (n_clients, batch), generator=gen).to(DEVICE))
 
 
-def _module(name: str) -> nn.Module:
+def _module(name: str, compared: bool = False) -> nn.Module:
+    """The model ``name``; ``compared``: the one its clipped means are compared on."""
+    if name in SEQUENCES:
+        spec = SEQUENCES[name]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return (spec.compared if compared and spec.compared else spec.build)().to(DEVICE)
     return build_model(name, input_shape=MODELS[name][0], num_classes=10, seed=0).to(DEVICE)
 
 
-def _opacus(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, clip: float = CLIP
-            ) -> tuple[nn.Module, torch.optim.Optimizer, Callable]:
-    """Opacus' private (module, optimizer, criterion) for batches of ``BATCH``, noise 0."""
-    module = _module(name)
-    loader = DataLoader(TensorDataset(x[0], y[0]), batch_size=BATCH)  # expected batch = BATCH
+def _opacus(name: str, mode: str, x: torch.Tensor, y: torch.Tensor, clip: float = CLIP,
+            compared: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, Callable]:
+    """Opacus' private (module, optimizer, criterion) for batches of ``x``'s, noise 0 (a
+    sequence model through ``ModuleValidator.fix``; ``compared``: :func:`_module`)."""
+    module = _module(name, compared)
+    if name in SEQUENCES and SEQUENCES[name].fix:
+        module = ModuleValidator.fix(module).to(DEVICE)
+    batch = x.shape[1]
+    loader = DataLoader(TensorDataset(x[0], y[0]), batch_size=batch)  # expected batch
     made = PrivacyEngine(accountant="rdp").make_private(
         module=module, optimizer=torch.optim.SGD(module.parameters(), lr=LR),
         data_loader=loader, noise_multiplier=0.0, max_grad_norm=clip, poisson_sampling=False,
@@ -147,36 +261,86 @@ def agreement(name: str, mode: str) -> tuple[float, int]:
         return _agreement(name, mode)
 
 
+class NotComparable(Exception):
+    """Opacus' model (``ModuleValidator.fix``'s) is not the same function as the original."""
+
+
 def _agreement(name: str, mode: str) -> tuple[float, int]:
-    x, y = _data(name, 1)
-    flat_model = FlatModel(_module(name), "cross-entropy")
+    x, y = _data(name, 1, min(SEQUENCES[name].repeats) if name in SEQUENCES else BATCH)
+    module = _module(name, compared=True)
+    flat_model = FlatModel(module, "cross-entropy")
     flat = flat_model.initial_params().to(DEVICE)
     clip = flat_model.clipped_mean(flat, x, y, CLIP)[1].median().item()
     means, norms = flat_model.clipped_mean(flat, x, y, clip)
     ours = means[0]
-    model, optimizer, criterion = _opacus(name, mode, x, y, clip)
+    model, optimizer, criterion = _opacus(name, mode, x, y, clip, compared=True)
+    if name in SEQUENCES:  # the swapped layers must compute the same function
+        with torch.no_grad():
+            mine, swapped = module(x[0]), model(x[0])
+        gap = ((swapped - mine).abs().max() / mine.abs().max()).item()
+        if gap > AGREEMENT:
+            raise NotComparable(f"Opacus {opacus.__version__}'s swapped model computes another "
+                                f"function (outputs differ by {gap:.2g} of the largest)")
     optimizer.zero_grad()
     criterion(model(x[0]), y[0]).backward()
     optimizer.pre_step()  # clip, accumulate, noise (0), scale by 1/BATCH: p.grad is the mean
-    theirs = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    theirs = torch.cat([g.reshape(-1) for g in _gradients(model, names)])
     return ((theirs - ours).abs().max() / ours.abs().max()).item(), int((norms > clip).sum())
 
 
-def measure(name: str, n_clients: int, repeats: int) -> list[Row]:
-    x, y = _data(name, n_clients)
+def _gradients(model: nn.Module, names: list[str]) -> list[torch.Tensor]:
+    """Opacus' gradients of the original module's parameters ``names``, by name: the same
+    names where ``ModuleValidator.fix`` kept them (``DPLSTM``'s, in another order), and a
+    ``MultiheadAttention``'s ``in_proj_weight`` (``in_proj_bias``) as ``DPMultiheadAttention``'s
+    q, k and v weights (biases) stacked."""
+    inner = getattr(model, "_module", model)
+    grads = {name: p.grad for name, p in inner.named_parameters() if p.requires_grad}
+    out = []
+    for name in names:
+        prefix, _, attr = name.rpartition(".")
+        if name not in grads and attr in ("in_proj_weight", "in_proj_bias"):
+            kind = attr.removeprefix("in_proj_")
+            out.append(torch.cat([grads[f"{prefix}.{q}linear.{kind}"] for q in "qkv"]))
+        else:
+            out.append(grads[name])
+    return out
+
+
+def measure(name: str, n_clients: int, repeats: int, batch: int = BATCH) -> list[Row]:
+    x, y = _data(name, n_clients, batch)
     steps = {"plain": _plain_step(name, x, y), "dpfl": _dpfl_step(name, x, y)}
-    steps |= {label: _opacus_step(name, mode, x, y) for label, mode in OPACUS.items()}
+    refused = {}
+    for label, mode in OPACUS.items():
+        try:
+            steps[label] = _opacus_step(name, mode, x, y)
+            steps[label]()  # a mode Opacus cannot run fails here, not in the timing
+        except Exception as exc:  # noqa: BLE001 - whatever Opacus raises, said in the row
+            steps.pop(label, None)
+            refused[label] = (f"not supported by Opacus {opacus.__version__}: "
+                              f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+            print(f"{name}: {label} {refused[label]}", file=sys.stderr)
     times = interleaved(steps, repeats, warmup=max(1, repeats // 10))
-    workload = f"{name}, batch {BATCH}, {n_clients} client{'s' if n_clients > 1 else ''}"
-    target = MODELS[name][2]
+    workload = f"{name}, batch {batch}, {n_clients} client{'s' if n_clients > 1 else ''}"
+    target = MODELS[name][2] if name in MODELS else None
     rows = [Row.of(SECTION, "plain step (mean-loss backward + SGD)", workload, "",
                    [1e3 * t for t in times["plain"]], "ms")]
-    for label in list(steps)[1:]:
+    for label in ["dpfl", *OPACUS]:
+        if label in refused:  # no figure: the reason instead
+            rows.append(Row.of(SECTION, f"{label} clipped step ÷ plain step",
+                               f"{workload}: {refused[label]}", "", [math.nan], ""))
+            continue
         rows.append(Row.of(
             SECTION, f"{label} clipped step ÷ plain step", workload, "",
             ratios(times[label], times["plain"]), "×",
             **({"target": f"≤ {target}×", "limit": target}
                if label == "dpfl" and target is not None else {})))
+    theirs = [times[label] for label in OPACUS if label in times]
+    if name in SEQUENCES and theirs:
+        fastest = [min(repeat) for repeat in zip(*theirs)]
+        rows.append(Row.of(SECTION, "dpfl clipped step ÷ Opacus' faster clipped step",
+                           workload, "", ratios(times["dpfl"], fastest), "×",
+                           target="< 1× (ahead of Opacus)", limit=1.0))
     return rows
 
 
@@ -223,6 +387,8 @@ def main() -> None:
     # Opacus' full backward hooks warn that the inputs need no gradient; they need none here
     warnings.filterwarnings("ignore", "Full backward hook is firing")
     warnings.filterwarnings("ignore", "Secure RNG turned off")
+    # the generic rule's vmap runs CPU attention sample by sample (docs/per-sample.md)
+    warnings.filterwarnings("ignore", "There is a performance drop")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {BATCH}, "
           f"{DEVICE}",
           file=sys.stderr)
@@ -240,6 +406,29 @@ def main() -> None:
             repeats = REPEATS[name, n_clients][args.quick]
             rows += measure(name, n_clients, repeats)
             print(f"{name} × {n_clients} done", file=sys.stderr, flush=True)
+    for name, spec in SEQUENCES.items():
+        for label, mode in OPACUS.items():
+            measure_ = f"{label} vs dpfl clipped mean: largest difference ÷ largest entry"
+            workload = f"{name}{f' ({spec.note})' if spec.note else ''}, " \
+                f"batch {min(spec.repeats)}"
+            try:
+                gap, clipped = agreement(name, mode)
+            except NotComparable as exc:
+                print(f"{name}: {label}: {exc}", file=sys.stderr)
+                rows.append(Row.of(SECTION, measure_, f"{workload}: not comparable: {exc}", "",
+                                   [math.nan], ""))
+                continue
+            except Exception as exc:  # noqa: BLE001 - measure() says so in its rows
+                print(f"{name}: {label}: no agreement check ({type(exc).__name__}: {exc})",
+                      file=sys.stderr)
+                continue
+            if gap > AGREEMENT:
+                print(f"{name}: {label} and dpfl disagree: {gap:.2e}", file=sys.stderr)
+            rows.append(Row.of(SECTION, measure_, f"{workload} ({clipped} clipped)", "", [gap],
+                               "", target=f"≤ {AGREEMENT:g}", limit=AGREEMENT))
+        for batch, repeats in spec.repeats.items():
+            rows += measure(name, 1, repeats[args.quick], batch)
+            print(f"{name} batch {batch} done", file=sys.stderr, flush=True)
     for own in (False, True):
         for clients, batch in JOINT:
             rows += joint(clients, batch, 3 if args.quick else 11, own)

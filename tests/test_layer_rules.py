@@ -9,13 +9,17 @@ clipped, some not).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpfl.errors import ConfigError
 from dpfl.models import FlatModel, grad_sample
-from dpfl.models.grad_samplers import FALLBACK, RULES
+from dpfl.models.grad_samplers import FALLBACK, RULES, recurrent, rule_for
+from dpfl.models.grad_samplers.fallback import per_sample_looped
 
 RTOL = 1e-10
 
@@ -79,6 +83,70 @@ class CharLSTM(nn.Module):
         h = self.embed(x) if self.batch_first else self.embed(x).transpose(0, 1)
         out, state = self.rnn(h)
         return self.head(out[:, -1] if self.batch_first else state[-1])
+
+
+class Recurrent(nn.Module):
+    """Token ids → Embedding(padding_idx=0) → ``rnn`` (either layout, as it is built) → the
+    last position's output, every layer's and direction's final state h_n summed (and the
+    LSTM's c_n) → Linear head: every output of the layer gets a gradient. ``state``: an initial
+    state (h_0, and c_0 = −h_0 for an LSTM) that depends on the sample (its first token), else
+    none; ``packed``: the padded batch packed by its lengths (no padding before the end)."""
+
+    def __init__(self, rnn: nn.RNNBase, state: bool = False, packed: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, rnn.input_size, padding_idx=0)
+        self.rnn = rnn
+        self.state = state
+        self.packed = packed
+        sides = 2 if rnn.bidirectional else 1
+        width = rnn.proj_size or rnn.hidden_size
+        self.register_buffer("start", torch.linspace(-1, 1, rnn.num_layers * sides * width)
+                             .reshape(-1, 1, width))
+        cells = rnn.hidden_size if isinstance(rnn, nn.LSTM) else 0
+        self.head = nn.Linear(sides * width + width + cells, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.rnn.batch_first
+        h = self.embed(x) if first else self.embed(x).transpose(0, 1)
+        lstm = isinstance(self.rnn, nn.LSTM)
+        hx = None
+        if self.state:
+            h0 = self.start.to(h.dtype) * x[:, :1].t().unsqueeze(-1).to(h.dtype) / 10
+            hx = (h0, -h0) if lstm else h0
+        if self.packed:
+            lengths = (x != 0).sum(dim=1).cpu()
+            out, state = self.rnn(pack_padded_sequence(h, lengths, first, False), hx)
+            out = pad_packed_sequence(out, first, total_length=x.shape[1])[0]
+        else:
+            out, state = self.rnn(h, hx)
+        h_n, c_n = state if lstm else (state, None)
+        parts = [out[:, -1] if first else out[-1], h_n.sum(dim=0)]
+        return self.head(torch.cat(parts + ([c_n.sum(dim=0)] if lstm else []), dim=1))
+
+
+def _frozen(module: nn.Module, *names: str) -> nn.Module:
+    """``module`` with the parameters ``names`` frozen (all of them if none is named)."""
+    for name, p in module.named_parameters():
+        if not names or name in names:
+            p.requires_grad_(False)
+    return module
+
+
+def _char_rnn(cell: type[nn.RNNBase]) -> nn.Module:
+    """The shape of examples/shakespeare's ``char_rnn``: Embedding → one batch-first layer
+    → its last output → Linear."""
+
+    class CharRNN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(11, 4, padding_idx=0)
+            self.rnn = cell(4, 5, batch_first=True)
+            self.head = nn.Linear(5, CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(self.embed(x))[0][:, -1])
+
+    return CharRNN()
 
 
 class LoRALinear(nn.Module):
@@ -164,13 +232,36 @@ MODELS = {
     "attention-sequence-first": (lambda: Tokens(SelfAttention(), mask=True), (6,), True),
     "lstm-batch-first": (lambda: CharLSTM(batch_first=True), (5,), True),
     "gru-sequence-first": (lambda: CharLSTM(batch_first=False), (5,), True),
+    "char-rnn-lstm-padded": (lambda: _char_rnn(nn.LSTM), (7,), True),
+    "char-rnn-gru-padded": (lambda: _char_rnn(nn.GRU), (7,), True),
+    "lstm-2-layers-bidirectional-initial-state": (lambda: Recurrent(nn.LSTM(
+        4, 3, num_layers=2, bidirectional=True), state=True), (5,), True),
+    "gru-bidirectional-batch-first-no-bias": (lambda: Recurrent(nn.GRU(
+        4, 3, bidirectional=True, batch_first=True, bias=False)), (5,), True),
+    "rnn-relu-2-layers-initial-state": (lambda: Recurrent(nn.RNN(
+        4, 3, num_layers=2, nonlinearity="relu"), state=True), (5,), True),
+    "rnn-tanh-bidirectional": (lambda: Recurrent(nn.RNN(4, 3, bidirectional=True)), (5,),
+                               True),
+    "lstm-partly-frozen": (lambda: Recurrent(_frozen(
+        nn.LSTM(4, 3, num_layers=2, bidirectional=True), "weight_ih_l0", "bias_hh_l0",
+        "weight_ih_l0_reverse", "weight_hh_l0_reverse", "bias_ih_l0_reverse",
+        "bias_hh_l0_reverse", "weight_hh_l1_reverse")), (5,), True),
+    "lstm-lower-layer-frozen": (lambda: Recurrent(_frozen(
+        nn.LSTM(4, 3, num_layers=3), *(f"{kind}_l{k}" for k in (0, 1) for kind in (
+            "weight_ih", "weight_hh", "bias_ih", "bias_hh")))), (5,), True),
+    "gru-frozen": (lambda: Recurrent(_frozen(nn.GRU(4, 3, num_layers=2))), (5,), True),
+    "lstm-projections-generic": (lambda: Recurrent(nn.LSTM(
+        4, 3, num_layers=2, proj_size=2, batch_first=True)), (5,), True),
     "lora-linear-adapters": (lambda: _lora(modules=True), (12,), False),
     "lora-parameter-adapters": (lambda: _lora(modules=False), (12,), False),
 }
 
 
 def _setup(name: str, clients: int = 2, batch: int = 6):
-    build, shape, tokens = MODELS[name]
+    return _prepared(*MODELS[name], clients, batch)
+
+
+def _prepared(build, shape: tuple[int, ...], tokens: bool, clients: int = 2, batch: int = 6):
     torch.manual_seed(0)
     model = FlatModel(build().double(), "cross-entropy")  # frozen parameters too
     gen = torch.Generator().manual_seed(1)
@@ -259,6 +350,71 @@ def test_modules_without_a_rule_are_covered_whole_by_the_generic_rule():
     assert attention.names == ("in_proj_weight", "in_proj_bias", "out_proj.weight",
                                "out_proj.bias")
     assert {"Embedding", "Linear", "LayerNorm"} <= set(kinds)
+
+
+RNNS = {
+    "rnn-tanh": lambda **options: nn.RNN(4, 3, **options),
+    "rnn-relu": lambda **options: nn.RNN(4, 3, nonlinearity="relu", **options),
+    "lstm": lambda **options: nn.LSTM(4, 3, **options),
+    "gru": lambda **options: nn.GRU(4, 3, **options),
+}
+
+
+@pytest.mark.parametrize("layers, bidirectional", [(1, False), (1, True), (2, False),
+                                                   (3, True)])
+@pytest.mark.parametrize("cell", list(RNNS))
+def test_the_recurrent_rule_equals_a_per_sample_loop_in_every_configuration(
+        cell, layers, bidirectional):
+    """Each recurrent layer, its layers and directions × batch_first × bias × an initial
+    state (per sample) or none, on padded batches: the per-sample gradients of the whole model
+    against the loop."""
+    for batch_first, bias, state in itertools.product((False, True), repeat=3):
+        options = {"num_layers": layers, "bidirectional": bidirectional,
+                   "batch_first": batch_first, "bias": bias}
+        model, flat, x, y = _prepared(lambda: Recurrent(RNNS[cell](**options), state), (5,),
+                                      True, clients=1)
+        [layer] = [layer for layer in model.flat.layers if isinstance(layer.module, nn.RNNBase)]
+        assert layer.rule.per_sample is recurrent.recurrent
+        assert _close(model.per_sample_gradients(flat, x, y)[0],
+                      _loop(model, flat, x[0], y[0])), (batch_first, bias, state)
+
+
+def test_recurrent_layers_have_their_own_rule_but_an_lstm_with_projections():
+    for rnn in (nn.RNN(3, 2), nn.RNN(3, 2, nonlinearity="relu"), nn.LSTM(3, 2), nn.GRU(3, 2),
+                nn.LSTM(3, 2, num_layers=2, bidirectional=True, batch_first=True, bias=False)):
+        assert rule_for(rnn) is RULES[type(rnn)] and rule_for(rnn).whole
+        assert rule_for(rnn).per_sample is recurrent.recurrent
+    # the generic rule, one sample at a time (vmap has no batching rule for the fused kernels)
+    projections = nn.LSTM(3, 4, proj_size=2)
+    assert rule_for(projections) is recurrent.UNCOVERED is not FALLBACK
+    assert recurrent.UNCOVERED.per_sample is per_sample_looped and recurrent.UNCOVERED.whole
+    model = _setup("lstm-projections-generic")[0]
+    assert [layer.rule for layer in model.flat.layers
+            if isinstance(layer.module, nn.LSTM)] == [recurrent.UNCOVERED]
+
+
+def test_a_frozen_recurrent_layer_is_left_out_and_a_partly_frozen_one_forms_its_trainable_part():
+    model = _setup("gru-frozen")[0]
+    assert not any(isinstance(layer.module, nn.RNNBase) for layer in model.flat.layers)
+    assert model.d == 11 * 4 + (3 + 3 + 1) * CLASSES  # the embedding and the head
+    model = _setup("lstm-partly-frozen")[0]
+    [layer] = [layer for layer in model.flat.layers if isinstance(layer.module, nn.LSTM)]
+    assert layer.names == ("weight_hh_l0", "bias_ih_l0", "weight_ih_l1", "weight_hh_l1",
+                           "bias_ih_l1", "bias_hh_l1", "weight_ih_l1_reverse",
+                           "bias_ih_l1_reverse", "bias_hh_l1_reverse")
+
+
+def test_a_packed_sequence_is_refused_by_the_recurrent_rule_as_by_the_generic_one():
+    for rnn in (nn.LSTM(4, 3, batch_first=True), nn.LSTM(4, 3, proj_size=2, batch_first=True)):
+        model, flat, x, y = _prepared(lambda: Recurrent(rnn, packed=True), (5,), True)
+        with pytest.raises(ValueError, match="LSTM on a PackedSequence .pad the sequences"):
+            model.per_sample_gradients(flat, x, y)
+
+
+def test_dropout_between_recurrent_layers_is_refused_in_training_mode():
+    rnn = nn.GRU(4, 3, num_layers=2, dropout=0.5)
+    _refused(Recurrent(rnn), r"'rnn' \(GRU\) draws dropout masks")
+    FlatModel(Recurrent(rnn).eval(), "cross-entropy")
 
 
 def test_a_linear_layer_on_sequences_clips_without_materialising_its_gradients(monkeypatch):

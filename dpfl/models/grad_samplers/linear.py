@@ -24,8 +24,17 @@ if TYPE_CHECKING:
 
 @register(nn.Linear)
 def linear(layer: Layer, a: Tensor, g: Tensor) -> list[Tensor]:
+    return rows(a, g, layer.trainable)
+
+
+def rows(a: Tensor, g: Tensor, trainable: tuple[bool, bool]) -> list[Tensor]:
+    """The per-sample gradients ``[n, out·in]`` of a weight and ``[n, out]`` of a bias (those
+    ``trainable``) of ``y = W a + b`` from its inputs ``a`` (``[n, in]`` or ``[n, ..., in]``)
+    and output gradients ``g``: ``Σ_t g_t a_tᵀ`` and ``Σ_t g_t`` (also the recurrent layers'
+    rule, :mod:`dpfl.models.grad_samplers.recurrent`, with a gate's pre-activation gradients
+    as ``g``)."""
     n = a.shape[0]
-    weight, bias = layer.trainable
+    weight, bias = trainable
     out: list[Tensor] = []
     if weight:
         if a.dim() == 2:

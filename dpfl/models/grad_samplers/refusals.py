@@ -65,11 +65,11 @@ def check(module: nn.Module) -> None:
 
 
 def check_recomputable(module: nn.Module, prefix: str) -> None:
-    """``ConfigError`` where ``module`` (whose per-sample gradients the generic rule recomputes
-    sample by sample) draws random numbers: dropout in training mode."""
+    """``ConfigError`` where ``module`` (whose call the generic rule, or the recurrent rule,
+    recomputes) draws random numbers: dropout in training mode."""
     for name, m in module.named_modules(prefix=prefix):
         if m.training and any(isinstance(m, t) and random(m) for t, random in _RANDOM):
             raise ConfigError("model", f"per-sample gradients: layer {name!r} "
                               f"({type(m).__name__}) draws dropout masks inside a layer whose "
-                              "per-sample gradients are recomputed one sample at a time, which "
-                              "cannot draw the same masks; use dropout=0 there, or eval()")
+                              "call is recomputed for its per-sample gradients, which cannot "
+                              "draw the same masks; use dropout=0 there, or eval()")
