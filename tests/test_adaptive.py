@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -299,6 +300,13 @@ def test_the_smoke_reproduction_reports_tables_2_to_4_and_figures(tmp_path, task
     for figure in ("figure1", "figure2"):
         assert (folder / f"{figure}-{task}.png").stat().st_size > 0
     assert "τ_0.7 = " in report
+    # the verdict: each method's final selection on fresh seeds, paired
+    from dpfl.experiments.adaptive import SEEDS, VERDICT_SEEDS
+
+    assert len(VERDICT_SEEDS) >= 3 and not set(VERDICT_SEEDS) & set(SEEDS)
+    verdict = report[report.index("### Verdict"):]
+    assert re.search(r"^\| Lv\.3 \| .* \| [\d.]+× \[[\d.]+, [\d.]+\] \| "
+                     r"(confirmed|refuted|undecided)", verdict, re.M)
 
 
 def test_a_walk_past_the_edge_steps_each_axis_at_its_end_singly_and_together():
