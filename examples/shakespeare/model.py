@@ -1,9 +1,8 @@
 """Small character-level models for next-character prediction: token ids ``[n, seq_len]`` in,
 ``[n, num_classes]`` logits for the character after the window out.
 
-Every layer here has a per-sample rule in dpfl (``Embedding``, ``LayerNorm``, ``Linear``, and
-the recurrent layers' own); self-attention is covered whole by the generic rule (vectorised over
-the samples), which sets its cost per private step.
+Every layer here has a per-sample rule of its own in dpfl (``Embedding``, ``LayerNorm``,
+``Linear``, ``MultiheadAttention`` and the recurrent layers).
 """
 
 from __future__ import annotations

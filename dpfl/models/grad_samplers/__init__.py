@@ -8,6 +8,7 @@ from torch import nn
 
 from dpfl.models.grad_samplers import conv, embedding, linear, norm  # noqa: F401 - registers
 from dpfl.models.grad_samplers import recurrent  # noqa: F401 - registers (after fallback's)
+from dpfl.models.grad_samplers import attention  # noqa: F401 - registers
 from dpfl.models.grad_samplers.fallback import FALLBACK
 from dpfl.models.grad_samplers.registry import RULES, Rule
 

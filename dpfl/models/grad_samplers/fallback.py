@@ -1,5 +1,6 @@
 """The generic rule, for any module with trainable parameters that no rule of its own covers
-(``MultiheadAttention``, ``LSTM``/``GRU``/``RNN``, a user's module): sample j's gradient is the
+(``MultiheadAttention`` with ``add_bias_kv`` or ``add_zero_attn``, an ``LSTM`` with
+projections, a user's module): sample j's gradient is the
 vector–Jacobian product of the module's call on sample j alone (a batch of one) with its output
 gradients as the cotangent, ``∂⟨f(θ; x_j), g_j⟩/∂θ``, vectorised over the samples —
 ``torch.func.vmap`` of ``torch.func.vjp`` of ``torch.func.functional_call`` (Opacus' functorch
