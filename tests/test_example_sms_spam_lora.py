@@ -228,6 +228,10 @@ def test_the_readmes_run_commands_train_on_a_slice(example, tmp_path, capsys):
         assert math.isfinite(summary["test_loss"]), (config, summary["test_loss"])
         if config.get("noise-multiplier") != 0:
             assert summary["epsilon_max"] == pytest.approx(config["epsilon"], abs=0.01)
+        # what the run trained, not the 90 MB frozen encoder
+        model = tmp_path / f"run{i}" / "model.pt"
+        assert model.stat().st_size < 2**20
+        assert any("lora" in k or "head" in k for k in torch.load(model))
 
 
 def test_the_examples_links_find_their_files_and_headings():

@@ -111,8 +111,13 @@ class ReportWriter:
         chance = 1 / data.num_classes if data.task == "classification" else (
             0.5 if data.task == "binary" else None)
         assert self.results is not None, "open() first"
-        self.results.finish(summary, p.model.load_into(params).state_dict(), title=title,
-                            chance=chance, plot=self.plot)
+        model = p.model.load_into(params)
+        # frozen parameters (a pretrained encoder under adapters) are the model callable's own,
+        # the same in every run: model.pt keeps what the run trained, and the buffers
+        frozen = {name for name, q in model.named_parameters() if not q.requires_grad}
+        self.results.finish(summary, {k: v for k, v in model.state_dict().items()
+                                      if k not in frozen}, title=title, chance=chance,
+                            plot=self.plot)
         if self.echo:
             stop = summary["stopped_early"]
             print(f"done: {summary['rounds_completed']} rounds in {summary['wall_seconds']:.1f} "
