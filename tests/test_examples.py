@@ -34,7 +34,7 @@ def example(monkeypatch):
     """The example's folder on the Python path, as ``PYTHONPATH="$PWD"`` puts it."""
     monkeypatch.syspath_prepend(str(EXAMPLE))
     yield
-    for name in ("data", "model"):
+    for name in ("data", "model", "sweep"):
         sys.modules.pop(name, None)
 
 
@@ -206,3 +206,24 @@ def test_the_examples_links_find_their_files_and_headings(page):
         target = page.parent / file if file else page
         assert target.exists(), file
         assert not anchor or anchor in set(anchors(target)), f"{file}#{anchor}"
+
+
+@pytest.mark.slow
+def test_the_sweep_runs_the_protocol_and_regenerates_its_report_from_its_archive(example,
+                                                                                  tmp_path):
+    """``sweep.py --smoke``: 9 tuning points a method on the validation split, the chosen one
+    on three seeds, the table with the unigram baseline; run again from the archive alone, it
+    runs nothing and writes the same table."""
+    import sweep
+
+    assert sweep.main(["--smoke", "--results-dir", str(tmp_path / "first")]) == 0
+    first = (tmp_path / "first" / "smoke" / "report.md").read_text()
+    table = first[first.index("### Next-character"):first.index("![")]
+    assert all(f"| {name} |" in table for name in sweep.METHODS)
+    assert "| unigram (most frequent character) |" in table
+    archive = tmp_path / "first" / "smoke" / "runs.jsonl.gz"
+    assert sweep.main(["--smoke", "--results-dir", str(tmp_path / "again"),
+                       "--reuse", str(archive)]) == 0
+    again = (tmp_path / "again" / "smoke" / "report.md").read_text()
+    assert again[again.index("### Next-character"):again.index("![")] == table
+    assert not (tmp_path / "again" / "smoke" / "runs").exists()  # nothing ran
