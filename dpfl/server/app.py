@@ -62,8 +62,10 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 @contextmanager
 def results_closed_first(strategy: AlgorithmStrategy) -> Iterator[None]:
     """SIGINT and SIGTERM, where Python handles them (Flower's exit), raise :class:`Stopped` in
-    the round loop, which closes the results folder, and then go to those handlers; a second
-    signal goes straight to them. Only the main thread takes signals: a ServerApp run in a
+    the round loop, which closes the results folder, and then go to those handlers; signals
+    that come while the folder closes are ignored (Flower's parent monitor raises its own
+    SIGINT late, once the exited SuperExec is reaped: it would start Flower's 5 s kill clock
+    while the ledger's other accountants are still computing). Only the main thread takes signals: a ServerApp run in a
     thread (Flower's simulation runtime runs it so) registers with Flower's exit instead a
     handler that runs before its kill clock starts: it asks the strategy to stop (its exchange
     raises :class:`Stopped`, the round loop closes the results folder) and waits for that. In
@@ -90,8 +92,8 @@ def results_closed_first(strategy: AlgorithmStrategy) -> Iterator[None]:
 
     def stop(signum: int, _frame: object) -> None:
         handled.set()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig in previous:  # the folder is closing: what comes now waits for it
+            signal.signal(sig, signal.SIG_IGN)
         raise Stopped(signum)
 
     for sig in previous:
@@ -100,6 +102,8 @@ def results_closed_first(strategy: AlgorithmStrategy) -> Iterator[None]:
     try:
         yield
     except Stopped as stopped:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         previous[stopped.signum](stopped.signum, None)  # Flower's exit: raises SystemExit
         raise
     finally:
