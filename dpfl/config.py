@@ -160,6 +160,13 @@ def build(cls: type[T], values: Mapping[str, Value]) -> T:
     return cls(**{f.name: values[f.metadata["param"].key] for f in dataclasses.fields(cls)})
 
 
+def values_of(hyperparameters: Any) -> dict[str, Value]:
+    """The run-config keys and values of a hyperparameter dataclass instance (the inverse of
+    :func:`build`)."""
+    return {f.metadata["param"].key: getattr(hyperparameters, f.name)
+            for f in dataclasses.fields(hyperparameters)}
+
+
 # ---- keys --------------------------------------------------------------------------------------
 
 BATCH_SIZE = Param("batch-size", 32, "Per-client mini-batch size, sampled without replacement.",

@@ -32,7 +32,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from dpfl.config import Value
+from dpfl.config import Value, values_of
 from dpfl.errors import ConfigError
 from dpfl.problem import Problem, cached_problem
 from dpfl.runconfig import RunConfig, check_runtime
@@ -59,8 +59,7 @@ def hyperparameter_values(hyperparameters: Any) -> dict[str, Value]:
     """Run-config keys and values of ``hyperparameters``: a mapping of keys, or an algorithm's
     ``Hyperparameters`` dataclass."""
     if dataclasses.is_dataclass(hyperparameters) and not isinstance(hyperparameters, type):
-        return {f.metadata["param"].key: getattr(hyperparameters, f.name)
-                for f in dataclasses.fields(hyperparameters)}
+        return values_of(hyperparameters)
     return dict(hyperparameters)
 
 
