@@ -86,10 +86,10 @@ class Lineage:
 
 def folder_of(config: RunConfig) -> Path:
     """The results folder ``resume=true`` continues: ``results-dir/run-name``."""
-    if not config["run-name"]:
+    if not config.run.run_name:
         raise ConfigError("run-name", "resume=true needs the name of the run to continue",
                           allowed="the run's folder name in results-dir")
-    return Path(str(config["results-dir"])).expanduser() / str(config["run-name"])
+    return Path(config.run.results_dir).expanduser() / config.run.run_name
 
 
 def resume_overrides(folder: Path, given: Mapping[str, Value]) -> dict[str, Value]:
@@ -127,7 +127,7 @@ def load(config: RunConfig, runtime: str) -> dict[str, Any]:
     if done >= int(config[ROUNDS]) and (folder / "summary.json").exists():
         if calibrated_for_rounds(config):
             raise ConfigError(ROUNDS, f"the run in {folder} has completed its {done} rounds, "
-                              f"with noise calibrated for ε={config['epsilon']:g} over them: "
+                              f"with noise calibrated for ε={config.privacy.epsilon:g} over them: "
                               f"{EXTEND}", allowed="a new run (another run-name)")
         raise ConfigError(ROUNDS, f"the run in {folder} has completed its {done} rounds; "
                           f"raise num-server-rounds to continue it",
@@ -147,9 +147,9 @@ def calibrated_for_rounds(config: RunConfig) -> bool:
     from dpfl.algorithms import ALGORITHMS
     from dpfl.privacy import CALIBRATIONS
 
-    algorithm = ALGORITHMS.get(str(config["algorithm"]))
-    return (float(config["noise-multiplier"]) < 0 and not algorithm.noise_free
-            and CALIBRATIONS.get(str(config["calibration"]), algorithm.name).targets_epsilon)
+    algorithm = ALGORITHMS.get(config.run.algorithm)
+    return (config.privacy.noise_multiplier < 0 and not algorithm.noise_free
+            and CALIBRATIONS.get(config.privacy.calibration, algorithm.name).targets_epsilon)
 
 
 def check_config(saved: Mapping[str, Value], config: RunConfig, rounds_done: int) -> None:

@@ -293,12 +293,12 @@ def audit(args: argparse.Namespace) -> int:
         raise UsageError(f"--canary: {args.canary!r} (allowed: {', '.join(CANARIES)})")
     given = parse_overrides(args.run_config) if args.run_config else {}
     config = RunConfig({**AUDIT_DEFAULTS, **given})
-    if args.view is not None and (args.view not in VIEWS or not config["secure-aggregation"]):
+    if args.view is not None and (args.view not in VIEWS or not config.secure.secure_aggregation):
         raise UsageError(f"--view: {args.view!r} (allowed: {', '.join(VIEWS)}, with "
                          f"secure-aggregation=true)")
-    if not 0 <= args.client < int(config["num-partitions"]):
+    if not 0 <= args.client < config.data.num_partitions:
         raise UsageError(f"--client: {args.client} (allowed: 0.."
-                         f"{int(config['num-partitions']) - 1})")
+                         f"{config.data.num_partitions - 1})")
     if args.one_run:
         return audit_one_run(args, config)
     result = run_audit(config, trials=args.trials, confidence=args.confidence,

@@ -285,7 +285,7 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
     cpus, gpus = client_resources(client_cpus, client_gpus)  # Flower's, where not given
     if ray_address is not None:
         print(check_cluster(ray_address, cpus, gpus))
-    clients = int(config["num-partitions"])
+    clients = config.data.num_partitions
     if num_supernodes is not None and not 0 < num_supernodes <= clients:
         raise UsageError(f"--num-supernodes {num_supernodes}: {clients} clients "
                          f"(num-partitions={clients}) for {num_supernodes} SuperNodes, a "
@@ -297,7 +297,8 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
     if client_cpus is not None or client_gpus is not None:
         federation.update({"client-resources-num-cpus": cpus, "client-resources-num-gpus": gpus})
     values = dict(overrides)
-    values["results-dir"] = str(Path(str(config["results-dir"])).expanduser().resolve())
+    results = Path(config.run.results_dir).expanduser().resolve()
+    values["results-dir"] = str(results)
     home = (flwr_home or Path(tempfile.mkdtemp(prefix="dpfl-flwr-home-"))).resolve()
     env = simulation_env(home)
     token = env[LAUNCH_ENV] = secrets.token_hex(8)
@@ -319,7 +320,7 @@ def flwr_run(overrides: Mapping[str, Value], *, num_supernodes: int | None = Non
                                   wind_down=lambda: interrupt_simulations(token),
                                   started=family.follow)
                 finally:  # kept however the run ended, interrupted included
-                    log = seen.write_log(Path(values["results-dir"]))
+                    log = seen.write_log(results)
                 if code == 0:
                     status, details = final_status(flwr, env, app_dir)
                     if status != "finished:completed":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections import Counter
@@ -29,11 +30,11 @@ LOSS_OF_TASK = {"classification": "cross-entropy", "binary": "logistic", "regres
 def data_dir(config: RunConfig) -> str:
     """The run's data folder, absolute: ``data-dir``, else ``$DPFL_DATA_DIR``, else ``data`` in
     dpfl's per-user cache folder (:func:`dpfl.datasets.loading.data_folder`)."""
-    return str(data_folder(str(config["data-dir"]) or None))
+    return str(data_folder(config.data.data_dir or None))
 
 
 def resolve_device(config: RunConfig) -> torch.device:
-    name = str(config["device"])
+    name = config.model.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
@@ -108,14 +109,14 @@ class Problem:
         ``distributed-noise`` draws a share of the noise (:meth:`~dpfl.privacy.Release.split`
         over :attr:`survivors`)."""
         self._check_hosted([client])
-        size = int(self.config["min-client-records"]) or (
-            self.smallest_client() if self.config["secure-aggregation"]
+        size = self.config.privacy.min_client_records or (
+            self.smallest_client() if self.config.secure.secure_aggregation
             else len(self.partitions[client]))
         if size not in self._releases:
             queries = self.algorithm.queries(size)
             check_schema(self.algorithm, queries)
             releases = self._calibrate(queries, size)
-            if self.config["distributed-noise"]:
+            if self.config.secure.distributed_noise:
                 releases = [r.split(self.survivors) for r in releases]
             self._releases[size] = releases
         return self._releases[size]
@@ -135,7 +136,7 @@ class Problem:
     def survivors(self) -> int:
         """``distributed-noise``: the fewest clients whose noise shares every released sum
         holds (``min-survivors``, else every participant of an exchange)."""
-        return int(self.config["min-survivors"]) or self.algorithm.participants_per_round(
+        return self.config.secure.min_survivors or self.algorithm.participants_per_round(
             self.algorithm.hp, self.num_clients)
 
     def server_releases(self) -> list[Release]:
@@ -165,7 +166,7 @@ class Problem:
         clients hold none, and asking for them is an error), no test rows, the same model,
         algorithm and initial point as the whole run's."""
         x, sizes, clients = data["train_x"], data["sizes"], data["clients"]
-        bound = int(config["min-client-records"])
+        bound = config.privacy.min_client_records
         if bound > min(sizes):  # said without the count: a site's count never leaves it
             raise ConfigError("min-client-records", "a client of this node holds fewer records "
                               "than the bound every client is charged from",
@@ -203,7 +204,7 @@ class Problem:
     @property
     def calibration_rounds(self) -> int:
         """The rounds the noise is calibrated for: ``calibration-rounds``, else the run's."""
-        return int(self.config["calibration-rounds"]) or int(self.config["num-server-rounds"])
+        return self.config.privacy.calibration_rounds or self.config.run.num_server_rounds
 
     @functools.cached_property
     def exchange_rounds(self) -> Counter[str]:
@@ -212,22 +213,22 @@ class Problem:
                        for e in self.algorithm.round_exchanges(r))
 
     def _calibrate(self, queries: list[Query], num_samples: int) -> list[Release]:
-        cfg = self.config
+        privacy = self.config.privacy
         steps = sum(q.steps * self.exchange_rounds[q.exchange] for q in queries)
-        target = Target(epsilon=float(cfg["epsilon"]), delta=float(cfg["delta"]),
-                        rounds=self.calibration_rounds, accountant=str(cfg["accountant"]),
+        target = Target(epsilon=privacy.epsilon, delta=privacy.delta,
+                        rounds=self.calibration_rounds, accountant=privacy.accountant,
                         num_samples=num_samples, steps=steps)
-        return calibrate(self.algorithm, queries, target, calibration=str(cfg["calibration"]),
-                         noise_multiplier=float(cfg["noise-multiplier"]),
-                         options=cfg.calibration_options)
+        return calibrate(self.algorithm, queries, target, calibration=privacy.calibration,
+                         noise_multiplier=privacy.noise_multiplier,
+                         options=self.config.calibration_options)
 
 
-def options(config: RunConfig, key: str, kind: str) -> dict[str, object]:
-    """The run-config key ``key`` (``model-options`` or ``dataset-options``) parsed
-    (``key=value`` pairs, keys with ``_`` or ``-``) and checked against the keyword arguments
-    of the selected ``kind``'s builder (:func:`option_parameters`): each must be one, of its
-    default's type where it has one."""
-    text = str(config[key]).strip()
+def options(kind: str, name: str, text: str) -> dict[str, object]:
+    """``text``, the options of the run's ``kind`` (``model`` or ``dataset``) ``name`` (its
+    run-config key ``{kind}-options``), parsed (``key=value`` pairs, keys with ``_`` or ``-``)
+    and checked against the keyword arguments of that builder (:func:`option_parameters`):
+    each must be one, of its default's type where it has one."""
+    key, text = f"{kind}-options", text.strip()
     if not text:
         return {}
     try:
@@ -236,31 +237,30 @@ def options(config: RunConfig, key: str, kind: str) -> dict[str, object]:
         raise ConfigError(key, f"cannot parse {exc}", allowed="space-separated key=value pairs, "
                           "e.g. 'scaling=symmetric duplicate=3'") from None
     given = {k.replace("-", "_"): v for k, v in parsed.items()}
-    accepted, takes_any = option_parameters(config, kind)
-    for name, value in given.items():
-        if name not in accepted:
+    accepted, takes_any = option_parameters(kind, name)
+    for option, value in given.items():
+        if option not in accepted:
             if takes_any:
                 continue
-            raise ConfigError(key, f"{kind} {config[kind]!r} has no option {name!r}",
+            raise ConfigError(key, f"{kind} {name!r} has no option {option!r}",
                               allowed=list(accepted) or "none")
-        if accepted[name] is inspect.Parameter.empty or accepted[name] is None:
+        if accepted[option] is inspect.Parameter.empty or accepted[option] is None:
             continue  # no default to take a kind from
-        wanted = type(accepted[name])  # an option's kind is its default's
+        wanted = type(accepted[option])  # an option's kind is its default's
         if type(value) is not wanted and not (wanted is float and type(value) is int):
-            raise ConfigError(key, f"{kind} {config[kind]!r}: option {name} must be "
+            raise ConfigError(key, f"{kind} {name!r}: option {option} must be "
                               f"{wanted.__name__}, got {type(value).__name__} {value!r}",
                               allowed="true or false" if wanted is bool else None)
     return given
 
 
-def option_parameters(config: RunConfig, kind: str) -> tuple[dict[str, object], bool]:
-    """The options the run's ``kind`` (``model`` or ``dataset``) takes, with their defaults,
+def option_parameters(kind: str, name: str) -> tuple[dict[str, object], bool]:
+    """The options ``kind`` (``model`` or ``dataset``) ``name`` takes, with their defaults,
     and whether it takes any (``**kwargs``): a registered builder's keyword-only parameters
     (but those the run config fills in, :data:`~dpfl.datasets.loading.PROVIDED`); a referenced
     callable's keyword parameters (but ``input_shape`` and ``num_classes``, or ``seed`` and
     ``data_dir``), a dataset's with ``num_public`` and ``num_validation``, which dpfl holds
     out itself."""
-    name = str(config[kind])
     if is_reference(name):
         given = zoo.GIVEN if kind == "model" else referenced_data.GIVEN
         accepted, takes_any = keyword_parameters(resolve(kind, name), given)
@@ -275,29 +275,32 @@ def option_parameters(config: RunConfig, kind: str) -> tuple[dict[str, object], 
 def dataset_of(config: RunConfig) -> Dataset:
     """The run's dataset (cached in-process): a registered one, or the callable a reference
     names (:mod:`dpfl.datasets.reference`); raises ConfigError where it is not available."""
-    name, seed, folder = str(config["dataset"]), int(config["seed"]), str(config["data-dir"])
-    given = options(config, "dataset-options", "dataset")
+    data, seed = config.data, config.run.seed
+    name, folder = data.dataset, data.data_dir
+    given = options("dataset", name, data.dataset_options)
     if is_reference(name):
         return referenced_data.load_referenced(name, seed=seed,
                                                data_dir=data_folder(folder or None), **given)
     return load_dataset(name, seed=seed, data_dir=folder or None,
-                        download=bool(config["download"]), **given)
+                        download=data.download, **given)
 
 
-#: the run-config keys that decide what data each client holds (its rows, the public records);
-#: a node's cached data is keyed by them (with the data folder they resolve to)
-DATA_KEYS = ("dataset", "dataset-options", "download", "partitioner", "num-partitions", "seed",
-             "alpha", "shards-per-partition")
+def data_key(config: RunConfig) -> dict[str, object]:
+    """The settings that decide what data each client holds (its rows, the public records):
+    the data settings but the folder (a node's cached data is keyed by the folder it resolves
+    to), and the seed."""
+    return dataclasses.asdict(dataclasses.replace(config.data, data_dir="")) | {
+        "seed": config.run.seed}
 
 
 def build_problem(config: RunConfig) -> Problem:
     """Load, partition and initialise; raises ConfigError on bad input."""
     resolve_device(config)
     dataset = dataset_of(config)
-    parts = partition(dataset, partitioner=str(config["partitioner"]),
-                      num_partitions=int(config["num-partitions"]), seed=int(config["seed"]),
-                      alpha=float(config["alpha"]),
-                      shards_per_partition=int(config["shards-per-partition"]))
+    data = config.data
+    parts = partition(dataset, partitioner=data.partitioner, num_partitions=data.num_partitions,
+                      seed=config.run.seed, alpha=data.alpha,
+                      shards_per_partition=data.shards_per_partition)
     check_sizes(config, [len(p) for p in parts])
     return assemble(config, dataset, parts)
 
@@ -305,7 +308,7 @@ def build_problem(config: RunConfig) -> Problem:
 def check_sizes(config: RunConfig, sizes: list[int]) -> None:
     """ConfigError unless every client holds at least ``batch-size`` records and at least
     ``min-client-records`` (the bound every client is calibrated and charged from)."""
-    smallest, bound = min(sizes), int(config["min-client-records"])
+    smallest, bound = min(sizes), config.privacy.min_client_records
     if bound > smallest:
         raise ConfigError("min-client-records", f"{bound} exceeds a client's {smallest} "
                           f"records: its ε would be undercounted", allowed=f"0..{smallest}")
@@ -314,7 +317,7 @@ def check_sizes(config: RunConfig, sizes: list[int]) -> None:
         if bound:
             what = f"min-client-records ({least})"
         else:
-            split = str(config["partitioner"])
+            split = config.data.partitioner
             other = ("a larger alpha or fewer num-partitions" if split == "dirichlet"
                      else "fewer num-partitions")
             what = (f"client {sizes.index(least)}'s {least} records, the fewest of the "
@@ -329,20 +332,22 @@ def assemble(config: RunConfig, dataset: Dataset, parts: list[np.ndarray],
     ``model``: a model given instead of the config's (an audit's canary model)."""
     device = resolve_device(config)
     if model is None:
-        module = build_model(str(config["model"]), input_shape=dataset.input_shape,
-                             num_classes=dataset.num_classes, seed=int(config["seed"]),
+        chosen = config.model
+        module = build_model(chosen.model, input_shape=dataset.input_shape,
+                             num_classes=dataset.num_classes, seed=config.run.seed,
                              input_dtype=dataset.train_x.dtype,
-                             **options(config, "model-options", "model")).to(device)
+                             **options("model", chosen.model, chosen.model_options)).to(device)
         # a layer without a per-sample rule (BatchNorm) is refused here, naming key model
         model = FlatModel(module, LOSS_OF_TASK[dataset.task],
-                          nonconvex_reg=float(config["nonconvex-reg"]),
-                          chunk_bytes=int(config["chunk-bytes"]) or None)
+                          nonconvex_reg=chosen.nonconvex_reg,
+                          chunk_bytes=chosen.chunk_bytes or None)
     public = (None if dataset.public_y is None
               else (dataset.public_x.to(device), dataset.public_y.to(device)))
-    algorithm = ALGORITHMS.get(str(config["algorithm"]))(config.hyperparameters, model,
-                                                         num_clients=len(parts), public=public)
-    algorithm.check_run(int(config["num-server-rounds"]))
-    calibrated, rounds = int(config["calibration-rounds"]), int(config["num-server-rounds"])
+    algorithm = ALGORITHMS.get(config.run.algorithm)(config.hyperparameters, model,
+                                                     num_clients=len(parts), public=public)
+    rounds = config.run.num_server_rounds
+    algorithm.check_run(rounds)
+    calibrated = config.privacy.calibration_rounds
     if calibrated and calibrated < rounds:  # less noise than the run's ε needs
         raise ConfigError("calibration-rounds", f"{calibrated} is fewer than the run's {rounds} "
                           f"rounds", allowed=f"0 or at least num-server-rounds ({rounds})")

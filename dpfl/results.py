@@ -40,20 +40,20 @@ def jsonable(value: Any) -> Any:
 def run_name(config: RunConfig, runtime: str) -> str:
     """``run-name``, else ``algorithm-dataset-sSEED-runtime-time``, portable on every platform
     (a ``module:callable`` dataset's colon becomes a dash)."""
-    if config["run-name"]:
-        return str(config["run-name"])
+    if config.run.run_name:
+        return config.run.run_name
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    dataset = re.sub(r"[^\w.-]", "-", str(config["dataset"]))
-    return f"{config['algorithm']}-{dataset}-s{config['seed']}-{runtime}-{stamp}"
+    dataset = re.sub(r"[^\w.-]", "-", config.data.dataset)
+    return f"{config.run.algorithm}-{dataset}-s{config.run.seed}-{runtime}-{stamp}"
 
 
 def results_path(config: RunConfig, runtime: str) -> Path:
     """The run's folder. A given ``run-name`` that already holds a run is refused; an
     automatic name gets a numeric suffix instead."""
-    base = Path(str(config["results-dir"])).expanduser() / run_name(config, runtime)
+    base = Path(config.run.results_dir).expanduser() / run_name(config, runtime)
     path, n = base, 1
     while (path / "config.json").exists():
-        if config["run-name"]:
+        if config.run.run_name:
             raise ConfigError("run-name", f"results folder {path} already holds a run",
                               allowed="a new name, or empty for an automatic one")
         n += 1

@@ -27,6 +27,15 @@ from dpfl.models import MODELS
 from dpfl.privacy import CALIBRATIONS
 from dpfl.reference import is_reference, resolve
 from dpfl.registry import Registry
+from dpfl.settings import (
+    DataSettings,
+    EvaluationSettings,
+    ModelSettings,
+    PrivacySettings,
+    RunSettings,
+    SecureAggregationSettings,
+    build_group,
+)
 
 NOISE_KEYS = ("noise-multiplier", "epsilon", "calibration")  # what sets the noise
 
@@ -67,12 +76,15 @@ def algorithm_default(algorithm: type[Algorithm], param: Param, epsilon: float |
 
 
 class RunConfig(Mapping[str, Value]):
-    """A validated run configuration (read-only mapping of every key to its value).
+    """A validated run configuration, parsed into typed settings (:mod:`dpfl.settings`).
 
-    ``hyperparameters`` is the selected algorithm's frozen dataclass; ``calibration_options``
-    the selected calibration's (None when it has no keys of its own); ``reads`` the keys the
-    run reads (the common ones, the algorithm's and the calibration's); ``automatic`` the keys
-    left at ``"auto"``, which hold the selected algorithm's values."""
+    ``run``, ``data``, ``model``, ``privacy``, ``secure`` and ``evaluation`` are the common
+    keys' groups; ``hyperparameters`` is the selected algorithm's frozen dataclass;
+    ``calibration_options`` the selected calibration's (None when it has no keys of its own).
+    The package reads those and nothing else; the read-only mapping of every key to its value
+    is the flat form that travels (Flower's run config) and that a caller composes configs in.
+    ``reads`` the keys the run reads (the common ones, the algorithm's and the calibration's);
+    ``automatic`` the keys left at ``"auto"``, which hold the selected algorithm's values."""
 
     def __init__(self, values: Mapping[str, object] | None = None) -> None:
         params = all_params()
@@ -119,6 +131,12 @@ class RunConfig(Mapping[str, Value]):
                                   "then has no privacy guarantee against the server)",
                                   allowed="false")
         self._values = merged
+        self.run = build_group(RunSettings, merged)
+        self.data = build_group(DataSettings, merged)
+        self.model = build_group(ModelSettings, merged)
+        self.privacy = build_group(PrivacySettings, merged)
+        self.secure = build_group(SecureAggregationSettings, merged)
+        self.evaluation = build_group(EvaluationSettings, merged)
         self.hyperparameters: Any = build(algorithm.Hyperparameters, merged)
         self.calibration_options: Any = (None if calibration.options is None
                                          else build(calibration.options, merged))
@@ -192,14 +210,14 @@ def check_runtime(config: RunConfig, runtime: str) -> None:
     """Refuse settings the ``runtime`` ('engine' or 'flower') cannot honour, and a
     ``results-dir`` in which this process cannot create the run's folder (tried in its deepest
     existing folder, and undone: nothing is left behind)."""
-    if runtime != "engine" and config["engine-mode"] != "exact":
+    if runtime != "engine" and config.run.engine_mode != "exact":
         raise ConfigError("engine-mode", f"{config['engine-mode']!r} is for the in-process "
                           "engine (dpfl run) only; under Flower every client adds its own noise",
                           ["exact"])
-    if config["secure-aggregation"] and config["engine-mode"] != "exact":
+    if config.secure.secure_aggregation and config.run.engine_mode != "exact":
         raise ConfigError("engine-mode", "secure aggregation quantises each client's noised "
                           "upload, so every client draws its own noise", ["exact"])
-    folder = Path(str(config["results-dir"])).expanduser()
+    folder = Path(config.run.results_dir).expanduser()
     try:
         if any(len(os.fsencode(part)) > NAME_MAX for part in folder.parts):
             raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
@@ -212,6 +230,6 @@ def check_runtime(config: RunConfig, runtime: str) -> None:
     except OSError as exc:
         raise ConfigError("results-dir", f"cannot create a folder in {str(folder)!r}: "
                           f"{exc.strerror}", allowed="a folder this user can write") from None
-    run = folder / str(config["run-name"])
-    if config["run-name"] and run.exists() and not run.is_dir():
+    run = folder / config.run.run_name
+    if config.run.run_name and run.exists() and not run.is_dir():
         raise ConfigError("run-name", f"{str(run)!r} is a file", allowed="a new name")

@@ -11,7 +11,7 @@ import tomllib
 
 import pytest
 
-from dpfl.runconfig import all_params, defaults
+from dpfl.runconfig import RunConfig, all_params, defaults
 from tests.conftest import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -121,6 +121,47 @@ def test_no_class_is_over_about_300_lines():
              for path in _sources() for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.ClassDef)}
     assert sizes and {k: v for k, v in sizes.items() if v > MAX_CLASS_LINES} == {}
+
+
+#: where the flat run configuration is read by key: the parser, and the reproductions, which
+#: compose configurations as a caller does
+PARSER = ("runconfig.py", "experiments")
+
+
+def test_no_module_below_the_parser_reads_a_run_config_key():
+    """The run config is parsed once (:class:`dpfl.runconfig.RunConfig`) into typed settings;
+    below the parser a module reads ``config.privacy.epsilon``, never ``config["epsilon"]``
+    (nor ``.get("epsilon")``) on a run configuration (a node's own config is another
+    vocabulary)."""
+    keys = set(all_params())
+    offenders = []
+    for path in _sources():
+        if path.relative_to(ROOT / "dpfl").parts[0] in PARSER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Subscript):
+                target, key = node.value, node.slice
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "get" and node.args):
+                target, key = node.func.value, node.args[0]
+            else:
+                continue
+            name = ast.unparse(target)
+            if (isinstance(key, ast.Constant) and key.value in keys
+                    and re.search(r"(config|cfg)$", name) and "node_config" not in name):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}[{key.value!r}]")
+    assert offenders == []
+
+
+def test_every_common_key_lies_in_exactly_one_settings_group():
+    from dpfl.config import COMMON
+    from dpfl.settings import GROUPS, keys_of
+
+    grouped = [key for group in GROUPS for key in keys_of(group)]
+    assert sorted(grouped) == sorted(p.key for p in COMMON)
+    config = RunConfig({"epsilon": 3.0, "secure-aggregation": True, "num-partitions": 4})
+    assert (config.privacy.epsilon, config.secure.secure_aggregation,
+            config.data.num_partitions) == (3.0, True, 4)
 
 
 def test_nothing_reads_a_folder_beside_the_checkout():

@@ -327,7 +327,7 @@ def record_level(source: Problem, client: int, trials: int, rounds: int,
         federation, record = record_trials(source, client, trials, radius)
         scorer = UploadScorer(federation, input_direction(federation, record),
                               federation.num_clients)
-    rng = Randomness(int(source.config["seed"]), secure=bool(source.config["secure-noise"]))
+    rng = Randomness(source.config.run.seed, secure=source.config.privacy.secure_noise)
     play(federation, rng, rounds, [federation.num_clients - 1], scorer)
     scores = scorer.scores.numpy()
     return (scores[:trials], scores[trials:2 * trials], federation, [0, trials],
@@ -353,7 +353,7 @@ def client_level(source: Problem, client: int, trials: int, rounds: int,
         worlds = (source, client_trials(source, record))
         direction, score = input_direction(worlds[1], record), ModelScorer
     scores, scored = whole_runs(worlds, score, direction, trials, rounds,
-                                int(source.config["seed"]), bool(source.config["secure-noise"]),
+                                source.config.run.seed, source.config.privacy.secure_noise,
                                 (rewrites[0], rewrites[1]))
     return scores[0], scores[1], worlds[1], [worlds[1].num_clients - 1], scored
 
@@ -387,8 +387,8 @@ def sum_level(source: Problem, client: int, trials: int, rounds: int,
     worlds = gradient_canary.sum_worlds(source, client, canary_radius(source))
     direction = constant(gradient_canary.direction(worlds[1]))
     (out, inn), scored = whole_runs(worlds, SumScorer, direction, trials, rounds,
-                                    int(source.config["seed"]),
-                                    bool(source.config["secure-noise"]))
+                                    source.config.run.seed,
+                                    source.config.privacy.secure_noise)
     return out, inn, worlds[1], [client], scored
 
 
@@ -400,8 +400,8 @@ def ledger_epsilon(problem: Problem, clients: list[int], rounds: int, *,
     cfg, algorithm = problem.config, problem.algorithm
     accounting = Accounting(
         num_clients=problem.num_clients, releases=problem.releases,
-        accountant=str(cfg["accountant"]), relation=algorithm.relation,
-        delta=float(cfg["delta"]),
+        accountant=cfg.privacy.accountant, relation=algorithm.relation,
+        delta=cfg.privacy.delta,
         central=tuple(r for r in problem.server_releases()
                       if r.name in algorithm.central_releases()))
     for server_round in range(1, rounds + 1):
@@ -464,11 +464,11 @@ def audit(config: RunConfig, *, trials: int = 1000, confidence: float = 0.95,
         raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
     started = time.perf_counter()
     source = build_problem(config)
-    secure, split = bool(config["secure-aggregation"]), bool(config["distributed-noise"])
+    secure, split = config.secure.secure_aggregation, config.secure.distributed_noise
     if view == "sum" and not secure:
         raise ValueError("the sum view is a secure-aggregation server's: the run has none")
     if secure:  # the run's calibration and shares, not those of the trials' federations
-        pinned = {"min_client_records": int(config["min-client-records"])
+        pinned = {"min_client_records": config.privacy.min_client_records
                   or source.smallest_client()}
         if split:
             pinned["min_survivors"] = source.survivors
@@ -477,11 +477,11 @@ def audit(config: RunConfig, *, trials: int = 1000, confidence: float = 0.95,
            "sum" if secure and view != "upload" else "unmasked" if split else "record")
     threat, measure = THREATS[key]
     split = key == "unmasked"
-    rounds = int(config["num-server-rounds"])
+    rounds = config.run.num_server_rounds
     out, inn, problem, charged, scored = measure(source, client, trials, rounds, canary)
-    delta = float(config["delta"])
+    delta = config.privacy.delta
     bound = epsilon_lower_bound(out, inn, delta=delta, confidence=confidence)
-    target = (float(config["epsilon"]) if float(config["noise-multiplier"]) < 0
+    target = (config.privacy.epsilon if config.privacy.noise_multiplier < 0
               and not source.algorithm.noise_free else None)
     return AuditResult(algorithm=source.algorithm.name, threat_model=threat, canary=canary,
                        bound=bound,

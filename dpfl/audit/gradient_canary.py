@@ -174,7 +174,7 @@ def data_z(source: Problem, client: int, s: float) -> float:
 def pinned_records(source: Problem, client: int) -> int:
     """The record count both worlds calibrate from: the run's ``min-client-records``, else,
     under add/remove, client ``client``'s count in the out world (0: each client's own)."""
-    bound = int(source.config["min-client-records"])
+    bound = source.config.privacy.min_client_records
     add_remove = source.algorithm.relation is Relation.ADD_REMOVE
     return bound or (len(source.partitions[client]) if add_remove else 0)
 

@@ -141,17 +141,17 @@ def one_run(config: RunConfig, *, canaries: int = 1000, guesses: int = 100,
         raise ValueError(f"need 2 ≤ guesses ≤ canaries, got {guesses} and {canaries}")
     started = time.perf_counter()
     source = build_problem(config)
-    seed = int(config["seed"])
+    seed = config.run.seed
     coins = Randomness(seed).generator(client, 0, "audit-coins")
     bits = torch.randint(0, 2, (canaries,), generator=coins).numpy().astype(bool)
     problem = federation(source, client, bits, canary_radius(source))
-    rounds = int(config["num-server-rounds"])
+    rounds = config.run.num_server_rounds
     found = scores(problem, client, canaries, rounds,
-                   Randomness(seed, secure=bool(config["secure-noise"])))
+                   Randomness(seed, secure=config.privacy.secure_noise))
     order = np.argsort(found, kind="stable")
     low, high = order[:guesses // 2], order[len(order) - (guesses - guesses // 2):]
     correct = int((~bits[low]).sum() + bits[high].sum())
-    delta = float(config["delta"])
+    delta = config.privacy.delta
     return OneRunResult(algorithm=source.algorithm.name, canaries=canaries, guesses=guesses,
                         correct=correct,
                         epsilon_lower=epsilon_lower_bound(canaries, guesses, correct, delta,

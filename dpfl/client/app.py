@@ -31,6 +31,7 @@ from dpfl.flower_secagg import install_mask_expansion
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused
 from dpfl.rounds.secure_sum import node_vector, quantisations, quiet_flower
+from dpfl.runconfig import RunConfig
 from dpfl.wire import (
     ClientsQuery,
     Hosted,
@@ -51,7 +52,7 @@ def _problem(context: Context) -> Problem:
     two values alone: the node reads its data only for a run that trains under the node's own
     bound, so that no refusal depends on how many records it holds."""
     own = context.node_config.get("min-client-records")
-    declared = context.run_config.get("min-client-records", 0)
+    declared = RunConfig(context.run_config).privacy.min_client_records
     if own is not None and str(own) != str(declared):
         raise NodeConfigError("min-client-records", f"the node trains under its own bound, "
                               f"{own}, and the run declares {declared}", allowed=str(own))
@@ -65,7 +66,7 @@ def _client(lineage: Lineage | None, context: Context, problem: Problem,
     node, named by its lineage, and the run's name in the node's ledger (None: a server that
     sends no lineage)."""
     files = None if lineage is None else StateFiles(
-        state_folder(context.node_config), lineage, int(problem.config["checkpoint-every"]))
+        state_folder(context.node_config), lineage, problem.config.run.checkpoint_every)
     return AlgorithmClient(problem, context, clients, files,
                            run="" if lineage is None else lineage.run,
                            segment="" if lineage is None else lineage.current)
@@ -114,7 +115,7 @@ def secure_stages(msg: Message, context: Context, call_next: ClientAppCallable) 
         return call_next(msg, context)
     if configs.get(SecAggKey.STAGE) == Stage.UNMASK:
         problem = _problem(context)
-        if problem.config["distributed-noise"] and not NodePolicy.of(
+        if problem.config.secure.distributed_noise and not NodePolicy.of(
                 context.node_config, problem.config).trust_server:
             own = context.state.config_records.get(SECURE_STATE, {}).get("participants", 0)
             held = int(own) + len(configs.get(SecAggKey.ACTIVE_NODE_ID_LIST, [])) - 1
@@ -148,7 +149,7 @@ def reply(msg: Message, context: Context, problem: Problem) -> Message:
     spec = problem.algorithm.exchange(request.exchange)
     secure = RECORD_KEY_CONFIGS in msg.content.config_records  # through SecAgg+'s mod
     try:
-        if problem.config["distributed-noise"] and not secure:
+        if problem.config.secure.distributed_noise and not secure:
             raise ClientRefused(clients, "distributed-noise: this node adds a share of its "
                                 "noise only to uploads that Flower's SecAgg+ masks, and this "
                                 "request came without it")

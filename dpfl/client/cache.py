@@ -6,8 +6,8 @@ the ClientApp builds in memory is gone after each reply. A node therefore keeps,
 Linux; :func:`dpfl.datasets.loading.user_cache`):
 
 * ``data-<key>.pt``: its clients' training rows and the public records
-  (:meth:`Problem.node_data`), keyed by the run-config keys that decide them
-  (:data:`dpfl.problem.DATA_KEYS`), the clients it hosts, the data folder and the size and time
+  (:meth:`Problem.node_data`), keyed by the settings that decide them
+  (:func:`dpfl.problem.data_key`), the clients it hosts, the data folder and the size and time
   of every file in it (two levels deep) and of the file a dataset option ``path`` names, and
   dpfl's version; for a node with its own data
   (node config ``data-path``), keyed by that file, its size and time. Built on the first
@@ -44,7 +44,7 @@ from dpfl.datasets import arrays
 from dpfl.datasets.loading import CACHE_DIR_ENV, stamp, user_cache
 from dpfl.datasets.site import site_node_data
 from dpfl.errors import ConfigError
-from dpfl.problem import DATA_KEYS, Problem, cached_problem, data_dir
+from dpfl.problem import Problem, cached_problem, data_dir, data_key
 from dpfl.reference import is_reference
 from dpfl.runconfig import RunConfig
 from dpfl.version import __version__
@@ -76,7 +76,7 @@ def _named_file(config: RunConfig, source: str) -> tuple[int, int] | None:
     """Size and time of the file a dataset option ``path`` names (the ``npz`` dataset's, which
     may lie outside the data folder), None without one."""
     try:
-        path = parse_options(str(config["dataset-options"])).get("path")
+        path = parse_options(config.data.dataset_options).get("path")
     except ValueError:  # the run's own checks name the key
         return None
     return stamp(arrays.source(str(path), Path(source))) if path else None
@@ -85,7 +85,7 @@ def _named_file(config: RunConfig, source: str) -> tuple[int, int] | None:
 def _referenced_code(config: RunConfig) -> tuple[str, int, int] | None:
     """Path, size and time of the module a ``dataset="module:callable"`` reference names (its
     own file: what a user edits between runs), None for a registered dataset."""
-    dataset = str(config["dataset"])
+    dataset = config.data.dataset
     if not is_reference(dataset):
         return None
     spec = importlib.util.find_spec(dataset.partition(":")[0])
@@ -139,10 +139,10 @@ def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
         source = str(Path(site).resolve())
         stat = Path(source).stat() if Path(source).is_file() else None
         key = _digest("site", source, stat and (stat.st_size, stat.st_mtime_ns),
-                      config["dataset"], config["num-partitions"], clients, __version__)
+                      config.data.dataset, config.data.num_partitions, clients, __version__)
     else:
         source = data_dir(config)
-        key = _digest({k: config[k] for k in DATA_KEYS}, clients, source, _fingerprint(source),
+        key = _digest(data_key(config), clients, source, _fingerprint(source),
                       _named_file(config, source), _referenced_code(config), __version__,
                       NODE_DATA_LAYOUT)
     path = folder / f"data-{key}.pt"
@@ -152,8 +152,8 @@ def _node_data(config: RunConfig, clients: tuple[int, ...], folder: Path,
         return data, key
     except (OSError, RuntimeError, EOFError):  # not there yet, or unreadable: rebuild it
         pass
-    data = (site_node_data(site, dataset=str(config["dataset"]), clients=list(clients),
-                           num_clients=int(config["num-partitions"])) if site else
+    data = (site_node_data(site, dataset=config.data.dataset, clients=list(clients),
+                           num_clients=config.data.num_partitions) if site else
             cached_problem(tuple(sorted(config.as_dict().items()))).node_data(list(clients)))
     try:
         write_atomically(path, lambda p: torch.save(data, p))
@@ -171,7 +171,7 @@ def node_problem(items: tuple[tuple[str, object], ...], clients: tuple[int, ...]
     (:mod:`dpfl.datasets.site`). Cached in-process too: a simulation's worker serves many
     messages of many virtual nodes."""
     config = RunConfig(dict(items))
-    if site and not int(config["min-client-records"]):
+    if site and not config.privacy.min_client_records:
         raise ConfigError("min-client-records", "a node with its own data (data-path) needs "
                           "the run's public lower bound on every client's records",
                           allowed=f"an integer >= batch-size "

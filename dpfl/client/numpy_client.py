@@ -40,6 +40,7 @@ from dpfl.errors import ConfigError
 from dpfl.privacy import Release
 from dpfl.problem import Problem
 from dpfl.rounds import ClientRefused, ClientRuntime
+from dpfl.runconfig import RunConfig
 
 log = logging.getLogger("dpfl")
 
@@ -65,13 +66,14 @@ def node_clients(context: Context) -> list[int]:
     block p of the run config's ``num-partitions`` clients shared by S nodes
     (:func:`node_block`: one client per node when S equals it, cohort SuperNodes when S is
     smaller); else client ``partition-id`` alone."""
-    cfg = context.node_config
-    if "partition-ids" in cfg:
-        return sorted(int(c) for c in str(cfg["partition-ids"]).split(","))
-    node = int(cfg["partition-id"])
-    if "num-partitions" not in cfg:
+    node_config = context.node_config
+    if "partition-ids" in node_config:
+        return sorted(int(c) for c in str(node_config["partition-ids"]).split(","))
+    node = int(node_config["partition-id"])
+    if "num-partitions" not in node_config:
         return [node]
-    return node_block(node, int(cfg["num-partitions"]), int(context.run_config["num-partitions"]))
+    return node_block(node, int(node_config["num-partitions"]),
+                      RunConfig(context.run_config).data.num_partitions)
 
 
 def node_block(node: int, nodes: int, clients: int) -> list[int]:
@@ -105,7 +107,7 @@ class AlgorithmClient(NumPyClient):
         config = problem.config
         self.policy = NodePolicy.of(context.node_config, config)
         self.context = stream_context(config)
-        rng = self.policy.randomness(int(config["seed"]), self.context)
+        rng = self.policy.randomness(config.run.seed, self.context)
         self.noise = rng.mode
         self.runtime = ClientRuntime.of(problem, rng=rng)
         keep_freed_memory()  # a cohort node's [clients, d] blocks, reused across messages
@@ -215,7 +217,7 @@ class AlgorithmClient(NumPyClient):
             self.check_budget(ledgers, new, exchange, server_round)
             uploads, states, diagnostics = self.runtime.step(
                 exchange, server_round, tensors, states, self.problem.cohort(self.clients))
-            every = int(self.problem.config["checkpoint-every"])
+            every = self.problem.config.run.checkpoint_every
             for c, digest in zip(self.clients, digests, strict=True):
                 ledgers[c].answer(self.run, self.segment, server_round, exchange)
                 if c in new:

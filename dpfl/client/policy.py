@@ -71,13 +71,16 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpfl.algorithms import ALGORITHMS
 from dpfl.client.node_ledger import convertible
 from dpfl.errors import ConfigError, did_you_mean
 from dpfl.privacy import Randomness, Relation
 from dpfl.privacy.randomness import MODES
+
+if TYPE_CHECKING:
+    from dpfl.runconfig import RunConfig
 
 log = logging.getLogger("dpfl")
 
@@ -155,8 +158,7 @@ def _number(config: Mapping[str, Any], key: str, default: float, *, low: float,
 RELATION_NAMES = tuple(r.value for r in Relation)
 
 
-def _records(node_config: Mapping[str, Any], run_config: Mapping[str, Any],
-             trust: bool) -> int | None:
+def _records(node_config: Mapping[str, Any], trust: bool) -> int | None:
     """The node's own ``min-client-records`` (None: the run's, which the node then takes as it
     is: a node that trusts the server, or one hosting clients of the run's split, whose record
     counts the run config itself decides). A node with its own data (``data-path``) must set it:
@@ -206,7 +208,7 @@ class NodePolicy:
     state_dir: Path
 
     @classmethod
-    def of(cls, node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> NodePolicy:
+    def of(cls, node_config: Mapping[str, Any], run_config: RunConfig) -> NodePolicy:
         """The policy of a node with ``node_config`` serving a run of ``run_config`` (a
         validated :class:`~dpfl.runconfig.RunConfig`); raises :class:`NodeConfigError` on a
         bad node config."""
@@ -222,11 +224,11 @@ class NodePolicy:
         noise = str(node_config.get("noise", "seeded" if trust else "secure"))
         if noise not in MODES:
             raise NodeConfigError("noise", f"{noise!r}", allowed=MODES)
-        if run_config["secure-noise"]:  # the run may ask for more, never for less
+        asked = run_config.privacy
+        if asked.secure_noise:  # the run may ask for more, never for less
             noise = "secure"
-        run_cap = float(run_config["max-epsilon"]) or math.inf
-        accountant = str(node_config.get("accountant", run_config["accountant"] if trust
-                                         else "rdp"))
+        run_cap = asked.max_epsilon or math.inf
+        accountant = str(node_config.get("accountant", asked.accountant if trust else "rdp"))
         if accountant not in ACCOUNTANTS:
             raise NodeConfigError("accountant", f"{accountant!r}", allowed=ACCOUNTANTS)
         cap_relation = node_config.get("cap-relation", None if trust else Relation.REPLACE_ONE)
@@ -240,7 +242,7 @@ class NodePolicy:
             max_epsilon=_number(node_config, "max-epsilon",
                                 run_cap if trust else DEFAULT_MAX_EPSILON, low=0.0,
                                 closed=False),
-            delta=_number(node_config, "delta", float(run_config["delta"]) if trust
+            delta=_number(node_config, "delta", asked.delta if trust
                           else DEFAULT_DELTA, low=0.0, high=1.0, closed=False),
             accountant=accountant,
             cap_relation=None if cap_relation is None else Relation(str(cap_relation)),
@@ -251,14 +253,14 @@ class NodePolicy:
             algorithms=_names(node_config, "algorithms",
                               ALGORITHMS.names() if trust else local_algorithms(),
                               ALGORITHMS.names()),
-            min_client_records=_records(node_config, run_config, trust),
+            min_client_records=_records(node_config, trust),
             state_dir=state_dir)
 
     # ---- what the node refuses ---------------------------------------------------------
-    def refusal(self, config: Mapping[str, Any], relation: str) -> str | None:
+    def refusal(self, config: RunConfig, relation: str) -> str | None:
         """Why the node refuses every round of a run of ``config`` whose algorithm protects
         ``relation`` (one line naming the policy key), or None."""
-        name = str(config["algorithm"])
+        name = config.run.algorithm
         if name not in self.algorithms:
             return (f"node policy algorithms: {name!r} is not accepted (allowed: "
                     f"{', '.join(sorted(self.algorithms))})")
@@ -269,15 +271,15 @@ class NodePolicy:
             return (f"node policy cap-relation={self.cap_relation}: the cap is stated under "
                     f"{self.cap_relation}, and a {relation} release has no {self.cap_relation} "
                     f"ε (allowed: runs under {self.cap_relation})")
-        declared = int(config["min-client-records"])
+        declared = config.privacy.min_client_records
         if self.min_client_records is not None and declared != self.min_client_records:
             return (f"node policy min-client-records={self.min_client_records}: the run "
                     f"declares min-client-records={declared} (allowed: "
                     f"{self.min_client_records})")
-        if config["non-private-diagnostics"] and not self.diagnostics:
+        if config.evaluation.non_private_diagnostics and not self.diagnostics:
             return ("node policy diagnostics=false: exact, un-noised statistics "
                     "(non-private-diagnostics) may not leave this node")
-        if config["distributed-noise"] and not self.distributed:
+        if config.secure.distributed_noise and not self.distributed:
             return ("node policy distributed-noise=false: this node adds each client's whole "
                     "noise (a share of it protects an upload only while the server follows "
                     "SecAgg+); its operator allows a share with the node config key "

@@ -80,7 +80,7 @@ def batch_key(values: dict[str, Value]) -> tuple[tuple[str, str], ...]:
     """What runs must share to run in one batch: every key of the validated ``values`` but the
     free ones (runs with equal keys can go to one :func:`run_many`)."""
     config = RunConfig(values)
-    free = free_keys(str(config["algorithm"]))
+    free = free_keys(config.run.algorithm)
     return tuple(sorted((k, repr(v)) for k, v in config.items() if k not in free))
 
 
@@ -125,7 +125,7 @@ class FoldedRun(EngineTransport):
     done in the fold's batched call, or alone: :meth:`Request.alone`)."""
 
     def __init__(self, problem: Problem, index: int) -> None:
-        super().__init__(problem, pooled_noise=problem.config["engine-mode"] == "fast")
+        super().__init__(problem, pooled_noise=problem.config.run.engine_mode == "fast")
         self.index = index
 
     def keep(self, participants: list[int], rows: State) -> None:
@@ -270,8 +270,8 @@ class Fold:
 def check_batch(configs: Sequence[RunConfig]) -> None:
     """Refuse, naming the key, runs that cannot share a batch (before anything is built)."""
     first = configs[0]
-    name = str(first["algorithm"])
-    if any(str(c["algorithm"]) != name for c in configs):
+    name = first.run.algorithm
+    if any(c.run.algorithm != name for c in configs):
         raise ConfigError("algorithm", "the runs of one batch run one algorithm",
                           allowed=name)
     if not batchable(name):
@@ -285,7 +285,7 @@ def check_batch(configs: Sequence[RunConfig]) -> None:
                 raise ConfigError(key, f"differs between runs of one batch ({first[key]!r}, "
                                   f"{config[key]!r}); they may differ only in",
                                   allowed=", ".join(free))
-    named = [(str(c["results-dir"]), str(c["run-name"])) for c in configs if c["run-name"]]
+    named = [(c.run.results_dir, c.run.run_name) for c in configs if c.run.run_name]
     if len(set(named)) < len(named):
         raise ConfigError("run-name", "two runs of one batch would write one results folder",
                           allowed="distinct names, or empty for automatic ones")

@@ -87,5 +87,5 @@ def run(config: RunConfig, *, echo: bool = True, plot: bool = True) -> dict[str,
     draw the results folder's ``summary.png`` (a sweep's runs skip it: their report draws
     the figures)."""
     problem = build_problem(config)
-    transport = EngineTransport(problem, pooled_noise=config["engine-mode"] == "fast")
+    transport = EngineTransport(problem, pooled_noise=config.run.engine_mode == "fast")
     return drive(RoundLoop(problem, "engine", echo=echo, plot=plot), transport)

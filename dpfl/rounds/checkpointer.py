@@ -23,9 +23,9 @@ class Checkpointer:
 
     def __init__(self, config: RunConfig, runtime: str) -> None:
         self.config = config
-        self.every = int(config["checkpoint-every"])
+        self.every = config.run.checkpoint_every
         self.resumed: dict[str, Any] | None = (checkpoint.load(config, runtime)
-                                               if config["resume"] else None)
+                                               if config.run.resume else None)
         self.path: Path = (checkpoint.folder_of(config) if self.resumed
                            else results_path(config, runtime))
         self.lineage = Lineage.fresh()
@@ -39,7 +39,7 @@ class Checkpointer:
         if self.resumed is None or self.resumed["releases"] == releases:
             return
         rounds = self.resumed["run_config"]["num-server-rounds"]
-        if rounds == self.config["num-server-rounds"]:
+        if rounds == self.config.run.num_server_rounds:
             raise ConfigError("resume", "the run's calibrated releases differ from the "
                               "checkpointed run's (another version of dpfl?)")
         raise ConfigError("num-server-rounds", f"the run's noise was calibrated for its "
@@ -56,12 +56,12 @@ class Checkpointer:
             last = max([rounds_done, *(int(json.loads(line)["round"]) for line in lines)])
         except (OSError, ValueError, KeyError):
             last = rounds_done
-        return min(last + 1, int(self.config["num-server-rounds"]))
+        return min(last + 1, self.config.run.num_server_rounds)
 
     def due(self, server_round: int) -> bool:
         """Whether the run checkpoints after ``server_round``."""
         return bool(self.every) and (server_round % self.every == 0
-                                     or server_round == int(self.config["num-server-rounds"]))
+                                     or server_round == self.config.run.num_server_rounds)
 
     def save(self, server_round: int, state: dict[str, Any]) -> None:
         """Checkpoint ``state`` (the run's parts, each its own ``state_dict``) after

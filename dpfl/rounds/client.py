@@ -55,9 +55,9 @@ class ClientRuntime:
         CSPRNG under its ``secure-noise``."""
         cfg = problem.config
         return cls(problem.algorithm, problem.releases,
-                   rng or Randomness(int(cfg["seed"]), secure=bool(cfg["secure-noise"])),
+                   rng or Randomness(cfg.run.seed, secure=cfg.privacy.secure_noise),
                    device=problem.device, pooled_noise=pooled_noise,
-                   diagnostics=bool(cfg["non-private-diagnostics"]))
+                   diagnostics=cfg.evaluation.non_private_diagnostics)
 
     def step(self, exchange: str, server_round: int, broadcast: State, states: State,
              cohort: Cohort) -> tuple[State, State, dict[str, torch.Tensor]]:

@@ -59,13 +59,13 @@ class Evaluator:
             accuracy = res.get("accuracy")
             out[f"{name}_loss"] = float(res["loss"])
             out[f"{name}_accuracy"] = None if accuracy is None else float(accuracy)
-        if config["eval-train"]:
+        if config.evaluation.eval_train:
             x, y = self.train_set
             with torch.no_grad():
                 out["train_loss_full"] = float(model.evaluate(params, x, y)["loss"])
             grad = model.full_gradient(params, x, y)
             out["grad_norm"] = float(torch.linalg.vector_norm(grad.double()))
-        if config["eval-norm-quantiles"]:
+        if config.evaluation.eval_norm_quantiles:
             out["tau_q_nonprivate"] = self.norm_quantile_ratios(params)
         return out
 

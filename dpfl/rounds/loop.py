@@ -134,11 +134,11 @@ class RoundLoop:
         self.runtime = runtime
         start = problem.x0 if x0 is None else x0
         self.state = self.algorithm.init_server_state(start.to(problem.device))
-        self.rng = Randomness(int(cfg["seed"]), secure=bool(cfg["secure-noise"]))
+        self.rng = Randomness(cfg.run.seed, secure=cfg.privacy.secure_noise)
         self.accounting = Accounting(
             num_clients=problem.num_clients, releases=problem.releases,
-            accountant=str(cfg["accountant"]), relation=self.algorithm.relation,
-            delta=float(cfg["delta"]), limit=float(cfg["max-epsilon"]),
+            accountant=cfg.privacy.accountant, relation=self.algorithm.relation,
+            delta=cfg.privacy.delta, limit=cfg.privacy.max_epsilon,
             also=self.algorithm.reported_accountants,
             central=tuple(r for r in problem.server_releases()
                           if r.name in self.algorithm.central_releases()))
@@ -177,7 +177,7 @@ class RoundLoop:
         server_round, before = self.report.first_round, self.state
         try:
             for server_round in range(self.report.first_round,
-                                      int(self.config["num-server-rounds"]) + 1):
+                                      self.config.run.num_server_rounds + 1):
                 if not (yield from self.play_round(server_round)):
                     break
                 before = self.state
@@ -267,7 +267,7 @@ class RoundLoop:
             if gone := {**replies.unreached, **replies.lost}:
                 self.lost.update(gone)
                 ctx = without(ctx, gone, f"round {server_round}, exchange {exchange.name!r}",
-                              int(self.config["min-clients"]), self.echo)
+                              self.config.run.min_clients, self.echo)
             assert replies.sums is not None
             traffic["uplink_bytes"] += len(ctx.participants) * payload(replies.sums)
             self.monitor.check_noise(exchange, replies.sums, len(ctx.participants),
@@ -286,7 +286,7 @@ class RoundLoop:
         return ServerContext(server_round=server_round, rng=self.rng, participants=participants,
                              num_clients=self.problem.num_clients, releases=server_releases,
                              charge=self.accounting.charge_server,
-                             num_rounds=int(self.config["num-server-rounds"]),
+                             num_rounds=self.config.run.num_server_rounds,
                              client_releases=self.problem.releases)
 
     def check_streams(self, exchanges: tuple[str, ...], server_round: int) -> None:
@@ -303,9 +303,9 @@ class RoundLoop:
                   diagnostics: dict[int, dict[str, float]], started: float) -> None:
         """Record round ``server_round``: its diagnostics' means, evaluation, ε, and its time
         since ``started`` (evaluation included)."""
-        rounds = int(self.config["num-server-rounds"])
+        rounds = self.config.run.num_server_rounds
         record: dict[str, Any] = {"round": server_round, **means(diagnostics)}
-        if server_round % int(self.config["eval-every"]) == 0 or server_round == rounds:
+        if server_round % self.config.evaluation.eval_every == 0 or server_round == rounds:
             x = self.algorithm.global_params(self.state)
             record.update(last_eval := self.evaluate(x))
             self.report.last_eval = last_eval
@@ -380,7 +380,7 @@ class RoundLoop:
         self.monitor.load_state_dict(saved)
         self.report.load_state_dict(saved)
         self.noise = {int(c): str(m) for c, m in saved.get("noise", {}).items()}
-        if self.config["secure-noise"] and self.runtime == "engine":
+        if self.config.privacy.secure_noise and self.runtime == "engine":
             self.charge_interrupted()
         return saved["client_states"]
 
@@ -418,8 +418,8 @@ class RoundLoop:
             "epsilon": epsilon,
             "server_epsilon": self.accounting.server_epsilon(),
             "epsilon_by_accountant": self.accounting.report_by_accountant(),
-            "delta": float(self.config["delta"]),
-            "accountant": self.config["accountant"],
+            "delta": self.config.privacy.delta,
+            "accountant": self.config.privacy.accountant,
             "calibration": calibration_name(self.problem),
             "protection": self.algorithm.protection,
             "privacy": self.privacy_statement(),
@@ -432,7 +432,7 @@ class RoundLoop:
                                                    self.rounds_done, self.stop_reason),
             "warnings": list(self.monitor.warnings),
         }
-        if self.config["secure-aggregation"]:
+        if self.config.secure.secure_aggregation:
             summary["secure_aggregation"] = secure_aggregation_statement(
                 self.problem, self.accounting, self.runtime)
         self.report.finish(summary, self.algorithm.global_params(self.state).cpu())

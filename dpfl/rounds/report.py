@@ -86,7 +86,7 @@ class ReportWriter:
 
     def describe(self, r: dict[str, Any]) -> str:
         """The console line of round record ``r``."""
-        rounds = int(self.problem.config["num-server-rounds"])
+        rounds = self.problem.config.run.num_server_rounds
         parts = [f"round {r['round']:>{len(str(rounds))}}/{rounds}"]
         if r.get("train_loss") is not None:
             parts.append(f"train loss {r['train_loss']:.4f}")
@@ -95,7 +95,7 @@ class ReportWriter:
                 acc = r.get(f"{name}_accuracy")
                 parts.append(f"{name} loss {r[f'{name}_loss']:.4f}"
                              + (f" acc {100 * acc:5.2f}%" if acc is not None else ""))
-        parts.append(f"ε max {r['epsilon_max']:.4g} (δ={self.problem.config['delta']:g})")
+        parts.append(f"ε max {r['epsilon_max']:.4g} (δ={self.problem.config.privacy.delta:g})")
         elapsed = time.perf_counter() - self.started
         left = elapsed / (r["round"] - self.first_round + 1) * (rounds - r["round"])
         parts.append(f"{r['seconds']:.2f} s" + (f", ETA {left:.0f} s" if left else ""))
@@ -105,9 +105,10 @@ class ReportWriter:
         """Write ``summary``, the model ``params`` and the plots, and close the folder."""
         p, cfg = self.problem, self.problem.config
         data = p.dataset
-        title = (f"{p.algorithm.name} on {cfg['dataset']}, {p.num_clients} clients · "
-                 f"ε = {summary['epsilon_max']:.4g} (δ = {cfg['delta']:g}, {cfg['accountant']})"
-                 f" · seed {cfg['seed']} · {self.runtime}")
+        privacy = cfg.privacy
+        title = (f"{p.algorithm.name} on {cfg.data.dataset}, {p.num_clients} clients · "
+                 f"ε = {summary['epsilon_max']:.4g} (δ = {privacy.delta:g}, "
+                 f"{privacy.accountant}) · seed {cfg.run.seed} · {self.runtime}")
         chance = 1 / data.num_classes if data.task == "classification" else (
             0.5 if data.task == "binary" else None)
         assert self.results is not None, "open() first"

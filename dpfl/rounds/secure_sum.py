@@ -184,6 +184,6 @@ def quiet_flower() -> Iterator[None]:
 def reduction(problem: Problem, exchange: str) -> Reduction:
     """The reduction of ``exchange``'s uploads: :class:`SecureSum` under
     ``secure-aggregation``, else :class:`~dpfl.rounds.RowSum`."""
-    if problem.config["secure-aggregation"]:
+    if problem.config.secure.secure_aggregation:
         return SecureSum(quantisations(problem, exchange), problem.device)
     return RowSum(problem.device)

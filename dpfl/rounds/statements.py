@@ -70,7 +70,7 @@ def noise_sources(problem: Problem, runtime: str, accounting: Accounting,
     (:data:`~dpfl.privacy.randomness.MODES`): as their nodes said (``reported``, Flower;
     ``unknown`` before any has), else as the run config says (the engine)."""
     if runtime == "engine":  # the clients that took part, as under Flower
-        return {"secure" if problem.config["secure-noise"] else "seeded":
+        return {"secure" if problem.config.privacy.secure_noise else "seeded":
                 len(accounting.charged) or problem.num_clients}
     return dict(Counter(reported.values())) or {"unknown": problem.num_clients}
 
@@ -79,7 +79,7 @@ def privacy_statement(problem: Problem, sources: dict[str, int]) -> dict[str, An
     """Whether the run's ε holds against the server, and why not (``sources``: where the
     clients' noise came from, :func:`noise_sources`)."""
     algorithm = problem.algorithm
-    if problem.config["non-private-diagnostics"]:
+    if problem.config.evaluation.non_private_diagnostics:
         return {"guarantee_against_server": False, "note": NON_PRIVATE}
     if algorithm.central_releases():
         return {"guarantee_against_server": False, "note": CENTRAL}
@@ -111,7 +111,7 @@ def secure_aggregation_statement(problem: Problem, accounting: Accounting,
                 "the total unmasked"),
         "grids": grids,
     }
-    if not problem.config["distributed-noise"]:
+    if not problem.config.secure.distributed_noise:
         return out
     unmasked = accounting.report_unmasked()
     survivors = problem.survivors
@@ -132,7 +132,7 @@ def calibration_name(problem: Problem) -> str:
     else its calibration."""
     cfg = problem.config
     return ("none" if problem.algorithm.noise_free
-            else "manual" if float(cfg["noise-multiplier"]) >= 0 else str(cfg["calibration"]))
+            else "manual" if cfg.privacy.noise_multiplier >= 0 else cfg.privacy.calibration)
 
 
 def calibration_check(problem: Problem, accounting: Accounting, rounds_done: int,
@@ -143,7 +143,7 @@ def calibration_check(problem: Problem, accounting: Accounting, rounds_done: int
     accountants give for the same noise, and why they differ."""
     cfg: RunConfig = problem.config
     epsilon = accounting.report()
-    if float(cfg["noise-multiplier"]) >= 0 or problem.algorithm.noise_free or not epsilon:
+    if cfg.privacy.noise_multiplier >= 0 or problem.algorithm.noise_free or not epsilon:
         return None
     by_accountant = list(accounting.report_by_accountant().items())
     others = "; ".join(f"{name} {value:.4g} ({ACCOUNTANTS.get(name).about})"
@@ -152,12 +152,12 @@ def calibration_check(problem: Problem, accounting: Accounting, rounds_done: int
         others = (f". The same noise by the ledger's other accountants: {others}: other "
                   f"bounds on the same releases, not the run's guarantee")
     spent = max(epsilon.values())
-    rounds = int(cfg["num-server-rounds"])
-    head = (f"the {cfg['accountant']} accountant, which the run's guarantee rests on, gives "
-            f"ε={spent:.4g} at δ={cfg['delta']:g} after {rounds_done} rounds")
-    if not CALIBRATIONS.get(str(cfg["calibration"]), problem.algorithm.name).targets_epsilon:
-        return f"calibration={cfg['calibration']} (noise set directly): {head}{others}"
-    target = float(cfg["epsilon"])
+    rounds = cfg.run.num_server_rounds
+    head = (f"the {cfg.privacy.accountant} accountant, which the run's guarantee rests on, gives "
+            f"ε={spent:.4g} at δ={cfg.privacy.delta:g} after {rounds_done} rounds")
+    if not CALIBRATIONS.get(cfg.privacy.calibration, problem.algorithm.name).targets_epsilon:
+        return f"calibration={cfg.privacy.calibration} (noise set directly): {head}{others}"
+    target = cfg.privacy.epsilon
     if rounds_done < rounds:
         verdict = (f"the run stopped after {rounds_done} of the {rounds} rounds the noise was "
                    f"calibrated for ({stop_reason or 'stopped'}): ε={spent:.4g} is what it "
@@ -170,4 +170,4 @@ def calibration_check(problem: Problem, accounting: Accounting, rounds_done: int
                    "noise than the target needs)")
     else:
         verdict = "the mapping is matched by the accountant"
-    return f"calibration={cfg['calibration']} for ε={target:g}: {head}; {verdict}{others}"
+    return f"calibration={cfg.privacy.calibration} for ε={target:g}: {head}; {verdict}{others}"

@@ -122,7 +122,7 @@ def main(grid: Grid, context: Context) -> None:
         strategy = AlgorithmStrategy(problem)
         with results_closed_first(strategy):
             strategy.start(grid=grid, initial_arrays=to_record({"x": problem.x0}),
-                           num_rounds=int(config["num-server-rounds"]))
+                           num_rounds=config.run.num_server_rounds)
     except (ConfigError, FederationError) as exc:
         print(f"dpfl: error: {exc}", file=sys.stderr, flush=True)
         raise RunFailed(str(exc)) from None

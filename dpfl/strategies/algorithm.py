@@ -118,7 +118,7 @@ class AlgorithmStrategy(Strategy):
                  echo: bool = True) -> None:
         self.problem = problem
         self.connect_timeout = connect_timeout
-        self.round_timeout = float(problem.config["round-timeout"])
+        self.round_timeout = problem.config.run.round_timeout
         self.echo = echo
         self.node_of: dict[int, int] = {}
         self.asked: set[int] = set()  # nodes that said which clients they host
@@ -337,9 +337,9 @@ class AlgorithmStrategy(Strategy):
         called then too, with the global model (``x``), and its metrics join the loop's in
         ``Result.evaluate_metrics_serverapp`` and the round's record (``evaluate_fn``). The
         train and evaluate configs are not used."""
-        if num_rounds != int(self.problem.config["num-server-rounds"]):
+        if num_rounds != self.problem.config.run.num_server_rounds:
             raise FederationError(f"num_rounds={num_rounds} but num-server-rounds="
-                                  f"{self.problem.config['num-server-rounds']}")
+                                  f"{self.problem.config.run.num_server_rounds}")
         if timeout is not None:
             self.round_timeout = timeout
         self.summary()
@@ -388,13 +388,13 @@ class FlowerTransport:
                                           participants)
         what = f"round {server_round}, exchange {exchange!r}"
         problem = self.strategy.problem
-        if problem.config["secure-aggregation"] and dispatch.requests:
+        if problem.config.secure.secure_aggregation and dispatch.requests:
             began, stages = time.monotonic(), itertools.count(1)
             replies = secure_exchange(
                 problem, self.grid,
                 lambda messages: self.wait(messages, f"{what}, SecAgg+ stage {next(stages)}",
                                            since=began),
-                dispatch.requests, problem.survivors if problem.config["distributed-noise"]
+                dispatch.requests, problem.survivors if problem.config.secure.distributed_noise
                 else 0, nodes_count=not simulated_grid(self.grid))
             replies.unreached.update(dispatch.unreached)
             return replies
