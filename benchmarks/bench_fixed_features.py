@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import scratch  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
-from dpfl.experiments.adaptive import LEVELS, METHODS, TASKS, config_of  # noqa: E402
-from dpfl.experiments.fixed_features import simulate  # noqa: E402
-from dpfl.experiments.selection import grid  # noqa: E402
+from dpfl_reproductions.adaptive import LEVELS, METHODS, TASKS, config_of  # noqa: E402
+from dpfl_reproductions.fixed_features import simulate  # noqa: E402
+from dpfl_reproductions.selection import grid  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
 
 

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import scratch  # noqa: E402
 
 from dpfl.engine import run  # noqa: E402
-from dpfl.experiments import least_squares  # noqa: E402
-from dpfl.experiments.prisma import config_of  # noqa: E402
+from dpfl_reproductions import least_squares  # noqa: E402
+from dpfl_reproductions.prisma import config_of  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
 
 POINT = {"learning-rate": 0.002, "clip": 5.0, "gamma": 0.02, "clip-diff": 0.005}

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import Row, arguments, emit, interleaved, ratios  # noqa: E402
 
 from dpfl.engine import run, run_many  # noqa: E402
-from dpfl.experiments.clip21 import LOGREG_BASE, LOGREG_MODES  # noqa: E402
-from dpfl.experiments.lab import one_thread  # noqa: E402
+from dpfl_reproductions.clip21 import LOGREG_BASE, LOGREG_MODES  # noqa: E402
+from dpfl_reproductions.lab import one_thread  # noqa: E402
 from dpfl.runconfig import RunConfig  # noqa: E402
 
 SECTION = "many runs"

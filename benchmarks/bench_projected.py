@@ -34,7 +34,7 @@ from dpfl.algorithms.projected import (  # noqa: E402
     top_eigenspace,
 )
 from dpfl.engine import run  # noqa: E402
-from dpfl.experiments.pcdp import SETTINGS, config_of  # noqa: E402
+from dpfl_reproductions.pcdp import SETTINGS, config_of  # noqa: E402
 from dpfl.models.span import GradientSpan  # noqa: E402
 from dpfl.privacy import Randomness  # noqa: E402
 from dpfl.problem import build_problem  # noqa: E402

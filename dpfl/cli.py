@@ -328,8 +328,15 @@ def audit_one_run(args: argparse.Namespace, config) -> int:
 
 
 def reproduce(args: argparse.Namespace) -> int:
-    from dpfl.experiments import EXPERIMENTS, Lab
-    from dpfl.experiments.lab import Pending
+    try:
+        from dpfl_reproductions import EXPERIMENTS, Lab
+        from dpfl_reproductions.lab import Pending
+    except ModuleNotFoundError as missing:
+        if missing.name != "dpfl_reproductions":
+            raise
+        raise UsageError("reproduce: the reproductions (package dpfl_reproductions) are not "
+                         "installed beside dpfl (allowed: an install of dpfl's wheel or of "
+                         "its checkout, which ship them)") from None
 
     if args.list or not args.paper:
         for key in EXPERIMENTS.names():

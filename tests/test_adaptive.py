@@ -301,7 +301,7 @@ def test_the_smoke_reproduction_reports_tables_2_to_4_and_figures(tmp_path, task
         assert (folder / f"{figure}-{task}.png").stat().st_size > 0
     assert "τ_0.7 = " in report
     # the verdict: each method's final selection on fresh seeds, paired
-    from dpfl.experiments.adaptive import SEEDS, VERDICT_SEEDS
+    from dpfl_reproductions.adaptive import SEEDS, VERDICT_SEEDS
 
     assert len(VERDICT_SEEDS) >= 3 and not set(VERDICT_SEEDS) & set(SEEDS)
     verdict = report[report.index("### Verdict"):]
@@ -310,8 +310,8 @@ def test_the_smoke_reproduction_reports_tables_2_to_4_and_figures(tmp_path, task
 
 
 def test_a_walk_past_the_edge_steps_each_axis_at_its_end_singly_and_together():
-    from dpfl.experiments.adaptive import beyond
-    from dpfl.experiments.selection import grid
+    from dpfl_reproductions.adaptive import beyond
+    from dpfl_reproductions.selection import grid
 
     points = grid(learning_rate=(0.1, 0.3), clip=(0.05, 0.1, 0.5))
     assert beyond({"learning-rate": 0.3, "clip": 0.5}, points) == [
@@ -324,7 +324,7 @@ def test_a_walk_past_the_edge_steps_each_axis_at_its_end_singly_and_together():
 
 
 def test_the_grids_and_noise_are_the_papers():
-    from dpfl.experiments.adaptive import TASKS, config_of
+    from dpfl_reproductions.adaptive import TASKS, config_of
 
     t3 = TASKS["t3"]
     assert len(t3.learning_rates) * len(t3.clips) == 6 and t3.adapt_noise[1] == (0.0093, 0.0021)
@@ -348,8 +348,8 @@ def test_the_simulator_follows_the_engine(tmp_path, task, points, paper):
     float32 rounding (C_r exactly: it is broadcast in float32), and its ε is the ledger's. With
     T2's clients of 22,606 and 22,605 records and `calibration="paper"`, each client's own noise
     (calibrated from its size) is the one scaled."""
-    from dpfl.experiments.adaptive import TASKS, config_of
-    from dpfl.experiments.fixed_features import simulate
+    from dpfl_reproductions.adaptive import TASKS, config_of
+    from dpfl_reproductions.fixed_features import simulate
 
     def calibrated(config, level):  # ε 50 and 5 instead of the noise sizes of the levels
         config = {k: v for k, v in config.items()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dpfl import cli
-from dpfl.experiments.adaptive_interpolation import (
+from dpfl_reproductions.adaptive_interpolation import (
     REGIME,
     Found,
     Spec,

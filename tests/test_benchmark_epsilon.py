@@ -14,7 +14,7 @@ from dpfl import problem
 from dpfl.algorithms import ALGORITHMS
 from dpfl.config import parse_options
 from dpfl.errors import UsageError
-from dpfl.experiments.benchmark import (
+from dpfl_reproductions.benchmark import (
     EXCLUDED,
     FAMILIES,
     GRIDS,
@@ -24,8 +24,8 @@ from dpfl.experiments.benchmark import (
     plan_of,
     rank,
 )
-from dpfl.experiments.family_figure import OTHER, family_figure
-from dpfl.experiments.lab import Lab
+from dpfl_reproductions.family_figure import OTHER, family_figure
+from dpfl_reproductions.lab import Lab
 from dpfl.runconfig import RunConfig
 
 
@@ -168,7 +168,7 @@ def test_auto_defaults_follow_the_runs_epsilon_to_the_nearest_benchmarked_one(mo
 
 
 def test_clients_needed_reads_the_first_count_that_learns_else_extrapolates():
-    from dpfl.experiments.benchmark import clients_needed
+    from dpfl_reproductions.benchmark import clients_needed
 
     assert clients_needed([10, 100, 1000], [10.0, 80.0, 90.0], 75.0) == 100
     # 10 points a decade from 20% at 10 clients: 60% at 10^5
@@ -178,7 +178,7 @@ def test_clients_needed_reads_the_first_count_that_learns_else_extrapolates():
 
 def test_the_clients_experiment_runs_each_family_at_its_benchmarked_point(monkeypatch):
     from dpfl.algorithms import tuned
-    from dpfl.experiments.benchmark import GRIDS, selected_point
+    from dpfl_reproductions.benchmark import GRIDS, selected_point
 
     monkeypatch.setattr(tuned, "POINTS", {})
     with pytest.raises(UsageError, match="clip21-sgd2m has no benchmarked"):
@@ -196,7 +196,7 @@ def test_the_clients_experiment_runs_each_family_at_its_benchmarked_point(monkey
 def test_the_smoke_clients_experiment_tables_accuracy_and_clients_needed(tmp_path, monkeypatch):
     from dpfl.algorithms import tuned
     from dpfl.cli import main
-    from dpfl.experiments.benchmark import GRIDS, REFERENCE
+    from dpfl_reproductions.benchmark import GRIDS, REFERENCE
 
     points = {a: {e: {k: v[len(v) // 2] for k, v in GRIDS[a].items()} for e in (1.0, 8.0)}
               for a in ("clip21-sgd2m", "dp-fedavg-quantile", REFERENCE)}
@@ -215,7 +215,7 @@ def test_the_smoke_clients_experiment_tables_accuracy_and_clients_needed(tmp_pat
 
 
 def test_an_extrapolation_far_past_the_measured_counts_gives_its_order_of_magnitude_only():
-    from dpfl.experiments.benchmark import needed_text
+    from dpfl_reproductions.benchmark import needed_text
 
     assert needed_text(100.0, 1000) == "100"
     assert needed_text(5000.0, 1000) == "5,000 (extrapolated)"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dpfl.cli import main
-from dpfl.experiments import EXPERIMENTS
+from dpfl_reproductions import EXPERIMENTS
 from tests.interrupting import STOPS, interrupted, round_done
 
 

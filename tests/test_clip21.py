@@ -552,7 +552,7 @@ def test_gaussian_added_oracle_adds_the_requested_gradient_noise(small_config):
 
 
 def test_the_unit_pixel_variant_of_e3_changes_the_scaling_alone():
-    from dpfl.experiments.clip21 import e3_base
+    from dpfl_reproductions.clip21 import e3_base
 
     standard, unit = e3_base("epochs"), e3_base("epochs", "unit")
     assert "dataset-options" not in standard  # the archived runs keep their keys

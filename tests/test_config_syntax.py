@@ -8,8 +8,8 @@ import shlex
 import pytest
 
 from dpfl.config import format_options, format_overrides, parse_options, parse_overrides
-from dpfl.experiments import adaptive, pcdp, prisma
-from dpfl.experiments.selection import command
+from dpfl_reproductions import adaptive, pcdp, prisma
+from dpfl_reproductions.selection import command
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -11,8 +11,8 @@ import torch
 from dpfl.engine import run
 from dpfl.engine.many import fold, run_fold, run_many
 from dpfl.errors import ConfigError, NonFiniteError
-from dpfl.experiments.clip21 import LOGREG_BASE, LOGREG_MODES
-from dpfl.experiments.prisma import LS_BASE
+from dpfl_reproductions.clip21 import LOGREG_BASE, LOGREG_MODES
+from dpfl_reproductions.prisma import LS_BASE
 from dpfl.runconfig import RunConfig
 
 # E1's logistic regression on duke (4 clients), 12 rounds, two seeds × two step sizes

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dpfl.experiments.lab import Lab, read_archive, run_key
-from dpfl.experiments.migrate import main
+from dpfl_reproductions.lab import Lab, read_archive, run_key
+from dpfl_reproductions.migrate import main
 
 RUNS = [{"algorithm": "dpsgd-gc", "num-server-rounds": 2, "num-partitions": 3, "seed": s,
          "noise-multiplier": 1.0} for s in (0, 1)]

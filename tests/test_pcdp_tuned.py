@@ -12,9 +12,9 @@ import math
 import pytest
 
 from dpfl.errors import UsageError
-from dpfl.experiments.lab import Lab
-from dpfl.experiments.pcdp import LABEL, SETTINGS, verdict
-from dpfl.experiments.pcdp_tuned import (
+from dpfl_reproductions.lab import Lab
+from dpfl_reproductions.pcdp import LABEL, SETTINGS, verdict
+from dpfl_reproductions.pcdp_tuned import (
     SELECTION_SEED,
     SERVER_LRS,
     choose,
@@ -122,8 +122,8 @@ def test_the_local_settings_fit_the_papers_epsilon_and_the_default_is_the_tuned_
         tmp_path):
     from dataclasses import replace
 
-    from dpfl.experiments.pcdp import config_of
-    from dpfl.experiments.pcdp_tuned import LOCALS
+    from dpfl_reproductions.pcdp import config_of
+    from dpfl_reproductions.pcdp_tuned import LOCALS
 
     base = SETTINGS["federated-mnist"]
     for batch, steps in LOCALS.values():
@@ -158,7 +158,7 @@ def test_the_centralized_report_pairs_pcdp_sgd_with_pdp_sgd_and_dp_sgd_seed_by_s
     """§6.4's orderings with more than one seed: per σ, PCDP-SGD − PDP-SGD and PCDP-SGD − DP-SGD
     seed by seed, their mean, t-interval and verdict; a seed whose run has no final accuracy
     drops out of both sides; one seed gives no table."""
-    from dpfl.experiments.pcdp import Sweep, report_paired
+    from dpfl_reproductions.pcdp import Sweep, report_paired
 
     def runs(*values):
         return [{"derived": {"final_accuracy": v}} for v in values]

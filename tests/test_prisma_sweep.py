@@ -11,9 +11,9 @@ import torch
 
 from dpfl import cli
 from dpfl.engine.runner import EngineTransport
-from dpfl.experiments import least_squares
-from dpfl.experiments.lab import ARCHIVE, Lab
-from dpfl.experiments.prisma import config_of, estimate_seconds, neighbours
+from dpfl_reproductions import least_squares
+from dpfl_reproductions.lab import ARCHIVE, Lab
+from dpfl_reproductions.prisma import config_of, estimate_seconds, neighbours
 from dpfl.problem import build_problem
 from dpfl.rounds import RoundLoop, drive
 from dpfl.runconfig import RunConfig
@@ -164,7 +164,7 @@ def test_the_smoke_table_1_runs_on_synthetic_cifar_shaped_data(tmp_path):
 
 
 def test_the_cifar_grid_is_the_papers():
-    from dpfl.experiments.prisma import cifar_config, cifar_grid
+    from dpfl_reproductions.prisma import cifar_config, cifar_grid
 
     assert len(cifar_grid("prisma", False, coarse=False)) == 675
     assert len(cifar_grid("dpsgd-gc", False, coarse=False)) == 45

@@ -9,10 +9,10 @@ import json
 import pytest
 
 from dpfl import cli
-from dpfl.experiments import least_squares
-from dpfl.experiments.lab import ARCHIVE
-from dpfl.experiments.prisma import AXES, accountant_epsilon, config_of
-from dpfl.experiments.prisma_verdict import (
+from dpfl_reproductions import least_squares
+from dpfl_reproductions.lab import ARCHIVE
+from dpfl_reproductions.prisma import AXES, accountant_epsilon, config_of
+from dpfl_reproductions.prisma_verdict import (
     EXTRA,
     MARGIN,
     THEORY_GAP,
@@ -23,7 +23,7 @@ from dpfl.experiments.prisma_verdict import (
     pool,
     trial_slopes,
 )
-from dpfl.experiments.selection import Paired, paired
+from dpfl_reproductions.selection import Paired, paired
 
 POINT = {"learning-rate": 0.001, "clip": 5.0, "gamma": 0.05, "clip-diff": 0.005,
          "num-server-rounds": 40}

@@ -116,6 +116,19 @@ def test_the_core_imports_nothing_from_flower():
     assert not offenders
 
 
+def test_the_library_never_imports_the_reproductions():
+    """``dpfl_reproductions`` is a client of the library: only the ``reproduce`` command names
+    it (inside the function that runs it)."""
+    offenders = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno}" for name in names
+                          if name.split(".")[0] == "dpfl_reproductions"]
+    assert len(offenders) == 2 and all(o.startswith("dpfl/cli.py:") for o in offenders)
+
+
 def test_no_class_is_over_about_300_lines():
     sizes = {f"{path.relative_to(ROOT)}:{node.name}": node.end_lineno - node.lineno + 1
              for path in _sources() for node in ast.walk(ast.parse(path.read_text()))
@@ -123,9 +136,9 @@ def test_no_class_is_over_about_300_lines():
     assert sizes and {k: v for k, v in sizes.items() if v > MAX_CLASS_LINES} == {}
 
 
-#: where the flat run configuration is read by key: the parser, and the reproductions, which
-#: compose configurations as a caller does
-PARSER = ("runconfig.py", "experiments")
+#: where the flat run configuration is read by key: the parser (the reproductions, which compose
+#: configurations as a caller does, live outside the package)
+PARSER = ("runconfig.py",)
 
 
 def test_no_module_below_the_parser_reads_a_run_config_key():

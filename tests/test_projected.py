@@ -685,7 +685,7 @@ def test_the_centralized_protocol_gives_the_papers_epsilon():
     """centralized-mnist at σ = 10: 10,000 private and 100 public images, B = 250 (q = 0.025),
     40 steps a round for 80 rounds; the classical conversion of that history is the paper's
     0.69 for σ = 10."""
-    from dpfl.experiments.pcdp import SETTINGS, config_of
+    from dpfl_reproductions.pcdp import SETTINGS, config_of
     from dpfl.privacy.ledger import _epsilon
 
     problem = build_problem(RunConfig(config_of(SETTINGS["centralized-mnist"], "pcdp-sgd", 10,

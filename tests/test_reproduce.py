@@ -13,8 +13,8 @@ import pytest
 from dpfl.cli import main
 from dpfl.config import parse_overrides
 from dpfl.engine import run
-from dpfl.experiments.lab import read_archive
-from dpfl.experiments.selection import command
+from dpfl_reproductions.lab import read_archive
+from dpfl_reproductions.selection import command
 from dpfl.runconfig import RunConfig
 from tests.conftest import ROOT, bash_blocks
 from tests.interrupting import SIGTERM_TO_GROUP, STOPS, interrupted
@@ -109,8 +109,8 @@ def test_logreg_regenerates_from_its_archive_running_only_its_curves_again(smoke
 
 
 def test_archived_runs_count_as_finished_unless_their_rounds_are_read(tmp_path, monkeypatch):
-    from dpfl.experiments import Lab
-    from dpfl.experiments import lab as lab_module
+    from dpfl_reproductions import Lab
+    from dpfl_reproductions import lab as lab_module
 
     ran = []
 
@@ -154,8 +154,8 @@ def test_archived_runs_count_as_finished_unless_their_rounds_are_read(tmp_path, 
 def test_an_interrupted_sweep_leaves_an_archive_of_the_runs_it_finished(tmp_path, monkeypatch):
     """The archive is rewritten as each run finishes: a sweep stopped during a run leaves the
     runs it finished archived, and ``--reuse`` of that archive runs only the rest."""
-    from dpfl.experiments import Lab
-    from dpfl.experiments import lab as lab_module
+    from dpfl_reproductions import Lab
+    from dpfl_reproductions import lab as lab_module
 
     ran, stop_at = [], {2}
 
@@ -184,8 +184,8 @@ def test_a_resumed_sweep_stopped_early_keeps_its_later_stages_archived(tmp_path,
     """A sweep's stages (e.g. successive halving's rungs) each call ``run_many``: resumed in
     a folder whose archive holds every stage, and stopped again during the first, the archive
     still holds the later stages' runs (they were only dropped once the report was written)."""
-    from dpfl.experiments import Lab
-    from dpfl.experiments import lab as lab_module
+    from dpfl_reproductions import Lab
+    from dpfl_reproductions import lab as lab_module
 
     stop_at = set()
 
@@ -221,7 +221,7 @@ def test_a_sweeps_run_cut_by_an_interruption_is_run_again(tmp_path, monkeypatch)
     """Ctrl-C or SIGTERM during a sweep's run (in the sweep's own process, ``--workers 1``): the
     run closes its folder, but keeps no ``summary.json`` there, which would mark it finished:
     the next sweep runs it again, to its last round."""
-    from dpfl.experiments import Lab
+    from dpfl_reproductions import Lab
     from dpfl.interrupt import Terminated
     from dpfl.rounds import driver
 
@@ -362,7 +362,7 @@ def test_plan_runs_and_writes_nothing_and_names_the_first_stage_with_runs_to_do(
     """``--plan`` over a partial archive: the stages whose runs are all archived pass, the
     first with runs to do is named with its count and an estimate at the archived runs' pace;
     over the whole archive it says every stage is finished; nothing is run or written."""
-    from dpfl.experiments.lab import read_archive, write_archive
+    from dpfl_reproductions.lab import read_archive, write_archive
 
     archive = read_archive(smoke("mnist-dp") / "runs.jsonl.gz")
     half = dict(sorted(archive.items())[: len(archive) // 2])
@@ -388,7 +388,7 @@ def test_plan_runs_and_writes_nothing_and_names_the_first_stage_with_runs_to_do(
 
 
 def test_a_plans_estimate_is_each_runs_rounds_at_the_pace_of_runs_like_it():
-    from dpfl.experiments.lab import seconds_at_pace
+    from dpfl_reproductions.lab import seconds_at_pace
 
     def done(wall, rounds, **config):
         return {**POINT, "dataset": "mnist", **config}, {"wall_seconds": wall,
@@ -409,8 +409,8 @@ def test_a_plans_estimate_is_each_runs_rounds_at_the_pace_of_runs_like_it():
 def test_a_plan_of_batched_runs_goes_by_the_experiments_cost_model(tmp_path):
     """Batched runs share their work, so a finished one's time is no pace for another: a
     planning lab estimates them by the cost model the experiment gives, else not at all."""
-    from dpfl.experiments import Lab
-    from dpfl.experiments.lab import Pending
+    from dpfl_reproductions import Lab
+    from dpfl_reproductions.lab import Pending
 
     configs = [{**POINT, "seed": s} for s in range(3)]
 
@@ -463,8 +463,8 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
     """Successive halving on a stand-in lab where, as for Clip-SGD, only γτ matters and a
     small γτ that is poor after 5 epochs wins at full length: every γτ must get its chance,
     once (ranking all points together would drop it after 5 epochs)."""
-    from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, ladder
-    from dpfl.experiments.selection import edge_axes, select
+    from dpfl_reproductions.clip21 import MNIST_BASE, MNIST_GRIDS, ladder
+    from dpfl_reproductions.selection import edge_axes, select
 
     def outcome(c):
         gt = round(c["learning-rate"] * c["clip"], 12)
@@ -493,8 +493,8 @@ def test_selection_counts_identical_runs_once_and_prefers_interior_representativ
 def test_selection_extends_the_hedge_while_its_smallest_step_wins():
     """When the smallest-step full-length run wins, the next smaller 15-epoch point runs too;
     the extension stops when it loses (or the grid has no smaller step)."""
-    from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, ladder
-    from dpfl.experiments.selection import select
+    from dpfl_reproductions.clip21 import MNIST_BASE, MNIST_GRIDS, ladder
+    from dpfl_reproductions.selection import select
 
     def outcome(c):
         gt = round(c["learning-rate"] * c["clip"], 12)
@@ -519,8 +519,8 @@ def test_selection_goes_below_the_grid_while_its_smallest_step_wins():
     """When the grid's smallest step wins at full length, the hedge goes on below the grid,
     dividing each step factor at its grid minimum by 10 while that wins (at most BELOW_GRID
     decades), and the selected point is marked as below the grid, not reported as interior."""
-    from dpfl.experiments.clip21 import MNIST_BASE, MNIST_GRIDS, ladder, step_size
-    from dpfl.experiments.selection import BELOW_GRID, edge_axes, select
+    from dpfl_reproductions.clip21 import MNIST_BASE, MNIST_GRIDS, ladder, step_size
+    from dpfl_reproductions.selection import BELOW_GRID, edge_axes, select
 
     def outcome(c, peak, by="step"):
         step = step_size(c)
@@ -569,8 +569,8 @@ def test_selection_goes_below_the_grid_while_its_smallest_step_wins():
 
 
 def test_survivors_rank_within_step_sizes_and_hedge_towards_smaller_steps():
-    from dpfl.experiments.clip21 import step_size
-    from dpfl.experiments.selection import survivors
+    from dpfl_reproductions.clip21 import step_size
+    from dpfl_reproductions.selection import survivors
 
     def point(gamma, tau, beta_hat, beta=0.5):
         return {"algorithm": "clip21-sgd2m", "learning-rate": gamma, "clip": tau,
@@ -622,7 +622,7 @@ def test_logreg_runs_only_the_requested_oracle_and_method(tmp_path):
 
 
 def test_fig2_check_names_every_comparison_clip21_sgd2m_loses_at_small_tau():
-    from dpfl.experiments.clip21 import fig2_check
+    from dpfl_reproductions.clip21 import fig2_check
 
     methods = ["clip-sgd", "clip21-sgd", "clip21-sgd2m"]
     norms = {("gaussian", t, m): v for t in (1e-1, 1e-2, 1e-3)
@@ -655,7 +655,7 @@ class _CurveLab:
     (lambda k: (k - 1) ** 2 + (k > 1) * 10, 1, "γ=2^1, edge"),  # the first step past loses
 ])
 def test_e1_goes_past_the_gamma_grid_while_its_edge_wins(metric, expected, label):
-    from dpfl.experiments.clip21 import GAMMA_PAST_EDGE, gamma_label, past_the_edge
+    from dpfl_reproductions.clip21 import GAMMA_PAST_EDGE, gamma_label, past_the_edge
 
     gammas = [0.5, 1.0, 2.0]
     point = {"learning-rate": 2.0 if metric(1) < metric(-1) else 0.5}
@@ -693,7 +693,7 @@ def test_mnist_dp_epochs_calibrates_every_run_with_t_counted_in_epochs(smoke):
 
 def test_an_experiment_that_leaves_a_tuned_key_to_auto_is_refused(tmp_path):
     """An archived run must keep its meaning when the per-algorithm defaults are retuned."""
-    from dpfl.experiments.lab import Lab
+    from dpfl_reproductions.lab import Lab
 
     with pytest.raises(ValueError, match="leaves clip, learning-rate to clip-sgd's defaults"):
         Lab(tmp_path, smoke=True).run_many([{"algorithm": "clip-sgd"}])
@@ -703,7 +703,7 @@ def test_every_reproduce_command_in_the_docs_names_an_experiment_and_its_axes():
     """The `dpfl reproduce` lines a reader copies from the docs (hours of runs each, so not run
     here) name registered experiments and axes that exist, so they cannot drift."""
     from dpfl.cli import _parser
-    from dpfl.experiments import EXPERIMENTS
+    from dpfl_reproductions import EXPERIMENTS
 
     lines = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:

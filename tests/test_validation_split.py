@@ -17,7 +17,7 @@ from dpfl.datasets.base import hold_out
 from dpfl.datasets.loading import data_folder, user_cache
 from dpfl.engine import run
 from dpfl.errors import ConfigError
-from dpfl.experiments.selection import (
+from dpfl_reproductions.selection import (
     StepLadder,
     final_accuracy,
     seed_runs,

@@ -5,7 +5,7 @@ seeds on the held-out speech.
     python sweep.py                       # runs what is not archived yet, writes the report
     python sweep.py --reuse results/runs.jsonl.gz --workers 2
 
-dpfl's lab (``dpfl.experiments.lab.Lab``) runs the configurations in worker processes, one
+dpfl's lab (``dpfl_reproductions.lab.Lab``) runs the configurations in worker processes, one
 torch thread each, names each run by a hash of its configuration, archives every run as it
 finishes (``runs.jsonl.gz`` in the results folder) and reuses what it finds there or in
 ``--reuse`` archives: a stopped sweep resumes, and the committed archive regenerates the
@@ -30,7 +30,7 @@ from data import shakespeare  # noqa: E402
 
 from dpfl.config import parse_options  # noqa: E402
 from dpfl.datasets.loading import data_folder  # noqa: E402
-from dpfl.experiments.lab import Lab  # noqa: E402
+from dpfl_reproductions.lab import Lab  # noqa: E402
 
 SETTING: dict[str, Any] = {
     "dataset": "data:shakespeare", "partitioner": "natural", "num-partitions": 180,

@@ -51,7 +51,7 @@ LEVEL = 0.95  # the confidence of a paired t-interval
 
 
 class Runs(Protocol):
-    """What selection needs of a :class:`~dpfl.experiments.lab.Lab`."""
+    """What selection needs of a :class:`~dpfl_reproductions.lab.Lab`."""
 
     def run_many(self, configs: Sequence[Config], **kwargs: Any) -> list[dict[str, Any]]: ...
 

@@ -17,7 +17,7 @@ noniid``.
   DP-FedAvg cells, but runs of every method collapse to chance there at random);
   DP-FedAvg and DP FedProx (μ = 0.01) with local DP-SGD, FedPDP, FedPCDP; σ ∈ {4, 6, 8, 10};
   3 runs. FedLRS is not implemented. ``federated-mnist-tuned`` / ``-fmnist-tuned``
-  (:mod:`dpfl.experiments.pcdp_tuned`) select each method's γ_g on a validation split instead.
+  (:mod:`dpfl_reproductions.pcdp_tuned`) select each method's γ_g on a validation split instead.
 * **noniid** (Fig. 4): the same federation split one label shard per client (flwr-datasets'
   ShardPartitioner), MNIST at σ = 4 and without DP (σ = 0, c = 10⁴), DP-FedAvg, DP FedProx,
   DP-SCAFFOLD and FedPCDP; 3 runs. MOON and simplified PFA are not implemented.
@@ -48,9 +48,9 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from dpfl.experiments.lab import Lab
-from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import LEVEL, Config, Paired, command, paired
+from dpfl_reproductions.lab import Lab
+from dpfl_reproductions.registry import experiment
+from dpfl_reproductions.selection import LEVEL, Config, Paired, command, paired
 
 READINGS = {"code": {"momentum": 0.9}, "plain": {}}
 OPTIMIZER = {"code": "SGD with momentum 0.9, the learning rate ÷10 at half and ÷100 at three "

@@ -48,8 +48,8 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from dpfl.experiments.lab import Lab, run_key
-from dpfl.experiments.prisma import (
+from dpfl_reproductions.lab import Lab, run_key
+from dpfl_reproductions.prisma import (
     AXES,
     COARSE,
     LABEL,
@@ -66,8 +66,8 @@ from dpfl.experiments.prisma import (
     score,
     slope,
 )
-from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import (
+from dpfl_reproductions.registry import experiment
+from dpfl_reproductions.selection import (
     LEVEL,
     Config,
     Paired,

@@ -14,7 +14,7 @@ extended version: :mod:`dpfl.algorithms.clip21`).
 * ``noise-mapping`` — which T the experiments' noise mapping used.
 
 The experiment labels E1–E4 are ours. The selection machinery is
-:mod:`dpfl.experiments.selection`; what is the paper's own here is its grids, its federations
+:mod:`dpfl_reproductions.selection`; what is the paper's own here is its grids, its federations
 and its step size γτβ̂ (:func:`step_size`).
 
 Every run goes through the engine with the run-config keys of ``dpfl run``; the report prints,
@@ -34,9 +34,9 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from dpfl.algorithms.clip21 import clip21_practice_noise_std
-from dpfl.experiments.lab import Lab
-from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import (
+from dpfl_reproductions.lab import Lab
+from dpfl_reproductions.registry import experiment
+from dpfl_reproductions.selection import (
     BELOW_GRID,
     Config,
     Rung,

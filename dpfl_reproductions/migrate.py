@@ -1,11 +1,11 @@
 """Carry a run archive across a change of run-config keys, checked by re-running a sample.
 
-An archive (``runs.jsonl.gz``, :mod:`dpfl.experiments.lab`) names each run by a hash of its
+An archive (``runs.jsonl.gz``, :mod:`dpfl_reproductions.lab`) names each run by a hash of its
 configuration, so a change of the keys an experiment passes (a key that is now required, or one
 that is gone) would make every archived run look unfinished. When the change does not change
 what a run computes, the archive can be migrated instead of re-run::
 
-    python -m dpfl.experiments.migrate reports/clip21-logreg/runs.jsonl.gz \\
+    python -m dpfl_reproductions.migrate reports/clip21-logreg/runs.jsonl.gz \\
         --set 'non-private-diagnostics=true' --check 5
 
 Every configuration gets the ``--set`` keys (``flwr run --run-config`` syntax) and loses the
@@ -34,7 +34,7 @@ from typing import Any
 
 from dpfl.config import Value, parse_overrides
 from dpfl.errors import ConfigError, UsageError
-from dpfl.experiments.lab import one_thread, read_archive, run_key, write_archive
+from dpfl_reproductions.lab import one_thread, read_archive, run_key, write_archive
 from dpfl.results import jsonable
 from dpfl.runconfig import RunConfig
 
@@ -111,7 +111,7 @@ def migrate(path: Path, *, changes: Mapping[str, Value], drop: Sequence[str], sa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpfl.experiments.migrate",
+    parser = argparse.ArgumentParser(prog="python -m dpfl_reproductions.migrate",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("archive", type=Path)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE ...",

@@ -35,10 +35,10 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from dpfl.experiments import fixed_features
-from dpfl.experiments.lab import Lab
-from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import Config, command, edge_axes, grid, paired
+from dpfl_reproductions import fixed_features
+from dpfl_reproductions.lab import Lab
+from dpfl_reproductions.registry import experiment
+from dpfl_reproductions.selection import Config, command, edge_axes, grid, paired
 
 METHODS = ("dp-fedavg", "adaptdp-fedavg")
 LABEL = {"dp-fedavg": "DP-FedAvg", "adaptdp-fedavg": "AdaptDP-FedAvg"}

@@ -20,7 +20,7 @@ clip) in lock step, in float64:
 
 Evaluation (every ``eval-every`` rounds and the last) is the full training loss and the test
 accuracy of the global model, as ``eval-train`` reports them; a summary carries what
-:func:`dpfl.experiments.adaptive.derive` reads of a run.
+:func:`dpfl_reproductions.adaptive.derive` reads of a run.
 """
 
 from __future__ import annotations

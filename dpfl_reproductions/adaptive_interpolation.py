@@ -26,11 +26,11 @@ import dataclasses
 import itertools
 from typing import Any
 
-from dpfl.experiments import adaptive
-from dpfl.experiments.adaptive import SIMULATED_SECONDS, TASKS, Task, batched, config_of
-from dpfl.experiments.lab import Lab
-from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import Config, grid
+from dpfl_reproductions import adaptive
+from dpfl_reproductions.adaptive import SIMULATED_SECONDS, TASKS, Task, batched, config_of
+from dpfl_reproductions.lab import Lab
+from dpfl_reproductions.registry import experiment
+from dpfl_reproductions.selection import Config, grid
 
 SCALINGS = ("unit", "standardised", "raw")  # MNIST's pixels: [0, 1], standardised, 0..255
 INITS = ("default", "normal")  # the random layer: PyTorch's U(±1/√in), or N(0, 1)

@@ -46,10 +46,10 @@ from dpfl.config import format_options
 from dpfl.datasets import DATASETS, load_dataset
 from dpfl.datasets.loading import data_folder
 from dpfl.errors import UsageError
-from dpfl.experiments.family_figure import family_figure
-from dpfl.experiments.lab import Lab
-from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import (
+from dpfl_reproductions.family_figure import family_figure
+from dpfl_reproductions.lab import Lab
+from dpfl_reproductions.registry import experiment
+from dpfl_reproductions.selection import (
     LEVEL,
     Config,
     command,

@@ -22,7 +22,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-from dpfl.experiments.selection import mean_std  # noqa: E402
+from dpfl_reproductions.selection import mean_std  # noqa: E402
 
 Stats = list[tuple[float, float]]  # per ε: mean and std over the seeds
 

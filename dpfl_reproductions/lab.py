@@ -439,7 +439,7 @@ class Lab:
                     cost: Callable[[list[dict[str, Value]]], float] | None = None,
                     ) -> list[dict[str, Any]]:
         """Like :meth:`run_many`, for configurations a batched simulator runs together (e.g.
-        :func:`~dpfl.experiments.least_squares.simulate`): the unfinished ones are grouped by
+        :func:`~dpfl_reproductions.least_squares.simulate`): the unfinished ones are grouped by
         ``federation(config)`` (what a group shares), each group is one job of the worker pool,
         and each configuration's summary is archived as its group finishes (no run folders).
         ``cost``: the simulator's cost model (single-thread seconds of a list of

@@ -4,7 +4,7 @@ Advance", arXiv:2312.03792 v1, main Table 2): ``dpfl reproduce pcdp
 federated-mnist-tuned|federated-fmnist-tuned``.
 
 The federations, methods and σ grid are ``federated-mnist`` / ``federated-fmnist``'s
-(:mod:`dpfl.experiments.pcdp`); what changes is how the server step γ_g is chosen and how the
+(:mod:`dpfl_reproductions.pcdp`); what changes is how the server step γ_g is chosen and how the
 methods are compared:
 
 1. **A validation split.** Every run (selection and seed runs alike) holds ``num_validation``
@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dpfl.errors import UsageError
-from dpfl.experiments.lab import Lab
-from dpfl.experiments.pcdp import (
+from dpfl_reproductions.lab import Lab
+from dpfl_reproductions.pcdp import (
     LABEL,
     OPTIMIZER,
     PAPER,
@@ -46,8 +46,8 @@ from dpfl.experiments.pcdp import (
     mean_std,
     verdict,
 )
-from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import (
+from dpfl_reproductions.registry import experiment
+from dpfl_reproductions.selection import (
     LEVEL,
     Config,
     Split,
@@ -132,7 +132,7 @@ def plan_of(lab: Lab, setting: Setting, methods: tuple[str, ...] | None = None) 
 
 
 def derive_tuned(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """:func:`~dpfl.experiments.pcdp.derive`, with the first round's seconds (the estimate's)."""
+    """:func:`~dpfl_reproductions.pcdp.derive`, with the first round's seconds (the estimate's)."""
     return {**derive(rounds), "first_round_seconds": rounds[0].get("seconds") if rounds else None}
 
 
@@ -160,7 +160,7 @@ def choose(runs: dict[float, dict[str, Any]]) -> float:
 
 def edge(server_lr: float, grid: Sequence[float]) -> str:
     """Which end of ``grid`` the selected ``server_lr`` is ('' inside it; a grid of two values
-    has no inside: :func:`~dpfl.experiments.selection.edge_axes`)."""
+    has no inside: :func:`~dpfl_reproductions.selection.edge_axes`)."""
     if not edge_axes({"server-lr": server_lr}, [{"server-lr": g} for g in grid]):
         return ""
     return "edge (lowest γ_g)" if server_lr == min(grid) else "edge (highest γ_g)"

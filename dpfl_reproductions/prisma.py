@@ -7,7 +7,7 @@ same for every N), b = 0.1·N, x^0 = 0, noise from Theorem 3 (``calibration="pap
 neighbours. The metric is the full gradient norm at the final iterate, ‖∇F(x^T)‖ over all M·N
 records (the paper does not say which iterate; the running mean (1/T)Σ_t‖∇F(x^t)‖ of its
 theorems is reported beside it). The grid has 4,725 PriSMA and 225 DPSGD-GC configurations per
-N; it runs in the vectorised simulator (:mod:`~dpfl.experiments.least_squares`, the engine's
+N; it runs in the vectorised simulator (:mod:`~dpfl_reproductions.least_squares`, the engine's
 randomness and arithmetic in float64), coarse to fine:
 
 1. **coarse**, tuning seed 0, per (method, N, T) cell: DPSGD-GC's whole grid; PriSMA's with
@@ -38,10 +38,10 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 
-from dpfl.experiments import least_squares
-from dpfl.experiments.lab import Lab
-from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import (
+from dpfl_reproductions import least_squares
+from dpfl_reproductions.lab import Lab
+from dpfl_reproductions.registry import experiment
+from dpfl_reproductions.selection import (
     Config,
     command,
     edge_axes,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dpfl.experiments.lab import Lab
+from dpfl_reproductions.lab import Lab
 from dpfl.registry import Registry
 
 

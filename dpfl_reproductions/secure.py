@@ -25,10 +25,10 @@ from __future__ import annotations
 import statistics
 
 from dpfl.algorithms import ALGORITHMS
-from dpfl.experiments.benchmark import NUM_VALIDATION, selected_point
-from dpfl.experiments.lab import Lab
-from dpfl.experiments.registry import experiment
-from dpfl.experiments.selection import Config, final_accuracy, mean_std, paired
+from dpfl_reproductions.benchmark import NUM_VALIDATION, selected_point
+from dpfl_reproductions.lab import Lab
+from dpfl_reproductions.registry import experiment
+from dpfl_reproductions.selection import Config, final_accuracy, mean_std, paired
 
 ALGORITHMS_RUN = ("dpsgd-gc", "clip21-sgd2m")
 REFUSING = ("prisma",)  # the third algorithm: said why it is not run
