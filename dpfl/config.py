@@ -176,6 +176,17 @@ LEARNING_RATE = Param("learning-rate", 2.0, "Server/client step size; \"auto\" =
                       symbol="η, γ", per_algorithm=True)
 CLIP = Param("clip", 1.0, "Clipping threshold (max grad norm); \"auto\" = the algorithm's "
              "default.", check=positive, symbol="C, τ", per_algorithm=True)
+CLIPPING_FUNCTION = Param("clipping-function", "flat", "Per-sample clipping function φ_C(g), "
+                          "every one of norm at most C (the same sensitivity and noise): "
+                          "'flat' min(1, C/‖g‖)·g, 'auto-s' (Bu et al.) and 'nsgd' (Yang et al.) "
+                          "C·g/(‖g‖ + r), 'psac' (Xia et al.) C·g/(‖g‖ + r/(‖g‖ + r)).",
+                          choices=("flat", "auto-s", "nsgd", "psac"), symbol="φ")
+CLIPPING_STABILITY = Param("clipping-stability", 0.0, "Stability constant r of the clipping "
+                           "function; 0 = the function's own (0.01 for auto-s and nsgd, 1e-4 "
+                           "for psac); flat has none.",
+                           check=lambda v: None if v == 0 or v >= 1e-12 else
+                           f"must be 0 (the function's own r) or at least 1e-12, got {v}",
+                           symbol="r")
 FRACTION_TRAIN = Param("fraction-train", 1.0, "Fraction of clients sampled each round, "
                        "s = round(fraction·n) (at least 1), uniformly without replacement from "
                        "the server's stream.", check=unit_interval, symbol="s/n")
@@ -352,8 +363,8 @@ def _pairs(item: str) -> list[str]:
             keys += _flat_keys(tomllib.loads(f"{match.group(1)} = {match.group(2)}"))
         except tomllib.TOMLDecodeError:
             key, value = match.group(1).strip("\"'"), match.group(2)
-            known = next((p for p in (*COMMON, BATCH_SIZE, LEARNING_RATE, CLIP, FRACTION_TRAIN)
-                          if p.key == key), None)
+            known = next((p for p in (*COMMON, BATCH_SIZE, LEARNING_RATE, CLIP, CLIPPING_FUNCTION,
+                                      CLIPPING_STABILITY, FRACTION_TRAIN) if p.key == key), None)
             if known is not None and known.kind is not str:  # a word where a number belongs
                 what = {bool: "true or false", int: "an integer"}.get(known.kind, "a number")
                 example = str(known.default).lower() if known.kind is bool else known.default

@@ -15,11 +15,9 @@ import dpfl.algorithms.adaptive
 import dpfl.algorithms.base
 import dpfl.algorithms.clip21
 import dpfl.algorithms.prisma
-import dpfl.algorithms.projected
 import dpfl.algorithms.quantile
-import dpfl.models.linear
 import dpfl.models.rows
-import dpfl.models.tape
+import dpfl.privacy.clipping
 import dpfl.rounds.client
 from dpfl.algorithms import ALGORITHMS
 from dpfl.audit import audit, full_batch
@@ -207,10 +205,9 @@ def test_the_input_canary_is_sound(name):
 
 def skip_clipping(monkeypatch) -> None:
     """The broken variant: every clip in the algorithms is the identity (per-sample clip
-    factors, whole-vector clips, α-NormEC's normalisation, the quantile family's clip of the
-    update)."""
-    for module in (dpfl.models.tape, dpfl.models.linear, dpfl.models.rows, dpfl.algorithms.clip21,
-                   dpfl.algorithms.projected):
+    factors of flat clipping, the default ``clipping-function``, whole-vector clips, α-NormEC's
+    normalisation, the quantile family's clip of the update)."""
+    for module in (dpfl.privacy.clipping, dpfl.models.rows, dpfl.algorithms.clip21):
         monkeypatch.setattr(module, "clip_factors", lambda norms, clip: torch.ones_like(norms))
     for module in (dpfl.algorithms.prisma, dpfl.algorithms.adaptive):
         monkeypatch.setattr(module, "clip_by_norm", lambda vectors, clip: vectors)

@@ -23,6 +23,7 @@ from dpfl.models import FlatModel, build_model
 from dpfl.models.functional import GROUP_BYTES
 from dpfl.models.rows import aligned_rows
 from dpfl.models.stacked import views
+from dpfl.privacy.clipping import FLAT
 
 RTOL64, RTOL32 = 1e-10, 1e-5
 
@@ -641,7 +642,8 @@ def test_a_joint_tape_splits_into_each_clients_own(name, own):
     for joint in (False, True):
         out, norms = torch.empty(3, flat_model.d, dtype=torch.float64), torch.empty(3, 5,
                                                                                   dtype=x.dtype)
-        flat_model.tapes.clip_group([0.1] * 3, 5, group, {"out": out, "norms": norms}, joint)
+        flat_model.tapes.clip_group(FLAT, [0.1] * 3, 5, group, {"out": out, "norms": norms},
+                                    joint)
         runs.append((out, norms))
     assert _close(runs[1][0], runs[0][0]) and _close(runs[1][1], runs[0][1])
     assert not torch.equal(runs[0][0][0], runs[0][0][1])  # three clients' own means

@@ -92,6 +92,8 @@ from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import (
     BATCH_SIZE,
     CLIP,
+    CLIPPING_FUNCTION,
+    CLIPPING_STABILITY,
     FRACTION_TRAIN,
     LEARNING_RATE,
     Param,
@@ -102,6 +104,7 @@ from dpfl.config import (
 from dpfl.errors import ConfigError
 from dpfl.models.rows import batch_shape, record_means
 from dpfl.privacy import CALIBRATIONS, Query, Randomness, Target, clip_factors
+from dpfl.privacy.clipping import PerSampleClipping
 
 # ---- hyperparameters ---------------------------------------------------------------------------
 
@@ -147,15 +150,22 @@ class Clip21Hyperparameters:
 
 
 @dataclass(frozen=True)
-class ClipSGDHyperparameters(Clip21Hyperparameters):
+class ClipSGDHyperparameters(Clip21Hyperparameters, PerSampleClipping):
     clip: float = hyperparameter(CLIP)  # τ
     clipping: str = hyperparameter(CLIPPING)
+    clipping_function: str = hyperparameter(CLIPPING_FUNCTION)  # φ (per-sample only)
+    clipping_stability: float = hyperparameter(CLIPPING_STABILITY)  # r
     gradient_noise: float = hyperparameter(GRADIENT_NOISE)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.clipping == "per-sample" and self.gradient_noise > 0:
             raise ConfigError("gradient-noise", "applies to clipping='client' only: the "
                               "per-sample query uses no gradient oracle", allowed="0.0")
+        if self.clipping == "client" and self.clipping_function != CLIPPING_FUNCTION.default:
+            raise ConfigError("clipping-function", "applies to clipping='per-sample' only: "
+                              "clipping='client' clips the client's gradient with clip_τ",
+                              allowed=CLIPPING_FUNCTION.default)
 
 
 @dataclass(frozen=True)
@@ -175,9 +185,11 @@ class Clip21SGD2MHyperparameters(Clip21Hyperparameters):
 
 
 @dataclass(frozen=True)
-class Clip21SGD2MPlusHyperparameters(Clip21Hyperparameters):
+class Clip21SGD2MPlusHyperparameters(Clip21Hyperparameters, PerSampleClipping):
     clip: float = hyperparameter(CLIP)  # τ_out
     clip_inner: float = hyperparameter(CLIP_INNER)  # τ_in
+    clipping_function: str = hyperparameter(CLIPPING_FUNCTION)  # φ at τ_in
+    clipping_stability: float = hyperparameter(CLIPPING_STABILITY)  # r
     beta: float = hyperparameter(BETA)
     beta_hat: float = hyperparameter(BETA_HAT)
     gradient_noise: ClassVar[float] = 0.0
@@ -306,16 +318,19 @@ class Clip21Family(Algorithm[Clip21Hyperparameters]):
 
     def clipped_mean(self, x: Tensor, cohort: Cohort, ctx: ClientContext) -> Tensor:
         """The DP-SGD query before its noise, ``(1/b)Σ_{j∈S_i} clip_r(∇f_ij(x))`` ``[C, d]``
-        (Alg. 5 line 7, App. J.2), r = ``radius()``, over each client's batch S_i as the
-        relation needs it (:meth:`Cohort.draw`: Poisson sampling under add/remove)."""
+        (Alg. 5 line 7, App. J.2), r = ``radius()``, clip_r the ``clipping-function``'s φ_r,
+        over each client's batch S_i as the relation needs it (:meth:`Cohort.draw`: Poisson
+        sampling under add/remove). Only the per-sample forms call it, whose hyperparameters
+        are :class:`~dpfl.privacy.clipping.PerSampleClipping`."""
         r = self.radius()
+        clipping = self.hp.per_sample_clipping
 
         def clipped(xb: Tensor, yb: Tensor, x: Tensor, *, lengths: list[int] | None,
                     divisor: int) -> tuple[Tensor, ...]:
             losses = (torch.empty(batch_shape(yb, lengths), device=ctx.device)
                       if ctx.diagnosing else None)
             mean, norms = self.model.clipped_mean(x, xb, yb, r, losses=losses, lengths=lengths,
-                                                  divisor=divisor)
+                                                  divisor=divisor, clipping=clipping)
             if losses is None:
                 return (mean,)
             return (mean, record_means(losses, lengths),

@@ -45,6 +45,8 @@ from dpfl.algorithms.base import (
 from dpfl.config import (
     BATCH_SIZE,
     CLIP,
+    CLIPPING_FUNCTION,
+    CLIPPING_STABILITY,
     FRACTION_TRAIN,
     LEARNING_RATE,
     Param,
@@ -56,6 +58,7 @@ from dpfl.config import (
 )
 from dpfl.models.rows import aligned, aligned_rows, record_means
 from dpfl.privacy import Query, Randomness, Relation
+from dpfl.privacy.clipping import PerSampleClipping
 
 if TYPE_CHECKING:
     from dpfl.models import FlatModel
@@ -104,13 +107,15 @@ LR_MILESTONES = Param("lr-milestones", "", "Rounds after which the learning rate
 
 
 @dataclass(frozen=True)
-class LocalDPSGDHyperparameters:
+class LocalDPSGDHyperparameters(PerSampleClipping):
     """What K local DP-SGD steps read. The constants are those of AdaptDP-FedAvg (and of
     DP-FedAvg's defaults): fixed-size batches, every client, the server averages."""
 
     batch_size: int = hyperparameter(BATCH_SIZE)  # b
     learning_rate: float = hyperparameter(LEARNING_RATE)  # η (γ_l)
     clip: float = hyperparameter(CLIP)  # C (DP-FedAvg), Ĝ (AdaptDP-FedAvg)
+    clipping_function: str = hyperparameter(CLIPPING_FUNCTION)  # φ
+    clipping_stability: float = hyperparameter(CLIPPING_STABILITY)  # r
     local_steps: int = hyperparameter(LOCAL_STEPS)  # K
     sampling: ClassVar[str] = "fixed"
     fraction_train: ClassVar[float] = 1.0
@@ -184,7 +189,8 @@ class LocalDPSGD:
     def noisy_gradient(self, params: Tensor, x: Tensor, batches: Batches, radius: float,
                        k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
         """``[C, d]``: (1/b) Σ_j clip_C(∇ℓ_j(x_k) + μ(x_k − x)) plus the release's noise
-        (std σ·C/b), and the fraction of the batch clipped ``[C]``. C = 0 takes no step."""
+        (std σ·C/b), and the fraction of the batch clipped ``[C]``; clip_C is the
+        ``clipping-function``'s φ_C (flat: min(1, C/‖·‖)·). C = 0 takes no step."""
         hp = self.hp
         clipped = torch.zeros(len(params), device=ctx.device)
         if radius > 0:
@@ -199,11 +205,14 @@ class LocalDPSGD:
                       ) -> tuple[Tensor, Tensor]:
         """``[C, d]`` (1/b) Σ_j clip_C(∇ℓ_j + offset) over each client's batch (b = batch-size,
         the expected size under Poisson sampling: :meth:`Batches.means`), and the fraction of
-        each batch clipped (0 for an empty one)."""
+        each batch whose norm is above C (0 for an empty one)."""
+        clipping = self.hp.per_sample_clipping
+
         def clipped(xb: Tensor, yb: Tensor, params: Tensor, offset: Tensor | None, *,
                     lengths: list[int] | None, divisor: int) -> tuple[Tensor, Tensor]:
             mean, norms = self.model.clipped_mean(params, xb, yb, radius, offset=offset,
-                                                  lengths=lengths, divisor=divisor)
+                                                  lengths=lengths, divisor=divisor,
+                                                  clipping=clipping)
             return mean, record_means((norms > radius).float(), lengths)
 
         mean, clipped_fraction = batches.means(

@@ -71,6 +71,8 @@ from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import (
     BATCH_SIZE,
     CLIP,
+    CLIPPING_FUNCTION,
+    CLIPPING_STABILITY,
     LEARNING_RATE,
     Param,
     at_least,
@@ -80,6 +82,7 @@ from dpfl.config import (
 )
 from dpfl.errors import ConfigError
 from dpfl.privacy import CALIBRATIONS, Query, Relation, Target, clip_by_norm
+from dpfl.privacy.clipping import PerSampleClipping
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +109,10 @@ SMOOTHNESS = Param("smoothness-L", 0.0, "PriSMA: the smoothness constant L; > 0 
 
 
 @dataclass(frozen=True)
-class DPSGDGCHyperparameters(Clip21Hyperparameters):
+class DPSGDGCHyperparameters(Clip21Hyperparameters, PerSampleClipping):
     clip: float = hyperparameter(CLIP)  # C
+    clipping_function: str = hyperparameter(CLIPPING_FUNCTION)  # φ
+    clipping_stability: float = hyperparameter(CLIPPING_STABILITY)  # r
     relation: str = hyperparameter(RELATION)
     clipping: ClassVar[str] = "per-sample"
     gradient_noise: ClassVar[float] = 0.0
@@ -174,10 +179,12 @@ def paper_calibration(algorithm: Any, query: Query, target: Target, options: Non
 # ---- PriSMA -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class PrismaHyperparameters:
+class PrismaHyperparameters(PerSampleClipping):
     batch_size: int = hyperparameter(BATCH_SIZE)  # b
     learning_rate: float = hyperparameter(LEARNING_RATE)  # η
     clip: float = hyperparameter(CLIP)  # C1
+    clipping_function: str = hyperparameter(CLIPPING_FUNCTION)  # φ at C1
+    clipping_stability: float = hyperparameter(CLIPPING_STABILITY)  # r
     gamma: float = hyperparameter(GAMMA)  # γ
     server_clip: float = hyperparameter(SERVER_CLIP)  # C2
     clip_diff: float = hyperparameter(CLIP_DIFF)  # C3
@@ -185,6 +192,7 @@ class PrismaHyperparameters:
     relation: str = hyperparameter(RELATION)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.smoothness_L > 0:
             if math.isinf(self.server_clip):
                 raise ConfigError("server-clip", "eq. (4) (smoothness-L > 0) bounds the "
@@ -281,7 +289,8 @@ class Prisma(Algorithm[PrismaHyperparameters]):
         increment q_i^t."""
         ragged = {"lengths": lengths, "divisor": divisor}
         if x_prev is None or self.hp.gamma == 1:
-            return self.model.clipped_mean(x, xb, yb, self.hp.clip, **ragged)[:1]
+            return self.model.clipped_mean(x, xb, yb, self.hp.clip,
+                                           clipping=self.hp.per_sample_clipping, **ragged)[:1]
         return (self.increment(x, x_prev, xb, yb, **ragged),)
 
     def difference_clip(self) -> float:
@@ -304,7 +313,7 @@ class Prisma(Algorithm[PrismaHyperparameters]):
         hp = self.hp
         return self.model.clipped_difference_mean(
             x, x_prev, xb, yb, clip=hp.clip, gamma=hp.gamma, clip_diff=self.difference_clip(),
-            lengths=lengths, divisor=divisor)
+            lengths=lengths, divisor=divisor, clipping=hp.per_sample_clipping)
 
 
 @ALGORITHMS.register_class

@@ -77,6 +77,12 @@ noise multiplier σ. V depends only on public records and on models that are alr
 outputs, so projecting through it is post-processing. The ledger reports Opacus' RDP (or PRV)
 ε of the steps each client actually ran and, beside it, the paper's conversion
 (``rdp-classical``: integer orders 2–256, the values its tables print) and PRV.
+
+Clipping functions (Fig. 3: "+PC" is PCDP's projection before a clipping function). Every
+algorithm here clips with ``clipping-function`` φ_c (:mod:`dpfl.privacy.clipping`; flat
+``min(1, c/‖·‖)`` by default): PCDP-SGD and FedPCDP sum φ_c(Vᵀg_i), the projection family's
+others φ_c of their own per-sample vector (PDP-SGD: Vᵀφ_c(g_i), the factor from the whole
+gradient's norm). Every φ_c has norm below c, so the release and its accounting are the same.
 """
 
 from __future__ import annotations
@@ -115,7 +121,7 @@ from dpfl.config import FRACTION_TRAIN, Param, at_least, hyperparameter
 from dpfl.errors import ConfigError
 from dpfl.models.rows import aligned, aligned_rows, same_bits
 from dpfl.models.span import GradientSpan, Shifts
-from dpfl.privacy import SERVER, Randomness, clip_factors
+from dpfl.privacy import SERVER, Randomness
 
 if TYPE_CHECKING:
     from dpfl.models import FlatModel
@@ -593,8 +599,9 @@ class DPSGD(FederatedDPSGD[ProjectedHyperparameters]):
                 space.sample_coords(self.model, point, x, y, shifts)))
         total: Tensor | None = None
         clipped = 0
+        clipping = self.hp.per_sample_clipping
         for a, norms in coords:
-            part = clip_factors(norms, radius) @ a
+            part = clipping.factors(norms, radius) @ a
             total = part if total is None else total + part
             clipped += int((norms > radius).sum())
         if total is None:  # an empty Poisson batch

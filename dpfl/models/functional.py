@@ -102,6 +102,7 @@ from dpfl.models.rows import (
     zero_empty,
 )
 from dpfl.models.tape import TapeEngine
+from dpfl.privacy.clipping import FLAT, ClippingFunction
 
 #: the default byte budget of a group of clients' per-sample values (``group_bytes``): on the
 #: MNIST MLP (2,136 bytes a sample) groups of 1,024–2,048 samples made a clipped mean up to 10%
@@ -312,11 +313,11 @@ class FlatModel:
 
     def clipped_mean(
         self, flat: Tensor, x: Tensor, y: Tensor, clip: float | Tensor, *,
-        losses: Tensor | None = None, offset: Tensor | None = None,
-        lengths: Sequence[int] | None = None, divisor: int | None = None,
+        losses: Tensor | None = None, offset: Tensor | None = None, divisor: int | None = None,
+        lengths: Sequence[int] | None = None, clipping: ClippingFunction = FLAT,
     ) -> tuple[Tensor, Tensor]:
-        """Per-sample clipping: ``(1/b) Σ_j clip_C(g_ij)`` for each client, with
-        ``clip_C(g) = min(1, C/‖g‖)·g``; ``g`` is unchanged when ``‖g‖ ≤ C``, ``g = 0`` included.
+        """Per-sample clipping: ``(1/b) Σ_j clip_C(g_ij)`` for each client, ``clip_C`` the
+        function ``clipping`` (flat: ``min(1, C/‖g‖)·g``; :mod:`dpfl.privacy.clipping`).
 
         ``clip`` is one radius or one per client (``[C]``). Returns the ``[C, d]`` clipped means
         and the ``[C, b]`` norms of the unclipped per-sample gradients; if ``losses`` (``[C, b]``)
@@ -340,13 +341,13 @@ class FlatModel:
             return out.zero_(), norms
         sized = stacked_view(x, y, lengths)
         size = self.chunk_length(flat, *sized, rows=self.linear is not None)
-        ragged = {"lengths": lengths, "divisor": divisor or b}
+        options = {"lengths": lengths, "divisor": divisor or b, "clipping": clipping}
         if self.linear is not None:
             self.linear.clipped_mean(flat, x, y, radii, size, out, norms, losses, offset,
-                                     **ragged)
+                                     **options)
         else:
             self.tapes.clipped_mean(flat, x, y, radii, size, out, norms, losses, offset,
-                                    group_size=self.group_length(flat, *sized, size), **ragged)
+                                    group_size=self.group_length(flat, *sized, size), **options)
         return zero_empty(out, lengths), norms
 
     def per_sample_norms(self, flat: Tensor, x: Tensor, y: Tensor, *,
@@ -369,14 +370,14 @@ class FlatModel:
     def clipped_difference_mean(
         self, flat: Tensor, flat_before: Tensor, x: Tensor, y: Tensor, *, clip: float,
         clip_diff: float | None, gamma: float, lengths: Sequence[int] | None = None,
-        divisor: int | None = None,
+        divisor: int | None = None, clipping: ClippingFunction = FLAT,
     ) -> Tensor:
         """``[C, d]``: ``(1/b) Σ_j [γ·c_j + (1 − γ)·clip_C3(c_j − c̃_j)]`` for each client, with
-        ``c_j = clip_C(g_j)`` and ``c̃_j = clip_C(g̃_j)`` the clipped gradients of sample j at
-        ``flat`` and at ``flat_before`` (``[d]`` or ``[C, d]``); ``clip_diff=None``: no C3 clip.
+        ``c_j``, ``c̃_j`` sample j's gradients at ``flat`` and ``flat_before`` (``[d]``, ``[C, d]``)
+        clipped by ``clipping`` (:meth:`clipped_mean`); clip_C3 is flat (``clip_diff=None``: none).
 
         No per-sample gradient is materialised where a layer has ghost norms: with
-        α_j = min(1, C/‖g_j‖), α̃_j likewise, ‖c_j − c̃_j‖² = α_j²‖g_j‖² + α̃_j²‖g̃_j‖² −
+        α_j = w_C(‖g_j‖), α̃_j likewise, ‖c_j − c̃_j‖² = α_j²‖g_j‖² + α̃_j²‖g̃_j‖² −
         2α_jα̃_j⟨g_j, g̃_j⟩ (the cross term per Linear layer is (δ_j·δ̃_j)(a_j·ã_j)), and with
         β_j = min(1, C3/‖c_j − c̃_j‖) the sum is two weighted GEMMs per layer:
         Σ_j (γ + (1 − γ)β_j)α_j g_j − Σ_j (1 − γ)β_j α̃_j g̃_j. Memory: two chunks' tapes.
@@ -390,7 +391,7 @@ class FlatModel:
         sized = stacked_view(x, y, lengths)
         size = self.chunk_length(flat, *sized, rows=self.linear is not None)
         weights = partial(difference_weights, clip=clip, clip_diff=clip_diff, gamma=gamma,
-                          b=divisor or b)
+                          b=divisor or b, clipping=clipping)
         if self.linear is not None:
             self.linear.clipped_difference_mean(flat, flat_before, x, y, size, out, weights,
                                                 lengths=lengths)

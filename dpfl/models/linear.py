@@ -19,7 +19,7 @@ from torch import Tensor
 
 from dpfl.models.flat import FlatParameters, LinearBlock
 from dpfl.models.rows import Dropped, Layer, aligned, chunks, client_records, non_finite_rows
-from dpfl.privacy.clipping import clip_factors
+from dpfl.privacy.clipping import FLAT, ClippingFunction
 
 
 class ClosedFormLinear:
@@ -124,10 +124,10 @@ class ClosedFormLinear:
     def clipped_mean(self, flat: Tensor, x: Tensor, y: Tensor, radii: list[float], size: int,
                      out: Tensor, norms: Tensor, losses: Tensor | None,
                      offset: Tensor | None, *, lengths: Sequence[int] | None = None,
-                     divisor: int) -> None:
+                     divisor: int, clipping: ClippingFunction = FLAT) -> None:
         """:meth:`~dpfl.models.FlatModel.clipped_mean` into ``out`` and ``norms``: the rows of
-        a chunk (n·d memory) clipped and summed by one matrix-vector product, the sum divided
-        by ``divisor``; with ``lengths`` a ragged batch
+        a chunk (n·d memory) scaled by ``clipping``'s factors and summed by one matrix-vector
+        product, the sum divided by ``divisor``; with ``lengths`` a ragged batch
         (:func:`~dpfl.models.rows.client_records`)."""
         for c, (records, labels) in enumerate(client_records(x, y, lengths)):
             point = self.flat.point(flat, c)
@@ -144,7 +144,7 @@ class ClosedFormLinear:
                 norms[c, start:start + n] = torch.linalg.vector_norm(rows, dim=1)
                 if (bad := non_finite_rows(norms[c, start:start + n])) is not None:
                     self.dropped.drop(bad, rows, norms[c, start:start + n])
-                w = clip_factors(norms[c, start:start + n], radii[c]).div_(divisor)
+                w = clipping.factors(norms[c, start:start + n], radii[c]).div_(divisor)
                 if start == 0:
                     torch.mv(rows.t(), w, out=row)
                 else:

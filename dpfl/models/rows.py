@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from dpfl.privacy.clipping import clip_factors
+from dpfl.privacy.clipping import FLAT, ClippingFunction, clip_factors
 
 
 
@@ -267,12 +267,13 @@ def sample_radii(radii: list[float], group: list[Chunk]) -> float | Tensor:
 
 
 def difference_weights(sq: Tensor, sq_before: Tensor, dots: Tensor, *, clip: float,
-                       clip_diff: float | None, gamma: float, b: int) -> tuple[Tensor, Tensor]:
+                       clip_diff: float | None, gamma: float, b: int,
+                       clipping: ClippingFunction = FLAT) -> tuple[Tensor, Tensor]:
     """The weights ``(w, w̃)`` of ``Σ_j w_j g_j + Σ_j w̃_j g̃_j`` in
     :meth:`~dpfl.models.FlatModel.clipped_difference_mean`, from ‖g_j‖², ‖g̃_j‖² and
-    ⟨g_j, g̃_j⟩."""
-    alpha = clip_factors(sq.clamp_min(0).sqrt(), clip)
-    alpha_before = clip_factors(sq_before.clamp_min(0).sqrt(), clip)
+    ⟨g_j, g̃_j⟩: α_j, α̃_j are ``clipping``'s factors at C, β_j the flat clip's at C3."""
+    alpha = clipping.factors(sq.clamp_min(0).sqrt(), clip)
+    alpha_before = clipping.factors(sq_before.clamp_min(0).sqrt(), clip)
     diff_sq = (alpha.square() * sq + alpha_before.square() * sq_before
                - 2 * alpha * alpha_before * dots)
     beta = (torch.ones_like(alpha) if clip_diff is None

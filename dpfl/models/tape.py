@@ -33,7 +33,7 @@ from dpfl.models.rows import (
     sample_radii,
     zero_rows,
 )
-from dpfl.privacy.clipping import clip_factors
+from dpfl.privacy.clipping import FLAT, ClippingFunction
 
 
 
@@ -126,9 +126,9 @@ class TapeEngine:
                 yield c, start, rows
 
     def clipped_mean(self, flat: Tensor, x: Tensor, y: Tensor, radii: list[float], size: int,
-                     out: Tensor, norms: Tensor, losses: Tensor | None,
-                     offset: Tensor | None, *, group_size: int | None = None,
-                     lengths: Sequence[int] | None = None, divisor: int) -> None:
+                     out: Tensor, norms: Tensor, losses: Tensor | None, offset: Tensor | None,
+                     *, group_size: int | None = None, lengths: Sequence[int] | None = None,
+                     divisor: int, clipping: ClippingFunction = FLAT) -> None:
         """:meth:`~dpfl.models.FlatModel.clipped_mean` into ``out`` and ``norms``, group by
         group of at most ``group_size`` samples (:meth:`groups`; :meth:`clip_group`)."""
         results = {"out": out, "norms": norms} | ({} if losses is None else {"losses": losses})
@@ -136,17 +136,17 @@ class TapeEngine:
         for group in self.groups(flat, x, y, size, group_size=group_size, offset=offset,
                                  lengths=lengths):
             own = [radii[chunk.client] for chunk in group]
-            self.by_layout(("mean", *results), group, b, partial(self.clip_group, own, divisor),
-                           results)
+            self.by_layout(("mean", *results), group, b,
+                           partial(self.clip_group, clipping, own, divisor), results)
 
-    def clip_group(self, radii: list[float], b: int, group: list[Chunk],
-                   into: dict[str, Tensor], joint: bool) -> None:
+    def clip_group(self, clipping: ClippingFunction, radii: list[float], b: int,
+                   group: list[Chunk], into: dict[str, Tensor], joint: bool) -> None:
         """One group's share of :meth:`clipped_mean` (``radii``: its chunks'; ``b``: the
         divisor): pass 1 records the tapes and norms (:meth:`tapes_and_norms`), pass 2 adds
-        each chunk's weighted sums into ``into`` (``out``, ``norms``, ``losses``) at its row."""
+        each chunk's weighted sums, ``clipping``'s factors, into ``into`` at its row."""
         out, norms = into["out"], into["norms"]
         tapes, norm = self.tapes_and_norms(group, into.get("losses"), joint)
-        w = clip_factors(norm, sample_radii(radii, group)).div_(b)  # 1/b where ‖g_j‖ ≤ C
+        w = clipping.factors(norm, sample_radii(radii, group)).div_(b)  # flat: 1/b if ‖g_j‖ ≤ C
         if (bad := non_finite_rows(norm)) is not None:  # weight 0 (the regulariser's share
             self.dropped.drop(bad, norm, w)  # too), norm reported 0, and no NaN in the GEMMs
             tapes = [zeroed(chunk.of(bad), *pair) for chunk, pair in zip(group, tapes)]

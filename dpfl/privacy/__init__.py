@@ -6,7 +6,12 @@ from dpfl.privacy.calibration import (
     accountant_noise_multiplier,
     calibrate,
 )
-from dpfl.privacy.clipping import clip_by_norm, clip_factors
+from dpfl.privacy.clipping import (
+    CLIPPING_FUNCTIONS,
+    ClippingFunction,
+    clip_by_norm,
+    clip_factors,
+)
 from dpfl.privacy.ledger import Accounting, PrivacyLedger
 from dpfl.privacy.noise import add_noise
 from dpfl.privacy.randomness import SERVER, Randomness
@@ -14,8 +19,10 @@ from dpfl.privacy.release import Query, Relation, Release, Side, stds
 
 __all__ = [
     "CALIBRATIONS",
+    "CLIPPING_FUNCTIONS",
     "SERVER",
     "Accounting",
+    "ClippingFunction",
     "PrivacyLedger",
     "Query",
     "Randomness",
