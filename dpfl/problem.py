@@ -20,7 +20,7 @@ from dpfl.datasets.base import HELD_OUT
 from dpfl.datasets.loading import PROVIDED, data_folder
 from dpfl.errors import ConfigError
 from dpfl.models import MODELS, FlatModel, build_model, zoo
-from dpfl.privacy import Query, Release, Target, calibrate
+from dpfl.privacy import Accounting, Query, Release, Target, calibrate
 from dpfl.reference import is_reference, keyword_parameters, resolve
 from dpfl.runconfig import RunConfig
 
@@ -146,6 +146,18 @@ class Problem:
             self._server_releases = self._calibrate(self.algorithm.server_queries(),
                                                     self.num_clients)
         return self._server_releases
+
+    def accounting(self, *, limit: float = 0.0, also: tuple[str, ...] = ()) -> Accounting:
+        """Every client's ledger of this run's releases (its own, the central ones, the
+        population's), and the server's; ``limit`` and ``also`` as :class:`Accounting` reads
+        them."""
+        privacy, algorithm, server = self.config.privacy, self.algorithm, self.server_releases()
+        return Accounting(
+            num_clients=self.num_clients, releases=self.releases,
+            accountant=privacy.accountant, relation=algorithm.relation, delta=privacy.delta,
+            limit=limit, also=also,
+            central=tuple(r for r in server if r.name in algorithm.central_releases()),
+            population=tuple(r for r in server if r.name in algorithm.population_releases()))
 
     def node_data(self, clients: list[int]) -> dict[str, Any]:
         """What a node hosting ``clients`` keeps of the run's data, as plain tensors and lists

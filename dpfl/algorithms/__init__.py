@@ -7,6 +7,7 @@ from dpfl.algorithms import (
     projected,  # noqa: F401  (registers)
     quantile,  # noqa: F401  (registers)
     scaffold,  # noqa: F401  (registers)
+    user_level,  # noqa: F401  (registers)
 )
 from dpfl.algorithms.base import (
     Algorithm,

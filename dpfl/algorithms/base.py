@@ -63,11 +63,16 @@ class Upload:
     trusted server) names a server-side query instead: the array leaves the client un-noised
     (clipped) and the server adds that query's noise to the participants' sum in
     ``server_step``; the run then has no guarantee against the server, and the summary says so.
+    ``population=True`` (with ``central``) declares that release amplified by the sampling of
+    the clients (its sample rate is the clients'): it protects every client, sampled or not, so
+    the ledger charges it to the whole population each round the exchange runs, not to the
+    participants alone (:meth:`~dpfl.privacy.ledger.Accounting.charge_population`).
     """
 
     release: str
     post_processing: bool = False
     central: bool = False
+    population: bool = False
 
     @property
     def sent_as_returned(self) -> bool:
@@ -327,6 +332,18 @@ class Algorithm(ABC, Generic[H]):
         """The server-side releases that cover central uploads, by exchange."""
         return {u.release: e.name for e in cls.exchanges for u in e.uploads.values()
                 if u.central}
+
+    @classmethod
+    def population_releases(cls) -> dict[str, str]:
+        """The central releases charged to every client each round (amplified by client
+        sampling; :attr:`Upload.population`), by exchange."""
+        return {u.release: e.name for e in cls.exchanges for u in e.uploads.values()
+                if u.central and u.population}
+
+    def zero_sums(self, exchange: str) -> State:
+        """The sums of ``exchange`` over no client: what the server steps on in a round whose
+        client sampling drew no one (Poisson sampling; a fixed-size draw is never empty)."""
+        raise NotImplementedError(f"{self.name} draws at least one client a round")
 
     @classmethod
     def participants_per_round(cls, hp: H, num_clients: int) -> int:

@@ -46,7 +46,7 @@ from dpfl.audit import gradient_canary
 from dpfl.audit.bounds import Bound, epsilon_lower_bound
 from dpfl.audit.canary import Canary, client_trials, craft, record_trials
 from dpfl.audit.gdp import GaussianFit, fit
-from dpfl.privacy import Accounting, Randomness, Release
+from dpfl.privacy import Randomness, Release
 from dpfl.problem import Problem, build_problem
 from dpfl.rounds.client import ClientRuntime
 from dpfl.rounds.transport import sum_rows
@@ -397,15 +397,10 @@ def ledger_epsilon(problem: Problem, clients: list[int], rounds: int, *,
     """The largest ε the ledger reports for ``clients`` after ``rounds`` rounds of every
     exchange (central releases included; of each client's own share of split noise when
     ``unmasked``)."""
-    cfg, algorithm = problem.config, problem.algorithm
-    accounting = Accounting(
-        num_clients=problem.num_clients, releases=problem.releases,
-        accountant=cfg.privacy.accountant, relation=algorithm.relation,
-        delta=cfg.privacy.delta,
-        central=tuple(r for r in problem.server_releases()
-                      if r.name in algorithm.central_releases()))
+    accounting = problem.accounting()
     for server_round in range(1, rounds + 1):
-        for exchange in algorithm.round_exchanges(server_round):
+        for exchange in problem.algorithm.round_exchanges(server_round):
+            accounting.charge_population(exchange.name)
             accounting.charge(clients, exchange.name)
     if unmasked:
         return max((accounting.report_unmasked() or {}).values())

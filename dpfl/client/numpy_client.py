@@ -295,8 +295,11 @@ class AlgorithmClient(NumPyClient):
 
     def _releases(self, client: int, exchange: str | None = None) -> list[Release]:
         """What the client is charged for: its own releases, and the server's that cover its
-        central uploads (client-level)."""
-        central = self.problem.algorithm.central_releases()
+        central uploads (client-level) but the population's, which every client is charged each
+        round whether it takes part or not (a node learns only the rounds it takes part in:
+        the server's ledger keeps them)."""
+        algorithm = self.problem.algorithm
+        central = algorithm.central_releases().keys() - algorithm.population_releases().keys()
         return [r for r in [*self.problem.releases(client), *(
             r for r in self.problem.server_releases() if r.name in central)]
             if exchange in (None, r.exchange)]

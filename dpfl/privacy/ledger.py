@@ -134,7 +134,11 @@ class Accounting:
     an exchange's releases when it takes part in it, the server its own releases when it draws
     their noise. ``central`` are the server's releases that cover clients' un-noised
     (central) uploads: a client is charged them too in the exchanges it takes part in, at the
-    client level, since they protect its whole upload. ``limit`` is ``max-epsilon`` (0: none).
+    client level, since they protect its whole upload; ``population`` are central releases
+    amplified by client sampling, which protect every client each round whether it takes part
+    or not: they are charged once a round to one shared ledger (:meth:`charge_population`) that
+    every client's ε composes with its own, and each client's participations are counted
+    (``participations``). ``limit`` is ``max-epsilon`` (0: none).
     ``also`` names further accountants whose ε of the same histories is reported beside the
     main one's (a paper's own); :meth:`report_by_accountant` adds the independent ones
     (``independent``: dp_accounting's PLD and RDP, and its sampled-without-replacement RDP
@@ -144,9 +148,13 @@ class Accounting:
 
     def __init__(self, *, num_clients: int, releases: Callable[[int], list[Release]],
                  accountant: str, relation: str, delta: float, limit: float = 0.0,
-                 also: tuple[str, ...] = (), central: tuple[Release, ...] = ()) -> None:
+                 also: tuple[str, ...] = (), central: tuple[Release, ...] = (),
+                 population: tuple[Release, ...] = ()) -> None:
         self.releases = releases
         self.central = central
+        self.population = population
+        self.shared = PrivacyLedger(accountant, relation)  # the population's releases
+        self.participations: Counter[int] = Counter()  # exchanges each client was sent
         self.delta = delta
         self.limit = limit
         self.accountants = (accountant, *(a for a in also if a != accountant))
@@ -160,9 +168,19 @@ class Accounting:
         self.counts: list[Counter[str]] = [Counter() for _ in range(num_clients)]
 
     def client_releases(self, client: int, exchange: str | None = None) -> list[Release]:
-        """The releases a client is charged for (its own, and the central ones)."""
+        """The releases a client is charged for when it takes part (its own, and the central
+        ones but the population's)."""
         return [r for r in [*self.releases(client), *self.central]
-                if (r.side is Side.CLIENT or r in self.central) and exchange in (None, r.exchange)]
+                if (r.side is Side.CLIENT or (r in self.central and r not in self.population))
+                and exchange in (None, r.exchange)]
+
+    def ledger(self, client: int) -> PrivacyLedger:
+        """``client``'s whole ledger: its own releases and the population's."""
+        own = self.clients[client]
+        if not self.shared.history:
+            return own
+        return PrivacyLedger(own.accountant, own.relation,
+                             list(composed([*own.history, *self.shared.history])))
 
     def _record(self, client: int, release: Release) -> None:
         self.clients[client].record(release)
@@ -171,6 +189,7 @@ class Accounting:
 
     def charge(self, clients: Iterable[int], exchange: str) -> None:
         for c in clients:
+            self.participations[c] += 1
             for release in self.client_releases(c, exchange):
                 self._record(c, release)
                 self.counts[c][release.name] += 1
@@ -192,11 +211,19 @@ class Accounting:
             self.charged.add(client)
         return any(int(reported.get(name, 0)) < n for name, n in own.items()), extra
 
+    def charge_population(self, exchange: str) -> None:
+        """One run of ``exchange``'s population releases, charged to every client."""
+        releases = [r for r in self.population if r.exchange == exchange]
+        for release in releases:
+            self.shared.record(release)
+        if releases and len(self.charged) < len(self.clients):
+            self.charged = set(range(len(self.clients)))
+
     def charge_server(self, release: Release) -> None:
         self.server.record(release)
 
     def epsilon(self, client: int) -> float:
-        return self.clients[client].epsilon(self.delta)
+        return self.ledger(client).epsilon(self.delta)
 
     def refusal(self, server_round: int, participants: Iterable[int],
                 exchanges: Iterable[str]) -> str | None:
@@ -205,9 +232,12 @@ class Accounting:
         if self.limit <= 0:
             return None
         names = set(exchanges)
-        worst = max((self.clients[c].epsilon_after(
-            [r for r in self.client_releases(c) if r.exchange in names], self.delta)
+        shared = [r for r in self.population if r.exchange in names]
+        worst = max((self.ledger(c).epsilon_after(
+            [r for r in self.client_releases(c) if r.exchange in names] + shared, self.delta)
             for c in participants), default=0.0)
+        if shared:  # every client is charged them, the round's participants or not
+            worst = max(worst, self.shared.epsilon_after(shared, self.delta))
         if worst > self.limit:
             return f"max-epsilon: round {server_round} would take ε to {worst:.4g} > {self.limit:g}"
         return None
@@ -228,7 +258,7 @@ class Accounting:
         """The largest client ε by each of ``accountants`` (the main one first), then by each
         ``independent`` one (NaN where one client's is: not computed)."""
         def largest(accountant: str) -> float:
-            values = [self.clients[c].epsilon(self.delta, accountant) for c in self.charged]
+            values = [self.ledger(c).epsilon(self.delta, accountant) for c in self.charged]
             return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
 
         return {a: largest(a) for a in (*self.accountants, *self.independent)}
@@ -241,6 +271,8 @@ class Accounting:
         return {"clients": [ledger.state_dict() for ledger in self.clients],
                 "server": self.server.state_dict(), "charged": sorted(self.charged),
                 "counts": [dict(c) for c in self.counts],
+                "population": self.shared.state_dict(),
+                "participations": dict(self.participations),
                 "unmasked": [ledger.state_dict() for ledger in self.unmasked]}
 
     def load_state_dict(self, saved: dict) -> None:
@@ -248,6 +280,9 @@ class Accounting:
         for ledger, history in zip(self.clients, saved["clients"], strict=True):
             ledger.load_state_dict(history)
         self.server.load_state_dict(saved["server"])
+        self.shared.load_state_dict(saved.get("population", []))
+        self.participations = Counter({int(c): n for c, n in
+                                       saved.get("participations", {}).items()})
         self.charged = set(saved["charged"])
         # a checkpoint of an older dpfl has no counts: a node's report then charges again what
         # this ledger already holds (never fewer releases than happened)

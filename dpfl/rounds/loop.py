@@ -34,7 +34,7 @@ import torch
 
 from dpfl.algorithms import ServerContext, State, distinct_streams
 from dpfl.errors import NonFiniteError
-from dpfl.privacy import Accounting, Randomness
+from dpfl.privacy import Randomness
 from dpfl.problem import Problem
 from dpfl.rounds.checkpointer import Checkpointer
 from dpfl.rounds.client import finite
@@ -135,13 +135,8 @@ class RoundLoop:
         start = problem.x0 if x0 is None else x0
         self.state = self.algorithm.init_server_state(start.to(problem.device))
         self.rng = Randomness(cfg.run.seed, secure=cfg.privacy.secure_noise)
-        self.accounting = Accounting(
-            num_clients=problem.num_clients, releases=problem.releases,
-            accountant=cfg.privacy.accountant, relation=self.algorithm.relation,
-            delta=cfg.privacy.delta, limit=cfg.privacy.max_epsilon,
-            also=self.algorithm.reported_accountants,
-            central=tuple(r for r in problem.server_releases()
-                          if r.name in self.algorithm.central_releases()))
+        self.accounting = problem.accounting(limit=cfg.privacy.max_epsilon,
+                                             also=self.algorithm.reported_accountants)
         self.checkpointer = Checkpointer(cfg, runtime)
         self.checkpointer.check_releases(releases_of(problem))
         self.monitor = RunMonitor(problem, echo)
@@ -248,9 +243,12 @@ class RoundLoop:
                 raise TypeError(f"{self.algorithm.name}: exchange {exchange.name!r} broadcast "
                                 f"{tuple(broadcast)}, declared {exchange.broadcast}")
             self.pending = (exchange.name, list(ctx.participants))
+            self.accounting.charge_population(exchange.name)  # released whoever replies
             try:
-                replies: Replies = yield ExchangeRequest(exchange.name, server_round, broadcast,
-                                                         ctx.participants)
+                replies: Replies = (
+                    (yield ExchangeRequest(exchange.name, server_round, broadcast,
+                                           ctx.participants)) if ctx.participants
+                    else Replies(sums=self.algorithm.zero_sums(exchange.name)))
             except (ClientRefused, ClientsLost) as stopped:  # the others' noised uploads
                 # reached the server (masked, under secure aggregation: charged all the same)
                 self.pending = None
