@@ -32,8 +32,8 @@ OWN_R = {"flat": 0.0, "auto-s": 1e-2, "nsgd": 1e-2, "psac": 1e-4}
 #: the algorithms that clip per sample, which offer the option (clip-sgd with clipping
 #: "per-sample"); the others clip a client's whole message and refuse it
 PER_SAMPLE = {"adaptdp-fedavg", "clip-sgd", "clip21-sgd2m-plus", "dp-fedavg", "dp-scaffold",
-              "dp-sgd", "dpsgd-gc", "fedpcdp", "fedpdp", "non-prisma", "pcdp-sgd", "pdp-sgd",
-              "prisma", "rpdp-sgd", "rsdp-sgd"}
+              "dp-sgd", "dpsgd-gc", "fedlrs", "fedpcdp", "fedpdp", "non-prisma", "pcdp-sgd",
+              "pdp-sgd", "pfa-simplified", "prisma", "rpdp-sgd", "rsdp-sgd"}
 
 
 def formula(name: str, norm: float, clip: float, r: float) -> float:

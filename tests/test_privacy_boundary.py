@@ -21,7 +21,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType
 from dpfl.algorithms import ALGORITHMS, ServerContext
 from dpfl.algorithms.local_dpsgd import SAMPLING
 from dpfl.algorithms.prisma import RELATION, Prisma
-from dpfl.algorithms.projected import PublicEigenspace
 from dpfl.client.app import reply
 from dpfl.privacy import Randomness
 from dpfl.problem import build_problem
@@ -48,9 +47,9 @@ PUBLIC = {"dataset-options": "num_public=3", "batch-size": 478}
 
 
 def base(name: str) -> dict:
-    """BASE, with public records for an algorithm that projects onto them."""
-    projection = getattr(ALGORITHMS.get(name), "projection", None)
-    public = projection is not None and projection.source is PublicEigenspace
+    """BASE, with public records for an algorithm that projects onto them (whose defaults
+    hold some out)."""
+    public = "num_public" in str(ALGORITHMS.get(name).defaults.get("dataset-options", ""))
     return {**BASE, **(PUBLIC if public else {})}
 
 

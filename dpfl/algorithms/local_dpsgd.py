@@ -187,14 +187,19 @@ class LocalDPSGD:
         return cohort.draw(ctx, f"batch-{k}", "train", self.hp.batch_size)
 
     def noisy_gradient(self, params: Tensor, x: Tensor, batches: Batches, radius: float,
-                       k: int, ctx: ClientContext) -> tuple[Tensor, Tensor]:
+                       k: int, ctx: ClientContext, *, offset: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor]:
         """``[C, d]``: (1/b) Σ_j clip_C(∇ℓ_j(x_k) + μ(x_k − x)) plus the release's noise
         (std σ·C/b), and the fraction of the batch clipped ``[C]``; clip_C is the
-        ``clipping-function``'s φ_C (flat: min(1, C/‖·‖)·). C = 0 takes no step."""
+        ``clipping-function``'s φ_C (flat: min(1, C/‖·‖)·). C = 0 takes no step. ``offset``
+        (``[C, d]``), where given, is the gradient of another regulariser of the local loss
+        in place of FedProx's μ(x_k − x), added to each per-sample gradient before clipping
+        (FedLRS's BLUR)."""
         hp = self.hp
         clipped = torch.zeros(len(params), device=ctx.device)
         if radius > 0:
-            offset = hp.proximal_mu * (params - x) if hp.proximal_mu else None
+            if offset is None and hp.proximal_mu:
+                offset = hp.proximal_mu * (params - x)
             g, clipped = self.clipped_means(params, batches, radius, ctx, offset=offset)
         else:  # nothing to add, and the noise std is 0 too
             g = torch.zeros_like(params)

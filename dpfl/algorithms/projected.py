@@ -655,6 +655,40 @@ class RSDPSGD(DPSGD):
     projection = Projection(RandomMask)
 
 
+class RoundSubspace:
+    """The server's public subspace of each round (FedPCDP's Algorithm 3, the virtual client;
+    also the upload space of :mod:`~dpfl.algorithms.pfa`): V_k^r from the public records at the
+    global model w_g^{r−1}, recomputed every β rounds (the lost condition of Algorithm 3's line
+    5 read as this interval), from the server's public batch of index ⌊(r − 1)/β⌋. V = GᵀR is
+    kept in server state, and broadcast, as what it is made of (keys :data:`ROUND_SUBSPACE`):
+    its weights R (``basis``, ``[B_pub, k]``), the model it was computed at (``basis-point``)
+    and the public records behind G (``public-rows``); a client rebuilds G from its copy of the
+    public records, so the downlink carries B_pub·k + d numbers instead of d·k (the same V, bit
+    for bit)."""
+
+    def __init__(self, source: PublicEigenspace, interval: int) -> None:
+        self.source = source
+        self.interval = interval  # β
+
+    def begin_round(self, state: State, ctx: ServerContext) -> State:
+        """Server state with the round's V_k^r: a new one in rounds 1, 1 + β, …, else kept."""
+        if (ctx.server_round - 1) % self.interval:
+            return state
+        index = (ctx.server_round - 1) // self.interval
+        rows = self.source.rows(ctx.rng, SERVER, ctx.server_round, index)
+        space = self.source.at(state["x"], rows)
+        return {**state, "basis": space.r, "basis-point": state["x"], "public-rows": rows}
+
+    def at(self, broadcast: State, device: torch.device) -> GradientBasis:
+        """The round's V_k^r from the broadcast (or the server's state), on ``device``."""
+        return self.source.at(broadcast["basis-point"].to(device), broadcast["public-rows"],
+                              r=broadcast["basis"])
+
+
+#: the server-state and broadcast keys :class:`RoundSubspace` keeps V_k^r under
+ROUND_SUBSPACE = ("basis", "basis-point", "public-rows")
+
+
 # ---- the federated family ----------------------------------------------------------------------
 
 @ALGORITHMS.register_class
@@ -666,36 +700,29 @@ class FedPCDP(DPSGD):
     defaults = PUBLIC_RECORDS
     Hyperparameters = PublicProjectionHyperparameters
     projection = Projection(PublicEigenspace)  # the server's, broadcast
-    exchanges = (Exchange("train", ("x", "radius", "basis", "basis-point", "public-rows"),
+    exchanges = (Exchange("train", ("x", "radius", *ROUND_SUBSPACE),
                           {"u": Upload("train", post_processing=True)}),)
+
+    def __init__(self, hp: ProjectedHyperparameters, model: FlatModel, num_clients: int, *,
+                 public: tuple[Tensor, Tensor] | None = None) -> None:
+        super().__init__(hp, model, num_clients, public=public)
+        assert isinstance(self.source, PublicEigenspace)
+        self.round_space = RoundSubspace(self.source, self.hp.projection_interval)
 
     def subspaces_per_run(self, num_rounds: int) -> int:
         return math.ceil(num_rounds / self.hp.projection_interval)
 
     def begin_round(self, state: State, ctx: ServerContext) -> State:
-        """Algorithm 3 (the virtual client): V_k^r at the global model, from the public records,
-        every β rounds (the lost condition of its line 5 read as this interval). V = GᵀR is
-        kept, and broadcast, as what it is made of: its weights R (``basis``, ``[B_pub, k]``),
-        the model it was computed at (``basis-point``) and the public records behind G
-        (``public-rows``); the client rebuilds G from its copy of the public records, so the
-        downlink carries B_pub·k + d numbers instead of d·k."""
-        beta = self.hp.projection_interval
-        if (ctx.server_round - 1) % beta:
-            return state
-        index = (ctx.server_round - 1) // beta
-        assert isinstance(self.source, PublicEigenspace)
-        rows = self.source.rows(ctx.rng, SERVER, ctx.server_round, index)
-        space = self.source.at(state["x"], rows)
-        return {**state, "basis": space.r, "basis-point": state["x"], "public-rows": rows}
+        """Algorithm 3 (the virtual client): V_k^r at the global model every β rounds
+        (:class:`RoundSubspace`)."""
+        return self.round_space.begin_round(state, ctx)
 
     def broadcast(self, exchange: str, state: State, server_round: int) -> State:
         return {key: state[key] for key in self.exchanges[0].broadcast}
 
     def upload_space(self, broadcast: State, device: torch.device) -> Subspace:
         """The round's V_k^r from the broadcast (or the server's state), on ``device``."""
-        assert isinstance(self.source, PublicEigenspace)
-        return self.source.at(broadcast["basis-point"].to(device), broadcast["public-rows"],
-                              r=broadcast["basis"])
+        return self.round_space.at(broadcast, device)
 
     def step_gradient(self, x: Tensor, cohort: Cohort, radius: float, broadcast: State,
                       ctx: ClientContext) -> NoisyStep:
@@ -789,4 +816,6 @@ class FedPDP(FedPCDP):
 
 FAMILY = ("dp-sgd", "pcdp-sgd", "pdp-sgd", "rpdp-sgd", "rsdp-sgd", "fedpcdp", "fedpdp")
 
-__all__ = ["FAMILY", "Basis", "Coordinates", "DPSGD", "FedPCDP", "top_eigenspace"]
+__all__ = ["FAMILY", "PUBLIC_RECORDS", "ROUND_SUBSPACE", "Basis", "Coordinates", "DPSGD",
+           "FedPCDP", "PublicEigenspace", "PublicProjectionHyperparameters", "RoundSubspace",
+           "top_eigenspace"]
