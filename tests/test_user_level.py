@@ -179,3 +179,29 @@ def test_the_local_variant_noises_each_reply_and_charges_its_participants_alone(
         _config(tmp_path, algorithm="dp-fedavg-user-local", secure_aggregation=True)
     RunConfig({**VALUES, "algorithm": "dp-fedavg-user-local", "client-sampling": "fixed",
                "secure-aggregation": True, "distributed-noise": True})  # accepted
+
+
+def test_a_million_client_ledger_holds_only_the_clients_that_took_part():
+    """The population's release is one shared history; a client's own ledger, counts and
+    participations exist once it takes part: 1,000 rounds of 1,000 participants out of 10⁶
+    keep memory in the cohorts, and the checkpoint's state holds no empty ledger."""
+    from dpfl.privacy import Accounting, Release
+    from dpfl.privacy.release import Side
+
+    population = Release(name="model", exchange="train", radius=1.0, relation="add-remove",
+                         sample_rate=1e-3, steps=1, noise_multiplier=1.0, side=Side.SERVER)
+    accounting = Accounting(num_clients=10**6, releases=lambda c: [], accountant="rdp",
+                            relation="add-remove", delta=1e-6, central=(population,),
+                            population=(population,))
+    for r in range(1000):
+        accounting.charge_population("train")
+        accounting.charge(range(r * 10, r * 10 + 1000), "train")
+    assert len(accounting.clients) == 0 and len(accounting.participations) == 10_990
+    assert accounting.shared.history == [(1.0, 1e-3, 1000)]
+    state = accounting.state_dict()
+    assert state["clients"] == {} and state["unmasked"] == {}
+    again = Accounting(num_clients=10**6, releases=lambda c: [], accountant="rdp",
+                       relation="add-remove", delta=1e-6, central=(population,),
+                       population=(population,))
+    again.load_state_dict(state)
+    assert again.epsilon(999_999) == accounting.epsilon(0) > 0

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -159,13 +159,17 @@ class Accounting:
         self.limit = limit
         self.accountants = (accountant, *(a for a in also if a != accountant))
         self.independent = independent.reported(self.accountants)
-        self.clients = [PrivacyLedger(accountant, relation) for _ in range(num_clients)]
+        self.num_clients = num_clients
+        # the clients' own ledgers, made when first charged: memory follows the clients that
+        # took part, not the population
+        fresh = functools.partial(PrivacyLedger, accountant, relation)
+        self.clients: defaultdict[int, PrivacyLedger] = defaultdict(fresh)
         self.server = PrivacyLedger(accountant, "client-level (server-side noise)")
-        self.charged: set[int] = set()  # clients that released something
+        self.charged: set[int] = set()  # clients that released something of their own
         # each client's own share of split noise alone (recorded for split releases only)
-        self.unmasked = [PrivacyLedger(accountant, relation) for _ in range(num_clients)]
+        self.unmasked: defaultdict[int, PrivacyLedger] = defaultdict(fresh)
         # how many times each client was charged each release, by name (what its node reports)
-        self.counts: list[Counter[str]] = [Counter() for _ in range(num_clients)]
+        self.counts: defaultdict[int, Counter[str]] = defaultdict(Counter)
 
     def client_releases(self, client: int, exchange: str | None = None) -> list[Release]:
         """The releases a client is charged for when it takes part (its own, and the central
@@ -176,11 +180,16 @@ class Accounting:
 
     def ledger(self, client: int) -> PrivacyLedger:
         """``client``'s whole ledger: its own releases and the population's."""
-        own = self.clients[client]
+        own = self.clients.get(client)
         if not self.shared.history:
-            return own
-        return PrivacyLedger(own.accountant, own.relation,
-                             list(composed([*own.history, *self.shared.history])))
+            return own if own is not None else PrivacyLedger(self.shared.accountant,
+                                                             self.shared.relation)
+        return self.ledger_of(tuple(own.history) if own is not None else ())
+
+    def reported_clients(self) -> list[int]:
+        """The clients whose ε is reported: every client once a population release was
+        charged, else those that released something."""
+        return list(range(self.num_clients)) if self.shared.history else sorted(self.charged)
 
     def _record(self, client: int, release: Release) -> None:
         self.clients[client].record(release)
@@ -216,8 +225,6 @@ class Accounting:
         releases = [r for r in self.population if r.exchange == exchange]
         for release in releases:
             self.shared.record(release)
-        if releases and len(self.charged) < len(self.clients):
-            self.charged = set(range(len(self.clients)))
 
     def charge_server(self, release: Release) -> None:
         self.server.record(release)
@@ -243,14 +250,23 @@ class Accounting:
         return None
 
     def report(self) -> dict[int, float]:
-        """ε of every client that has released something, by client id."""
-        return {c: self.epsilon(c) for c in sorted(self.charged)}
+        """ε of every :meth:`reported_clients` client, by client id (computed once per distinct
+        history: under a population release most clients share one)."""
+        by_history: dict[tuple[Event, ...], float] = {}
+        report = {}
+        for c in self.reported_clients():
+            own = self.clients.get(c)
+            key = tuple(own.history) if own is not None else ()
+            if key not in by_history:
+                by_history[key] = self.epsilon(c)
+            report[c] = by_history[key]
+        return report
 
     def report_unmasked(self) -> dict[int, float] | None:
         """ε of every client that has released something from its own share of split noise
         alone (the server reads its upload unmasked), by client id; None when no noise was
         split."""
-        if not any(self.unmasked[c].history for c in self.charged):
+        if not any(ledger.history for ledger in self.unmasked.values()):
             return None
         return {c: self.unmasked[c].epsilon(self.delta) for c in sorted(self.charged)}
 
@@ -258,7 +274,11 @@ class Accounting:
         """The largest client ε by each of ``accountants`` (the main one first), then by each
         ``independent`` one (NaN where one client's is: not computed)."""
         def largest(accountant: str) -> float:
-            values = [self.ledger(c).epsilon(self.delta, accountant) for c in self.charged]
+            histories = {tuple(self.clients[c].history) for c in self.charged}
+            if self.shared.history and len(self.charged) < self.num_clients:
+                histories.add(())  # a client charged the population's releases alone
+            values = [self.ledger_of(history).epsilon(self.delta, accountant)
+                      for history in histories]
             return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
 
         return {a: largest(a) for a in (*self.accountants, *self.independent)}
@@ -266,19 +286,35 @@ class Accounting:
     def server_epsilon(self) -> float | None:
         return self.server.epsilon(self.delta) if self.server.history else None
 
+    def ledger_of(self, history: tuple[Event, ...]) -> PrivacyLedger:
+        """A client ledger holding ``history`` and the population's releases."""
+        return PrivacyLedger(self.shared.accountant, self.shared.relation,
+                             list(composed([*history, *self.shared.history])))
+
     def state_dict(self) -> dict[str, object]:
-        """Every ledger and who has released something, as plain lists (a checkpoint's part)."""
-        return {"clients": [ledger.state_dict() for ledger in self.clients],
-                "server": self.server.state_dict(), "charged": sorted(self.charged),
-                "counts": [dict(c) for c in self.counts],
+        """Every ledger that holds something and who has released something, as plain dicts
+        and lists keyed by client id (a checkpoint's part)."""
+        def held(ledgers: Mapping[int, PrivacyLedger]) -> dict[int, list[list[float | int]]]:
+            return {c: ledger.state_dict() for c, ledger in sorted(ledgers.items())
+                    if ledger.history}
+
+        return {"clients": held(self.clients), "server": self.server.state_dict(),
+                "charged": sorted(self.charged),
+                "counts": {c: dict(n) for c, n in sorted(self.counts.items()) if n},
                 "population": self.shared.state_dict(),
-                "participations": dict(self.participations),
-                "unmasked": [ledger.state_dict() for ledger in self.unmasked]}
+                "participations": dict(self.participations), "unmasked": held(self.unmasked)}
 
     def load_state_dict(self, saved: dict) -> None:
-        """Restore what :meth:`state_dict` gave."""
-        for ledger, history in zip(self.clients, saved["clients"], strict=True):
-            ledger.load_state_dict(history)
+        """Restore what :meth:`state_dict` gave (or an older dpfl's lists, one entry per
+        client)."""
+        def by_client(entries: object) -> dict[int, object]:
+            return (dict(enumerate(entries)) if isinstance(entries, list)
+                    else {int(c): v for c, v in dict(entries).items()})
+
+        self.clients.clear()
+        for c, history in by_client(saved["clients"]).items():
+            if history:
+                self.clients[c].load_state_dict(history)
         self.server.load_state_dict(saved["server"])
         self.shared.load_state_dict(saved.get("population", []))
         self.participations = Counter({int(c): n for c, n in
@@ -286,7 +322,11 @@ class Accounting:
         self.charged = set(saved["charged"])
         # a checkpoint of an older dpfl has no counts: a node's report then charges again what
         # this ledger already holds (never fewer releases than happened)
-        self.counts = [Counter(c) for c in saved.get("counts", [{}] * len(self.clients))]
-        for ledger, history in zip(self.unmasked, saved.get("unmasked", [[]] * len(self.clients)),
-                                   strict=True):
-            ledger.load_state_dict(history)
+        self.counts.clear()
+        for c, counted in by_client(saved.get("counts", {})).items():
+            if counted:
+                self.counts[c].update(counted)
+        self.unmasked.clear()
+        for c, history in by_client(saved.get("unmasked", {})).items():
+            if history:
+                self.unmasked[c].load_state_dict(history)
