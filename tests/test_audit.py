@@ -262,7 +262,7 @@ def test_the_gaussian_fit_catches_a_fifth_less_noise(name, monkeypatch):
 
 #: where halved noise is caught at 200 runs a side by a margin under 0.5 in ε, 1,000 runs
 HALF_NOISE_TRIALS = {"adaptdp-fedavg": 1000, "dp-fedavg": 1000, "dp-scaffold": 1000,
-                     "dp-sgd": 1000, "fedlrs": 1000, "fedpcdp": 1000, "fedpdp": 1000,
+                     "dp-sgd": 1000, "fedlrs": 1000, "fedpcdp": 1000, "fedpdp": 1000, "moon": 1000,
                      "pcdp-sgd": 1000, "pdp-sgd": 1000, "pfa-simplified": 1000,
                      "rsdp-sgd": 1000}
 

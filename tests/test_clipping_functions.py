@@ -31,7 +31,7 @@ OTHERS = [name for name in NAMES if name != "flat"]
 OWN_R = {"flat": 0.0, "auto-s": 1e-2, "nsgd": 1e-2, "psac": 1e-4}
 #: the algorithms that clip per sample, which offer the option (clip-sgd with clipping
 #: "per-sample"); the others clip a client's whole message and refuse it
-PER_SAMPLE = {"adaptdp-fedavg", "clip-sgd", "clip21-sgd2m-plus", "dp-fedavg", "dp-scaffold",
+PER_SAMPLE = {"adaptdp-fedavg", "clip-sgd", "clip21-sgd2m-plus", "dp-fedavg", "dp-scaffold", "moon",
               "dp-sgd", "dpsgd-gc", "fedlrs", "fedpcdp", "fedpdp", "non-prisma", "pcdp-sgd",
               "pdp-sgd", "pfa-simplified", "prisma", "rpdp-sgd", "rsdp-sgd"}
 

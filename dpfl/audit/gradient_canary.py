@@ -104,6 +104,11 @@ class CanaryModule(nn.Module):
             LinearBlock(layer, slice(0, features)),
             LinearBlock(self.canary, slice(features, features + self.slots))]
 
+    def representation_source(self) -> nn.Module:
+        """The module whose representation MOON's contrastive loss reads (the model's, not
+        θ's: :func:`~dpfl.algorithms.moon.representation_layer`)."""
+        return self.module
+
     def forward(self, x: Tensor) -> Tensor:
         n = x.shape[0]
         out = self.module(x[:, :-self.slots].reshape(n, *self.input_shape)).reshape(n, -1)
