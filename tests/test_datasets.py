@@ -71,6 +71,7 @@ def test_registered_dataset_names():
             "digits",
             "duke",
             "fashion-mnist",
+            "leaf-synthetic",
             "mnist",
             "npz",
             "prisma-least-squares",
@@ -572,3 +573,29 @@ def test_synthetic_cifar10_is_cifar_shaped_seeded_and_bounded():
     assert one.train_x.dtype == torch.float32 and one.train_y.dtype == torch.int64
     assert one.train_x.abs().max() <= 1.0 and set(one.train_y.tolist()) <= set(range(10))
     assert torch.equal(one.train_x, again.train_x)
+
+
+def test_leaf_synthetic_draws_each_client_from_its_own_stream():
+    """Synthetic(α, β): a client's samples do not depend on the population's size, the
+    natural split is one block per client, each client keeps test samples, and the labels
+    follow each client's own model (clients disagree at α = β = 1)."""
+    from dpfl.datasets.leaf_synthetic import client_samples
+
+    small = load_dataset("leaf-synthetic", seed=4, num_clients=10, max_samples=200)
+    large = load_dataset("leaf-synthetic", seed=4, num_clients=20, max_samples=200)
+    assert len(small.client_sizes) == 10 and len(large.client_sizes) == 20
+    assert large.client_sizes[:10] == small.client_sizes
+    assert torch.equal(large.train_x[:small.num_train], small.train_x)
+    assert small.train_x.shape[1] == 60 and small.num_classes == 10
+    assert len(small.test_y) >= 10 and small.validation_y is None
+    x, y = client_samples(4, 3, alpha=1.0, beta=1.0, dim=60, classes=10, max_samples=200)
+    start = sum(small.client_sizes[:3])
+    assert torch.equal(small.train_x[start:start + small.client_sizes[3]],
+                       torch.from_numpy(x[:small.client_sizes[3]]))
+    other = load_dataset("leaf-synthetic", seed=5, num_clients=10, max_samples=200)
+    assert not torch.equal(other.train_x[:50], small.train_x[:50])
+    split = load_dataset("leaf-synthetic", seed=4, num_clients=10, max_samples=200,
+                         validation_fraction=0.2)
+    assert split.num_validation > 0 and split.num_train < small.num_train
+    with pytest.raises(ConfigError, match="test-fraction"):
+        load_dataset("leaf-synthetic", seed=4, test_fraction=1.5)

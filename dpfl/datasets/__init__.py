@@ -7,7 +7,15 @@ training rows with flwr-datasets' partitioners. Registered names are listed by
 """
 
 # imported for their side effect: each module registers its loaders
-from dpfl.datasets import arrays, bank, digits, libsvm, synthetic, vision  # noqa: F401
+from dpfl.datasets import (  # noqa: F401
+    arrays,
+    bank,
+    digits,
+    leaf_synthetic,
+    libsvm,
+    synthetic,
+    vision,
+)
 from dpfl.datasets.base import Dataset, natural_partition
 from dpfl.datasets.loading import DATASETS, load_dataset
 from dpfl.datasets.partition import PARTITIONERS, partition
