@@ -38,7 +38,17 @@ import matplotlib.pyplot as plt
 from dpfl_reproductions import fixed_features
 from dpfl_reproductions.lab import Lab
 from dpfl_reproductions.registry import experiment
-from dpfl_reproductions.selection import Config, command, edge_axes, grid, paired
+from dpfl_reproductions.selection import (
+    Config,
+    Ranking,
+    Runner,
+    best,
+    command,
+    edge_axes,
+    grid,
+    paired,
+    walk_past_edges,
+)
 
 METHODS = ("dp-fedavg", "adaptdp-fedavg")
 LABEL = {"dp-fedavg": "DP-FedAvg", "adaptdp-fedavg": "AdaptDP-FedAvg"}
@@ -52,6 +62,8 @@ PER_CLIENT = 1500
 CURVE_POINTS = 100  # points of a loss / radius curve kept in the archive
 EDGE_STEPS = 3  # steps past the paper's grid (an extension)
 EDGE_FACTOR = 2.0
+#: a cell's ranking: the lowest training loss over the rounds (mean of the seeds), lower first
+LOSS = Ranking(lambda summary: summary["derived"]["min_train_loss"])
 COMMON: Config = {"partitioner": "iid", "batch-size": 100, "delta": 1e-4,
                   "calibration": "noise-size", "non-private-diagnostics": True,
                   "eval-train": True}
@@ -232,70 +244,35 @@ class Sweep:
         reruns = rounds * (sum(ENGINE_SECONDS[self.name]) + ENGINE_SECONDS[self.name][1])
         return grid_seconds + table4 + reruns
 
+    @property
+    def runner(self) -> Runner:
+        """A cell's (method, level) run of a point at a seed, in the simulator."""
+        return Runner(lambda cell, point, seed: self.config(*cell, point, seed),
+                      lambda configs: batched(self.lab, configs))
+
     def run(self) -> dict[tuple[str, int], tuple[Config, list[dict[str, Any]]]]:
-        """Every grid point of every cell on both seeds; the selected point of each cell with
-        its runs' summaries."""
-        cells = [(m, lv) for m in self.methods for lv in self.levels]
-        configs = [self.config(m, lv, p, s) for m, lv in cells for p in self.points
-                   for s in SEEDS]
-        summaries = iter(batched(self.lab, configs))
+        """Every grid point of every cell on both seeds; the selected point of each cell by
+        :data:`LOSS` (the first in grid order of equal ones) with its runs' summaries."""
+        jobs = [((m, lv), p) for m in self.methods for lv in self.levels for p in self.points]
         self.scores: dict[tuple[str, int], dict[tuple[float, float], list[dict]]] = {}
-        chosen = {}
-        for cell in cells:
-            by_point = {(p["learning-rate"], p["clip"]): [next(summaries) for _ in SEEDS]
-                        for p in self.points}
-            self.scores[cell] = by_point
-            best = min(by_point, key=lambda k: statistics.fmean(
-                s["derived"]["min_train_loss"] for s in by_point[k]))
-            chosen[cell] = ({"learning-rate": best[0], "clip": best[1]}, by_point[best])
-        return chosen
+        measured: dict[tuple[str, int], list[tuple[tuple[Config, list[dict]], list[dict]]]] = {}
+        for (cell, p), runs in zip(jobs, self.runner.runs(jobs, SEEDS), strict=True):
+            self.scores.setdefault(cell, {})[(p["learning-rate"], p["clip"])] = runs
+            measured.setdefault(cell, []).append(((p, runs), runs))
+        return {cell: best(items, LOSS) for cell, items in measured.items()}
 
     def extend(self, chosen: dict[tuple[str, int], tuple[Config, list[dict[str, Any]]]]
                ) -> dict[tuple[str, int], tuple[Config, list[dict[str, Any]], bool]]:
-        """Each cell's selection walked past the edge of the paper's grid (:func:`beyond`),
+        """Each cell's selection walked past the edge of the paper's grid on η and C (×/÷
+        :data:`EDGE_FACTOR`, one axis at a time and both together: :func:`walk_past_edges`),
         both seeds, while the mean lowest training loss improves, at most EDGE_STEPS steps;
         per cell the point, its runs and whether it is still on the edge of what was
         searched."""
-        def score(runs: list[dict[str, Any]]) -> float:
-            return statistics.fmean(s["derived"]["min_train_loss"] for s in runs)
-
-        searched = {cell: list(self.points) for cell in chosen}
-        best = {cell: (point, runs) for cell, (point, runs) in chosen.items()}
-        open_cells = set(chosen)
-        for _ in range(1 if self.lab.smoke else EDGE_STEPS):
-            candidates = {cell: beyond(best[cell][0], searched[cell]) for cell in open_cells}
-            candidates = {cell: points for cell, points in candidates.items() if points}
-            if not candidates:
-                break
-            configs = [self.config(*cell, p, seed) for cell, points in candidates.items()
-                       for p in points for seed in SEEDS]
-            summaries = iter(batched(self.lab, configs))
-            open_cells = set()
-            for cell, points in candidates.items():
-                searched[cell] += points
-                for p in points:
-                    runs = [next(summaries) for _ in SEEDS]
-                    if score(runs) < score(best[cell][1]):
-                        best[cell] = (p, runs)
-                        open_cells.add(cell)
-        return {cell: (p, runs, bool(beyond(p, searched[cell])))
-                for cell, (p, runs) in best.items()}
-
-
-def beyond(point: Config, searched: list[Config]) -> list[Config]:
-    """The points one step (× or ÷ EDGE_FACTOR) past each axis at whose end of ``searched``
-    ``point`` sits, one axis at a time and both together, not searched yet."""
-    moves = {}
-    for key in ("learning-rate", "clip"):
-        values = [p[key] for p in searched]
-        if point[key] >= max(values):
-            moves[key] = point[key] * EDGE_FACTOR
-        elif point[key] <= min(values):
-            moves[key] = point[key] / EDGE_FACTOR
-    out = [{**point, key: value} for key, value in moves.items()]
-    if len(moves) == 2:
-        out.append({**point, **moves})
-    return [p for p in out if p not in searched]
+        walked = walk_past_edges(
+            self.runner, {cell: (LOSS.value(runs), p) for cell, (p, runs) in chosen.items()},
+            {cell: self.points for cell in chosen}, ("learning-rate", "clip"), SEEDS, LOSS,
+            factor=EDGE_FACTOR, limit=1 if self.lab.smoke else EDGE_STEPS)
+        return {cell: (w.point, w.runs or chosen[cell][1], w.edge) for cell, w in walked.items()}
 
 
 def simulate(configs: list[Config]) -> list[dict[str, Any]]:
@@ -347,13 +324,11 @@ def report_verdict(lab: Lab, sweep: Sweep,
     loss / AdaptDP-FedAvg's), its mean and 95% t-interval; confirmed where the interval lies
     above 0, refuted where below."""
     levels = [lv for lv in sweep.levels if all((m, lv) in extended for m in METHODS)]
-    configs = [sweep.config(m, lv, extended[(m, lv)][0], s) for lv in levels for m in METHODS
-               for s in VERDICT_SEEDS]
-    summaries = iter(batched(lab, configs))
+    runs = sweep.runner.on_seeds({(m, lv): extended[(m, lv)][0] for lv in levels
+                                  for m in METHODS}, VERDICT_SEEDS)
     rows = []
     for level in levels:
-        losses = {m: [next(summaries)["derived"]["min_train_loss"] for _ in VERDICT_SEEDS]
-                  for m in METHODS}
+        losses = {m: [LOSS.metric(s) for s in runs[(m, level)]] for m in METHODS}
         cells = [loss_cell([{"derived": {"min_train_loss": v}} for v in losses[m]])
                  for m in METHODS]
         if not all(math.isfinite(v) and v > 0 for vs in losses.values() for v in vs):

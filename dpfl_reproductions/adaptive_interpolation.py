@@ -27,10 +27,17 @@ import itertools
 from typing import Any
 
 from dpfl_reproductions import adaptive
-from dpfl_reproductions.adaptive import SIMULATED_SECONDS, TASKS, Task, batched, config_of
+from dpfl_reproductions.adaptive import (
+    LOSS,
+    SIMULATED_SECONDS,
+    TASKS,
+    Task,
+    batched,
+    config_of,
+)
 from dpfl_reproductions.lab import Lab
 from dpfl_reproductions.registry import experiment
-from dpfl_reproductions.selection import Config, grid
+from dpfl_reproductions.selection import Config, best, grid
 
 SCALINGS = ("unit", "standardised", "raw")  # MNIST's pixels: [0, 1], standardised, 0..255
 INITS = ("default", "normal")  # the random layer: PyTorch's U(±1/√in), or N(0, 1)
@@ -100,15 +107,15 @@ class Found:
 
 
 def search(lab: Lab, name: str) -> list[Found]:
+    """Each specification's best grid point by the tasks' ranking (:data:`adaptive.LOSS`, the
+    first in grid order of equal ones)."""
     jobs = [(spec, p) for spec in specs(name, lab.smoke)
             for p in points(task_at(name, spec), lab.smoke)]
     summaries = batched(lab, [non_private(task_at(name, spec), p, lab.smoke) for spec, p in jobs])
-    found: dict[Spec, Found] = {}
+    measured: dict[Spec, list[tuple[Found, list[dict[str, Any]]]]] = {}
     for (spec, p), summary in zip(jobs, summaries, strict=True):
-        loss = summary["derived"]["min_train_loss"]
-        if spec not in found or loss < found[spec].loss:
-            found[spec] = Found(spec, p, summary)
-    return list(found.values())
+        measured.setdefault(spec, []).append((Found(spec, p, summary), [summary]))
+    return [best(items, LOSS) for items in measured.values()]
 
 
 def task_names(lab: Lab) -> list[str]:

@@ -39,8 +39,11 @@ from dpfl_reproductions.registry import experiment
 from dpfl_reproductions.selection import (
     BELOW_GRID,
     Config,
-    Rung,
+    Ranking,
+    Runner,
     StepLadder,
+    StepRung,
+    best,
     command,
     final_accuracy,
     grid,
@@ -98,6 +101,9 @@ def fig2_check(norms: dict[tuple[str, float, str], float], modes: Sequence[str],
 
 
 GAMMA_PAST_EDGE = 3  # doublings (halvings) of γ E1's hedge may go past the paper's grid
+#: E1's ranking: ‖∇f‖ over the last iterations (:func:`logreg_tail`), its mean over the seeds,
+#: lower first
+GRAD_NORM = Ranking(lambda summary: summary["derived"]["grad_norm_tail"])
 
 
 def past_the_edge(lab: Lab, best: dict[Any, tuple[float, float, Config]], gammas: Sequence[float],
@@ -108,8 +114,7 @@ def past_the_edge(lab: Lab, best: dict[Any, tuple[float, float, Config]], gammas
     while the new γ has the lower mean gradient norm, at most :data:`GAMMA_PAST_EDGE` times.
     The paper's γ grid stops at 2^5; this asks whether a ranking at its edge is the grid's
     doing. Returns every cell, extended or not."""
-    return walk_past_edge(lab, best, "learning-rate", gammas, seeds,
-                          lambda summary: summary["derived"]["grad_norm_tail"],
+    return walk_past_edge(lab, best, "learning-rate", gammas, seeds, GRAD_NORM.metric,
                           limit=GAMMA_PAST_EDGE, derive=derive)
 
 
@@ -138,29 +143,28 @@ def logreg(lab: Lab) -> str:
     variants = {"clip-sgd": [{}], "clip21-sgd": [{}],
                 "clip21-sgd2m": [{"beta": b} for b in betas]}
     methods = {m: variants[m] for m in lab.restrict("method", list(variants))}
-    runs: dict[tuple[str, float, str], list[tuple[Config, list[Config]]]] = {}
+    jobs: list[tuple[tuple[str, float, str], Config]] = []
     for mode, tau, (method, variants) in itertools.product(modes, taus, methods.items()):
         for variant, gamma in itertools.product(variants, gammas):
-            point = {**LOGREG_BASE, **LOGREG_MODES[mode], "algorithm": method, "clip": tau,
-                     "learning-rate": gamma, "num-server-rounds": rounds, **variant}
-            runs.setdefault((mode, tau, method), []).append(
-                (point, [{**point, "seed": s} for s in seeds]))
+            jobs.append(((mode, tau, method), {
+                **LOGREG_BASE, **LOGREG_MODES[mode], "algorithm": method, "clip": tau,
+                "learning-rate": gamma, "num-server-rounds": rounds, **variant}))
     derive = functools.partial(logreg_tail, last=last)
-    summaries = iter(lab.run_many(
-        [c for cells in runs.values() for _, seeded in cells for c in seeded], derive=derive))
-
-    best: dict[tuple[str, float, str], tuple[float, float, Config]] = {}
-    for key, cells in runs.items():
-        scored = [(*mean_std([next(summaries)["derived"]["grad_norm_tail"] for _ in seeded]),
-                   point, seeded) for point, seeded in cells]
-        m, s, point, _ = min(scored, key=lambda t: t[0] if math.isfinite(t[0]) else math.inf)
-        best[key] = (m, s, point)
+    runs = Runner(lambda cell, point, seed: {**point, "seed": seed},
+                  functools.partial(lab.run_many, derive=derive)).runs(jobs, seeds)
+    measured: dict[tuple[str, float, str], list[tuple[Config, list[dict[str, Any]]]]] = {}
+    for (key, point), summaries in zip(jobs, runs, strict=True):
+        measured.setdefault(key, []).append((point, summaries))
+    tuned: dict[tuple[str, float, str], tuple[float, float, Config]] = {}
+    for key, items in measured.items():
+        point, summaries = best(((item, item[1]) for item in items), GRAD_NORM)
+        tuned[key] = (*mean_std([GRAD_NORM.metric(s) for s in summaries]), point)
     lab.text(f"Duke, n = 4 clients (11 records each, file order), λ = 1e-3, no DP noise, "
              f"β̂ = 1, {rounds} iterations, {len(seeds)} seed(s). Metric: ‖∇f(x^t)‖ of the "
              f"global objective averaged over the last {last} iterations and the seeds; γ (and "
              f"β) selected per (oracle, τ, method) by that metric. Leukemia is not available "
              f"offline, so only duke is reproduced.")
-    extended = past_the_edge(lab, best, gammas, seeds, derive)
+    extended = past_the_edge(lab, tuned, gammas, seeds, derive)
 
     def fig2_tables(selected: dict[tuple[str, float, str], tuple[float, float, Config]],
                     title: str) -> None:
@@ -178,20 +182,20 @@ def logreg(lab: Lab) -> str:
                       ["τ", *methods], rows)
         lab.text(fig2_check({k: v[0] for k, v in selected.items()}, modes, taus, list(methods)))
 
-    fig2_tables(best, "Fig. 2")
+    fig2_tables(tuned, "Fig. 2")
     lab.text(f"\"edge\": the selected γ is the grid's smallest or largest (2^"
              f"{round(math.log2(gammas[0]))} or 2^{round(math.log2(gammas[-1]))}). Where it is, "
              f"the table below goes on past the grid: the winner (same β) with γ doubled (halved "
              f"at the low end) while that lowers the metric, at most {GAMMA_PAST_EDGE} times "
              f"(\"at the limit\": still winning there). "
-             f"{sum(extended[k] != best[k] for k in best)} of {len(best)} cells moved.")
+             f"{sum(extended[k] != tuned[k] for k in tuned)} of {len(tuned)} cells moved.")
     fig2_tables(extended, "Fig. 2 with γ past the grid's edge")
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         for method in methods:
-            line, = ax.plot(taus, [best[(mode, t, method)][0] for t in taus], marker="o",
+            line, = ax.plot(taus, [tuned[(mode, t, method)][0] for t in taus], marker="o",
                             label=method)
-            if any(extended[(mode, t, method)] != best[(mode, t, method)] for t in taus):
+            if any(extended[(mode, t, method)] != tuned[(mode, t, method)] for t in taus):
                 ax.plot(taus, [extended[(mode, t, method)][0] for t in taus], marker="x",
                         linestyle="--", color=line.get_color(), label=f"{method}, γ past grid")
         ax.set(xscale="log", yscale="log", xlabel="τ", ylabel="‖∇f‖ (last iterations)",
@@ -199,14 +203,14 @@ def logreg(lab: Lab) -> str:
         ax.legend()
     lab.figure("fig2", fig, "Fig. 2: tuned methods' final gradient norm against τ (dashed: "
                "γ past the grid's edge, where that moved a cell).")
-    lab.run_many([{**b[2], "seed": seeds[0]} for b in best.values()],
+    lab.run_many([{**b[2], "seed": seeds[0]} for b in tuned.values()],
                  rounds=True)  # Fig. I.1's curves: rounds.jsonl, which no archive keeps
     fig, axes = plt.subplots(len(modes), len(taus), figsize=(4 * len(taus), 3.5 * len(modes)),
                              squeeze=False)
     for (i, mode), (j, tau) in itertools.product(enumerate(modes), enumerate(taus)):
         ax = axes[i][j]
         for method in methods:
-            point = best[(mode, tau, method)][2]
+            point = tuned[(mode, tau, method)][2]
             curve = [(r["round"], r["grad_norm"]) for r in lab.rounds({**point, "seed": seeds[0]})
                      if "grad_norm" in r]
             ax.plot(*zip(*curve, strict=True), label=method)
@@ -219,9 +223,9 @@ def logreg(lab: Lab) -> str:
               ["oracle", "τ", "method", "command"],
               [[mode, f"{tau:g}", method + (" (past the edge)" if which else ""),
                 f"`{command({**chosen[(mode, tau, method)][2]})}`"]
-               for (mode, tau, method) in sorted(best)
-               for which, chosen in enumerate((best, extended))
-               if not which or extended[(mode, tau, method)] != best[(mode, tau, method)]])
+               for (mode, tau, method) in sorted(tuned)
+               for which, chosen in enumerate((tuned, extended))
+               if not which or extended[(mode, tau, method)] != tuned[(mode, tau, method)]])
     return "Clip21 E1: non-convex logistic regression on duke"
 
 
@@ -267,8 +271,8 @@ SMOKE_GRIDS: dict[str, list[Config]] = {
 # 1/10^(k−1) of its step; :func:`survivors`). The last rung is the paper's full-length single
 # run (seed 0), which picks the cell's point among the 15-epoch leader and the best 15-epoch
 # points with 10 and 100 times smaller steps (and further down while the smallest wins: select).
-RUNGS: tuple[Rung, ...] = ((5, 0.25), (15, 3), (150, 1))
-SMOKE_RUNGS: tuple[Rung, ...] = ((1, 1),)
+RUNGS: tuple[StepRung, ...] = ((5, 0.25), (15, 3), (150, 1))
+SMOKE_RUNGS: tuple[StepRung, ...] = ((1, 1),)
 
 Cell = tuple[str, str, float]  # (model, method, ε)
 
@@ -286,7 +290,7 @@ def step_size(point: Config) -> float:
 STEP_AXES = ("learning-rate", "clip", "beta-hat")  # the factors of step_size: γ, τ, β̂
 
 
-def ladder(rungs: Sequence[Rung], noise: float) -> StepLadder:
+def ladder(rungs: Sequence[StepRung], noise: float) -> StepLadder:
     """Table 1's selection ladder: rungs in epochs of E3/E4's federation, ranked by
     :func:`step_size`, every proxy with the full-length run's noise multiplier ``noise``."""
     return StepLadder(tuple(rungs), step_size, STEP_AXES, lambda point, epochs: {
@@ -301,7 +305,7 @@ def horizon(base: Config, epochs: int) -> int:
 
 
 def selection(lab: Lab, models: Sequence[str], eps: float, grids: dict[str, list[Config]], *,
-              epochs: int, rungs: Sequence[Rung], base: Config
+              epochs: int, rungs: Sequence[StepRung], base: Config
               ) -> dict[Cell, list[tuple[float, Config]]]:
     """Table 1's selection (:func:`select`) for every (model, method) cell at ``eps``: the
     full-length points of the grids on ``base``, ranked, best first (all of an ε's cells share
@@ -319,7 +323,7 @@ def selection(lab: Lab, models: Sequence[str], eps: float, grids: dict[str, list
 
 
 def table1(lab: Lab, models: Sequence[str], epsilons: Sequence[float],
-           grids: dict[str, list[Config]], *, epochs: int, rungs: Sequence[Rung],
+           grids: dict[str, list[Config]], *, epochs: int, rungs: Sequence[StepRung],
            seeds: Sequence[int], base: Config,
            after_epsilon: Callable[[dict[Cell, Any]], None] | None = None) -> dict[Cell, Any]:
     """Select and re-run every (model, method, ε) cell, one ε at a time; returns the cells'

@@ -27,6 +27,7 @@ runs train as with an evaluation every round): the protocol reads final accuraci
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,7 +51,10 @@ from dpfl_reproductions.registry import experiment
 from dpfl_reproductions.selection import (
     LEVEL,
     Config,
+    Runner,
     Split,
+    accuracy,
+    best,
     command,
     edge_axes,
     final_accuracy,
@@ -154,8 +158,9 @@ def estimate(lab: Lab, plan: Plan) -> dict[str, float]:
 
 def choose(runs: dict[float, dict[str, Any]]) -> float:
     """The γ_g (key of ``runs``, its run's summary) of the best final VALIDATION accuracy; the
-    smallest such γ_g on a tie. The test set is never read."""
-    return max(sorted(runs), key=lambda g: final_accuracy(runs[g], "validation"))
+    smallest such γ_g on a tie (the γ_g in increasing order, the first of equal ones). The test
+    set is never read."""
+    return best(((g, [runs[g]]) for g in sorted(runs)), accuracy("validation"))
 
 
 def edge(server_lr: float, grid: Sequence[float]) -> str:
@@ -172,20 +177,22 @@ Selection = dict[Cell, dict[float, dict[str, Any]]]  # cell -> γ_g -> the seed-
 SeedRuns = dict[Cell, list[dict[str, Any]]]  # cell -> the selected point's runs, by seed
 
 
+def runner(lab: Lab, plan: Plan) -> Runner:
+    """A cell's run at a γ_g and a seed."""
+    return Runner(plan.config, functools.partial(lab.run_many, derive=derive_tuned))
+
+
 def run_selection(lab: Lab, plan: Plan) -> Selection:
     points = [(cell, g) for cell in plan.cells for g in plan.server_lrs]
-    summaries = lab.run_many([plan.config(cell, g, SELECTION_SEED) for cell, g in points],
-                             derive=derive_tuned)
     out: Selection = {}
-    for (cell, g), summary in zip(points, summaries, strict=True):
+    for (cell, g), (summary,) in zip(points, runner(lab, plan).runs(points, [SELECTION_SEED]),
+                                     strict=True):
         out.setdefault(cell, {})[g] = summary
     return out
 
 
 def run_seeds(lab: Lab, plan: Plan, chosen: dict[Cell, float]) -> SeedRuns:
-    configs = [plan.config(cell, chosen[cell], seed) for cell in plan.cells for seed in plan.seeds]
-    summaries = iter(lab.run_many(configs, derive=derive_tuned))
-    return {cell: [next(summaries) for _ in plan.seeds] for cell in plan.cells}
+    return runner(lab, plan).on_seeds({cell: chosen[cell] for cell in plan.cells}, plan.seeds)
 
 
 def reproduce_tuned(lab: Lab, name: str, setting: Setting | None = None,

@@ -29,7 +29,6 @@ data.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -43,11 +42,17 @@ from dpfl_reproductions.lab import Lab
 from dpfl_reproductions.registry import experiment
 from dpfl_reproductions.selection import (
     Config,
+    Ranking,
+    Runner,
+    Search,
+    accuracy,
+    best,
     command,
     edge_axes,
     final_accuracy,
     grid,
     mean_std,
+    ranked,
 )
 from dpfl.privacy import PrivacyLedger
 from dpfl.problem import build_problem
@@ -123,15 +128,6 @@ def estimate_seconds(configs: Sequence[Config]) -> float:
     return total
 
 
-def neighbours(point: Config, axes: dict[str, tuple[float, ...]]) -> list[Config]:
-    """``point`` and every point one grid step away on any of ``axes`` at once."""
-    options = []
-    for key, values in axes.items():
-        i = values.index(point[key])
-        options.append(values[max(0, i - 1): i + 2])
-    return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*options)]
-
-
 def score(summary: dict[str, Any], metric: str = "grad_norm") -> float:
     """``metric`` of a run (``grad_norm``: ‖∇F(x^T)‖, ``grad_norm_mean``: (1/T)Σ_t‖∇F(x^t)‖),
     +∞ when it diverged."""
@@ -139,17 +135,25 @@ def score(summary: dict[str, Any], metric: str = "grad_norm") -> float:
     return value if math.isfinite(value) else math.inf
 
 
+def ranking(metric: str = "grad_norm") -> Ranking:
+    """By :func:`score` ``metric`` of a run, lower first."""
+    return Ranking(functools.partial(score, metric=metric))
+
+
 Cell = tuple[str, int, int]  # (method, N, T)
+# (method, N) -> T -> that T's best point (T included) and its runs on the tuning seeds
+Confirmed = dict[tuple[str, int], dict[int, tuple[Config, list[dict[str, Any]]]]]
 
 
 class Figure1:
     """The least-squares sweep's stages (see the module docstring) for one lab. The search
-    ranks points within a (method, N, T) cell: at one seed the configurations of one T share
-    every random draw up to their last round, so their comparison is paired, while across T the
-    final iterates see different draws (a single seed's ranking across T follows the luck of
-    the last rounds); T is chosen by the mean over the tuning seeds. ``axes`` (default: the
-    paper's grid) bound the local search; ``calibration`` sets every run's noise; the stages
-    that rank take the ``metric`` they rank by (a :func:`score` name)."""
+    (:attr:`search`, at tuning seed 0) ranks points within a (method, N, T) cell: at one seed
+    the configurations of one T share every random draw up to their last round, so their
+    comparison is paired, while across T the final iterates see different draws (a single
+    seed's ranking across T follows the luck of the last rounds); T is chosen by the mean over
+    the tuning seeds. ``axes`` (default: the paper's grid) bound the local search;
+    ``calibration`` sets every run's noise; the stages that rank take the ``metric`` they rank
+    by (a :func:`score` name)."""
 
     def __init__(self, lab: Lab, *, axes: dict[str, dict[str, tuple[float, ...]]] | None = None,
                  calibration: str = "paper") -> None:
@@ -158,8 +162,10 @@ class Figure1:
         self.calibration = calibration
         self.sizes = lab.restrict("size", SIZES[:2] if lab.smoke else SIZES)
         self.simulate = functools.partial(least_squares.simulate, fused=not lab.smoke)
-        # cell -> point key -> (the tuning-seed run's summary, the point)
-        self.searched: dict[Cell, dict[str, tuple[dict[str, Any], Config]]] = {}
+        self.search = Search(Runner(self.config, self.run), TUNING_SEEDS[0])
+        #: the runs of a (method, N) cell's point, its T included (confirmations, trials)
+        self.trials = Runner(lambda cell, point, seed: config_of(
+            cell[0], point, cell[1], seed, self.calibration), self.run)
 
     def run(self, configs: list[Config]) -> list[dict[str, Any]]:
         return self.lab.run_batched(configs, federation=batch_key, simulate=self.simulate,
@@ -168,10 +174,6 @@ class Figure1:
     def tuned(self, method: str) -> dict[str, tuple[float, ...]]:
         """The axes searched within a cell (all but T)."""
         return {k: v for k, v in self.axes[method].items() if k != "num-server-rounds"}
-
-    @staticmethod
-    def key(point: Config) -> str:
-        return ",".join(f"{k}={v}" for k, v in sorted(point.items()))
 
     def cells(self) -> list[Cell]:
         return [(m, n, t) for n in self.sizes for m in METHODS
@@ -192,53 +194,25 @@ class Figure1:
             out[cell] = grid(**{k.replace("-", "_"): v for k, v in axes.items()})
         return out
 
-    def search(self, points: dict[Cell, list[Config]]) -> None:
-        """Run ``points`` at tuning seed 0 and remember their scores."""
-        jobs = [(cell, p) for cell, ps in points.items() for p in ps
-                if self.key(p) not in self.searched.setdefault(cell, {})]
-        summaries = self.run([self.config(cell, p, TUNING_SEEDS[0]) for cell, p in jobs])
-        for (cell, p), summary in zip(jobs, summaries, strict=True):
-            self.searched[cell][self.key(p)] = (summary, p)
-
-    def best(self, cell: Cell, metric: str = "grad_norm") -> Config:
-        return min(self.searched[cell].values(), key=lambda sp: score(sp[0], metric))[1]
-
     def local(self, metric: str = "grad_norm", limit: int = LOCAL_LIMIT) -> int:
-        """Every grid neighbour (:attr:`axes`) of each cell's best by ``metric``, until the best
-        is interior to what was searched or ``limit`` rounds ran; returns how many ran."""
-        for step in range(limit):
-            todo = {cell: [p for p in neighbours(self.best(cell, metric), self.tuned(cell[0]))
-                           if self.key(p) not in self.searched[cell]] for cell in self.searched}
-            if not any(todo.values()):
-                return step
-            self.search(todo)
-        return limit
+        """The local search around each cell's best by ``metric`` on the grid :attr:`axes`
+        (:meth:`~dpfl_reproductions.selection.Search.local`); returns how many rounds ran."""
+        return self.search.local(ranking(metric), lambda cell: self.tuned(cell[0]), limit)
 
-    def confirm(self, metric: str = "grad_norm"
-                ) -> dict[tuple[str, int], dict[int, tuple[Config, list[float]]]]:
-        """Each T's best point (by ``metric``) of every (method, N) on every tuning seed:
-        ``{(method, N): {T: (point, scores)}}``."""
-        configs = [self.config(cell, self.best(cell, metric), s) for cell in self.searched
-                   for s in TUNING_SEEDS]
-        summaries = iter(self.run(configs))
-        out: dict[tuple[str, int], dict[int, tuple[Config, list[float]]]] = {}
-        for cell in self.searched:
-            scores = [score(next(summaries), metric) for _ in TUNING_SEEDS]
+    def confirm(self, metric: str = "grad_norm") -> Confirmed:
+        """Each T's best point (by ``metric``) of every (method, N) on every tuning seed."""
+        chosen = {cell: self.search.best(cell, ranking(metric)) for cell in self.search.searched}
+        out: Confirmed = {}
+        for cell, runs in self.search.runner.on_seeds(chosen, TUNING_SEEDS).items():
             out.setdefault(cell[:2], {})[cell[2]] = (
-                {**self.best(cell, metric), "num-server-rounds": cell[2]}, scores)
+                {**chosen[cell], "num-server-rounds": cell[2]}, runs)
         return out
 
-    @staticmethod
-    def select(confirmed: dict[int, tuple[Config, list[float]]]) -> tuple[Config, list[float]]:
-        """The T (and its point) with the lowest mean over the tuning seeds."""
-        return min(confirmed.values(), key=lambda ps: statistics.fmean(ps[1]))
 
-    def trials(self, chosen: dict[tuple[str, int], tuple[Config, list[float]]],
-               seeds: Sequence[int]) -> dict[tuple[str, int], list[dict[str, Any]]]:
-        configs = {cell: [config_of(cell[0], p, cell[1], s, self.calibration) for s in seeds]
-                   for cell, (p, _) in chosen.items()}
-        summaries = iter(self.run([c for cs in configs.values() for c in cs]))
-        return {cell: [next(summaries) for _ in cs] for cell, cs in configs.items()}
+def select(confirmed: dict[int, tuple[Config, list[dict[str, Any]]]], metric: str = "grad_norm"
+           ) -> tuple[Config, list[dict[str, Any]]]:
+    """The T (its point and runs) with the lowest mean ``metric`` over the tuning seeds."""
+    return best(((choice, choice[1]) for choice in confirmed.values()), ranking(metric))
 
 
 def accountant_epsilon(config: Config) -> float:
@@ -279,18 +253,18 @@ def figure1(lab: Lab) -> str:
              f"{estimate_seconds([c for c in longest if c['num-server-rounds'] == top]) * len(TRIAL_SEEDS) / 3600:.2f} h.")  # noqa: E501
     print(f"prisma/least-squares: coarse stage ≈ {estimate / 3600:.2f} h single-thread for "
           f"{len(stage1)} configurations", flush=True)
-    fig1.search(coarse)
+    fig1.search.run(coarse)
     local_rounds = fig1.local()
     confirmed = fig1.confirm()
-    chosen = {cell: fig1.select(by_t) for cell, by_t in confirmed.items()}
-    results = fig1.trials(chosen, TRIAL_SEEDS[:3] if lab.smoke else TRIAL_SEEDS)
+    chosen = {cell: select(by_t) for cell, by_t in confirmed.items()}
+    results = fig1.trials.on_seeds({cell: point for cell, (point, _) in chosen.items()},
+                                   TRIAL_SEEDS[:3] if lab.smoke else TRIAL_SEEDS)
     report_figure1(lab, fig1, confirmed, chosen, results, local_rounds)
     return "PriSMA Figure 1: nonconvex regularised least squares"
 
 
-def report_figure1(lab: Lab, fig1: Figure1,
-                   confirmed: dict[tuple[str, int], dict[int, tuple[Config, list[float]]]],
-                   chosen: dict[tuple[str, int], tuple[Config, list[float]]],
+def report_figure1(lab: Lab, fig1: Figure1, confirmed: Confirmed,
+                   chosen: dict[tuple[str, int], tuple[Config, list[dict[str, Any]]]],
                    results: dict[tuple[str, int], list[dict[str, Any]]],
                    local_rounds: int) -> None:
     sizes = fig1.sizes
@@ -302,7 +276,7 @@ def report_figure1(lab: Lab, fig1: Figure1,
     se = {cell: sd / math.sqrt(n_trials) for cell, (_, sd) in stats.items()}
     slopes = {m: slope(sizes, [stats[(m, n)][0] for n in sizes]) if len(sizes) > 1 else math.nan
               for m in METHODS}
-    searched = sum(len(v) for v in fig1.searched.values())
+    searched = sum(len(v) for v in fig1.search.searched.values())
     lab.text(f"""
 ## Protocol
 
@@ -328,7 +302,7 @@ reruns one trial in the engine.
             edges = edge_axes(point, grid(**{k.replace("-", "_"): v
                                             for k, v in fig1.axes[m].items()}))
             rows.append([n, LABEL[m], f"{mean:.4f} ± {se[(m, n)]:.4f}", f"{theory[(m, n)]:.4f}",
-                         f"{statistics.fmean(tuning):.4f}",
+                         f"{ranking().value(tuning):.4f}",
                          ", ".join(f"{k}={v:g}" for k, v in point.items()),
                          ", ".join(edges) or "interior",
                          f"{accountant_epsilon(config_of(m, point, n, 0)):.3f}"])
@@ -340,7 +314,7 @@ reruns one trial in the engine.
     lab.table(f"Selection of T: each T's best point, ‖∇F(x^T)‖ mean over tuning seeds "
               f"0–{len(TUNING_SEEDS) - 1}",
               ["N", "method", *[f"T = {t}" for t in horizons]],
-              [[n, LABEL[m], *[f"{statistics.fmean(confirmed[(m, n)][t][1]):.4f}"
+              [[n, LABEL[m], *[f"{ranking().value(confirmed[(m, n)][t][1]):.4f}"
                                for t in horizons]] for n in sizes for m in METHODS])
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for m in METHODS:
@@ -431,20 +405,21 @@ def table1(lab: Lab) -> str:
     methods = lab.restrict("method", METHODS)
     trials = CIFAR_TRIALS[:2] if smoke else CIFAR_TRIALS
 
-    def best(method: str, eps: float, points: list[Config], count: int = 1) -> list[Config]:
-        summaries = lab.run_many([cifar_config(method, p, eps, 0, smoke) for p in points])
-        ranked = sorted(zip(summaries, points, strict=True), key=lambda sp: -final_accuracy(sp[0]))
-        return [p for _, p in ranked[:count]]
+    def leaders(method: str, eps: float, points: list[Config], count: int = 1) -> list[Config]:
+        runner = Runner(lambda cell, point, seed: cifar_config(method, point, eps, seed, smoke),
+                        lab.run_many)
+        runs = runner.runs([(None, p) for p in points], [0])
+        return [p for p, _ in ranked(zip(points, runs, strict=True), accuracy())[:count]]
 
     chosen: dict[tuple[str, float], Config] = {}
     if "prisma" in methods:
-        tuned = best("prisma", CIFAR_TUNING_EPSILON, cifar_grid("prisma", smoke, coarse=True), 3)
+        tuned = leaders("prisma", CIFAR_TUNING_EPSILON, cifar_grid("prisma", smoke, coarse=True), 3)
         fine = [p for p in cifar_grid("prisma", smoke, coarse=False)
                 if any(p["learning-rate"] == t["learning-rate"] and p["clip"] == t["clip"]
                        for t in tuned)]
-        chosen.update({("prisma", eps): best("prisma", eps, fine)[0] for eps in epsilons})
+        chosen.update({("prisma", eps): leaders("prisma", eps, fine)[0] for eps in epsilons})
     if "dpsgd-gc" in methods:
-        chosen.update({("dpsgd-gc", eps): best("dpsgd-gc", eps, cifar_grid(
+        chosen.update({("dpsgd-gc", eps): leaders("dpsgd-gc", eps, cifar_grid(
             "dpsgd-gc", smoke, coarse=False))[0] for eps in epsilons})
     runs = {cell: [cifar_config(cell[0], p, cell[1], s, smoke) for s in trials]
             for cell, p in chosen.items()}

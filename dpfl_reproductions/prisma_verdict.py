@@ -58,12 +58,14 @@ from dpfl_reproductions.prisma import (
     TRIAL_SEEDS,
     TUNING_SEEDS,
     Cell,
+    Confirmed,
     Figure1,
     accountant_epsilon,
     config_of,
     estimate_seconds,
-    neighbours,
+    ranking,
     score,
+    select,
     slope,
 )
 from dpfl_reproductions.registry import experiment
@@ -71,10 +73,13 @@ from dpfl_reproductions.selection import (
     LEVEL,
     Config,
     Paired,
+    best,
     command,
     edge_axes,
     grid,
+    neighbours,
     paired,
+    point_key,
 )
 
 # values past the ends of the paper's grid where its selection sat (§5.1's grid is AXES)
@@ -107,7 +112,8 @@ def seed_points(fig: Figure1, start: Figure1 | None) -> dict[Cell, list[Config]]
     if start is None:
         return Figure1(fig.lab, axes=paper, calibration=fig.calibration).coarse()
     return {cell: restart(fig, cell, {(b["gamma"], b["clip-diff"]) for b in (
-        start.best(cell, m) for m in METRICS.values())} if cell[0] == "prisma" else set())
+        start.search.best(cell, ranking(m)) for m in METRICS.values())}
+        if cell[0] == "prisma" else set())
         for cell in fig.cells()}
 
 
@@ -144,7 +150,7 @@ def paper_search(lab: Lab, axes: dict[str, dict[str, tuple[float, ...]]],
                  metrics: Sequence[str]) -> Figure1:
     """The paper arm's search alone (where the accountant arm runs without it: its start)."""
     fig = Figure1(lab, axes=axes, calibration="paper")
-    fig.search(seed_points(fig, None))
+    fig.search.run(seed_points(fig, None))
     for metric in metrics:
         fig.local(METRICS[metric], LIMIT)
     return fig
@@ -153,63 +159,57 @@ def paper_search(lab: Lab, axes: dict[str, dict[str, tuple[float, ...]]],
 #: how an arm's points were selected: the protocol's, or pooled over both metrics' confirmations
 SELECTIONS = ("protocol", "pooled")
 
-Choice = dict[tuple[str, int], tuple[Config, list[float]]]  # (method, N) -> point, tuning scores
+# (method, N) -> the selected point, its runs on the tuning seeds
+Choice = dict[tuple[str, int], tuple[Config, list[dict[str, Any]]]]
 
 
 @dataclass
 class Arm:
     """One calibration's selection and trials, by selection and metric:
-    ``chosen[(selection, metric)][(method, N)]`` the selected point and its tuning-seed scores,
+    ``chosen[(selection, metric)][(method, N)]`` the selected point and its tuning-seed runs,
     ``trials[(selection, metric)][(method, N)]`` the trial summaries (in :data:`TRIAL_SEEDS`
     order); the pooled selection only where more than one metric runs."""
 
     calibration: str
     fig: Figure1
     local_rounds: dict[str, int]
-    confirmed: dict[str, dict[tuple[str, int], dict[int, tuple[Config, list[float]]]]]
+    confirmed: dict[str, Confirmed]
     chosen: dict[tuple[str, str], Choice]
     trials: dict[tuple[str, str], dict[tuple[str, int], list[dict[str, Any]]]]
 
 
-def pool(fig: Figure1, confirmed: dict[str, dict[tuple[str, int], dict[int, tuple[
-        Config, list[float]]]]], metric: str) -> Choice:
+def pool(fig: Figure1, confirmed: dict[str, Confirmed], metric: str) -> Choice:
     """Each (method, N)'s point with the lowest mean over the tuning seeds by ``metric`` among
     every point (its T included) that any metric's confirmation ran on them; their runs are
     those confirmations', so no new run is made."""
-    candidates = {cell: list({fig.key(point): point for by_metric in confirmed.values()
-                              for point, _ in by_metric[cell].values()}.values())
-                  for cell in confirmed[metric]}
-    summaries = iter(fig.run([config_of(cell[0], point, cell[1], s, fig.calibration)
-                              for cell, points in candidates.items() for point in points
-                              for s in TUNING_SEEDS]))
-    out = {}
-    for cell, points in candidates.items():
-        scored = [(point, [score(next(summaries), METRICS[metric]) for _ in TUNING_SEEDS])
-                  for point in points]
-        out[cell] = min(scored, key=lambda ps: statistics.fmean(ps[1]))
-    return out
+    jobs = [(cell, point) for cell in confirmed[metric]
+            for point in {point_key(point): point for by_metric in confirmed.values()
+                          for point, _ in by_metric[cell].values()}.values()]
+    measured: dict[tuple[str, int], list[tuple[tuple[Config, list[dict[str, Any]]], Any]]] = {}
+    for (cell, point), runs in zip(jobs, fig.trials.runs(jobs, TUNING_SEEDS), strict=True):
+        measured.setdefault(cell, []).append(((point, runs), runs))
+    return {cell: best(items, ranking(METRICS[metric])) for cell, items in measured.items()}
 
 
 def run_arm(lab: Lab, calibration: str, axes: dict[str, dict[str, tuple[float, ...]]],
             metrics: Sequence[str], seeds: Sequence[int], start: Figure1 | None) -> Arm:
     fig = Figure1(lab, axes=axes, calibration=calibration)
-    fig.search(seed_points(fig, start))
+    fig.search.run(seed_points(fig, start))
     arm = Arm(calibration, fig, {}, {}, {}, {})
     for metric in metrics:
         name = METRICS[metric]
         arm.local_rounds[metric] = fig.local(name, LIMIT)
         arm.confirmed[metric] = fig.confirm(name)
-        arm.chosen[("protocol", metric)] = {cell: fig.select(by_t)
+        arm.chosen[("protocol", metric)] = {cell: select(by_t, name)
                                             for cell, by_t in arm.confirmed[metric].items()}
     if len(metrics) > 1:
         for metric in metrics:
             arm.chosen[("pooled", metric)] = pool(fig, arm.confirmed, metric)
     # every selection's trials in one call, so that the points of one (N, seed, T) share a batch
     cells = [(key, cell) for key, choice in arm.chosen.items() for cell in choice]
-    summaries = iter(fig.run([config_of(cell[0], arm.chosen[key][cell][0], cell[1], s,
-                                        calibration) for key, cell in cells for s in seeds]))
-    for key, cell in cells:
-        arm.trials.setdefault(key, {})[cell] = [next(summaries) for _ in seeds]
+    jobs = [(cell, arm.chosen[key][cell][0]) for key, cell in cells]
+    for (key, cell), runs in zip(cells, fig.trials.runs(jobs, seeds), strict=True):
+        arm.trials.setdefault(key, {})[cell] = runs
     return arm
 
 
@@ -388,7 +388,7 @@ def report_arm(lab: Lab, arm: Arm, paper_axes: dict[str, dict[str, tuple[float, 
                verdicts: list[Verdict]) -> None:
     fig1 = arm.fig
     sizes = fig1.sizes
-    searched = sum(len(v) for v in fig1.searched.values())
+    searched = sum(len(v) for v in fig1.search.searched.values())
     lab.text(f"## Noise: {arm.calibration}\n\n{searched} configurations searched at tuning "
              f"seed {TUNING_SEEDS[0]}; local search rounds by metric: "
              + ", ".join(f"{m} {r}" for m, r in arm.local_rounds.items()) + f" (limit {LIMIT}).")
@@ -411,7 +411,7 @@ def report_arm(lab: Lab, arm: Arm, paper_axes: dict[str, dict[str, tuple[float, 
                 rows.append([n, LABEL[m], f"{mean:.4f} ± {se:.4f}",
                              f"{result.mean:+.4f} {interval(result)}, {words}"
                              if m == "prisma" else "",
-                             f"{statistics.fmean(tuning):.4f}",
+                             f"{ranking(METRICS[v.metric]).value(tuning):.4f}",
                              ", ".join(f"{k}={x:g}" for k, x in point.items()),
                              ", ".join(outside) or "—", ", ".join(edges) or "interior",
                              f"{accountant_epsilon(config_of(m, point, n, 0, arm.calibration)):.3f}"])  # noqa: E501

@@ -28,7 +28,15 @@ from dpfl.algorithms import ALGORITHMS
 from dpfl_reproductions.benchmark import NUM_VALIDATION, selected_point
 from dpfl_reproductions.lab import Lab
 from dpfl_reproductions.registry import experiment
-from dpfl_reproductions.selection import Config, final_accuracy, mean_std, paired
+from dpfl_reproductions.selection import (
+    Config,
+    Runner,
+    accuracy,
+    best,
+    final_accuracy,
+    mean_std,
+    paired,
+)
 
 ALGORITHMS_RUN = ("dpsgd-gc", "clip21-sgd2m")
 REFUSING = ("prisma",)  # the third algorithm: said why it is not run
@@ -78,14 +86,14 @@ def gain(lab: Lab) -> str:
 
     cells = [(a, n, e, arm) for a in algorithms for n in counts for e in epsilons
              for arm in arms]
-    tries = [(cell, step) for cell in cells for step in steps(cell[0])]
-    scores = iter(lab.run_many([config(cell, step, SELECTION_SEED) for cell, step in tries]))
-    tried: dict[Cell, list[tuple[float, float]]] = {}
-    for cell, step in tries:
-        tried.setdefault(cell, []).append((final_accuracy(next(scores), "validation"), step))
-    chosen = {cell: max(runs, key=lambda r: (r[0], -r[1]))[1] for cell, runs in tried.items()}
-    finals = iter(lab.run_many([config(cell, chosen[cell], s) for cell in cells for s in seeds]))
-    summaries = {cell: [next(finals) for _ in seeds] for cell in cells}
+    runner = Runner(config, lab.run_many)
+    # each cell's steps in increasing order: a tie takes the smaller step
+    tries = [(cell, step) for cell in cells for step in sorted(steps(cell[0]))]
+    tried: dict[Cell, list[tuple[float, list[dict]]]] = {}
+    for (cell, step), runs in zip(tries, runner.runs(tries, [SELECTION_SEED]), strict=True):
+        tried.setdefault(cell, []).append((step, runs))
+    chosen = {cell: best(runs, accuracy("validation")) for cell, runs in tried.items()}
+    summaries = runner.on_seeds(chosen, seeds)
     tests = {cell: [final_accuracy(s) for s in runs] for cell, runs in summaries.items()}
 
     tried_steps = "; ".join(f"{a}: " + ", ".join(f"{s:g}" for s in steps(a)) for a in algorithms)

@@ -310,17 +310,49 @@ def test_the_smoke_reproduction_reports_tables_2_to_4_and_figures(tmp_path, task
 
 
 def test_a_walk_past_the_edge_steps_each_axis_at_its_end_singly_and_together():
-    from dpfl_reproductions.adaptive import beyond
-    from dpfl_reproductions.selection import grid
+    from dpfl_reproductions.selection import grid, past_edge
 
     points = grid(learning_rate=(0.1, 0.3), clip=(0.05, 0.1, 0.5))
-    assert beyond({"learning-rate": 0.3, "clip": 0.5}, points) == [
+    axes = ("learning-rate", "clip")
+    assert past_edge({"learning-rate": 0.3, "clip": 0.5}, points, axes) == [
         {"learning-rate": 0.6, "clip": 0.5}, {"learning-rate": 0.3, "clip": 1.0},
         {"learning-rate": 0.6, "clip": 1.0}]
-    assert beyond({"learning-rate": 0.1, "clip": 0.1}, points) == [
+    assert past_edge({"learning-rate": 0.1, "clip": 0.1}, points, axes) == [
         {"learning-rate": 0.05, "clip": 0.1}]
-    assert beyond({"learning-rate": 0.6, "clip": 0.1}, points + [
-        {"learning-rate": 0.6, "clip": 0.1}]) == [{"learning-rate": 1.2, "clip": 0.1}]
+    assert past_edge({"learning-rate": 0.6, "clip": 0.1}, points + [
+        {"learning-rate": 0.6, "clip": 0.1}], axes) == [{"learning-rate": 1.2, "clip": 0.1}]
+
+
+def test_the_walk_moves_while_the_mean_loss_falls_and_says_where_it_stopped():
+    """A selection at the grid's edge walks past it on every seed while the mean lowest
+    training loss falls, at most ``limit`` steps, and says whether it still sits at the edge
+    of what was searched; an interior selection runs nothing."""
+    from dpfl_reproductions.adaptive import LOSS
+    from dpfl_reproductions.selection import Runner, grid, walk_past_edges
+
+    ran = []
+
+    def run_many(configs):  # the loss falls towards η = 0.8, C = 0.5; seed 1 adds 1
+        ran.extend(configs)
+        return [{"derived": {"min_train_loss": abs(math.log2(c["learning-rate"] / 0.8))
+                             + abs(math.log2(c["clip"] / 0.5)) + c["seed"]}} for c in configs]
+
+    edge, inside = {"learning-rate": 0.2, "clip": 0.5}, {"learning-rate": 0.8, "clip": 0.5}
+    grids = {"edge": grid(learning_rate=(0.1, 0.2), clip=(0.25, 0.5, 1.0)),
+             "inside": grid(learning_rate=(0.4, 0.8, 1.6), clip=(0.25, 0.5, 1.0))}
+    runner = Runner(lambda cell, point, seed: {**point, "seed": seed}, run_many)
+    start = {"edge": (2.5, edge), "inside": (0.5, inside)}
+    walked = walk_past_edges(runner, start, grids, ("learning-rate", "clip"), (0, 1), LOSS,
+                             limit=2)
+    assert walked["edge"].point == {"learning-rate": 0.8, "clip": 0.5}  # η ×2 twice, C inside
+    assert walked["edge"].value == pytest.approx(0.5) and len(walked["edge"].runs) == 2
+    assert walked["edge"].edge  # the limit stopped it at the top of what was searched
+    assert walked["inside"] == type(walked["inside"])(0.5, inside, [], False)
+    assert len(ran) == 2 * 2  # two steps of one point, on both seeds
+    ran.clear()
+    again = walk_past_edges(runner, start, grids, ("learning-rate", "clip"), (0, 1), LOSS)
+    assert again["edge"].point == walked["edge"].point and not again["edge"].edge  # 1.6 lost
+    assert len(ran) == 3 * 2
 
 
 def test_the_grids_and_noise_are_the_papers():

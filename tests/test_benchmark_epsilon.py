@@ -19,10 +19,10 @@ from dpfl_reproductions.benchmark import (
     FAMILIES,
     GRIDS,
     ROUNDS,
+    RANKING,
     Setting,
     algorithms,
     plan_of,
-    rank,
 )
 from dpfl_reproductions.family_figure import OTHER, family_figure
 from dpfl_reproductions.lab import Lab
@@ -54,9 +54,9 @@ def test_the_selection_ranks_by_validation_never_by_test():
             "test_loss": 3.0}
     bad = {"validation_accuracy": 0.5, "validation_loss": 1.0, "test_accuracy": 0.99,
            "test_loss": 0.1}
-    assert rank(good) < rank(bad)
+    assert RANKING.key([good]) < RANKING.key([bad])
     tie = {**good, "validation_loss": 0.2}
-    assert rank(tie) < rank(good)  # the lower validation loss breaks a tie
+    assert RANKING.key([tie]) < RANKING.key([good])  # the lower validation loss breaks a tie
 
 
 def test_a_user_narrows_it_to_their_dataset_and_epsilons(tmp_path):

@@ -13,7 +13,8 @@ from dpfl import cli
 from dpfl.engine.runner import EngineTransport
 from dpfl_reproductions import least_squares
 from dpfl_reproductions.lab import ARCHIVE, Lab
-from dpfl_reproductions.prisma import config_of, estimate_seconds, neighbours
+from dpfl_reproductions.prisma import config_of, estimate_seconds
+from dpfl_reproductions.selection import neighbours
 from dpfl.problem import build_problem
 from dpfl.rounds import RoundLoop, drive
 from dpfl.runconfig import RunConfig

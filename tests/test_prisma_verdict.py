@@ -23,7 +23,7 @@ from dpfl_reproductions.prisma_verdict import (
     pool,
     trial_slopes,
 )
-from dpfl_reproductions.selection import Paired, paired
+from dpfl_reproductions.selection import Paired, Runner, paired
 
 POINT = {"learning-rate": 0.001, "clip": 5.0, "gamma": 0.05, "clip-diff": 0.005,
          "num-server-rounds": 40}
@@ -108,17 +108,12 @@ def test_the_accountant_arm_spends_the_target_and_theorem_3_does_not():
 
 
 class StandInFigure:
-    """The part of a ``Figure1`` that :func:`pool` uses: runs answered from ``scores``
-    (learning rate -> {seed: (final, mean)})."""
-
-    calibration = "paper"
+    """The part of a ``Figure1`` that :func:`pool` uses, its trials' runner: runs answered from
+    ``scores`` (learning rate -> {seed: (final, mean)})."""
 
     def __init__(self, scores):
         self.scores, self.ran = scores, []
-
-    @staticmethod
-    def key(point):
-        return ",".join(f"{k}={v}" for k, v in sorted(point.items()))
+        self.trials = Runner(lambda cell, point, seed: {**point, "seed": seed}, self.run)
 
     def run(self, configs):
         self.ran += configs
@@ -139,13 +134,14 @@ def test_the_pooled_selection_takes_the_lowest_tuning_mean_among_both_metrics_co
               0.01: {s: (0.20, 0.5) for s in seeds},
               0.002: {s: (0.25, 0.7) for s in seeds}}
     cell = ("dpsgd-gc", 2000)
-    confirmed = {"final": {cell: {2000: (point(0.001, 2000), [0.0]),
-                                  4000: (point(0.002, 4000), [0.0])}},
-                 "mean": {cell: {2000: (point(0.01, 2000), [0.0]),
-                                 4000: (point(0.002, 4000), [0.0])}}}
+    confirmed = {"final": {cell: {2000: (point(0.001, 2000), []),
+                                  4000: (point(0.002, 4000), [])}},
+                 "mean": {cell: {2000: (point(0.01, 2000), []),
+                                 4000: (point(0.002, 4000), [])}}}
     fig = StandInFigure(scores)
     chosen, tuning = pool(fig, confirmed, "final")[cell]
-    assert chosen == point(0.01, 2000) and tuning == [0.20] * 5
+    assert chosen == point(0.01, 2000)
+    assert [run["derived"]["grad_norm"] for run in tuning] == [0.20] * 5
     assert len(fig.ran) == 3 * 5  # the three distinct points once each, on every tuning seed
     assert pool(StandInFigure(scores), confirmed, "mean")[cell][0] == point(0.01, 2000)
 

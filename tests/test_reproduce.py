@@ -568,6 +568,46 @@ def test_selection_goes_below_the_grid_while_its_smallest_step_wins():
     assert edge_axes(best, points) == ["learning-rate", "beta-hat below grid"]  # α: twins
 
 
+def test_a_ranking_puts_diverged_points_last_and_breaks_ties_by_its_second_metric_then_order():
+    from dpfl_reproductions.selection import Ranking, accuracy, best, ranked
+
+    def run(acc, loss):
+        return {"test_accuracy": acc, "test_loss": loss}
+
+    by_accuracy = accuracy()
+    assert best([("a", [run(0.5, 1.0)]), ("b", [run(0.7, 2.0)])], by_accuracy) == "b"
+    assert best([("a", [run(0.7, 1.0)]), ("b", [run(0.7, 0.5)])], by_accuracy) == "a"  # order
+    then_loss = Ranking(by_accuracy.metric, higher=True, then=lambda s: s["test_loss"])
+    assert best([("a", [run(0.7, 1.0)]), ("b", [run(0.7, 0.5)])], then_loss) == "b"
+    loss = Ranking(lambda s: s["test_loss"])  # lower first; the mean over a point's seeds
+    points = [("nan", [run(0.1, math.nan)]), ("one", [run(0, 0.3)]),
+              ("two", [run(0, 0.2), run(0, 0.3)]), ("inf", [run(0, math.inf)])]
+    assert [name for name, _ in ranked(points, loss)] == ["two", "one", "nan", "inf"]
+    assert loss.improves(0.2, 0.3) and not loss.improves(math.nan, 0.3)
+
+
+def test_halving_passes_each_rungs_best_on_and_keeps_every_run():
+    """The benchmark's rungs: every point at a quarter of the rounds, the best 2 at half; ties
+    keep the order the points entered the rung in."""
+    from dpfl_reproductions.selection import accuracy, grid, halving, top
+
+    points = grid(learning_rate=(0.1, 0.2, 0.3, 0.4))
+    ran = []
+
+    def run_many(configs):
+        ran.extend(configs)  # short runs favour 0.3 and 0.4 alike; long ones 0.4
+        return [{"test_accuracy": min(c["learning-rate"], 0.3 if c["share"] == 4 else 1.0),
+                 "test_loss": 1.0} for c in configs]
+
+    rungs = halving(run_many, {"cell": points}, [(4, top(2)), (2, top(1))],
+                    lambda cell, point, share: {**point, "share": share}, accuracy())["cell"]
+    assert [r.length for r in rungs] == [4, 2] and len(ran) == 4 + 2
+    assert [p for p, _ in rungs[0].runs] == points  # in the order they ran
+    # 0.3 and 0.4 tie at a quarter of the rounds: the order they ran in decides
+    assert [p["learning-rate"] for p, _ in rungs[0].ranked] == [0.3, 0.4, 0.2, 0.1]
+    assert rungs[1].ranked[0][0] == {"learning-rate": 0.4}
+
+
 def test_survivors_rank_within_step_sizes_and_hedge_towards_smaller_steps():
     from dpfl_reproductions.clip21 import step_size
     from dpfl_reproductions.selection import survivors
@@ -579,16 +619,16 @@ def test_survivors_rank_within_step_sizes_and_hedge_towards_smaller_steps():
     # 4 points (β) per step size γτβ̂ ∈ {5e-4, 5e-5, 5e-6, 5e-7}
     points = [point(g, t, 0.5, b) for g, t in ((1.0, 1e-3), (0.1, 1e-3), (1.0, 1e-5), (0.1, 1e-5))
               for b in (0.1, 0.5, 0.9, 1.0)]
-    scores = [(90 - i, p) for i, p in enumerate(points)]  # grid order is rank order
+    ranked = list(points)  # grid order is rank order
     assert step_size(point(0.1, 1e-3, 0.5)) == step_size(point(1.0, 1e-4, 0.5)) == 5e-5
-    kept = survivors(scores, points, 0.25, step_size)  # a quarter of each step size's 4 points
+    kept = survivors(ranked, points, 0.25, step_size)  # a quarter of each step size's 4 points
     assert [(p["learning-rate"], p["clip"]) for p in kept] == [(1.0, 1e-3), (0.1, 1e-3),
                                                                (1.0, 1e-5), (0.1, 1e-5)]
     # the leader (5e-4), then the best at ≤ 5e-5 and at ≤ 5e-6 (γ = 1, τ = 1e-5 ranks first)
-    assert survivors(scores, points, 3, step_size) == [points[0], points[4], points[8]]
-    assert survivors(scores, points, 1, step_size) == [points[0]]
+    assert survivors(ranked, points, 3, step_size) == [points[0], points[4], points[8]]
+    assert survivors(ranked, points, 1, step_size) == [points[0]]
     # nothing smaller than the last point's step
-    assert survivors(list(reversed(scores)), points, 3, step_size) == [points[-1]]
+    assert survivors(list(reversed(ranked)), points, 3, step_size) == [points[-1]]
     # Clip-SGD has no β̂ and Clip21-SGD fixes β̂ = 1 (neither accepts the key); α-NormEC has
     # no τ (its messages have norm < 1: τ := 1)
     assert step_size({"algorithm": "clip-sgd", "learning-rate": 0.1, "clip": 0.1}) == 0.01

@@ -1,0 +1,40 @@
+"""Seed statistics of the selected points: mean ± std, and paired differences with their
+t-interval."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scipy import stats
+
+LEVEL = 0.95  # the confidence of a paired t-interval
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Per-seed differences of two methods' metric, their mean and the two-sided t-interval of
+    the mean (NaN ends with one seed)."""
+
+    differences: tuple[float, ...]
+    mean: float
+    low: float
+    high: float
+
+
+def paired(ours: Sequence[float], theirs: Sequence[float], level: float = LEVEL) -> Paired:
+    """``ours`` − ``theirs`` seed by seed (the same seeds, in the same order) and the t-interval
+    mean ± t(1 − (1 − level)/2, n − 1)·s/√n."""
+    diffs = tuple(a - b for a, b in zip(ours, theirs, strict=True))
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return Paired(diffs, mean, math.nan, math.nan)
+    half = (stats.t.ppf(1 - (1 - level) / 2, len(diffs) - 1) * statistics.stdev(diffs)
+            / math.sqrt(len(diffs)))
+    return Paired(diffs, mean, mean - half, mean + half)

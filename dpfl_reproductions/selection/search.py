@@ -1,0 +1,50 @@
+"""A search at one tuning seed: the points of each cell run once and are remembered, a cell's
+best by a ranking, and the local search around it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dpfl_reproductions.selection.grids import Cell, Config, neighbours
+from dpfl_reproductions.selection.ranking import Ranking, Summary, best
+from dpfl_reproductions.selection.runs import Runner
+
+
+def point_key(point: Config) -> str:
+    """A point's name among those searched (its keys sorted)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(point.items()))
+
+
+class Search:
+    """The points searched in each cell at tuning seed ``seed``, run by ``runner``:
+    ``searched[cell][point_key(point)]`` is the run's summary and the point."""
+
+    def __init__(self, runner: Runner, seed: int) -> None:
+        self.runner, self.seed = runner, seed
+        self.searched: dict[Cell, dict[str, tuple[Summary, Config]]] = {}
+
+    def run(self, points: dict[Cell, list[Config]]) -> None:
+        """Run the ``points`` of each cell not searched yet, and remember them."""
+        jobs = [(cell, p) for cell, ps in points.items() for p in ps
+                if point_key(p) not in self.searched.setdefault(cell, {})]
+        for (cell, p), (summary,) in zip(jobs, self.runner.runs(jobs, [self.seed]),
+                                         strict=True):
+            self.searched[cell][point_key(p)] = (summary, p)
+
+    def best(self, cell: Cell, ranking: Ranking) -> Config:
+        """The best point searched in ``cell`` (the first searched of equal ones)."""
+        return best(((p, [s]) for s, p in self.searched[cell].values()), ranking)
+
+    def local(self, ranking: Ranking, axes: Callable[[Cell], dict[str, tuple[float, ...]]],
+              limit: int) -> int:
+        """Every neighbour on the grid ``axes(cell)`` (one step on any axes at once) of each
+        cell's best, until every best is interior to what was searched or ``limit`` rounds
+        ran; returns how many ran."""
+        for step in range(limit):
+            todo = {cell: [p for p in neighbours(self.best(cell, ranking), axes(cell))
+                           if point_key(p) not in self.searched[cell]]
+                    for cell in self.searched}
+            if not any(todo.values()):
+                return step
+            self.run(todo)
+        return limit
