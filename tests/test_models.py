@@ -45,7 +45,7 @@ def _trainable(model: torch.nn.Module) -> int:
         ("resnet20", 269_722),  # He et al. 2016: 0.27M
         ("logistic", 7_850),
         ("least-squares", 20),
-        ("random-feature-mlp", 5_130),  # adaptive-clipping §8 item 17: 512·10 + 10
+        ("random-feature-mlp", 5_130),  # 512 random features · 10 classes + 10
         ("pcdp-cnn", 26_010),  # PCDP-SGD's CNN (the first author's public code)
         ("pcdp-lenet", 797_962),  # its CIFAR-10 LeNet
     ],

@@ -4,8 +4,8 @@ Cheng, Wang, Zhang, Cheng, "Differentially Private Federated Learning with Local
 and Sparsification", CVPR 2022 (arXiv:2203.03106), run as the PCDP-SGD paper's federated
 baseline (Sha et al., arXiv:2312.03792 v1, §3.2: every baseline runs record-level DP-SGD inside
 its clients, although FedLRS was designed for client-level DP). Neither paper gives the
-coefficients nor, in the text available here, the exact form of either technique; the forms
-below are dpfl's reading (docs/algorithms.md, the PCDP spec's ambiguity 17).
+coefficients, and the PCDP paper's description does not fix the exact form of either
+technique; the forms below are dpfl's reading (docs/algorithms.md).
 
 **BLUR** (bounded local update regularisation). The local loss of client i gets the penalty
 λ·max(0, ‖w − w_g‖ − C_u) on the local update's norm above a bound C_u, whose gradient
