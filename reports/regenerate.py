@@ -192,6 +192,14 @@ def plan(root: Path, names: list[str]) -> tuple[list[Regeneration], list[tuple[s
     return todo, skipped
 
 
+def _finished(command: list[str], timeout: float) -> subprocess.CompletedProcess[str] | None:
+    """``command``'s completed process, or None where it ran past ``timeout`` seconds."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def regenerate(job: Regeneration, timeout: float, runs: bool = False, keep: Path | None = None
                ) -> tuple[str, list[str]]:
     """``("equal" | "differs" | "skipped" | "failed", details)`` of one regeneration; ``runs``:
@@ -199,10 +207,8 @@ def regenerate(job: Regeneration, timeout: float, runs: bool = False, keep: Path
     ``keep``: a folder to copy the regenerated report to (as ``<name>.md``)."""
     with tempfile.TemporaryDirectory(prefix="regenerate-") as tmp:
         results = Path(tmp)
-        try:
-            planned = subprocess.run(job.command(results, plan=True), capture_output=True,
-                                     text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
+        planned = _finished(job.command(results, plan=True), timeout)
+        if planned is None:
             return "skipped", [f"its plan takes more than {timeout:g} s"]
         if planned.returncode != 0:
             return "failed", [f"--plan exited {planned.returncode}: "
@@ -211,10 +217,8 @@ def regenerate(job: Regeneration, timeout: float, runs: bool = False, keep: Path
         if pending and not runs:
             todo = [line.strip("- ") for line in planned.stdout.splitlines() if "runs" in line]
             return "skipped", [f"would run again: {'; '.join(todo) or planned.stdout.strip()}"]
-        try:
-            done = subprocess.run(job.command(results, plan=False), capture_output=True,
-                                  text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
+        done = _finished(job.command(results, plan=False), timeout)
+        if done is None:
             return "skipped", [f"takes more than {timeout:g} s"]
         if done.returncode != 0:
             return "failed", [f"exited {done.returncode}: "

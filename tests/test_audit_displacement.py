@@ -24,9 +24,10 @@ ADD_REMOVE = [("dp-sgd", {}), ("dpsgd-gc", {"relation": "add-remove"})]
 #: every record-level audit under add/remove: each algorithm, with the key that declares it
 ADD_REMOVE_SETTINGS = [("dp-fedavg", {"sampling": "poisson"}),
                        ("dp-scaffold", {"sampling": "poisson"}), ("dp-sgd", {}),
-                       ("dpsgd-gc", {"relation": "add-remove"}), ("fedpcdp", {}), ("fedpdp", {}),
-                       ("pcdp-sgd", {}), ("pdp-sgd", {}), ("prisma", {"relation": "add-remove"}),
-                       ("rpdp-sgd", {}), ("rsdp-sgd", {})]
+                       ("dpsgd-gc", {"relation": "add-remove"}), ("fedlrs", {"sampling": "poisson"}),
+                       ("fedpcdp", {}), ("fedpdp", {}), ("moon", {"sampling": "poisson"}),
+                       ("pcdp-sgd", {}), ("pdp-sgd", {}), ("pfa-simplified", {}),
+                       ("prisma", {"relation": "add-remove"}), ("rpdp-sgd", {}), ("rsdp-sgd", {})]
 
 
 def fixed_size_batches(monkeypatch) -> None:
@@ -82,7 +83,7 @@ def test_the_audit_catches_fixed_size_batches_under_add_remove(name, keys, monke
 
 
 @pytest.mark.parametrize("name, keys", [s for s in ADD_REMOVE_SETTINGS
-                                         if s[0] not in gradient_canary.RANDOM_MAPS])
+                                         if s[0] not in gradient_canary.NEUTRAL_RECORDS])
 def test_anti_records_shift_a_correct_mechanisms_scores_by_a_constant(name, keys, monkeypatch):
     """With every record in every batch, Poisson batches hold every anti-record in both worlds:
     the scores are the θ-only canary's (records at z = 0) plus one constant per world, to float
@@ -100,7 +101,7 @@ def test_anti_records_shift_a_correct_mechanisms_scores_by_a_constant(name, keys
 def test_the_settings_are_every_add_remove_record_level_audit():
     """:data:`ADD_REMOVE_SETTINGS` lists every algorithm (and the key that declares it) whose
     record-level audit is under add/remove: a new one is checked above, or joins
-    :data:`~dpfl.audit.gradient_canary.RANDOM_MAPS`, where its records keep z = 0."""
+    :data:`~dpfl.audit.gradient_canary.NEUTRAL_RECORDS`, where its records keep z = 0."""
     found = []
     for name in ALGORITHMS.names():
         reads = RunConfig({"algorithm": name}).reads
@@ -113,5 +114,5 @@ def test_the_settings_are_every_add_remove_record_level_audit():
                     and not source.algorithm.central_releases()):
                 found.append((name, keys))
                 z = gradient_canary.data_z(source, client, 1.0)
-                assert z == (0.0 if name in gradient_canary.RANDOM_MAPS else -1.0)
+                assert z == (0.0 if name in gradient_canary.NEUTRAL_RECORDS else -1.0)
     assert found == ADD_REMOVE_SETTINGS

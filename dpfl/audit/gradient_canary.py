@@ -41,7 +41,9 @@ anti-record: the shift is 2C, the broken mechanism's worst case. Three limits:
   audit finds it wherever it is;
 * where a client maps its clipped sum by a random map of its own before the noise (RPDP-SGD's
   random subspace, RSDP-SGD's random mask: :data:`RANDOM_MAPS`), the anti-records' n·C comes
-  through at a random share, far above the noise, so the records keep z = 0 there as well;
+  through at a random share, far above the noise, so the records keep z = 0 there as well, and
+  so they do where a client uploads the entries its update selects (FedLRS's sparsification:
+  :data:`SELECTED_ENTRIES`), which the anti-records would change;
 * both worlds calibrate from the out world's record count n (``min-client-records``, unless
   the run sets one; :func:`pinned_records`): a rate b/(n + 1) in the in world alone would move
   the anti-records' sum by itself, the coupling of neighbours that the sampler keeps
@@ -164,6 +166,12 @@ def canary_problem(source: Problem, x: Tensor, y: Tensor, parts: list[np.ndarray
 #: algorithms whose clients map each step's clipped sum by a random map of their own (a random
 #: subspace or mask, redrawn each step), under which anti-records would hide the canary
 RANDOM_MAPS = frozenset({"rpdp-sgd", "rsdp-sgd"})
+#: algorithms whose clients upload the entries of their update that the update itself selects
+#: (FedLRS's top-p sparsification): anti-records change which entries survive, so they would
+#: not move the scores by a constant
+SELECTED_ENTRIES = frozenset({"fedlrs"})
+#: where the audit's data records keep z = 0 under add/remove
+NEUTRAL_RECORDS = RANDOM_MAPS | SELECTED_ENTRIES
 
 
 def data_z(source: Problem, client: int, s: float) -> float:
@@ -172,7 +180,8 @@ def data_z(source: Problem, client: int, s: float) -> float:
     every release of the client takes every record and no random map scales them, else 0."""
     algorithm = source.algorithm
     every = all(r.sample_rate >= 1 for r in source.releases(client))
-    displaceable = algorithm.relation is Relation.ADD_REMOVE and algorithm.name not in RANDOM_MAPS
+    displaceable = (algorithm.relation is Relation.ADD_REMOVE
+                    and algorithm.name not in NEUTRAL_RECORDS)
     return -s if displaceable and every else 0.0
 
 

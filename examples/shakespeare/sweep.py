@@ -5,11 +5,12 @@ seeds on the held-out speech.
     python sweep.py                       # runs what is not archived yet, writes the report
     python sweep.py --reuse results/runs.jsonl.gz --workers 2
 
-dpfl's lab (``dpfl_reproductions.lab.Lab``) runs the configurations in worker processes, one
-torch thread each, names each run by a hash of its configuration, archives every run as it
-finishes (``runs.jsonl.gz`` in the results folder) and reuses what it finds there or in
-``--reuse`` archives: a stopped sweep resumes, and the committed archive regenerates the
-report without running anything. ``--smoke`` runs the same protocol on 4 roles for 2 rounds.
+The reproductions' lab (``dpfl_reproductions.lab.Lab``) runs the configurations in worker
+processes, one torch thread each, names each run by a hash of its configuration, archives
+every run as it finishes (``runs.jsonl.gz`` in the results folder) and reuses what it finds
+there or in ``--reuse`` archives: a stopped sweep resumes, and the committed archive
+regenerates the report without running anything. ``--smoke`` runs the same protocol on 4
+roles for 2 rounds.
 """
 
 from __future__ import annotations
