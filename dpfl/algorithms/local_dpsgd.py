@@ -172,6 +172,18 @@ def local_sgd(x: Tensor, clients: int, steps: int, step: Step, learning_rate: fl
     return params, velocity
 
 
+def plain_local_sgd(model: FlatModel, x: Tensor, cohort: Cohort, ctx: ClientContext, *,
+                    steps: int, batch_size: int, learning_rate: float) -> Tensor:
+    """``[C, d]``: every client's iterate after ``steps`` steps of plain SGD from ``x`` (no
+    per-sample clipping, no local noise: the client-level algorithms clip the whole update),
+    step k on a fresh batch of ``batch_size`` records from stream ``batch-<k>``."""
+    def gradient(params: Tensor, k: int) -> Tensor:
+        xb, yb = cohort.sample(ctx.rng, ctx.server_round, f"batch-{k}", batch_size)
+        return model.batch_gradients(params, xb.to(ctx.device), yb.to(ctx.device))
+
+    return local_sgd(x, len(cohort), steps, gradient, learning_rate)[0]
+
+
 class LocalDPSGD:
     """DP-SGD's noisy gradient of one local step, for every client of a cohort (the module
     docstring's g̃_k), and the batches it is taken on."""
@@ -336,4 +348,4 @@ class FederatedDPSGD(Algorithm[H]):
 
 
 __all__ = ["FederatedDPSGD", "FederatedHyperparameters", "LocalDPSGD",
-           "LocalDPSGDHyperparameters", "local_sgd"]
+           "LocalDPSGDHyperparameters", "local_sgd", "plain_local_sgd"]

@@ -57,7 +57,7 @@ from dpfl.algorithms.base import (
     State,
     Upload,
 )
-from dpfl.algorithms.local_dpsgd import LOCAL_STEPS, local_sgd
+from dpfl.algorithms.local_dpsgd import LOCAL_STEPS, plain_local_sgd
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import (
     BATCH_SIZE,
@@ -209,12 +209,8 @@ class QuantileDPFedAvg(Algorithm[QuantileHyperparameters]):
         hp = self.hp
         x = broadcast["x"].to(ctx.device)
         clip = float(broadcast["clip"][0])
-
-        def gradient(params: Tensor, k: int) -> Tensor:  # plain SGD: the server adds the noise
-            xb, yb = cohort.sample(ctx.rng, ctx.server_round, f"batch-{k}", hp.batch_size)
-            return self.model.batch_gradients(params, xb.to(ctx.device), yb.to(ctx.device))
-
-        params, _ = local_sgd(x, len(cohort), hp.local_steps, gradient, hp.learning_rate)
+        params = plain_local_sgd(self.model, x, cohort, ctx, steps=hp.local_steps,
+                                 batch_size=hp.batch_size, learning_rate=hp.learning_rate)
         deltas = (params - x).cpu().numpy()
         unclipped = np.ones((len(cohort), 1), dtype=np.float32)
         for row, bit in zip(deltas, unclipped, strict=True):

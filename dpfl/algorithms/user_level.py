@@ -40,7 +40,7 @@ from dpfl.algorithms.base import (
     sample_clients,
     sample_size,
 )
-from dpfl.algorithms.local_dpsgd import LOCAL_STEPS, SERVER_LEARNING_RATE, local_sgd
+from dpfl.algorithms.local_dpsgd import LOCAL_STEPS, SERVER_LEARNING_RATE, plain_local_sgd
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import BATCH_SIZE, CLIP, FRACTION_TRAIN, LEARNING_RATE, Param, hyperparameter
 from dpfl.privacy import Query, Randomness, Relation
@@ -127,12 +127,8 @@ class UserLevelFedAvg(Algorithm[UserLevelHyperparameters]):
                     ctx: ClientContext) -> tuple[State, State]:
         hp = self.hp
         x = broadcast["x"].to(ctx.device)
-
-        def gradient(params: Tensor, k: int) -> Tensor:  # plain SGD: no per-sample clipping
-            xb, yb = cohort.sample(ctx.rng, ctx.server_round, f"batch-{k}", hp.batch_size)
-            return self.model.batch_gradients(params, xb.to(ctx.device), yb.to(ctx.device))
-
-        params, _ = local_sgd(x, len(cohort), hp.local_steps, gradient, hp.learning_rate)
+        params = plain_local_sgd(self.model, x, cohort, ctx, steps=hp.local_steps,
+                                 batch_size=hp.batch_size, learning_rate=hp.learning_rate)
         return {"delta": clip_by_norm(params - x, hp.clip).cpu()}, {}
 
 
