@@ -84,7 +84,7 @@ EXCLUDED: dict[str, str] = {
        for a in ("fedlrs", "moon", "pfa-simplified")},
     **{a: "user-level DP: its benchmark is the cross-device one, over populations large "
           "enough for a client-level guarantee to learn"
-       for a in ("dp-fedavg-user", "dp-fedavg-user-local")},
+       for a in ("dp-fedavg-user", "dp-fedavg-user-local", "dp-ftrl")},
 }
 PUBLIC = ("pcdp-sgd", "pdp-sgd", "fedpcdp", "fedpdp")  # project onto 100 public records
 # keys fixed for an algorithm in every run, outside its grid: RPDP-SGD's subspace is redrawn
@@ -97,7 +97,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "PriSMA family": ("prisma", "dpsgd-gc", "non-prisma"),
     "Clip21 family": clip21.FAMILY,
     "DP-FedAvg and adaptive clipping": (*adaptive.FAMILY, "dp-fedavg-quantile", "fedlrs",
-                                        "moon", "dp-fedavg-user", "dp-fedavg-user-local"),
+                                        "moon", "dp-fedavg-user", "dp-fedavg-user-local",
+                                        "dp-ftrl"),
     "public-subspace projection": (*PUBLIC, "pfa-simplified"),
     "DP-SGD baselines": ("dp-sgd", "rsdp-sgd", "rpdp-sgd", "dp-scaffold"),
 }

@@ -101,6 +101,27 @@ def run_flower_code_path(values: dict, node_configs: list[dict], *,
     return grid, problem
 
 
+def assert_flower_equals_engine(tmp_path, values: dict, num_nodes: int) -> None:
+    """``values`` run by the engine and over the Flower code path, one node per partition:
+    the same final model bit for bit, and the same largest ε."""
+    import json
+
+    import torch
+
+    from dpfl.engine import run
+    from dpfl.runconfig import RunConfig
+
+    values = {**values, "results-dir": str(tmp_path)}
+    run(RunConfig({**values, "run-name": "engine"}), echo=False)
+    run_flower_code_path({**values, "run-name": "flower"},
+                         [{"partition-id": i} for i in range(num_nodes)])
+    e, f = (torch.load(tmp_path / name / "model.pt") for name in ("engine", "flower"))
+    assert e.keys() == f.keys() and all(torch.equal(e[key], f[key]) for key in e)
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text())
+                 for name in ("engine", "flower")]
+    assert summaries[0]["epsilon_max"] == summaries[1]["epsilon_max"]
+
+
 def train_message(broadcast: dict, exchange: str, server_round: int, clients: list[int],
                   lineage=None, node: int = 1) -> Message:
     """The server's ``train`` request (:class:`dpfl.wire.TrainRequest`) of ``exchange`` for

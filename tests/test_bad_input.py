@@ -50,7 +50,8 @@ CASES = {
     "unknown_dataset": ('dataset="imagenet"', "dataset", "allowed: a9a"),
     "unknown_model": ('model="gpt"', "model", "allowed:"),
     "unknown_algorithm": ('algorithm="sgd"', "algorithm",
-                          "dp-fedavg, dp-fedavg-quantile, dp-fedavg-user, dp-fedavg-user-local, dp-scaffold"),
+                          "dp-fedavg-quantile, dp-fedavg-user, dp-fedavg-user-local, dp-ftrl, "
+                          "dp-scaffold"),
     "unknown_accountant": ('accountant="gdp"', "accountant", "allowed: rdp, prv"),
     "missing_data_directory": ('dataset="mnist" data-dir="/nonexistent/data"', "dataset",
                                "/nonexistent/data"),

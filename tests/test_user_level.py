@@ -137,17 +137,9 @@ def test_a_resumed_run_keeps_charging_the_population(tmp_path):
 
 
 def test_flower_code_path_equals_engine(tmp_path):
-    from tests.inprocess_grid import run_flower_code_path
+    from tests.inprocess_grid import assert_flower_equals_engine
 
-    values = {**VALUES, "num-partitions": 8, "results-dir": str(tmp_path)}
-    run(RunConfig({**values, "run-name": "engine"}), echo=False)
-    run_flower_code_path({**values, "run-name": "flower"},
-                         [{"partition-id": i} for i in range(8)])
-    e, f = (torch.load(tmp_path / name / "model.pt") for name in ("engine", "flower"))
-    assert all(torch.equal(e[key], f[key]) for key in e)
-    summaries = [json.loads((tmp_path / name / "summary.json").read_text())
-                 for name in ("engine", "flower")]
-    assert summaries[0]["epsilon_max"] == summaries[1]["epsilon_max"]
+    assert_flower_equals_engine(tmp_path, {**VALUES, "num-partitions": 8}, 8)
 
 
 def test_the_local_variant_noises_each_reply_and_charges_its_participants_alone(tmp_path):

@@ -4,6 +4,7 @@ from dpfl.algorithms import (
     adaptive,  # noqa: F401  (registers)
     clip21,  # noqa: F401  (registers)
     fedlrs,  # noqa: F401  (registers)
+    ftrl,  # noqa: F401  (registers)
     moon,  # noqa: F401  (registers)
     pfa,  # noqa: F401  (registers)
     prisma,  # noqa: F401  (registers)

@@ -258,13 +258,28 @@ class ServerContext:
 
     def privatize(self, name: str, values: torch.Tensor, *,
                   radius: float | None = None) -> torch.Tensor:
-        """``values`` plus the server-side noise of release ``name`` (stream
-        ``(seed, server, round, <stream>)``), charged to the server's ledger."""
+        """``values`` plus the server-side noise of release ``name`` (:meth:`noise`),
+        published (:meth:`publish`)."""
+        return self.publish(name, values + self.noise(name, values, radius=radius),
+                            radius=radius)
+
+    def noise(self, name: str, like: torch.Tensor, *,
+              radius: float | None = None) -> torch.Tensor:
+        """A draw of release ``name``'s server-side noise shaped as ``like`` (stream
+        ``(seed, server, round, <stream>)``), nothing charged: for noise an algorithm
+        correlates across rounds before it publishes (:mod:`dpfl.privacy.tree`)."""
         release = self.releases[name]
-        noisy = add_noise(values.unsqueeze(0), [SERVER], stds([release], radius),
-                          rng=self.rng, server_round=self.server_round, stream=release.stream)[0]
-        self.charge(release)
-        return noisy
+        return add_noise(torch.zeros_like(like).unsqueeze(0), [SERVER], stds([release], radius),
+                         rng=self.rng, server_round=self.server_round, stream=release.stream)[0]
+
+    def publish(self, name: str, value: torch.Tensor, *, radius: float | None = None,
+                charge: bool = True) -> torch.Tensor:
+        """``value``, release ``name``'s noisy output of this round, charged to the server's
+        ledger (``charge`` false: a round of a mechanism charged once for several rounds, as a
+        tree is at its first round); ``radius`` as the round's, where it changes."""
+        if charge:
+            self.charge(self.releases[name])
+        return value
 
 
 class Algorithm(ABC, Generic[H]):

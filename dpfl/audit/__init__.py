@@ -138,16 +138,15 @@ Released = tuple[Release, float | None, torch.Tensor]  # a server-side release: 
 
 @dataclass
 class ObservedContext(ServerContext):
-    """The server's context, keeping each value its ``privatize`` releases (the noisy sums of
-    central DP: the models and radii the server publishes are functions of them)."""
+    """The server's context, keeping each value it publishes (the noisy sums of central DP:
+    the models and radii the server releases are functions of them)."""
 
     released: list[Released] = dataclasses.field(default_factory=list)
 
-    def privatize(self, name: str, values: torch.Tensor, *,
-                  radius: float | None = None) -> torch.Tensor:
-        noisy = super().privatize(name, values, radius=radius)
-        self.released.append((self.releases[name], radius, noisy))
-        return noisy
+    def publish(self, name: str, value: torch.Tensor, *, radius: float | None = None,
+                charge: bool = True) -> torch.Tensor:
+        self.released.append((self.releases[name], radius, value))
+        return super().publish(name, value, radius=radius, charge=charge)
 
 
 class Scorer:

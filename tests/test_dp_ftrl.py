@@ -1,0 +1,184 @@
+"""dp-ftrl: the tree's noise (its prefix sums and correlations against an independent
+construction of the dyadic intervals), the epoch sampler, the per-node noise, the ledger against
+dp-accounting's tree-aggregation event, a resumed run, and Flower = engine."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import dp_accounting
+import pytest
+import torch
+
+from dpfl.algorithms import ServerContext
+from dpfl.engine import run
+from dpfl.errors import ConfigError
+from dpfl.privacy import Randomness
+from dpfl.privacy.tree import increment, tree_depth
+from dpfl.problem import build_problem
+from dpfl.runconfig import RunConfig
+
+VALUES = {"algorithm": "dp-ftrl", "dataset": "digits", "model": "logistic",
+          "num-partitions": 40, "num-server-rounds": 12, "batch-size": 16, "local-steps": 2,
+          "learning-rate": 0.5, "clip": 0.1, "fraction-train": 0.25, "epsilon": 4.0,
+          "delta": 1e-4, "seed": 3}
+
+
+def _config(tmp_path, name="run", **changes):
+    values = {**VALUES, "results-dir": str(tmp_path), "run-name": name}
+    values.update({k.replace("_", "-"): v for k, v in changes.items()})
+    return RunConfig(values)
+
+
+def _tiling(p: int) -> list[tuple[int, int]]:
+    """The dyadic intervals [a, b] that tile [1, p], largest first, found by search (not by
+    bits): the largest aligned power-of-two block starting at the next uncovered round."""
+    nodes, start = [], 1
+    while start <= p:
+        size = 1
+        while (start - 1) % (2 * size) == 0 and start + 2 * size - 1 <= p:
+            size *= 2
+        nodes.append((start, start + size - 1))
+        start += size
+    return nodes
+
+
+def _run_tree(rounds: int, d: int, draws: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    rows, out = torch.zeros(tree_depth(rounds), d, dtype=torch.float64), []
+    for p in range(1, rounds + 1):
+        noise, rows = increment(rows, p, draws[p])
+        out.append(noise)
+    return out
+
+
+def test_the_increments_sum_to_the_prefix_noise_of_the_dyadic_tiling():
+    """Node [a, b] is drawn in round b; the noise released by round p, summed, is the sum of
+    the draws of the nodes tiling [1, p], popcount(p) of them, exactly."""
+    rounds = 23
+    draws = {p: torch.randint(-1000, 1000, (5,)).double() for p in range(1, rounds + 1)}
+    increments = _run_tree(rounds, 5, draws)
+    for p in range(1, rounds + 1):
+        tiling = _tiling(p)
+        assert len(tiling) == bin(p).count("1")
+        expected = sum(draws[b] for _, b in tiling)
+        assert torch.equal(sum(increments[:p]), expected)
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 3, 4, 5, 7, 8, 100, 1023, 1024])
+def test_the_depth_is_the_most_nodes_one_round_enters(rounds):
+    """h = ⌈log2(R + 1)⌉ (dp-accounting's) is the largest number of dyadic intervals within
+    [1, R] that contain one round, counted."""
+    entered = max(sum(1 for a, b in {n for p in range(1, rounds + 1) for n in _tiling(p)}
+                      if a <= leaf <= b) for leaf in range(1, rounds + 1))
+    assert tree_depth(rounds) == entered
+
+
+def test_the_increments_are_correlated_as_the_tree_says():
+    """Over 200,000 coordinates of N(0, 1) draws, the covariance of the increments e_p, e_q
+    equals Σ over nodes of (±1)(±1): e = B ξ with B read off the tilings."""
+    rounds, d = 8, 200_000
+    generator = torch.Generator().manual_seed(0)
+    draws = {p: torch.randn(d, generator=generator, dtype=torch.float64)
+             for p in range(1, rounds + 1)}
+    e = torch.stack(_run_tree(rounds, d, draws))
+    b = torch.zeros(rounds, rounds, dtype=torch.float64)  # prefix noise = Σ ξ_end over tiling
+    for p in range(1, rounds + 1):
+        for _, end in _tiling(p):
+            b[p - 1, end - 1] += 1
+    increments = b - torch.cat([torch.zeros(1, rounds, dtype=torch.float64), b[:-1]])
+    expected = increments @ increments.T
+    assert torch.allclose(e @ e.T / d, expected, atol=0.02)
+    prefix = e.cumsum(dim=0)
+    variances = prefix.var(dim=1)
+    assert torch.allclose(variances, torch.tensor([bin(p).count("1") for p in range(1, 9)],
+                                                  dtype=torch.float64), rtol=0.02)
+
+
+def test_each_client_takes_part_once_an_epoch(tmp_path):
+    problem = build_problem(_config(tmp_path, num_partitions=41))
+    algorithm, rng = problem.algorithm, Randomness(3)
+    assert (algorithm.cohort, algorithm.epoch_rounds, algorithm.depth) == (10, 4, 3)
+    clients = list(range(41))  # one sits out each epoch
+    epochs = []
+    for epoch in range(3):
+        rounds = [algorithm.participants(epoch * 4 + p, clients, rng) for p in range(1, 5)]
+        taken = [c for r in rounds for c in r]
+        assert all(len(r) == 10 for r in rounds) and len(set(taken)) == 40
+        epochs.append(taken)
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert algorithm.participants(1, clients, Randomness(3)) == \
+        algorithm.participants(1, clients, rng)
+    with pytest.raises(ConfigError, match="fixed population"):
+        algorithm.participants(2, clients[:-1], rng)
+
+
+def test_noise_multiplier_is_each_nodes_std_over_s(tmp_path):
+    """``noise-multiplier`` z: every node is N(0, (z·S)²), the tree's release multiplier is
+    z/√h; the first round of a tree releases its first node alone."""
+    problem = build_problem(_config(tmp_path, noise_multiplier=3.0, dataset="mnist",
+                                    num_server_rounds=1))
+    algorithm = problem.algorithm
+    (release,) = problem.server_releases()
+    assert release.noise_multiplier == pytest.approx(3.0 / math.sqrt(3))
+    assert release.std() == pytest.approx(3.0 * 0.1)
+    state = algorithm.init_server_state(problem.x0)
+    charged = []
+    ctx = ServerContext(1, Randomness(0), [], 40, releases={"model": release},
+                        charge=charged.append)
+    new = algorithm.server_step("train", state, algorithm.zero_sums("train"), ctx)
+    noise = (new["x"] - state["x"]) * 10 / 1.0  # x + γ_g·m/s, m the first release
+    assert noise.std().item() == pytest.approx(0.3, rel=0.02) and charged == [release]
+    ctx = ServerContext(2, Randomness(0), [], 40, releases={"model": release},
+                        charge=charged.append)
+    algorithm.server_step("train", new, algorithm.zero_sums("train"), ctx)
+    assert len(charged) == 1  # a tree is charged once, at its first round
+
+
+def test_the_ledger_equals_dp_accountings_tree_aggregation_event(tmp_path):
+    """Each client takes part once in each of the 3 epochs' trees; its ε is dp-accounting's
+    ``SingleEpochTreeAggregationDpEvent`` (zero-out neighbours, sensitivity S per node, at the
+    multiplier node std / S) composed over the trees."""
+    summary = run(_config(tmp_path), echo=False)
+    (release,) = summary["releases"]["server"]
+    node_std = release["noise_multiplier"] * release["radius"]  # std of every node
+    accountant = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+    accountant.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(
+        node_std / 0.1, 4), 3)
+    expected = accountant.get_epsilon(1e-4)
+    assert set(summary["epsilon"]) == set(range(40))
+    assert all(e == pytest.approx(expected, rel=0.02) for e in summary["epsilon"].values())
+    assert summary["epsilon_max"] <= 4.0 * (1 + 1e-4)
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text()
+              .splitlines()]
+    assert [r["participants"] for r in rounds] == [10] * 12
+    assert summary["server_epsilon"] == pytest.approx(expected, rel=0.02)
+
+
+def test_a_run_resumed_mid_tree_equals_the_uninterrupted_one(tmp_path):
+    """The tree's live nodes and the momentum are server state: a run stopped at round 6 (an
+    epoch and a half) and continued to 12 equals the run started with 12."""
+    from dpfl.cli import main
+    from tests.test_resume import assert_same_run
+
+    values = {**VALUES, "noise-multiplier": 1.0, "checkpoint-every": 1,
+              "results-dir": str(tmp_path)}
+    run(RunConfig({**values, "num-server-rounds": 6, "run-name": "short"}), echo=False)
+    assert main(["run", "-q", "--resume", str(tmp_path / "short"), "-c",
+                 "num-server-rounds=12"]) == 0
+    run(RunConfig({**values, "num-server-rounds": 12, "run-name": "long"}), echo=False)
+    assert_same_run(tmp_path / "short", tmp_path / "long")
+
+
+def test_flower_code_path_equals_engine(tmp_path):
+    """Two epochs of four rounds: the tree's state crosses rounds and a restart."""
+    from tests.inprocess_grid import assert_flower_equals_engine
+
+    assert_flower_equals_engine(tmp_path, {**VALUES, "num-partitions": 8,
+                                           "fraction-train": 0.25, "num-server-rounds": 8}, 8)
+
+
+def test_its_noise_cannot_be_split_over_a_secure_sum(tmp_path):
+    with pytest.raises(ConfigError, match="secure-aggregation"):
+        _config(tmp_path, secure_aggregation=True)
