@@ -1,6 +1,7 @@
 """dp-ftrl: the tree's noise (its prefix sums and correlations against an independent
-construction of the dyadic intervals), the epoch sampler, the per-node noise, the ledger against
-dp-accounting's tree-aggregation event, a resumed run, and Flower = engine."""
+construction of the dyadic intervals) and the banded factor's (against the matrix square root
+and a linear solve), the schedules, the per-draw noise, the ledger against dp-accounting, a
+resumed run, and Flower = engine."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import json
 import math
 
 import dp_accounting
+import numpy as np
 import pytest
+import scipy.linalg
 import torch
 
 from dpfl.algorithms import ServerContext
 from dpfl.engine import run
 from dpfl.errors import ConfigError
-from dpfl.privacy import Randomness
+from dpfl.privacy import Randomness, banded
 from dpfl.privacy.tree import increment, tree_depth
 from dpfl.problem import build_problem
 from dpfl.runconfig import RunConfig
@@ -95,10 +98,57 @@ def test_the_increments_are_correlated_as_the_tree_says():
                                                   dtype=torch.float64), rtol=0.02)
 
 
+def _banded_factor(coefficients: list[float], rounds: int) -> np.ndarray:
+    """C: lower-triangular Toeplitz, its first column the coefficients, then zeros."""
+    column = np.zeros(rounds)
+    column[:len(coefficients)] = coefficients
+    return scipy.linalg.toeplitz(column, np.zeros(rounds))
+
+
+def test_the_banded_square_root_is_the_workloads_square_root():
+    """With as many bands as rounds, C·C is A (the prefix sums' ones), C being the square root
+    scipy computes of A; with fewer, C is its band."""
+    rounds = 12
+    workload = np.tril(np.ones((rounds, rounds)))
+    root = scipy.linalg.sqrtm(workload).real
+    full = _banded_factor(banded.square_root_coefficients(rounds), rounds)
+    assert np.allclose(full, root, atol=1e-10) and np.allclose(full @ full, workload)
+    four = _banded_factor(banded.square_root_coefficients(4), rounds)
+    assert np.allclose(four, np.tril(np.triu(root, -3)), atol=1e-10)
+
+
+def test_the_banded_recurrence_is_the_factors_inverse():
+    """The streamed increments are C⁻¹Z, solved for by numpy from the matrix."""
+    rounds, coefficients = 20, banded.square_root_coefficients(5)
+    z = torch.randn(rounds, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    history, streamed = torch.zeros(4, 3, dtype=torch.float64), []
+    for t in range(rounds):
+        noise, history = banded.increment(history, coefficients, z[t])
+        streamed.append(noise)
+    expected = np.linalg.solve(_banded_factor(coefficients, rounds), z.numpy())
+    assert np.allclose(torch.stack(streamed).numpy(), expected, atol=1e-12)
+
+
+def test_rounds_bands_apart_move_the_factor_by_root_k_times_the_column_norm():
+    """A client every R ≥ b rounds: its columns of C do not overlap, ‖Σ columns‖ = √k·‖c‖ (less
+    where the run cuts its last columns); rounds closer than b overlap and move it further."""
+    rounds, bands, every = 30, 4, 6
+    coefficients = banded.square_root_coefficients(bands)
+    factor, norm = _banded_factor(coefficients, rounds), banded.column_norm(coefficients)
+    for offset in range(every):
+        taken = list(range(offset, rounds, every))
+        moved = np.linalg.norm(factor[:, taken].sum(axis=1))
+        assert moved <= math.sqrt(len(taken)) * norm + 1e-12
+        if taken[-1] <= rounds - bands:
+            assert moved == pytest.approx(math.sqrt(len(taken)) * norm)
+    close = np.linalg.norm(factor[:, [0, 2]].sum(axis=1))
+    assert close > math.sqrt(2) * norm + 0.1
+
+
 def test_each_client_takes_part_once_an_epoch(tmp_path):
     problem = build_problem(_config(tmp_path, num_partitions=41))
     algorithm, rng = problem.algorithm, Randomness(3)
-    assert (algorithm.cohort, algorithm.epoch_rounds, algorithm.depth) == (10, 4, 3)
+    assert (algorithm.cohort, algorithm.epoch_rounds, algorithm.correlation.rows) == (10, 4, 3)
     clients = list(range(41))  # one sits out each epoch
     epochs = []
     for epoch in range(3):
@@ -111,6 +161,12 @@ def test_each_client_takes_part_once_an_epoch(tmp_path):
         algorithm.participants(1, clients, rng)
     with pytest.raises(ConfigError, match="fixed population"):
         algorithm.participants(2, clients[:-1], rng)
+    cyclic = build_problem(_config(tmp_path, num_partitions=41, noise_correlation="banded"))
+    assert cyclic.algorithm.correlation.rows == 3  # b = min(R, 32) = 4 bands
+    blocks = [cyclic.algorithm.participants(r, clients, rng) for r in range(1, 13)]
+    assert blocks[:4] == blocks[4:8] == blocks[8:]  # each client exactly R rounds apart
+    with pytest.raises(ConfigError, match="bands"):
+        build_problem(_config(tmp_path, noise_correlation="banded", bands=5))
 
 
 def test_noise_multiplier_is_each_nodes_std_over_s(tmp_path):
@@ -156,14 +212,31 @@ def test_the_ledger_equals_dp_accountings_tree_aggregation_event(tmp_path):
     assert summary["server_epsilon"] == pytest.approx(expected, rel=0.02)
 
 
-def test_a_run_resumed_mid_tree_equals_the_uninterrupted_one(tmp_path):
-    """The tree's live nodes and the momentum are server state: a run stopped at round 6 (an
-    epoch and a half) and continued to 12 equals the run started with 12."""
+def test_the_banded_ledger_equals_dp_accountings_gaussians(tmp_path):
+    """Banded noise: each of a client's 3 participations (every 4 rounds, b = 4) is a Gaussian
+    of multiplier z/‖c‖, composed: dp-accounting's RDP of that Gaussian, composed 3 times."""
+    summary = run(_config(tmp_path, noise_correlation="banded"), echo=False)
+    (release,) = summary["releases"]["server"]
+    z = release["noise_multiplier"] * release["radius"] / 0.1  # each draw's std over S
+    norm = banded.column_norm(banded.square_root_coefficients(4))
+    assert release["radius"] == pytest.approx(0.1 * norm)
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(dp_accounting.GaussianDpEvent(z / norm), 3)
+    expected = accountant.get_epsilon(1e-4)
+    assert all(e == pytest.approx(expected, rel=0.02) for e in summary["epsilon"].values())
+    assert summary["epsilon_max"] <= 4.0 * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("correlation", ["tree", "banded"])
+def test_a_run_resumed_mid_epoch_equals_the_uninterrupted_one(tmp_path, correlation):
+    """The live nodes (or the last increments) and the momentum are server state: a run
+    stopped at round 6 (an epoch and a half) and continued to 12 equals the run started with
+    12."""
     from dpfl.cli import main
     from tests.test_resume import assert_same_run
 
     values = {**VALUES, "noise-multiplier": 1.0, "checkpoint-every": 1,
-              "results-dir": str(tmp_path)}
+              "noise-correlation": correlation, "results-dir": str(tmp_path)}
     run(RunConfig({**values, "num-server-rounds": 6, "run-name": "short"}), echo=False)
     assert main(["run", "-q", "--resume", str(tmp_path / "short"), "-c",
                  "num-server-rounds=12"]) == 0
@@ -171,12 +244,14 @@ def test_a_run_resumed_mid_tree_equals_the_uninterrupted_one(tmp_path):
     assert_same_run(tmp_path / "short", tmp_path / "long")
 
 
-def test_flower_code_path_equals_engine(tmp_path):
-    """Two epochs of four rounds: the tree's state crosses rounds and a restart."""
+@pytest.mark.parametrize("correlation", ["tree", "banded"])
+def test_flower_code_path_equals_engine(tmp_path, correlation):
+    """Two epochs of four rounds: the noise's state crosses rounds and an epoch."""
     from tests.inprocess_grid import assert_flower_equals_engine
 
     assert_flower_equals_engine(tmp_path, {**VALUES, "num-partitions": 8,
-                                           "fraction-train": 0.25, "num-server-rounds": 8}, 8)
+                                           "fraction-train": 0.25, "num-server-rounds": 8,
+                                           "noise-correlation": correlation}, 8)
 
 
 def test_its_noise_cannot_be_split_over_a_secure_sum(tmp_path):

@@ -1,22 +1,28 @@
-"""DP-FTRL: user-level DP-FedAvg whose noise is correlated across rounds by tree aggregation.
+"""DP-FTRL: user-level DP-FedAvg whose noise is correlated across rounds (tree aggregation or
+banded matrix factorization).
 
 Kairouz, McMahan, Song, Thakkar, Thakurta, Xu, "Practical and Private (Deep) Learning without
 Sampling or Shuffling", ICML 2021 (arXiv:2103.00039): Algorithm 1 (DP-FTRL, with momentum:
 DP-FTRLM), §5's federated form, the tree restarted each epoch (Appendix D); the form Google's
 production keyboard models were trained with (Xu et al., "Federated Learning of Gboard Language
-Models with Differential Privacy", ACL 2023). No client sampling is assumed random: the server
-goes through the population in epochs, and the guarantee comes from the tree, not from
-amplification. Each round t, in epoch e and at position p of its tree:
+Models with Differential Privacy", ACL 2023). ``noise-correlation="banded"`` replaces the tree
+by banded matrix-factorization noise (Choquette-Choo et al., ICML 2023 and NeurIPS 2023; the
+banded square root of Kalinin & Lampert, NeurIPS 2024: :mod:`dpfl.privacy.banded`). No client
+sampling is assumed random: the server goes through the population in epochs, and the
+guarantee comes from the correlated noise, not from amplification. Each round t, at position
+p of its epoch:
 
-* the cohort is the p-th block of s = round(``fraction-train``·n) clients of epoch e's
-  permutation (drawn from the server's stream of epoch e), so every client takes part at most
-  once per epoch; an epoch is R = ⌊n/s⌋ rounds, and the n − R·s clients past its last block sit
-  it out;
+* the cohort is the p-th block of s = round(``fraction-train``·n) clients of the epoch's
+  permutation (drawn from the server's stream: a fresh one each epoch for the tree, the first
+  epoch's for every epoch under banded noise, so a client's rounds are exactly R apart), so
+  every client takes part at most once per epoch; an epoch is R = ⌊n/s⌋ rounds, and the
+  n − R·s clients past its last block sit it out;
 * each client runs K local SGD steps from x and uploads its update clipped at S, as in
   ``dp-fedavg-user``;
-* the server releases the sum of the clipped updates plus the tree's noise increment e_p
-  (:mod:`dpfl.privacy.tree`): summed over the epoch's rounds, the releases are the noisy prefix
-  sums of Algorithm 1, each node drawn N(0, (z·S)² I) for the per-node noise multiplier z;
+* the server releases the sum of the clipped updates plus the round's correlated noise: the
+  tree's increment e_p (:mod:`dpfl.privacy.tree`; summed over the epoch's rounds, the releases
+  are the noisy prefix sums of Algorithm 1, each node drawn N(0, (z·S)² I)), or the banded
+  factor's (C⁻¹Z)_t, each z_t drawn N(0, (z·S)² I);
 * the server steps with heavy-ball momentum on the release: m ← β·m + g̃, x ← x + γ_g·m/s (the
   paper's DP-FTRLM, whose momentum on the noisy prefix sums is this momentum on their
   increments; β = 0 is DP-FTRL).
@@ -25,19 +31,22 @@ Privacy (user-level, central: the trusted server draws the noise). The schedule 
 public, so neighbours differ in what one client sends, not in who takes part: one client's
 data replaced by data whose update is zero (Kairouz et al.'s zero-out relation, dp-accounting's
 ``REPLACE_SPECIAL``), which moves a round's sum by at most S, as adding or removing a client
-does; the ledger keeps it under add/remove, whose sensitivity it shares. One tree, in which the
-client's single round enters at most h = ⌈log2(R + 1)⌉ nodes, is then a Gaussian mechanism of
-sensitivity S·√h: the release is declared with radius S·√h, calibrated per tree, and each
-client is charged one such mechanism each epoch it takes part in, composed over the epochs
-without amplification. Swapping one client's data for another's (replace-one) moves a sum by up
-to 2S: the same ε needs twice the noise. The sampler enforces the schedule: a population whose
-size changes between rounds is refused.
+does; the ledger keeps it under add/remove, whose sensitivity it shares. A participation is a
+Gaussian mechanism of sensitivity S·√h for the tree (its round enters at most
+h = ⌈log2(R + 1)⌉ nodes of its epoch's tree) and S·‖c‖ for banded noise (a column of the
+factor; columns of rounds b or more apart do not overlap): the release is declared with that
+radius, and each client is charged one such mechanism each epoch it takes part in, composed
+over the epochs without amplification. Swapping one client's data for another's (replace-one)
+moves a sum by up to 2S: the same ε needs twice the noise. The sampler enforces the schedule:
+a population whose size changes between rounds is refused, and so are more bands than R.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -56,14 +65,27 @@ from dpfl.config import BATCH_SIZE, CLIP, FRACTION_TRAIN, LEARNING_RATE, Param, 
 from dpfl.errors import ConfigError
 from dpfl.privacy import Query, Randomness, Relation
 from dpfl.privacy.calibration import CALIBRATIONS, Target, accountant_noise_multiplier
+from dpfl.privacy import banded, tree
 from dpfl.privacy.randomness import SERVER
-from dpfl.privacy.tree import increment, tree_depth
 
 SERVER_MOMENTUM = Param("server-momentum", 0.9, "DP-FTRL: heavy-ball momentum of the server's "
                         "step on the released (noisy) update, m ← βm + g̃, x ← x + γ_g·m/s; 0 = "
                         "DP-FTRL without momentum (Kairouz et al. 2021 use 0.9).",
                         check=lambda v: None if 0 <= v < 1 else f"must be in [0, 1), got {v}",
                         symbol="β")
+
+
+NOISE_CORRELATION = Param("noise-correlation", "tree", "DP-FTRL: how the server's noise is "
+                          "correlated across rounds: 'tree' (tree aggregation, restarted each "
+                          "epoch; each epoch a fresh order of the clients) or 'banded' (banded "
+                          "square-root matrix factorization over the whole run; one cyclic "
+                          "order, each client every R rounds, R ≥ bands).",
+                          choices=("tree", "banded"))
+MAX_BANDS = 32  # bands=0 takes min(R, this): the state holds bands − 1 model-sized vectors
+BANDS = Param("bands", 0, "DP-FTRL with noise-correlation='banded': b, the bands of the "
+              "factor C (1 = independent noise); at most R = ⌊n/s⌋, the rounds between a "
+              f"client's participations; 0 = min(R, {MAX_BANDS}).",
+              check=lambda v: None if v >= 0 else f"must be >= 0, got {v}", symbol="b")
 
 
 @dataclass(frozen=True)
@@ -75,21 +97,103 @@ class FTRLHyperparameters:
     fraction_train: float = hyperparameter(FRACTION_TRAIN)  # s = round(q·n) clients a round
     server_learning_rate: float = hyperparameter(SERVER_LEARNING_RATE)  # γ_g
     server_momentum: float = hyperparameter(SERVER_MOMENTUM)  # β
+    noise_correlation: str = hyperparameter(NOISE_CORRELATION)
+    bands: int = hyperparameter(BANDS)  # b
+
+
+class Correlation(Protocol):
+    """How the server's noise is correlated across rounds: the schedule it needs, the rows of
+    state it keeps, one participation's sensitivity over S, and each round's noise."""
+
+    cyclic: ClassVar[bool]  # one order of the clients for every epoch, else a fresh one each
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def norm(self) -> float: ...
+
+    def step(self, rows: Tensor, server_round: int, position: int,
+             fresh: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+@dataclass(frozen=True)
+class TreeNoise:
+    """Tree aggregation over each epoch's R rounds, restarted each epoch
+    (:mod:`dpfl.privacy.tree`): a participation enters h = ⌈log2(R + 1)⌉ nodes."""
+
+    epoch_rounds: int
+    cyclic: ClassVar[bool] = False
+
+    @property
+    def rows(self) -> int:
+        return tree.tree_depth(self.epoch_rounds)
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(self.rows)
+
+    def step(self, rows: Tensor, server_round: int, position: int,
+             fresh: Tensor) -> tuple[Tensor, Tensor]:
+        return tree.increment(rows, position, fresh)
+
+
+@dataclass(frozen=True)
+class BandedNoise:
+    """Banded square-root factorization over the whole run (:mod:`dpfl.privacy.banded`):
+    participations at least b rounds apart move disjoint columns, ‖c‖ each."""
+
+    coefficients: tuple[float, ...]
+    cyclic: ClassVar[bool] = True
+
+    @property
+    def rows(self) -> int:
+        return len(self.coefficients) - 1
+
+    @property
+    def norm(self) -> float:
+        return banded.column_norm(list(self.coefficients))
+
+    def step(self, rows: Tensor, server_round: int, position: int,
+             fresh: Tensor) -> tuple[Tensor, Tensor]:
+        return banded.increment(rows, list(self.coefficients), fresh)
+
+
+def banded_noise(hp: FTRLHyperparameters, epoch_rounds: int) -> BandedNoise:
+    """b bands, at most R: a client's rounds are R apart."""
+    bands = hp.bands or min(epoch_rounds, MAX_BANDS)
+    if bands > epoch_rounds:
+        raise ConfigError("bands", f"{bands} bands need a client's rounds at least {bands} "
+                          f"apart, and this run's are {epoch_rounds} apart (⌊n/s⌋)",
+                          allowed=f"1..{epoch_rounds}, or 0")
+    return BandedNoise(tuple(banded.square_root_coefficients(bands)))
+
+
+#: the noise correlations by their run-config name
+CORRELATIONS: dict[str, Callable[[FTRLHyperparameters, int], Correlation]] = {
+    "tree": lambda hp, epoch_rounds: TreeNoise(epoch_rounds),
+    "banded": banded_noise,
+}
 
 
 @ALGORITHMS.register_class
 class DPFTRL(UserLevelFedAvg):
-    """DP-FTRL with tree aggregation, restarted each epoch (see the module docstring)."""
+    """DP-FTRL with tree-aggregation or banded noise (see the module docstring)."""
 
     name = "dp-ftrl"
     defaults = {"learning-rate": 0.1, "clip": 0.01}  # docs/defaults.md
     Hyperparameters = FTRLHyperparameters
     protection = ("user-level central DP: each client of the round's cohort clips its whole "
-                  "update, the trusted server adds tree-aggregation noise correlated across "
-                  "the rounds of an epoch; each client takes part at most once an epoch; "
+                  "update, the trusted server adds noise correlated across rounds (tree "
+                  "aggregation, or banded matrix factorization); each client takes part at "
+                  "most once an epoch; "
                   "zero-out neighbours (one client's update replaced by zero, sensitivity S "
                   "as under add/remove); no amplification")
     exchanges = (Exchange("train", ("x",), {"delta": Upload("model", central=True)}),)
+
+    def __init__(self, hp: FTRLHyperparameters, model, num_clients: int, **kwargs) -> None:
+        super().__init__(hp, model, num_clients, **kwargs)
+        self.correlation = CORRELATIONS[hp.noise_correlation](hp, self.epoch_rounds)
 
     @property
     def relation(self) -> Relation:
@@ -109,11 +213,6 @@ class DPFTRL(UserLevelFedAvg):
         """R = ⌊n/s⌋: the rounds of an epoch, the leaves of its tree."""
         return self.num_clients // self.cohort
 
-    @property
-    def depth(self) -> int:
-        """h: the nodes of a tree one client's round enters, at most."""
-        return tree_depth(self.epoch_rounds)
-
     def position(self, server_round: int) -> tuple[int, int]:
         """(epoch, position in its tree) of ``server_round``, both from 1."""
         epoch, position = divmod(server_round - 1, self.epoch_rounds)
@@ -125,20 +224,23 @@ class DPFTRL(UserLevelFedAvg):
 
     def participants(self, server_round: int, clients: list[int], rng: Randomness) -> list[int]:
         """The ``position``-th block of s clients of the epoch's permutation (stream
-        ``epochs`` of the server, keyed by the epoch): each client at most once an epoch."""
+        ``epochs`` of the server, keyed by the epoch; the first epoch's for every epoch where
+        the correlation needs a cyclic schedule): each client at most once an epoch."""
         if len(clients) != self.num_clients:
             raise ConfigError("num-partitions", f"dp-ftrl's tree assumes a fixed population of "
                               f"{self.num_clients} clients, and round {server_round} offers "
                               f"{len(clients)}", allowed=str(self.num_clients))
         epoch, position = self.position(server_round)
-        order = rng.permutation(SERVER, epoch, "epochs", len(clients))
+        order = rng.permutation(SERVER, 1 if self.correlation.cyclic else epoch, "epochs",
+                                len(clients))
         block = order[(position - 1) * self.cohort:position * self.cohort]
         return sorted(clients[i] for i in block.tolist())
 
     def noise_multipliers(self, queries: list[Query], multiplier: float) -> list[float]:
-        """``noise-multiplier`` is z, each tree node's std over S (Kairouz et al.'s and TFF's
-        noise multiplier): the tree's own multiplier is z·S / (S·√h)."""
-        return [multiplier / math.sqrt(self.depth) for _ in queries]
+        """``noise-multiplier`` is z, each draw's std over S (a tree node's: Kairouz et al.'s
+        and TFF's noise multiplier; a round's z_t for banded noise): a participation's own
+        multiplier is z·S / (S·√h) for the tree, z·S / (S·‖c‖) for banded noise."""
+        return [multiplier / self.correlation.norm for _ in queries]
 
     def queries(self, num_samples: int) -> list[Query]:
         return []  # the clients add no noise
@@ -146,31 +248,33 @@ class DPFTRL(UserLevelFedAvg):
     # ---- server --------------------------------------------------------------------------
     def init_server_state(self, x0: Tensor) -> State:
         return {"x": x0.clone(), "momentum": torch.zeros_like(x0),
-                "tree": torch.zeros(self.depth, x0.numel(), dtype=x0.dtype)}
+                "noise": torch.zeros(self.correlation.rows, x0.numel(), dtype=x0.dtype)}
 
     def server_queries(self) -> list[Query]:
-        """One tree: radius S·√h (one client's round in h nodes), once per epoch."""
-        return [Query("model", "train", radius=self.hp.clip * math.sqrt(self.depth),
+        """One participation: radius S·√h (a round in h tree nodes) or S·‖c‖ (a column of
+        the banded factor), one an epoch."""
+        return [Query("model", "train", radius=self.hp.clip * self.correlation.norm,
                       relation=self.relation, side="server", stream="model-noise")]
 
     def server_step(self, exchange: str, state: State, sums: State,
                     ctx: ServerContext) -> State:
-        """The sum plus the tree's increment, then the momentum step; the server's ledger is
-        charged the tree at its first round."""
+        """The sum plus the round's correlated noise, then the momentum step; the server's
+        ledger is charged each epoch at its first round (one participation of every client)."""
         _, position = self.position(ctx.server_round)
         total = sums["delta"]
-        noise, tree = increment(state["tree"], position, ctx.noise("model", total))
+        noise, rows = self.correlation.step(state["noise"], ctx.server_round, position,
+                                            ctx.noise("model", total))
         released = ctx.publish("model", total + noise, charge=position == 1)
         momentum = self.hp.server_momentum * state["momentum"] + released
         return {"x": state["x"] + self.hp.server_learning_rate * momentum / self.cohort,
-                "momentum": momentum, "tree": tree}
+                "momentum": momentum, "noise": rows}
 
 
 @CALIBRATIONS.register("accountant", "dp-ftrl")
-def tree_accountant(algorithm: DPFTRL, query: Query, target: Target, options: None) -> float:
-    """The smallest multiplier of one tree whose composition over the trees a client can take
-    part in, ⌈rounds / R⌉ (one an epoch), meets the target: no sample rate amplifies it."""
-    trees = math.ceil(target.rounds / algorithm.epoch_rounds)
+def participation_accountant(algorithm: DPFTRL, query: Query, target: Target, options: None) -> float:
+    """The smallest multiplier of one participation whose composition over those a client can
+    make, ⌈rounds / R⌉ (one an epoch), meets the target: no sample rate amplifies it."""
+    participations = math.ceil(target.rounds / algorithm.epoch_rounds)
     return accountant_noise_multiplier(epsilon=target.epsilon, delta=target.delta,
-                                       sample_rate=1.0, steps=trees,
+                                       sample_rate=1.0, steps=participations,
                                        accountant=target.accountant)
