@@ -2,7 +2,8 @@
 runs it — the paper's three formulas equal Flower's functions bit for bit, the clipping-norm
 trajectory equals Flower's
 ``DifferentialPrivacyClientSideAdaptiveClipping`` fed the same replies, the server's noise has
-the declared std, the ledger composes both central releases, and Flower = engine."""
+the declared std, the ledger composes both central releases, Poisson client sampling amplifies
+them for the whole population, and Flower = engine."""
 
 from __future__ import annotations
 
@@ -248,3 +249,36 @@ def test_flower_code_path_equals_engine(tmp_path):
                (tmp_path / name / "rounds.jsonl").read_text().splitlines()]
               for name in ("engine", "flower")]
     assert rounds[0] == rounds[1] and len(set(rounds[0])) == 6
+
+
+def test_poisson_client_sampling_charges_the_population_at_rate_q(tmp_path):
+    """client-sampling="poisson" at q = 0.3 of 20 clients: a random cohort a round (some
+    empty rounds possible), both releases amplified at rate q and charged to every client,
+    sampled or not, each round: dp-accounting's Poisson-sampled Gaussians of z_Δ and σ_b,
+    composed over the rounds; a fixed-size cohort of fewer than every client is refused."""
+    import dp_accounting
+
+    summary = run(_config(tmp_path, num_partitions=20, fraction_train=0.3,
+                          clipped_count_stddev=-1.0, num_server_rounds=8), echo=False)
+    releases = {r["name"]: r for r in summary["releases"]["server"]}
+    assert {r["sample_rate"] for r in releases.values()} == {0.3}
+    assert releases["count"]["noise_multiplier"] >= 0.3 * 20 / 20  # σ_b at least P/20, P = qn
+    accountant = dp_accounting.rdp.RdpAccountant()
+    for name in ("model", "count"):
+        accountant.compose(dp_accounting.PoissonSampledDpEvent(
+            0.3, dp_accounting.GaussianDpEvent(releases[name]["noise_multiplier"])), 8)
+    expected = accountant.get_epsilon(1e-4)
+    assert set(summary["epsilon"]) == set(range(20))
+    assert all(e == pytest.approx(expected, rel=0.02) for e in summary["epsilon"].values())
+    assert summary["epsilon_max"] <= 6.0 * (1 + 1e-4)
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text()
+              .splitlines()]
+    assert len({r["participants"] for r in rounds}) > 1  # the cohort's size varies
+    with pytest.raises(ConfigError, match="client-sampling"):
+        _config(tmp_path, fraction_train=0.5, client_sampling="fixed")
+
+
+def test_poisson_sampled_flower_code_path_equals_engine(tmp_path):
+    from tests.inprocess_grid import assert_flower_equals_engine
+
+    assert_flower_equals_engine(tmp_path, {**VALUES, "fraction-train": 0.5}, 10)

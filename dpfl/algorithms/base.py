@@ -348,11 +348,10 @@ class Algorithm(ABC, Generic[H]):
         return {u.release: e.name for e in cls.exchanges for u in e.uploads.values()
                 if u.central}
 
-    @classmethod
-    def population_releases(cls) -> dict[str, str]:
+    def population_releases(self) -> dict[str, str]:
         """The central releases charged to every client each round (amplified by client
         sampling; :attr:`Upload.population`), by exchange."""
-        return {u.release: e.name for e in cls.exchanges for u in e.uploads.values()
+        return {u.release: e.name for e in self.exchanges for u in e.uploads.values()
                 if u.central and u.population}
 
     def zero_sums(self, exchange: str) -> State:

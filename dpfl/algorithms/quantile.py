@@ -56,19 +56,23 @@ from dpfl.algorithms.base import (
     ServerContext,
     State,
     Upload,
+    sample_clients,
+    sample_size,
 )
 from dpfl.algorithms.local_dpsgd import LOCAL_STEPS, plain_local_sgd
 from dpfl.algorithms.registry import ALGORITHMS
+from dpfl.algorithms.user_level import CLIENT_SAMPLING, poisson_clients
 from dpfl.config import (
     BATCH_SIZE,
     CLIP,
+    FRACTION_TRAIN,
     LEARNING_RATE,
     Param,
     hyperparameter,
     positive,
 )
 from dpfl.errors import ConfigError
-from dpfl.privacy import CALIBRATIONS, Query, Relation, Target
+from dpfl.privacy import CALIBRATIONS, Query, Randomness, Relation, Target
 from dpfl.privacy.calibration import accountant_noise_multiplier
 from dpfl.privacy.ledger import PrivacyLedger
 
@@ -96,6 +100,15 @@ class QuantileHyperparameters:
     target_quantile: float = hyperparameter(TARGET_QUANTILE)  # γ
     clip_learning_rate: float = hyperparameter(CLIP_LEARNING_RATE)  # η_C
     clipped_count_stddev: float = hyperparameter(COUNT_STDDEV)  # σ_b
+    fraction_train: float = hyperparameter(FRACTION_TRAIN)  # q
+    client_sampling: str = hyperparameter(CLIENT_SAMPLING)
+
+    def __post_init__(self) -> None:
+        if self.client_sampling == "fixed" and self.fraction_train < 1:
+            raise ConfigError("client-sampling", "dp-fedavg-quantile's releases are analysed "
+                              "under add/remove neighbours, which a fixed-size cohort of fewer "
+                              "than every client does not keep (an added client pushes "
+                              "another out)", allowed='"poisson", or fraction-train=1')
 
 
 def update_multiplier(multiplier: float, count_stddev: float) -> float:
@@ -146,16 +159,47 @@ class QuantileDPFedAvg(Algorithm[QuantileHyperparameters]):
     def relation(self) -> Relation:
         return Relation.ADD_REMOVE
 
+    @property
+    def cohort(self) -> float:
+        """W, the fixed denominator of the mean and of the fraction of unclipped updates: the
+        expected cohort q·n under Poisson sampling (Andrew et al.'s), else every client."""
+        return self.hp.fraction_train * self.num_clients
+
+    @property
+    def sample_rate(self) -> float:
+        return self.cohort / self.num_clients
+
+    @classmethod
+    def participants_per_round(cls, hp: QuantileHyperparameters, num_clients: int) -> int:
+        return sample_size(hp.fraction_train, num_clients)
+
+    def participants(self, server_round: int, clients: list[int], rng: Randomness) -> list[int]:
+        """Each client with probability q (``client-sampling="poisson"``, possibly none), or
+        every client (``"fixed"`` at q = 1)."""
+        if self.hp.client_sampling == "poisson":
+            return poisson_clients(self.hp.fraction_train, server_round, clients, rng)
+        return sample_clients(self.hp.fraction_train, server_round, clients, rng)
+
+    def zero_sums(self, exchange: str) -> State:
+        return {"delta": torch.zeros(self.model.d), "unclipped": torch.zeros(1)}
+
+    def population_releases(self) -> dict[str, str]:
+        """Both releases where clients are sampled (q < 1): amplified, they are charged to
+        every client each round. At q = 1 every client takes part and is charged them as a
+        participant, which its node's ledger counts too."""
+        return self.central_releases() if self.sample_rate < 1 else {}
+
     def queries(self, num_samples: int) -> list[Query]:
         return []  # the clients add no noise
 
     def server_queries(self) -> list[Query]:
         """The update sum (radius C, sent each round) and the count of unclipped updates
-        (radius 1), streams ``model-noise`` and ``count-noise``."""
+        (radius 1), streams ``model-noise`` and ``count-noise``, sampled at rate q
+        (:meth:`population_releases`)."""
         return [Query("model", "train", radius=None, relation=self.relation, side="server",
-                      stream="model-noise"),
+                      sample_rate=self.sample_rate, stream="model-noise"),
                 Query("count", "train", radius=1.0, relation=self.relation, side="server",
-                      stream="count-noise")]
+                      sample_rate=self.sample_rate, stream="count-noise")]
 
     def noise_multipliers(self, queries: list[Query], multiplier: float) -> list[float]:
         """Flower's split of the effective multiplier z: z_Δ for the update sum, σ_b for the
@@ -165,10 +209,11 @@ class QuantileDPFedAvg(Algorithm[QuantileHyperparameters]):
 
     @property
     def count_stddev(self) -> float:
-        """σ_b as configured: ``clipped-count-stddev``, or Flower's default P/20 (which the
-        ``accountant`` calibration may raise: :func:`quantile_noise_multiplier`)."""
+        """σ_b as configured: ``clipped-count-stddev``, or Flower's default P/20 for the
+        (expected) cohort P (which the ``accountant`` calibration may raise:
+        :func:`quantile_noise_multiplier`)."""
         given = self.hp.clipped_count_stddev
-        return self.num_clients / 20 if given < 0 else given
+        return self.cohort / 20 if given < 0 else given
 
     def noise_split(self, multiplier: float, count_stddev: float | None = None
                     ) -> tuple[float, float]:
@@ -194,7 +239,7 @@ class QuantileDPFedAvg(Algorithm[QuantileHyperparameters]):
     def server_step(self, exchange: str, state: State, sums: State,
                     ctx: ServerContext) -> State:
         clip = float(state["clip"][0])
-        p = len(ctx.participants)
+        p = self.cohort
         update = ctx.privatize("model", sums["delta"], radius=clip)
         count = float(ctx.privatize("count", sums["unclipped"].double()).sum())
         clip = geometric_update(clip, count / p, self.hp)
@@ -236,9 +281,10 @@ def accountant_calibration(algorithm: QuantileDPFedAvg, query: Query, target: Ta
 
 
 @functools.lru_cache(maxsize=64)
-def _epsilon(accountant: str, model: float, count: float, rounds: int, delta: float) -> float:
+def _epsilon(accountant: str, model: float, count: float, rate: float, rounds: int,
+             delta: float) -> float:
     ledger = PrivacyLedger(accountant, Relation.ADD_REMOVE,
-                           [(model, 1.0, rounds), (count, 1.0, rounds)])
+                           [(model, rate, rounds), (count, rate, rounds)])
     return ledger.epsilon(delta)
 
 
@@ -256,12 +302,14 @@ def quantile_noise_multiplier(algorithm: QuantileDPFedAvg, target: Target
 
     def epsilon(log_z: float) -> float:
         count, model = algorithm.noise_split(math.exp(log_z), sigma_b)
-        return _epsilon(target.accountant, model, count, target.rounds, target.delta)
+        return _epsilon(target.accountant, model, count, algorithm.sample_rate, target.rounds,
+                        target.delta)
 
     high = math.log(2 * sigma_b * (1 - 1e-9))
     if epsilon(high) > target.epsilon and algorithm.hp.clipped_count_stddev < 0:
         sigma_b = max(sigma_b, 2 * accountant_noise_multiplier(
-            epsilon=target.epsilon, delta=target.delta, sample_rate=1.0, steps=target.rounds,
+            epsilon=target.epsilon, delta=target.delta, sample_rate=algorithm.sample_rate,
+            steps=target.rounds,
             accountant=target.accountant))
         high = math.log(2 * sigma_b * (1 - 1e-9))
     low = math.log(1e-6)
