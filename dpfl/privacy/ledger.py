@@ -187,9 +187,24 @@ class Accounting:
         return self.ledger_of(tuple(own.history) if own is not None else ())
 
     def reported_clients(self) -> list[int]:
-        """The clients whose ε is reported: every client once a population release was
-        charged, else those that released something."""
-        return list(range(self.num_clients)) if self.shared.history else sorted(self.charged)
+        """The clients whose ε is reported by id: those that released something of their
+        own (every other client's is :meth:`population_epsilon`)."""
+        return sorted(self.charged)
+
+    def population_epsilon(self) -> float | None:
+        """ε of every client that released nothing of its own, once a population release was
+        charged (all such clients share that history: one number, whatever the population);
+        None without a population release, or where every client released something."""
+        if not self.shared.history or len(self.charged) >= self.num_clients:
+            return None
+        return self.ledger_of(()).epsilon(self.delta)
+
+    def extremes(self) -> tuple[float, float]:
+        """The largest and smallest client ε (0 before any release)."""
+        values = list(self.report().values())
+        if (population := self.population_epsilon()) is not None:
+            values.append(population)
+        return (max(values), min(values)) if values else (0.0, 0.0)
 
     def _record(self, client: int, release: Release) -> None:
         self.clients[client].record(release)
@@ -251,7 +266,7 @@ class Accounting:
 
     def report(self) -> dict[int, float]:
         """ε of every :meth:`reported_clients` client, by client id (computed once per distinct
-        history: under a population release most clients share one)."""
+        history)."""
         by_history: dict[tuple[Event, ...], float] = {}
         report = {}
         for c in self.reported_clients():

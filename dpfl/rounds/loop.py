@@ -309,10 +309,10 @@ class RoundLoop:
             self.report.last_eval = last_eval
             if self.evaluate_fn and (own := self.evaluate_fn(server_round, x)):
                 record["evaluate_fn"] = {k: float(v) for k, v in own.items()}
-        epsilon = self.accounting.report()
+        epsilon_max, epsilon_min = self.accounting.extremes()
         record.update({
-            "epsilon": epsilon,
-            "epsilon_max": max(epsilon.values()), "epsilon_min": min(epsilon.values()),
+            "epsilon": self.accounting.report(), **self.population_epsilon(),
+            "epsilon_max": epsilon_max, "epsilon_min": epsilon_min,
             "clip": self.algorithm.clip_radius(self.state),
             "participants": len(participants),
             **self.traffic,
@@ -400,20 +400,25 @@ class RoundLoop:
                               f"{rounds} with noise this resumed run does not draw again: they "
                               f"are charged to every client")
 
+    def population_epsilon(self) -> dict[str, float]:
+        """``epsilon_population``, the ε of every client ``epsilon`` does not list (those that
+        released nothing of their own, under a population release), where there are any."""
+        value = self.accounting.population_epsilon()
+        return {} if value is None else {"epsilon_population": value}
+
     def finish(self) -> dict[str, Any]:
         """Write summary, model and plots; returns the summary."""
         wall = self.report.wall_seconds()
         if self.rounds_done and not self.report.last_eval:
             self.report.last_eval = self.evaluate(self.algorithm.global_params(self.state))
-        epsilon = self.accounting.report()
         summary = {
             "runtime": self.runtime,
             "rounds_completed": self.rounds_done,
             "stopped_early": self.stop_reason or None,
             "initial_test_loss": self.monitor.first_loss,
             **self.report.last_eval,
-            "epsilon_max": max(epsilon.values()) if epsilon else 0.0,
-            "epsilon": epsilon,
+            "epsilon_max": self.accounting.extremes()[0],
+            "epsilon": self.accounting.report(), **self.population_epsilon(),
             "server_epsilon": self.accounting.server_epsilon(),
             "epsilon_by_accountant": self.accounting.report_by_accountant(),
             "delta": self.config.privacy.delta,

@@ -142,8 +142,9 @@ def calibration_check(problem: Problem, accounting: Accounting, rounds_done: int
     noise), which accountant the run's guarantee rests on, and what the ledger's other
     accountants give for the same noise, and why they differ."""
     cfg: RunConfig = problem.config
-    epsilon = accounting.report()
-    if cfg.privacy.noise_multiplier >= 0 or problem.algorithm.noise_free or not epsilon:
+    spent = accounting.extremes()[0]
+    if cfg.privacy.noise_multiplier >= 0 or problem.algorithm.noise_free or not (
+            accounting.report() or accounting.population_epsilon() is not None):
         return None
     by_accountant = list(accounting.report_by_accountant().items())
     others = "; ".join(f"{name} {value:.4g} ({ACCOUNTANTS.get(name).about})"
@@ -151,7 +152,6 @@ def calibration_check(problem: Problem, accounting: Accounting, rounds_done: int
     if others:
         others = (f". The same noise by the ledger's other accountants: {others}: other "
                   f"bounds on the same releases, not the run's guarantee")
-    spent = max(epsilon.values())
     rounds = cfg.run.num_server_rounds
     head = (f"the {cfg.privacy.accountant} accountant, which the run's guarantee rests on, gives "
             f"ε={spent:.4g} at δ={cfg.privacy.delta:g} after {rounds_done} rounds")
