@@ -36,8 +36,8 @@ RESULTS = HERE / "results.md"
 TITLE = "# Benchmarks (`make bench`)"
 # in the table's order
 BENCHMARKS = ("bench_limit", "bench_engine_vs_flower", "bench_flower_vs_bare", "bench_per_sample",
-              "bench_memory", "bench_scale", "bench_flower_scale", "bench_many_runs",
-              "bench_engine_modes")
+              "bench_memory", "bench_scale", "bench_flower_scale", "bench_population",
+              "bench_many_runs", "bench_engine_modes")
 ON_DEVICE = ("bench_limit", "bench_per_sample", "bench_memory", "bench_scale")  # --device
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import inspect
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from dpfl.datasets import DATASETS, Dataset, load_dataset, partition
 from dpfl.datasets import reference as referenced_data
 from dpfl.datasets.base import HELD_OUT
 from dpfl.datasets.loading import PROVIDED, data_folder
+from dpfl.datasets.population import LazyPartitions, Population
 from dpfl.errors import ConfigError
 from dpfl.models import MODELS, FlatModel, build_model, zoo
 from dpfl.privacy import Accounting, Query, Release, Target, calibrate
@@ -56,7 +58,7 @@ class Problem:
 
     config: RunConfig
     dataset: Dataset
-    partitions: list[np.ndarray]
+    partitions: Sequence[np.ndarray]  # a list, or a population's LazyPartitions
     model: FlatModel
     algorithm: Algorithm
     x0: torch.Tensor
@@ -79,24 +81,42 @@ class Problem:
             raise ValueError(f"clients {sorted(set(client_ids) - set(self.hosted))} are not "
                              f"hosted by this node (it hosts {list(self.hosted)})")
 
+    @property
+    def population(self) -> Population | None:
+        """The clients whose rows are made when a round needs them, if the data are such."""
+        return self.dataset.population
+
     def cohort(self, client_ids: list[int]) -> Cohort:
-        """The given clients' data, holding only their own rows (cached per client set)."""
+        """The given clients' data, holding only their own rows (cached per client set; a
+        population's cohorts are made afresh, so that memory holds one round's)."""
         self._check_hosted(client_ids)
         key = tuple(client_ids)
+        if self.population is not None:
+            return self._gather(client_ids)
         if key not in self._cohorts:
             self._cohorts[key] = self._gather(client_ids)
         return self._cohorts[key]
 
     def _gather(self, client_ids: list[int]) -> Cohort:
-        rows = np.concatenate([self.partitions[c] for c in client_ids])
-        x = self.dataset.train_x[torch.from_numpy(rows)]
-        y = self.dataset.train_y[torch.from_numpy(rows)]
-        offsets = np.cumsum([0] + [len(self.partitions[c]) for c in client_ids])
+        if self.population is not None:
+            made = [self.population.rows(c) for c in client_ids]
+            x = torch.cat([rows[0] for rows in made])
+            y = torch.cat([rows[1] for rows in made])
+            sizes = [len(rows[1]) for rows in made]
+        else:
+            rows = np.concatenate([self.partitions[c] for c in client_ids])
+            x = self.dataset.train_x[torch.from_numpy(rows)]
+            y = self.dataset.train_y[torch.from_numpy(rows)]
+            sizes = [len(self.partitions[c]) for c in client_ids]
+        offsets = np.cumsum([0] + sizes)
         indices = [torch.arange(offsets[i], offsets[i + 1]) for i in range(len(client_ids))]
         return Cohort(list(client_ids), x, y, indices)
 
     def full_cohort(self) -> Cohort:
-        """All clients over the whole training set (the engine's view)."""
+        """All clients over the whole training set (the engine's view; a population has
+        none: its rounds gather their cohorts, :meth:`cohort`)."""
+        if self.population is not None:
+            raise ValueError("a population's clients are made per round: gather a cohort")
         return Cohort(list(range(self.num_clients)), self.dataset.train_x, self.dataset.train_y,
                       [torch.from_numpy(p) for p in self.partitions])
 
@@ -121,11 +141,18 @@ class Problem:
             self._releases[size] = releases
         return self._releases[size]
 
+    def calibrated(self) -> dict[int, list[Release]]:
+        """The clients' releases calibrated so far, by the record count they were calibrated
+        from."""
+        return dict(self._releases)
+
     def smallest_client(self) -> int:
         """The fewest records a client of the run holds (a node's view: of the split it was
         built from)."""
         if self.split_smallest is not None:
             return self.split_smallest
+        if self.population is not None:
+            return self.population.smallest
         if self.hosted is not None:
             raise ConfigError("min-client-records", "this node does not know every client's "
                               "record count: secure aggregation calibrates every client from "
@@ -164,11 +191,11 @@ class Problem:
         (what :meth:`from_node_data` rebuilds from): its clients' training rows, client by
         client, their sizes, the public records and the dataset's description."""
         ds = self.dataset
-        rows = torch.from_numpy(np.concatenate([self.partitions[c] for c in clients]))
+        own = self._gather(list(clients))  # a population makes its clients' rows here
         return {"name": ds.name, "task": ds.task, "num_classes": ds.num_classes,
                 "num_clients": self.num_clients, "clients": list(clients),
-                "sizes": [len(self.partitions[c]) for c in clients],
-                "train_x": ds.train_x[rows].contiguous(), "train_y": ds.train_y[rows].contiguous(),
+                "sizes": own.sizes,
+                "train_x": own.x.contiguous(), "train_y": own.y.contiguous(),
                 "public_x": ds.public_x, "public_y": ds.public_y,
                 "smallest": self.smallest_client()}
 
@@ -310,11 +337,28 @@ def build_problem(config: RunConfig) -> Problem:
     resolve_device(config)
     dataset = dataset_of(config)
     data = config.data
+    if dataset.population is not None:
+        return assemble(config, dataset, population_partitions(config, dataset.population))
     parts = partition(dataset, partitioner=data.partitioner, num_partitions=data.num_partitions,
                       seed=config.run.seed, alpha=data.alpha,
                       shards_per_partition=data.shards_per_partition)
     check_sizes(config, [len(p) for p in parts])
     return assemble(config, dataset, parts)
+
+
+def population_partitions(config: RunConfig, population: Population) -> LazyPartitions:
+    """A population's own clients, one partition each (``partitioner="natural"``, as many
+    partitions as clients), checked against the fewest rows a client of it may hold."""
+    data = config.data
+    if data.partitioner != "natural":
+        raise ConfigError("partitioner", "a population's clients are its partitions",
+                          allowed="natural")
+    if data.num_partitions != population.num_clients:
+        raise ConfigError("num-partitions", f"{data.num_partitions} partitions of a population "
+                          f"of {population.num_clients} clients",
+                          allowed=str(population.num_clients))
+    check_sizes(config, [population.smallest])
+    return LazyPartitions(population)
 
 
 def check_sizes(config: RunConfig, sizes: list[int]) -> None:
@@ -337,7 +381,7 @@ def check_sizes(config: RunConfig, sizes: list[int]) -> None:
         raise ConfigError("batch-size", f"{batch_size} exceeds {what}", allowed=f"1..{least}")
 
 
-def assemble(config: RunConfig, dataset: Dataset, parts: list[np.ndarray],
+def assemble(config: RunConfig, dataset: Dataset, parts: Sequence[np.ndarray],
              hosted: tuple[int, ...] | None = None, *, model: FlatModel | None = None
              ) -> Problem:
     """The model, algorithm and initial point of ``config`` over data already partitioned;
@@ -359,12 +403,29 @@ def assemble(config: RunConfig, dataset: Dataset, parts: list[np.ndarray],
                                                      num_clients=len(parts), public=public)
     rounds = config.run.num_server_rounds
     algorithm.check_run(rounds)
+    if dataset.population is not None:
+        check_stateless(algorithm)
     calibrated = config.privacy.calibration_rounds
     if calibrated and calibrated < rounds:  # less noise than the run's ε needs
         raise ConfigError("calibration-rounds", f"{calibrated} is fewer than the run's {rounds} "
                           f"rounds", allowed=f"0 or at least num-server-rounds ({rounds})")
     return Problem(config, dataset, parts, model, algorithm, model.initial_params().cpu(), device,
                    hosted)
+
+
+def check_stateless(algorithm: Algorithm) -> None:
+    """ConfigError where ``algorithm`` keeps state on each client: over a population that
+    state would be the population's (in memory, or in a file a round reads and writes), and
+    dpfl keeps it for the clients of an in-memory dataset only."""
+    state = algorithm.init_client_state(1)
+    if state:
+        per_client = sum(v.numel() * v.element_size() for v in state.values())
+        population = algorithm.num_clients
+        raise ConfigError("algorithm", f"{algorithm.name!r} keeps {per_client:,} bytes of state "
+                          f"on each client, {per_client * population / 2**30:.3g} GiB over a "
+                          f"population of {population:,}: a population runs stateless "
+                          f"algorithms", allowed="an algorithm without client state, e.g. "
+                          "dp-fedavg-user, dp-ftrl, dp-fedavg-quantile")
 
 
 @functools.lru_cache(maxsize=4)

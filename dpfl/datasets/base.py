@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from dpfl.datasets.population import Population
 
 TASKS = ("classification", "binary", "regression")
 
@@ -46,6 +50,10 @@ class Dataset:
         ``num_validation``), for choosing hyperparameters without the test set: disjoint from
         the public records and from every client's data, never partitioned. Like the test
         set, the server's own data: it evaluates the global model on it, no client reads it.
+    population : Population | None
+        Clients whose training rows are made when a round needs them
+        (:mod:`dpfl.datasets.population`): ``train_x``/``train_y`` then hold no row (only the
+        input's shape and dtype), and the population is the natural split.
     """
 
     name: str
@@ -60,6 +68,7 @@ class Dataset:
     public_y: torch.Tensor | None = None
     validation_x: torch.Tensor | None = None
     validation_y: torch.Tensor | None = None
+    population: Population | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:

@@ -20,11 +20,14 @@ rows, client after client, are the natural split (``partitioner="natural"``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from dpfl.datasets.base import Dataset
 from dpfl.datasets.loading import DATASETS, positive_int
+from dpfl.datasets.population import Population
 from dpfl.errors import ConfigError
 
 
@@ -51,13 +54,36 @@ def client_samples(seed: int, client: int, *, alpha: float, beta: float, dim: in
     return x.astype(np.float32), y.astype(np.int64)
 
 
+Splits = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def client_splits(seed: int, client: int, *, alpha: float, beta: float, test_share: float,
+                  validation_share: float, **shape: int) -> Splits:
+    """Client ``client``'s samples split: the last ``test_share`` (at least one) for testing,
+    ``validation_share`` of the rest before them for validation, the others for training."""
+    x, y = client_samples(seed, client, alpha=alpha, beta=beta, **shape)
+    held = max(1, int(round(test_share * len(y))))
+    rest = len(y) - held
+    checked = int(round(validation_share * rest))
+    if rest - checked < 1:
+        raise ConfigError("max-samples", f"client {client} keeps no training sample of its "
+                          f"{len(y)}", allowed="a larger max-samples, or smaller fractions")
+    bounds = {"train": (0, rest - checked), "validation": (rest - checked, rest),
+              "test": (rest, len(y))}
+    return {split: (x[start:end], y[start:end]) for split, (start, end) in bounds.items()}
+
+
 @DATASETS.register("leaf-synthetic")
 def load_leaf_synthetic(*, seed: int, num_clients: int = 1000, alpha: float = 1.0,
                         beta: float = 1.0, dim: int = 60, classes: int = 10,
                         max_samples: int = 1000, test_fraction: float = 0.1,
-                        validation_fraction: float = 0.0) -> Dataset:
+                        validation_fraction: float = 0.0, lazy: bool = False,
+                        eval_clients: int = 1000) -> Dataset:
     """Synthetic(``alpha``, ``beta``) over ``num_clients`` clients (see the module
-    docstring); task ``"classification"``, natural split one block of rows per client."""
+    docstring); task ``"classification"``, natural split one block of rows per client.
+    ``lazy``: the clients' training rows are made when a round needs them
+    (:class:`~dpfl.datasets.population.Population`), and the test (validation) set is the
+    union of the first ``eval_clients`` clients' test (validation) samples."""
     clients = positive_int("num-clients", num_clients)
     options = {"alpha": alpha, "beta": beta}
     for key, value in options.items():
@@ -67,20 +93,14 @@ def load_leaf_synthetic(*, seed: int, num_clients: int = 1000, alpha: float = 1.
     validation_share = fraction("validation-fraction", validation_fraction, 1.0)
     shape = {"dim": positive_int("dim", dim), "classes": positive_int("classes", classes),
              "max_samples": positive_int("max-samples", max_samples)}
+    split = functools.partial(client_splits, seed, alpha=float(alpha), beta=float(beta),
+                              test_share=test_share, validation_share=validation_share, **shape)
+    held_clients = min(clients, positive_int("eval-clients", eval_clients)) if lazy else clients
     splits: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {
         "train": [], "validation": [], "test": []}
-    for k in range(clients):
-        x, y = client_samples(seed, k, alpha=float(alpha), beta=float(beta), **shape)
-        held = max(1, int(round(test_share * len(y))))
-        rest = len(y) - held
-        checked = int(round(validation_share * rest))
-        if rest - checked < 1:
-            raise ConfigError("max-samples", f"client {k} keeps no training sample of its "
-                              f"{len(y)}", allowed="a larger max-samples, or smaller fractions")
-        bounds = {"train": (0, rest - checked), "validation": (rest - checked, rest),
-                  "test": (rest, len(y))}
-        for split, (start, end) in bounds.items():
-            splits[split].append((x[start:end], y[start:end]))
+    for k in range(held_clients):
+        for name, rows in split(k).items():
+            splits[name].append(rows)
 
     def joined(split: str) -> tuple[torch.Tensor, torch.Tensor]:
         xs, ys = zip(*splits[split], strict=True)
@@ -88,6 +108,21 @@ def load_leaf_synthetic(*, seed: int, num_clients: int = 1000, alpha: float = 1.
 
     (train_x, train_y), (test_x, test_y) = joined("train"), joined("test")
     validation = joined("validation") if validation_share else (None, None)
+    if lazy:
+        def make(client: int) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = split(client)["train"]
+            return torch.from_numpy(x), torch.from_numpy(y)
+
+        # LEAF's counts are at least 50 samples (or max-samples): the fewest training rows
+        # any client keeps, which grow with the count
+        fewest = min(50, shape["max_samples"])
+        rest = fewest - max(1, int(round(test_share * fewest)))
+        smallest = max(1, rest - int(round(validation_share * rest)))
+        population = Population(clients, make, smallest)
+        return Dataset("leaf-synthetic", train_x[:0], train_y[:0], test_x, test_y,
+                       task="classification", num_classes=shape["classes"],
+                       validation_x=validation[0], validation_y=validation[1],
+                       population=population)
     return Dataset("leaf-synthetic", train_x, train_y, test_x, test_y, task="classification",
                    num_classes=shape["classes"],
                    client_sizes=tuple(len(y) for _, y in splits["train"]),

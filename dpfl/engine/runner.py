@@ -32,7 +32,8 @@ class EngineTransport:
     def __init__(self, problem: Problem, *, pooled_noise: bool = False) -> None:
         self.problem = problem
         self.clients = ClientRuntime.of(problem, pooled_noise=pooled_noise)
-        self.cohort = problem.full_cohort()
+        # a population's rounds gather their own cohorts (Problem.cohort)
+        self.cohort = problem.full_cohort() if problem.population is None else None
         self.states = problem.algorithm.init_client_state(problem.num_clients)
         self.blocks: dict[tuple[int, int], Cohort] = {}
         keep_freed_memory()  # each round's [block, d] tensors, reused by the next round
@@ -59,7 +60,8 @@ class EngineTransport:
         diagnostics: dict[int, dict[str, float]] = {}
         for part in blocks(len(participants)):
             ids = participants[part]
-            cohort = self.block_cohort(part) if everyone else self.cohort.select(ids)
+            cohort = (self.problem.cohort(ids) if self.cohort is None
+                      else self.block_cohort(part) if everyone else self.cohort.select(ids))
             positions: slice | torch.Tensor = part if everyone else torch.tensor(ids)
             given = {k: v[positions] for k, v in self.states.items()}
             uploads, rows, diagnosed = self.clients.step(exchange, server_round, broadcast, given,

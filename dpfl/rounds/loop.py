@@ -34,7 +34,7 @@ import torch
 
 from dpfl.algorithms import ServerContext, State, distinct_streams
 from dpfl.errors import NonFiniteError
-from dpfl.privacy import Randomness
+from dpfl.privacy import Accounting, Randomness
 from dpfl.problem import Problem
 from dpfl.rounds.checkpointer import Checkpointer
 from dpfl.rounds.client import finite
@@ -85,12 +85,33 @@ def means(diagnostics: dict[int, dict[str, float]]) -> dict[str, float]:
 
 def releases_of(problem: Problem) -> dict[str, Any]:
     """Every client's releases (and the server's), as the results folder and checkpoints keep
-    them."""
-    out: dict[str, Any] = {str(c): [r.record() for r in problem.releases(c)]
-                           for c in range(problem.num_clients)}
+    them; a population's clients by the record counts calibrated so far (``by_size``: each
+    client calibrates from its own count, and listing a million clients would make each)."""
+    out: dict[str, Any]
+    if problem.population is not None:
+        out = {"by_size": {str(size): [r.record() for r in releases]
+                           for size, releases in sorted(problem.calibrated().items())}}
+    else:
+        out = {str(c): [r.record() for r in problem.releases(c)]
+               for c in range(problem.num_clients)}
     if server := problem.server_releases():
         out["server"] = [r.record() for r in server]
     return out
+
+
+def population_epsilon(accounting: Accounting) -> dict[str, float]:
+    """``epsilon_population``, the ε of every client ``epsilon`` does not list (those that
+    released nothing of their own, under a population release), where there are any."""
+    value = accounting.population_epsilon()
+    return {} if value is None else {"epsilon_population": value}
+
+
+def client_sizes(problem: Problem) -> list[int] | dict[str, int]:
+    """Every client's record count; a population's size and fewest rows instead (its clients
+    are made per round)."""
+    if problem.population is None:
+        return [len(part) for part in problem.partitions]
+    return {"population": problem.num_clients, "fewest_rows": problem.population.smallest}
 
 
 def without(ctx: ServerContext, gone: dict[int, str], where: str, min_clients: int,
@@ -311,7 +332,7 @@ class RoundLoop:
                 record["evaluate_fn"] = {k: float(v) for k, v in own.items()}
         epsilon_max, epsilon_min = self.accounting.extremes()
         record.update({
-            "epsilon": self.accounting.report(), **self.population_epsilon(),
+            "epsilon": self.accounting.report(), **population_epsilon(self.accounting),
             "epsilon_max": epsilon_max, "epsilon_min": epsilon_min,
             "clip": self.algorithm.clip_radius(self.state),
             "participants": len(participants),
@@ -346,7 +367,7 @@ class RoundLoop:
                           "relation": p.algorithm.relation},
             "privacy": self.privacy_statement(),
             "num_params": p.model.d,
-            "client_sizes": [len(part) for part in p.partitions],
+            "client_sizes": client_sizes(p),
             "releases": releases_of(p),
         }
         resumed = self.checkpointer.resumed
@@ -400,12 +421,6 @@ class RoundLoop:
                               f"{rounds} with noise this resumed run does not draw again: they "
                               f"are charged to every client")
 
-    def population_epsilon(self) -> dict[str, float]:
-        """``epsilon_population``, the ε of every client ``epsilon`` does not list (those that
-        released nothing of their own, under a population release), where there are any."""
-        value = self.accounting.population_epsilon()
-        return {} if value is None else {"epsilon_population": value}
-
     def finish(self) -> dict[str, Any]:
         """Write summary, model and plots; returns the summary."""
         wall = self.report.wall_seconds()
@@ -418,7 +433,7 @@ class RoundLoop:
             "initial_test_loss": self.monitor.first_loss,
             **self.report.last_eval,
             "epsilon_max": self.accounting.extremes()[0],
-            "epsilon": self.accounting.report(), **self.population_epsilon(),
+            "epsilon": self.accounting.report(), **population_epsilon(self.accounting),
             "server_epsilon": self.accounting.server_epsilon(),
             "epsilon_by_accountant": self.accounting.report_by_accountant(),
             "delta": self.config.privacy.delta,
