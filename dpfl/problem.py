@@ -141,11 +141,6 @@ class Problem:
             self._releases[size] = releases
         return self._releases[size]
 
-    def calibrated(self) -> dict[int, list[Release]]:
-        """The clients' releases calibrated so far, by the record count they were calibrated
-        from."""
-        return dict(self._releases)
-
     def smallest_client(self) -> int:
         """The fewest records a client of the run holds (a node's view: of the split it was
         built from)."""

@@ -51,7 +51,7 @@ def test_a_population_equals_the_in_memory_split_bit_for_bit(tmp_path):
 def test_a_run_makes_only_the_clients_it_samples(tmp_path, monkeypatch):
     """A million clients, 3 rounds of about 50: the clients made are the evaluation clients
     and the sampled ones, the population keeps at most KEPT of them, and the results hold one
-    ε for the population and the releases by record count, not a million entries."""
+    ε for the population and the clients' releases by their rule, not a million entries."""
     made: list[int] = []
     real = leaf_synthetic.client_samples
 
@@ -73,7 +73,7 @@ def test_a_run_makes_only_the_clients_it_samples(tmp_path, monkeypatch):
     # 0 once more, whose releases the run's statements read
     assert len(made) <= 21 + sampled and len(set(made) - set(range(20))) <= sampled
     assert summary["epsilon"] == {} and 0 < summary["epsilon_population"] <= 4.0 * 1.0001
-    assert set(summary["releases"]) == {"by_size", "server"}
+    assert set(summary["releases"]) == {"clients", "server"}
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config.get("client_sizes", {"population": 10**6})["population"] == 10**6
     assert KEPT >= 1000  # a round's cohort of about a thousand stays made within the round
@@ -112,3 +112,18 @@ def test_cohort_supernodes_equal_the_engine_on_a_ten_thousand_client_slice(tmp_p
     for e, f in zip(e_rounds, f_rounds, strict=True):
         e.pop("seconds"), f.pop("seconds")
         assert e == f
+
+
+def test_a_resumed_population_run_equals_the_uninterrupted_one(tmp_path):
+    """The ledger (one shared history, each participant's count) and the model come back from
+    the checkpoint: 2 rounds then 2 more equal 4."""
+    from dpfl.cli import main
+    from tests.test_resume import assert_same_run
+
+    values = {**_values(10**5, True, fraction_train=2e-4), "noise-multiplier": 1.0,
+              "checkpoint-every": 1, "results-dir": str(tmp_path)}
+    run(RunConfig({**values, "num-server-rounds": 2, "run-name": "short"}), echo=False)
+    assert main(["run", "-q", "--resume", str(tmp_path / "short"), "-c",
+                 "num-server-rounds=4"]) == 0
+    run(RunConfig({**values, "num-server-rounds": 4, "run-name": "long"}), echo=False)
+    assert_same_run(tmp_path / "short", tmp_path / "long")

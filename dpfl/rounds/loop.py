@@ -85,18 +85,22 @@ def means(diagnostics: dict[int, dict[str, float]]) -> dict[str, float]:
 
 def releases_of(problem: Problem) -> dict[str, Any]:
     """Every client's releases (and the server's), as the results folder and checkpoints keep
-    them; a population's clients by the record counts calibrated so far (``by_size``: each
-    client calibrates from its own count, and listing a million clients would make each)."""
+    them; for a population's clients, the rule (each calibrates from its own record count when
+    it first takes part: listing a million would make each)."""
     out: dict[str, Any]
     if problem.population is not None:
-        out = {"by_size": {str(size): [r.record() for r in releases]
-                           for size, releases in sorted(problem.calibrated().items())}}
+        out = {"clients": POPULATION_RELEASES}
     else:
         out = {str(c): [r.record() for r in problem.releases(c)]
                for c in range(problem.num_clients)}
     if server := problem.server_releases():
         out["server"] = [r.record() for r in server]
     return out
+
+
+#: what a population's results say of its clients' releases
+POPULATION_RELEASES = ("each client's, calibrated from its own record count when it first "
+                       "takes part (a population's clients are not listed)")
 
 
 def population_epsilon(accounting: Accounting) -> dict[str, float]:
