@@ -14,9 +14,12 @@ same accountant ε, under one protocol:
 * **tuning alike** (:func:`select`): each algorithm's own 16 configurations (:data:`GRIDS`: its
   step size, its clip radius and at most one key of its own) by successive halving on a
   validation split of 5,000 training images (never the test set) at selection seed 0: all 16 run
-  a quarter of the rounds, the best 4 half, the best 2 all of them; the best final validation
-  accuracy is selected. Every proxy carries the noise of the full-length run
-  (``calibration-rounds``), so that it is selected at the noise it will run with;
+  a quarter of the rounds, the best 4 half, the best 2 all of them; then a confirmation runs at
+  full length those 2, the quarter rung's best 4 and the points the halving selected at the
+  neighbouring ε (:data:`CONFIRM`), and the best final validation accuracy among them is
+  selected, so that a proxy rung cannot cut the best point alone. Every proxy carries the noise
+  of the full-length run (``calibration-rounds``), so that it is selected at the noise it will
+  run with;
 * **seeds**: the selected point on fresh seeds 1–3 (one seed gives every algorithm the same
   data, partition and initial model); test accuracy mean ± std, and per ε the paired difference
   of every algorithm against the column's best (95% t-interval): an interval containing 0 is a
@@ -50,12 +53,14 @@ from dpfl_reproductions.family_figure import family_figure
 from dpfl_reproductions.lab import Lab
 from dpfl_reproductions.registry import experiment
 from dpfl_reproductions.selection import (
+    CONFIRMATION,
     LEVEL,
     Config,
     Ranking,
     Rung,
     Runner,
     command,
+    confirmation,
     edge_axes,
     final_accuracy,
     final_loss,
@@ -77,6 +82,9 @@ NUM_VALIDATION = 5000
 SELECTION_SEED = 0
 SEEDS = (1, 2, 3)
 RUNGS = ((4, 4), (2, 2), (1, 1))  # (a 1/k share of the rounds, how many points go on)
+#: the first rung's best points that the full-length confirmation reruns (with the last
+#: rung's and the neighbouring ε's winners), so that no proxy rung cuts the best point alone
+CONFIRM = 4
 #: the algorithms the benchmark does not run, and why (docs/benchmark.md lists them)
 EXCLUDED: dict[str, str] = {
     "non-prisma": "PriSMA's noise-free ablation: ε = ∞",
@@ -245,14 +253,29 @@ RANKING = Ranking(functools.partial(final_accuracy, split="validation"), higher=
 
 def select(lab: Lab, plan: Plan) -> tuple[dict[Cell, Config], dict[Cell, list[Rung]]]:
     """Successive halving over :data:`RUNGS` for every cell at once (one worker pool), each
-    rung passing on its best points by :data:`RANKING`; each cell's selected point, and its
-    rungs."""
+    rung passing on its best points by :data:`RANKING`, then the :func:`confirmation` at full
+    length of the last rung's points, the first rung's best :data:`CONFIRM` and the winners of
+    the cell's neighbouring ε (the same setting and algorithm), which decides; each cell's
+    selected point, and its rungs."""
     candidates = {(s, a, e): plan.points(a) for s in plan.settings for a in plan.algorithms
                   for e in plan.epsilons}
     rungs = halving(lab.run_many, candidates, [(share, top(keep)) for share, keep in RUNGS],
                     lambda cell, point, share: plan.config(cell, point, SELECTION_SEED, share),
                     RANKING)
-    return {cell: tried[-1].ranked[0][0] for cell, tried in rungs.items()}, rungs
+    winners = {cell: tried[-1].ranked[0][0] for cell, tried in rungs.items()}
+    order = sorted(plan.epsilons)
+
+    def neighbours(cell: Cell) -> list[Config]:
+        setting, algorithm, epsilon = cell
+        i = order.index(epsilon)
+        return [winners[(setting, algorithm, e)] for e in order[max(0, i - 1):i + 2]
+                if e != epsilon]
+
+    final = confirmation(lab.run_many, rungs, {cell: neighbours(cell) for cell in rungs},
+                         lambda cell, point: plan.config(cell, point, SELECTION_SEED),
+                         RANKING, CONFIRM)
+    return ({cell: final[cell].ranked[0][0] for cell in rungs},
+            {cell: [*tried, final[cell]] for cell, tried in rungs.items()})
 
 
 def seed_runs(lab: Lab, plan: Plan, chosen: dict[Cell, Config]
@@ -299,7 +322,8 @@ def report_cost(lab: Lab, plan: Plan) -> None:
         short, long = (float(next(summaries)["wall_seconds"]) for _ in PROBES)
         per_round = max(0.0, long - short) / (PROBES[1] - PROBES[0])
         per_run = max(0.0, short - PROBES[0] * per_round)
-        runs = len(plan.points(a)) + sum(keep for _, keep in RUNGS[:-1]) + len(plan.seeds)
+        runs = (len(plan.points(a)) + sum(keep for _, keep in RUNGS[:-1]) + len(plan.seeds)
+                + confirmed(plan, a))
         seconds[a] = cells * (runs * per_run + per_round * (
             rounds_per_cell(plan, a) + plan.rounds * len(plan.seeds)))
     total = sum(seconds.values())
@@ -313,10 +337,19 @@ def report_cost(lab: Lab, plan: Plan) -> None:
 
 
 def rounds_per_cell(plan: Plan, algorithm: str) -> int:
-    """The rounds one cell's selection runs: every point a rung receives, for its share."""
+    """The rounds one cell's selection runs: every point a rung receives, for its share, and
+    the confirmation's new full-length runs (at most)."""
     entering = [len(plan.points(algorithm)), *(keep for _, keep in RUNGS[:-1])]
     return sum(min(n, entering[0]) * plan.rounds // share
-               for (share, _), n in zip(RUNGS, entering, strict=True))
+               for (share, _), n in zip(RUNGS, entering, strict=True)) + (
+        confirmed(plan, algorithm) * plan.rounds)
+
+
+def confirmed(plan: Plan, algorithm: str) -> int:
+    """At most how many full-length runs a cell's confirmation adds: the first rung's best
+    :data:`CONFIRM` and two neighbouring winners, less the last rung's points (run already)."""
+    points = len(plan.points(algorithm))
+    return max(0, min(CONFIRM, points) + min(2, len(plan.epsilons) - 1) - RUNGS[-1][1])
 
 
 def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Config],
@@ -376,9 +409,9 @@ def write_tried(lab: Lab, tried: dict[Cell, list[Rung]]) -> None:
                   "configuration", "validation accuracy (%)"])
     for (setting, algorithm, epsilon), rungs in tried.items():
         for rung in rungs:
+            share = "1/1, confirmation" if rung.length == CONFIRMATION else f"1/{rung.length}"
             for point, summary in rung.runs:
-                out.writerow([setting.name, setting.federation, algorithm, epsilon,
-                              f"1/{rung.length}",
+                out.writerow([setting.name, setting.federation, algorithm, epsilon, share,
                               " ".join(f"{k}={v:g}" for k, v in point.items()),
                               f"{final_accuracy(summary, 'validation'):.2f}"])
     lab.attach("configurations.csv", table.getvalue())
@@ -408,7 +441,8 @@ part in every round; the default MLP, batch 32. Each algorithm's own {len(plan.p
         plan.algorithms[0]))} configurations by successive halving on a validation split of
 {", ".join(f"{n:,} training records ({name})" for name, n in held.items())} at seed
 {SELECTION_SEED} (a quarter of the rounds, the best 4 half, the best 2 all; every proxy with
-the full-length run's noise), then seeds
+the full-length run's noise), then a confirmation at full length of those 2, the quarter rung's
+best {CONFIRM} and the points selected at the neighbouring ε, which decides; then seeds
 {', '.join(map(str, plan.seeds))}. The selection never reads the test set.
 """)
     fixed = [f"{a}: " + ", ".join(f'{k}="{v}"' for k, v in FIXED[a].items())

@@ -142,9 +142,11 @@ def test_the_smoke_benchmark_tables_every_epsilon_and_lists_every_configuration(
     assert (folder / "accuracy-digits-silo-iid.png").stat().st_size > 0
     with open(folder / "configurations.csv") as f:
         rows = list(csv.DictReader(f))
-    # per cell: 4 points at 1/4, 4 at 1/2 (all survive), 2 at full length; 2 algorithms × 2 ε
-    assert len(rows) == 4 * (4 + 4 + 2)
-    assert {r["rounds share"] for r in rows} == {"1/4", "1/2", "1/1"}
+    # per cell: 4 points at 1/4, 4 at 1/2 (all survive), 2 at full length, and the
+    # confirmation's 4 (the quarter rung's best 4, the neighbour's winner among them);
+    # 2 algorithms × 2 ε
+    assert len(rows) == 4 * (4 + 4 + 2 + 4)
+    assert {r["rounds share"] for r in rows} == {"1/4", "1/2", "1/1", "1/1, confirmation"}
 
 
 def test_auto_defaults_follow_the_runs_epsilon_to_the_nearest_benchmarked_one(monkeypatch):
@@ -263,3 +265,35 @@ def test_a_run_outside_the_benchmarked_settings_takes_mnist_iids_points():
         config = RunConfig({"algorithm": "dp-fedavg", "epsilon": 2, "dataset": dataset,
                             "partitioner": partitioner})
         assert {k: config[k] for k in iid} == iid
+
+
+def test_a_point_a_proxy_rung_cut_is_confirmed_at_full_length():
+    """The review's case: the point best at full length ranks third at the quarter rung and is
+    cut at the half rung; the confirmation reruns the quarter rung's best 4 and the
+    neighbouring ε's winner at full length, and selects it."""
+    from dpfl_reproductions.selection import confirmation, halving, top
+
+    def summary(point, rounds):  # validation accuracy by point and length
+        proxy = {"a": 0.9, "b": 0.8, "c": 0.7, "d": 0.6, "e": 0.5, "f": 0.4}[point["p"]]
+        full = {"a": 0.85, "b": 0.84, "c": 0.95, "d": 0.5, "e": 0.5, "f": 0.99}[point["p"]]
+        value = full if rounds == 8 else proxy
+        return {"validation_accuracy": value, "validation_loss": 1 - value}
+
+    ran: list[dict] = []
+
+    def run_many(configs):
+        ran.extend(configs)
+        return [summary(c, c["rounds"]) for c in configs]
+
+    points = [{"p": p} for p in "abcdef"]
+    cells = {("s", "x", 1.0): points, ("s", "x", 2.0): points[:2]}
+    rungs = halving(run_many, cells, [(4, top(4)), (2, top(2)), (1, top(1))],
+                    lambda cell, p, share: {**p, "rounds": 8 // share}, RANKING)
+    assert rungs[("s", "x", 1.0)][-1].ranked[0][0] == {"p": "a"}  # halving alone keeps a
+    final = confirmation(run_many, rungs, {("s", "x", 2.0): [{"p": "c"}]},
+                         lambda cell, p: {**p, "rounds": 8}, RANKING, 4)
+    chosen = final[("s", "x", 1.0)]
+    assert chosen.ranked[0][0] == {"p": "c"}  # cut at the half rung, best at full length
+    assert [p for p, _ in chosen.runs] == [{"p": "a"}, {"p": "b"}, {"p": "c"}, {"p": "d"}]
+    assert final[("s", "x", 2.0)].ranked[0][0] == {"p": "c"}  # the neighbour's point, added
+    assert {"p": "f", "rounds": 8} not in ran  # beyond the quarter rung's best 4: never rerun

@@ -15,7 +15,9 @@ block, never a copy of one:
   option ``num_validation``), for a selection that must not see the test set.
   :func:`best` and :func:`ranked` apply it.
 * **successive halving** (:mod:`.halving`): :func:`halving`, rungs of growing length, each
-  keeping what its ``keep`` says (:func:`top`: the best k); :func:`select`, the step ladder on
+  keeping what its ``keep`` says (:func:`top`: the best k), and :func:`confirmation`, a last
+  full-length rung that reruns the first rung's best and other candidates (the neighbouring
+  cells' winners) so that no proxy rung decides alone; :func:`select`, the step ladder on
   it: points kept by *step size* (:func:`survivors`), runs that end identically once, the last
   rung hedged towards smaller steps, below the grid while the smallest step wins
   (:func:`smaller_steps`), and its :func:`seed_runs`.
@@ -33,7 +35,8 @@ How each experiment composes them (the reported accuracies are always the test s
 * ``clip21 mnist-dp*``, ``partial*``: :func:`select` by test accuracy, :func:`seed_runs`;
   ``clip21 logreg``: the whole (γ, β) grid on three seeds ranked by the mean gradient norm
   (:func:`best`), then :func:`walk_past_edge` along γ.
-* ``benchmark epsilon``: :func:`halving` with :func:`top` rungs, ranked by validation accuracy
+* ``benchmark epsilon``: :func:`halving` with :func:`top` rungs, then a :func:`confirmation`
+  of the first rung's best 4 and the neighbouring ε's winners, ranked by validation accuracy
   then validation loss; fresh seeds by :meth:`Runner.on_seeds`. ``secagg gain`` and ``pcdp
   *-tuned``: one grid axis at a selection seed ranked by validation accuracy, the axis in
   increasing order (a tie takes the smaller step).
@@ -57,10 +60,12 @@ from dpfl_reproductions.selection.grids import (
     past_edge,
 )
 from dpfl_reproductions.selection.halving import (
+    CONFIRMATION,
     Keep,
     Rung,
     StepLadder,
     StepRung,
+    confirmation,
     halving,
     same_end,
     seed_runs,
@@ -85,7 +90,8 @@ from dpfl_reproductions.selection.search import Search, point_key
 from dpfl_reproductions.selection.walks import Walked, walk_past_edge, walk_past_edges
 
 __all__ = [
-    "BELOW_GRID", "LEVEL", "Cell", "Config", "Keep", "Paired", "Ranking", "Rung", "Runner",
+    "BELOW_GRID", "CONFIRMATION", "LEVEL", "Cell", "Config", "Keep", "Paired", "Ranking", "Rung",
+    "Runner",
     "Runs", "Search", "Split", "StepLadder", "StepRung", "Summary", "Walked", "accuracy", "best",
     "command", "edge_axes", "final_accuracy", "final_loss", "grid", "grid_floor", "halving",
     "mean_std", "neighbours", "paired", "past_edge", "point_key", "ranked", "same_end",

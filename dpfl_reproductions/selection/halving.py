@@ -72,6 +72,34 @@ def halving(run_many: Callable[[list[Config]], list[Summary]],
     return history
 
 
+#: the length a confirmation rung records (its runs are the full-length ones)
+CONFIRMATION = "confirmation"
+
+
+def confirmation(run_many: Callable[[list[Config]], list[Summary]],
+                 rungs: dict[Cell, list[Rung]], extra: dict[Cell, list[Config]],
+                 full: Callable[[Cell, Config], Config], ranking: Ranking,
+                 first_best: int) -> dict[Cell, Rung]:
+    """The full-length rung that decides each cell after :func:`halving`: the points of its
+    last rung, the best ``first_best`` of its first rung's ranking, and its ``extra`` points
+    (e.g. the neighbouring cells' winners), each run at full length (``full(cell, point)``;
+    a run already made is the lab's archived one), ranked by ``ranking``, ties in that order.
+    A proxy rung can then no longer cut a point that is best at full length, as long as it
+    ranked among the first rung's best."""
+    chosen: dict[Cell, list[Config]] = {}
+    for cell, tried in rungs.items():
+        points = ([p for p, _ in tried[-1].runs] + [p for p, _ in tried[0].ranked[:first_best]]
+                  + extra.get(cell, []))
+        chosen[cell] = [p for i, p in enumerate(points) if p not in points[:i]]
+    batch = [(cell, p) for cell, points in chosen.items() for p in points]
+    summaries = run_many([full(cell, p) for cell, p in batch])
+    done: dict[Cell, list[tuple[Config, Summary]]] = {}
+    for (cell, p), summary in zip(batch, summaries, strict=True):
+        done.setdefault(cell, []).append((p, summary))
+    return {cell: Rung(CONFIRMATION, runs, sorted(runs, key=lambda run: ranking.key([run[1]])))
+            for cell, runs in done.items()}
+
+
 def once(runs: list[tuple[Config, Summary]], twins: Callable[[Summary], Hashable],
          points: list[Config]) -> list[tuple[Config, Summary]]:
     """``runs`` with those of equal ``twins(summary)`` counted once, in the place of the first,
