@@ -312,3 +312,33 @@ def test_dpfl_audit_refuses_bad_arguments_in_one_line(args, key, capsys):
     assert main(["audit", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and key in err[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("correlation", ["tree", "banded"])
+def test_correlated_noise_is_audited_on_its_whole_trajectory(correlation):
+    """dp-ftrl over epochs of 4 rounds (8 clients with the canary client, 2 a round, 8 rounds):
+    the world without the canary is the world with it zeroed out (the same schedule), every
+    run is scored by the whitened trajectory statistic, and the ledger charges the canary's 2
+    participations. Sound: the bound and the fit's lower bound stay below the ledger. Tight
+    enough: the fit sees most of it (the ledger is a tree's worst leaf, its first, whose round
+    enters h nodes; a later leaf enters fewer)."""
+    result = reduced_audit("dp-ftrl", **{"num-partitions": 7, "fraction-train": 0.25,
+                                         "num-server-rounds": 8,
+                                         "noise-correlation": correlation})
+    assert result.scored_uploads == ("model",)
+    assert math.isclose(result.epsilon_ledger, EPSILON, rel_tol=0.02)
+    assert result.bound.epsilon <= result.epsilon_ledger
+    assert result.gaussian.epsilon_lower <= result.epsilon_ledger
+    assert result.gaussian.epsilon >= 0.6 * result.epsilon_ledger
+
+
+@pytest.mark.slow
+def test_poisson_sampled_user_level_rounds_are_audited_as_drawn():
+    """dp-fedavg-user with each client drawn with probability 1/2 a round: the server sums the
+    clients it drew, the canary client's among them or not; the ledger, amplified by the
+    sampling, is not refuted."""
+    result = reduced_audit("dp-fedavg-user", **{"fraction-train": 0.5})
+    assert math.isclose(result.epsilon_ledger, EPSILON, rel_tol=0.02)
+    assert result.bound.epsilon <= result.epsilon_ledger
+    assert result.gaussian.epsilon_lower <= result.epsilon_ledger

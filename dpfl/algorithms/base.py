@@ -291,6 +291,9 @@ class Algorithm(ABC, Generic[H]):
     exchanges: ClassVar[tuple[Exchange, ...]]
     protection: ClassVar[str]
     noise_free: ClassVar[bool] = False  # an ablation without noise (ε = ∞): no calibration keys
+    # neighbours zero one client's contribution out rather than remove the client: its schedule
+    # of participants is public and fixed (DP-FTRL's epochs); the audit's worlds follow it
+    zero_out: ClassVar[bool] = False
     # its values of the per-algorithm keys left at "auto" (learning rate, clip, …): chosen by
     # the search in docs/defaults.md; a key it does not name takes the key's own default
     defaults: ClassVar[Mapping[str, Value]] = {}
@@ -393,6 +396,12 @@ class Algorithm(ABC, Generic[H]):
                     "feeds the client's later steps or state: no radius bounds them for the "
                     "secure sum's grid, and a sum's noise would not cover what the server "
                     "does not see")
+        return None
+
+    def noise_matrix(self, rounds: int) -> torch.Tensor | None:
+        """M ``[rounds, rounds]``, round t's server-side noise being Σ_s M[t, s]·ξ_s over the
+        rounds' independent draws ξ_s, where the algorithm correlates its noise across rounds
+        (what the audit whitens by); None where each round's noise is its own draw."""
         return None
 
     def server_queries(self) -> list[Query]:

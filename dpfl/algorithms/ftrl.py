@@ -190,6 +190,7 @@ class DPFTRL(UserLevelFedAvg):
                   "zero-out neighbours (one client's update replaced by zero, sensitivity S "
                   "as under add/remove); no amplification")
     exchanges = (Exchange("train", ("x",), {"delta": Upload("model", central=True)}),)
+    zero_out = True  # the schedule is public and fixed
 
     def __init__(self, hp: FTRLHyperparameters, model, num_clients: int, **kwargs) -> None:
         super().__init__(hp, model, num_clients, **kwargs)
@@ -244,6 +245,17 @@ class DPFTRL(UserLevelFedAvg):
 
     def queries(self, num_samples: int) -> list[Query]:
         return []  # the clients add no noise
+
+    def noise_matrix(self, rounds: int) -> Tensor:
+        """M: the correlation's own steps fed one-hot draws, row t the coefficients of round
+        t's noise on the draws of rounds 1 … ``rounds``."""
+        draws = torch.eye(rounds, dtype=torch.float64)
+        rows = torch.zeros(self.correlation.rows, rounds, dtype=torch.float64)
+        noises = []
+        for t in range(1, rounds + 1):
+            noise, rows = self.correlation.step(rows, t, self.position(t)[1], draws[t - 1])
+            noises.append(noise)
+        return torch.stack(noises)
 
     # ---- server --------------------------------------------------------------------------
     def init_server_state(self, x0: Tensor) -> State:

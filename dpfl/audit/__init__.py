@@ -18,6 +18,10 @@ Threat model, from what the algorithm declares:
 * **client-level central DP** (the server adds the noise): the adversary sees the models the
   server releases; the canary is a whole client (one more client holding the canary record),
   and a run's score is the sum over rounds of the model update along the canary's gradient.
+  The server draws each round's participants as the algorithm does; where the schedule is
+  public (DP-FTRL's epochs) the canary client is zeroed out rather than removed, and where the
+  noise is correlated across rounds the score whitens the whole trajectory
+  (:class:`TrajectoryScorer`).
 * **distributed noise** (``distributed-noise``: each client draws a share of the noise and the
   server should see only the sum): the record-level audit of one client's uploads read alone,
   against the ledger's ε of that client's share (``epsilon_if_unmasked``), the guarantee left
@@ -160,17 +164,21 @@ class Scorer:
         self.scored: set[str] = set()
 
     def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
-                released: list[Released]) -> None:
-        """One exchange: its broadcast, every client's uploads, the server's state after it and
-        the server-side releases it drew."""
+                released: list[Released], participants: list[int]) -> None:
+        """One exchange: its broadcast, every client's uploads, the server's state after it,
+        the server-side releases it drew and the clients the server summed."""
         raise NotImplementedError
+
+    def result(self) -> torch.Tensor:
+        """The scores of the runs observed (after the last exchange)."""
+        return self.scores
 
 
 class UploadScorer(Scorer):
     """Record-level local DP: every client's uploads (one score per client)."""
 
     def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
-                released: list[Released]) -> None:
+                released: list[Released], participants: list[int]) -> None:
         space = self.problem.algorithm.upload_space(broadcast, unit.device)
         for name, values in uploads.items():
             if (along := projections(values, unit, space)) is not None:
@@ -193,7 +201,7 @@ class ControlVariateScorer(UploadScorer):
         self.control = torch.zeros(runs, dtype=torch.float64)
 
     def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
-                released: list[Released]) -> None:
+                released: list[Released], participants: list[int]) -> None:
         self.control += projections(uploads["dc"], unit, None).cpu()
         self.scores += self.control
         self.scored.add("dc")
@@ -204,9 +212,10 @@ class SumScorer(UploadScorer):
     (one score, of the run)."""
 
     def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
-                released: list[Released]) -> None:
+                released: list[Released], participants: list[int]) -> None:
         super().observe(unit, broadcast, {k: v.sum(dim=0, keepdim=True)
-                                          for k, v in uploads.items()}, state, released)
+                                          for k, v in uploads.items()}, state, released,
+                        participants)
 
 
 #: the record-level adversary's statistic where an algorithm's uploads are not its noisy
@@ -223,7 +232,7 @@ class ReleaseScorer(Scorer):
     in a small federation), which the model alone does not show."""
 
     def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
-                released: list[Released]) -> None:
+                released: list[Released], participants: list[int]) -> None:
         for release, radius, noisy in released:
             shift = release.sensitivity(radius)
             std = release.noise_multiplier * shift
@@ -231,6 +240,40 @@ class ReleaseScorer(Scorer):
             along = value @ unit.double() if value.numel() == unit.numel() else value.sum()
             self.scores += float(along) * (shift / std ** 2 if std > 0 else 1.0)
             self.scored.add(release.name)
+
+
+class TrajectoryScorer(Scorer):
+    """Client-level central DP whose noise is correlated across rounds (DP-FTRL's tree, banded
+    factorizations: :meth:`~dpfl.algorithms.ftrl.DPFTRL.noise_matrix`): every release along
+    the canary's direction, a_t, against the canary's shift, m_t = its clip S in the rounds it
+    took part in and 0 in the others, scored by the likelihood-ratio statistic of Gaussian
+    noise of covariance Σ = σ²MMᵀ across the rounds, mᵀΣ⁻¹a. An adversary who sees the whole
+    trajectory can subtract what it knows of a round's noise from the other rounds' releases;
+    summing the releases alone would not."""
+
+    def __init__(self, problem: Problem, direction: Direction, runs: int) -> None:
+        super().__init__(problem, direction, runs)
+        self.along: list[float] = []
+        self.shifts: list[float] = []
+        self.std = 0.0
+        self.canary = problem.num_clients - 1
+
+    def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
+                released: list[Released], participants: list[int]) -> None:
+        for release, _, noisy in released:
+            self.along.append(float(noisy.double().reshape(-1) @ unit.double()))
+            taking = self.canary in participants
+            self.shifts.append(self.problem.algorithm.clip_radius(state) if taking else 0.0)
+            self.std = release.std()
+            self.scored.add(release.name)
+
+    def result(self) -> torch.Tensor:
+        matrix = self.problem.algorithm.noise_matrix(len(self.along))
+        covariance = self.std ** 2 * matrix @ matrix.T
+        shifts = torch.tensor(self.shifts, dtype=torch.float64)
+        along = torch.tensor(self.along, dtype=torch.float64)
+        weights = torch.linalg.solve(covariance, shifts)
+        return (weights @ along).reshape(1).expand_as(self.scores).clone()
 
 
 Rewrite = Callable[[State, State], State]  # the round's uploads and server state to uploads
@@ -271,27 +314,35 @@ class ModelScorer(Scorer):
         self.scored = {"model"}
 
     def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
-                released: list[Released]) -> None:
+                released: list[Released], participants: list[int]) -> None:
         params = self.problem.algorithm.global_params(state)
         self.scores += float((params - self.last).double() @ unit.double())
         self.last = params
 
 
 def play(problem: Problem, rng: Randomness, rounds: int, server_clients: list[int],
-         scorer: Scorer, rewrite: Rewrite | None = None) -> None:
+         scorer: Scorer, rewrite: Rewrite | None = None, *,
+         sampled: bool = False) -> list[list[int]]:
     """``rounds`` rounds of every client of ``problem`` (each takes part in every exchange);
-    the server steps on the sums of ``server_clients`` (the last clients), and ``scorer``
-    observes every exchange; ``rewrite`` replaces uploads before the server sums them."""
+    the server steps on the sums of ``server_clients`` (the last clients), or with
+    ``sampled`` of the clients its algorithm draws each round
+    (:meth:`~dpfl.algorithms.Algorithm.participants`: Poisson sampling, DP-FTRL's epochs), and
+    ``scorer`` observes every exchange; ``rewrite`` replaces uploads before the server sums
+    them. Returns each round's participants."""
     algorithm, device = problem.algorithm, problem.device
     runtime = ClientRuntime(algorithm, problem.releases, rng, device=device)
     cohort = problem.full_cohort()
     states = algorithm.init_client_state(problem.num_clients)
     state = algorithm.init_server_state(problem.x0.to(device))
     server_releases = {r.name: r for r in problem.server_releases()}
-    first = server_clients[0]
+    schedule: list[list[int]] = []
     for server_round in range(1, rounds + 1):
+        taking = (sorted(algorithm.participants(server_round, list(range(problem.num_clients)),
+                                                rng)) if sampled else server_clients)
+        rows = (torch.tensor(taking, dtype=torch.long) if sampled
+                else slice(server_clients[0], None))
         ctx = ObservedContext(server_round=server_round, rng=rng,
-                              participants=server_clients, num_clients=problem.num_clients,
+                              participants=taking, num_clients=problem.num_clients,
                               releases=server_releases, num_rounds=rounds,
                               client_releases=problem.releases)
         state = algorithm.begin_round(state, ctx)
@@ -302,13 +353,18 @@ def play(problem: Problem, rng: Randomness, rounds: int, server_clients: list[in
                                               cohort)
             if rewrite is not None:
                 uploads = rewrite(uploads, state)
-            sums = sum_rows({k: v[first:] for k, v in uploads.items()}, device)
+            sums = (sum_rows({k: v[rows] for k, v in uploads.items()}, device) if taking
+                    else algorithm.zero_sums(exchange.name))
             ctx.released.clear()
             state = algorithm.server_step(exchange.name, state, sums, ctx)
-            scorer.observe(unit, broadcast, uploads, state, ctx.released)
+            scorer.observe(unit, broadcast, uploads, state, ctx.released, taking)
+        schedule.append(taking)
+    return schedule
 
 
-Measured = tuple[np.ndarray, np.ndarray, Problem, list[int], set[str]]
+# out and in scores, the federation, the clients whose ledger is compared, the uploads scored,
+# and how many times those clients took part (None: in every round)
+Measured = tuple[np.ndarray, np.ndarray, Problem, list[int], set[str], int | None]
 
 
 def record_level(source: Problem, client: int, trials: int, rounds: int,
@@ -330,7 +386,7 @@ def record_level(source: Problem, client: int, trials: int, rounds: int,
     play(federation, rng, rounds, [federation.num_clients - 1], scorer)
     scores = scorer.scores.numpy()
     return (scores[:trials], scores[trials:2 * trials], federation, [0, trials],
-            scorer.scored)
+            scorer.scored, None)
 
 
 def client_level(source: Problem, client: int, trials: int, rounds: int,
@@ -339,41 +395,71 @@ def client_level(source: Problem, client: int, trials: int, rounds: int,
     canary client (:func:`dpfl.audit.canary.client_trials`,
     :func:`dpfl.audit.gradient_canary.client_trials`, the latter counted as unclipped:
     :func:`counted_canary`), each run with its own noise; the federation with the canary
-    client, that client (whose ledger is compared), the releases scored."""
+    client, that client (whose ledger is compared), the releases scored, and the most rounds
+    the canary client took part in.
+
+    The server draws each round's participants as the algorithm does (Poisson sampling,
+    DP-FTRL's epochs). Where the algorithm's schedule is public and fixed
+    (:attr:`~dpfl.algorithms.Algorithm.zero_out`), the world without the canary is the world
+    with it whose canary client sends zero (zero-out neighbours: the same schedule in both),
+    and where its noise is correlated across rounds the runs are scored on their whole
+    trajectory (:class:`TrajectoryScorer`)."""
     radius = canary_radius(source)
     rewrites: list[Rewrite | None] = [None, None]
     if canary == "gradient":
         worlds = gradient_canary.client_trials(source, radius)
+        last = worlds[1].num_clients - 1
         # the canary client's update descends its gradient: along −e_θ, where its count adds +1
         direction, score = constant(-gradient_canary.direction(worlds[1])), ReleaseScorer
-        rewrites[1] = counted_canary(worlds[1], worlds[1].num_clients - 1)
+        rewrites[1] = counted_canary(worlds[1], last)
+        if worlds[1].algorithm.noise_matrix(1) is not None:
+            score = TrajectoryScorer
+        if worlds[1].algorithm.zero_out:
+            worlds, rewrites[0] = (worlds[1], worlds[1]), zeroed(last)
     else:
         record = craft(source, source.partitions[client], radius)
         worlds = (source, client_trials(source, record))
         direction, score = input_direction(worlds[1], record), ModelScorer
-    scores, scored = whole_runs(worlds, score, direction, trials, rounds,
-                                source.config.run.seed, source.config.privacy.secure_noise,
-                                (rewrites[0], rewrites[1]))
-    return scores[0], scores[1], worlds[1], [worlds[1].num_clients - 1], scored
+    scores, scored, taken = whole_runs(worlds, score, direction, trials, rounds,
+                                       source.config.run.seed,
+                                       source.config.privacy.secure_noise,
+                                       (rewrites[0], rewrites[1]), sampled=True)
+    return scores[0], scores[1], worlds[1], [worlds[1].num_clients - 1], scored, taken
+
+
+def zeroed(client: int) -> Rewrite:
+    """Client ``client``'s uploads set to zero: a client whose data contribute nothing."""
+    def rewrite(uploads: State, state: State) -> State:
+        crafted = {name: values.clone() for name, values in uploads.items()}
+        for values in crafted.values():
+            values[client] = 0
+        return crafted
+    return rewrite
 
 
 def whole_runs(worlds: tuple[Problem, Problem], score: type[Scorer], direction: Direction,
                trials: int, rounds: int, seed: int, secure: bool,
-               rewrites: tuple[Rewrite | None, Rewrite | None] = (None, None)
-               ) -> tuple[list[np.ndarray], set[str]]:
+               rewrites: tuple[Rewrite | None, Rewrite | None] = (None, None), *,
+               sampled: bool = False) -> tuple[list[np.ndarray], set[str], int | None]:
     """``trials`` whole runs of each world, each with its own noise, every client in every
-    exchange: their scores, and what was scored."""
+    exchange (``sampled``: the participants the algorithm draws): their scores, what was
+    scored, and (``sampled``) the most rounds the last client of the world with the canary
+    took part in."""
     seeds, scores, scored = Randomness(seed), [], set()
+    taken = 0
     for side, problem in enumerate(worlds):
         runs = []
         for run in range(trials):
             scorer = score(problem, direction, 1)
             rng = Randomness(seeds.key(run, 0, f"audit-world-{side}"), secure=secure)
-            play(problem, rng, rounds, list(range(problem.num_clients)), scorer, rewrites[side])
-            runs.append(float(scorer.scores[0]))
+            schedule = play(problem, rng, rounds, list(range(problem.num_clients)), scorer,
+                            rewrites[side], sampled=sampled)
+            runs.append(float(scorer.result()[0]))
             scored |= scorer.scored
+            if side:
+                taken = max(taken, sum(problem.num_clients - 1 in p for p in schedule))
         scores.append(np.asarray(runs))
-    return scores, scored
+    return scores, scored, taken if sampled else None
 
 
 def sum_level(source: Problem, client: int, trials: int, rounds: int,
@@ -385,22 +471,23 @@ def sum_level(source: Problem, client: int, trials: int, rounds: int,
         raise ValueError("the secure sum's audit takes the gradient canary")
     worlds = gradient_canary.sum_worlds(source, client, canary_radius(source))
     direction = constant(gradient_canary.direction(worlds[1]))
-    (out, inn), scored = whole_runs(worlds, SumScorer, direction, trials, rounds,
-                                    source.config.run.seed,
-                                    source.config.privacy.secure_noise)
-    return out, inn, worlds[1], [client], scored
+    (out, inn), scored, _ = whole_runs(worlds, SumScorer, direction, trials, rounds,
+                                       source.config.run.seed,
+                                       source.config.privacy.secure_noise)
+    return out, inn, worlds[1], [client], scored, None
 
 
 def ledger_epsilon(problem: Problem, clients: list[int], rounds: int, *,
-                   unmasked: bool = False) -> float:
+                   unmasked: bool = False, taken: int | None = None) -> float:
     """The largest ε the ledger reports for ``clients`` after ``rounds`` rounds of every
     exchange (central releases included; of each client's own share of split noise when
-    ``unmasked``)."""
+    ``unmasked``), ``clients`` taking part in ``taken`` of them (None: every one)."""
     accounting = problem.accounting()
     for server_round in range(1, rounds + 1):
         for exchange in problem.algorithm.round_exchanges(server_round):
             accounting.charge_population(exchange.name)
-            accounting.charge(clients, exchange.name)
+            if taken is None or server_round <= taken:
+                accounting.charge(clients, exchange.name)
     if unmasked:
         return max((accounting.report_unmasked() or {}).values())
     return max(accounting.epsilon(c) for c in clients)
@@ -472,7 +559,7 @@ def audit(config: RunConfig, *, trials: int = 1000, confidence: float = 0.95,
     threat, measure = THREATS[key]
     split = key == "unmasked"
     rounds = config.run.num_server_rounds
-    out, inn, problem, charged, scored = measure(source, client, trials, rounds, canary)
+    out, inn, problem, charged, scored, taken = measure(source, client, trials, rounds, canary)
     delta = config.privacy.delta
     bound = epsilon_lower_bound(out, inn, delta=delta, confidence=confidence)
     target = (config.privacy.epsilon if config.privacy.noise_multiplier < 0
@@ -481,7 +568,7 @@ def audit(config: RunConfig, *, trials: int = 1000, confidence: float = 0.95,
                        bound=bound,
                        gaussian=fit(out, inn, delta=delta, confidence=confidence),
                        epsilon_ledger=ledger_epsilon(problem, charged, rounds,
-                                                     unmasked=split),
+                                                     unmasked=split, taken=taken),
                        epsilon_target=target, delta=delta, rounds=rounds,
                        seconds=time.perf_counter() - started, scores_out=out, scores_in=inn,
                        scored_uploads=tuple(sorted(scored)))

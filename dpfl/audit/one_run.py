@@ -116,7 +116,7 @@ def scores(problem: Problem, client: int, slots: int, rounds: int, rng: Randomne
 
     class SlotScorer(Scorer):
         def observe(self, unit: torch.Tensor, broadcast: State, uploads: State, state: State,
-                    released: list[Released]) -> None:
+                    released: list[Released], participants: list[int]) -> None:
             for name, values in uploads.items():
                 rows = values.reshape(len(values), -1)
                 if rows.shape[1] == problem.model.d:
