@@ -64,6 +64,12 @@ class FederationError(RuntimeError):
     """A local federation did not come up, or did not go down."""
 
 
+#: the last line of a SuperNode's log when the port drawn for its runtime API was taken
+#: between the draw and its bind (another process drew it too): started again on another port
+PORT_TAKEN = "Runtime HTTP API failed to start"
+PORT_TRIES = 3  # starts of one SuperNode, each on a port drawn afresh
+
+
 def wait_for(done: Callable[[], bool], message: str, watched: list[subprocess.Popen],
              timeout: float = 120, logs: Mapping[int, Path] | None = None) -> None:
     """Poll ``done`` until it holds; :class:`FederationError` with ``message`` after
@@ -163,12 +169,29 @@ class LocalFederation:
                     "the SuperLink did not register the node keys", self.started,
                     logs=self.logs)
         extra = node_config or {}
-        self.nodes = [self.supernode(f"supernode-{i}", ids, *self.node_security(i),
-                                     node_config=f"{extra.get(i, '')} {policy}".strip())
-                      for i, ids in enumerate(nodes)]
-        wait_for(lambda: (self.folder / "superlink.log").read_text().count("Activated node_id")
-                 >= len(nodes), "the SuperNodes did not connect", self.started, logs=self.logs)
-        return self.env
+        specs = [(f"supernode-{i}", ids, self.node_security(i),
+                  f"{extra.get(i, '')} {policy}".strip()) for i, ids in enumerate(nodes)]
+        self.nodes = [self.supernode(name, ids, *flags, node_config=config)
+                      for name, ids, flags, config in specs]
+        attempt = 1
+        while True:
+            try:
+                wait_for(lambda: (self.folder / "superlink.log").read_text().count(
+                    "Activated node_id") >= len(nodes), "the SuperNodes did not connect",
+                    self.started, logs=self.logs)
+                return self.env
+            except FederationError:
+                taken = [i for i, node in enumerate(self.nodes) if node.poll() is not None
+                         and PORT_TAKEN in last_line(self.logs[node.pid])]
+                others = [p for p in self.started if p.poll() is not None
+                          and p not in [self.nodes[i] for i in taken]]
+                if attempt == PORT_TRIES or not taken or others:
+                    raise
+                attempt += 1
+                for i in taken:  # exited: nothing to stop
+                    self.started.remove(self.nodes[i])
+                    name, ids, flags, config = specs[i]
+                    self.nodes[i] = self.supernode(name, ids, *flags, node_config=config)
 
     def restart_superlink(self) -> None:
         """Kill the SuperLink process (not the ServerApp it started) and start it again with

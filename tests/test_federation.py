@@ -1,5 +1,6 @@
 """The local federation: its ports drawn outside the range the system hands out itself; a
-process that exits while it comes up named with the last line of its log."""
+process that exits while it comes up named with the last line of its log; a SuperNode whose
+port was taken meanwhile started again."""
 
 import socket
 import subprocess
@@ -44,3 +45,25 @@ def test_a_process_that_exits_while_the_federation_comes_up_is_named_with_its_lo
     other.wait(timeout=60)
     with pytest.raises(FederationError, match="status 0$"):  # no log known: the status alone
         wait_for(lambda: False, "down", [other], timeout=60)
+
+
+def test_a_supernode_whose_port_was_taken_meanwhile_starts_again_on_another(tmp_path,
+                                                                            monkeypatch):
+    """The port drawn for a SuperNode's runtime API is taken before it binds (another process
+    drew it too): the SuperNode exits, saying so, and is started again on a fresh port."""
+    import dpfl.federation as federation_module
+
+    real, draws = federation_module.free_port, []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", real()))
+        taken.listen()
+
+        def drawn() -> int:  # the SuperLink's port, then the taken one, then free ones
+            draws.append(taken.getsockname()[1] if len(draws) == 1 else real())
+            return draws[-1]
+
+        monkeypatch.setattr(federation_module, "free_port", drawn)
+        with LocalFederation(tmp_path / "federation") as federation:
+            federation.start(["0"])
+            # a third draw: the SuperNode was started again, and is up
+            assert len(draws) == 3 and federation.nodes[0].poll() is None
