@@ -334,6 +334,21 @@ def test_correlated_noise_is_audited_on_its_whole_trajectory(correlation):
 
 
 @pytest.mark.slow
+def test_poisson_banded_noise_is_audited_as_drawn():
+    """dp-ftrl with banded noise and b-min-separated Poisson sampling (4 groups of 2, each
+    member drawn with probability 1/2 in its group's rounds, 8 rounds): the canary client takes
+    part in some of its 2 chances, the trajectory is scored whitened; the amplified ledger is
+    not refuted."""
+    result = reduced_audit("dp-ftrl", **{"num-partitions": 7, "fraction-train": 0.125,
+                                         "num-server-rounds": 8, "bands": 4,
+                                         "noise-correlation": "banded",
+                                         "client-sampling": "poisson"})
+    assert math.isclose(result.epsilon_ledger, EPSILON, rel_tol=0.02)
+    assert result.bound.epsilon <= result.epsilon_ledger
+    assert result.gaussian.epsilon_lower <= result.epsilon_ledger
+
+
+@pytest.mark.slow
 def test_poisson_sampled_user_level_rounds_are_audited_as_drawn():
     """dp-fedavg-user with each client drawn with probability 1/2 a round: the server sums the
     clients it drew, the canary client's among them or not; the ledger, amplified by the

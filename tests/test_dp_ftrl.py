@@ -227,6 +227,62 @@ def test_the_banded_ledger_equals_dp_accountings_gaussians(tmp_path):
     assert summary["epsilon_max"] <= 4.0 * (1 + 1e-4)
 
 
+POISSON = {"noise_correlation": "banded", "client_sampling": "poisson", "fraction_train": 0.1,
+           "bands": 4}  # b = 4 groups of 10, each member drawn at p = q·b = 0.4
+
+
+def test_poisson_banded_sampling_keeps_each_clients_rounds_b_apart(tmp_path):
+    """Choquette-Choo et al.'s b-min-separated sampling: the clients dealt to b groups once,
+    round t drawing each member of group (t − 1) mod b with probability q·b: a client's rounds
+    are all ≡ its group mod b, and a round draws q·n = 4 clients on average."""
+    algorithm = build_problem(_config(tmp_path, **POISSON)).algorithm
+    assert (algorithm.period, algorithm.sample_rate, algorithm.cohort) == (4, 0.4, 4.0)
+    rng, clients = Randomness(3), list(range(40))
+    drawn = [algorithm.participants(r, clients, rng) for r in range(1, 401)]
+    residues: dict[int, set[int]] = {}
+    for t, cohort in enumerate(drawn, start=1):
+        for c in cohort:
+            residues.setdefault(c, set()).add((t - 1) % 4)
+    assert set(residues) == set(clients) and all(len(r) == 1 for r in residues.values())
+    assert sorted(sum(1 for r in residues.values() if r == {g}) for g in range(4)) == [10] * 4
+    assert np.mean([len(c) for c in drawn]) == pytest.approx(4.0, rel=0.1)
+    assert len({len(c) for c in drawn}) > 3  # a random cohort, not a fixed block
+
+
+@pytest.mark.parametrize("changes,key", [
+    ({"client_sampling": "poisson"}, "client-sampling"),  # the tree is not amplified
+    ({"client_sampling": "fixed"}, "client-sampling"),
+    ({**POISSON, "bands": 11}, "bands"),  # q·b > 1
+])
+def test_schedules_its_accounting_does_not_cover_are_refused(tmp_path, changes, key):
+    with pytest.raises(ConfigError, match=key):
+        build_problem(_config(tmp_path, **changes))
+
+
+def test_epochs_are_dp_ftrls_schedule_alone(tmp_path):
+    with pytest.raises(ConfigError, match="client-sampling"):
+        _config(tmp_path, algorithm="dp-fedavg-user", client_sampling="epochs")
+
+
+def test_the_amplified_banded_ledger_equals_dp_accountings_poisson_gaussians(tmp_path):
+    """Poisson-banded noise over 12 rounds, b = 4: each client has 3 chances, each a Gaussian
+    of multiplier z/‖c‖ Poisson-sampled at p = 0.4 (Choquette-Choo et al. 2023, Theorem 4):
+    dp-accounting's RDP of that event (add/remove), composed 3 times."""
+    summary = run(_config(tmp_path, **POISSON), echo=False)
+    (release,) = summary["releases"]["server"]
+    z = release["noise_multiplier"] * release["radius"] / 0.1
+    norm = banded.column_norm(banded.square_root_coefficients(4))
+    assert release["radius"] == pytest.approx(0.1 * norm) and release["sample_rate"] == 0.4
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(
+        0.4, dp_accounting.GaussianDpEvent(z / norm)), 3)
+    expected = accountant.get_epsilon(1e-4)
+    assert summary["server_epsilon"] == pytest.approx(expected, rel=0.02)
+    assert summary["epsilon_max"] <= 4.0 * (1 + 1e-4)
+    unamplified = run(_config(tmp_path, "cyclic", noise_correlation="banded"), echo=False)
+    assert release["noise_multiplier"] < unamplified["releases"]["server"][0]["noise_multiplier"]
+
+
 @pytest.mark.parametrize("correlation", ["tree", "banded"])
 def test_a_run_resumed_mid_epoch_equals_the_uninterrupted_one(tmp_path, correlation):
     """The live nodes (or the last increments) and the momentum are server state: a run
@@ -244,14 +300,18 @@ def test_a_run_resumed_mid_epoch_equals_the_uninterrupted_one(tmp_path, correlat
     assert_same_run(tmp_path / "short", tmp_path / "long")
 
 
-@pytest.mark.parametrize("correlation", ["tree", "banded"])
-def test_flower_code_path_equals_engine(tmp_path, correlation):
-    """Two epochs of four rounds: the noise's state crosses rounds and an epoch."""
+@pytest.mark.parametrize("correlation,sampling", [("tree", "epochs"), ("banded", "epochs"),
+                                                   ("banded", "poisson")])
+def test_flower_code_path_equals_engine(tmp_path, correlation, sampling):
+    """Two epochs of four rounds (or, Poisson-sampled, two passes over 4 groups): the noise's
+    state crosses rounds and an epoch."""
     from tests.inprocess_grid import assert_flower_equals_engine
 
     assert_flower_equals_engine(tmp_path, {**VALUES, "num-partitions": 8,
-                                           "fraction-train": 0.25, "num-server-rounds": 8,
-                                           "noise-correlation": correlation}, 8)
+                                           "fraction-train": 0.25 if sampling == "epochs"
+                                           else 0.125, "num-server-rounds": 8,
+                                           "noise-correlation": correlation, "bands": 4,
+                                           "client-sampling": sampling}, 8)
 
 
 def test_its_noise_cannot_be_split_over_a_secure_sum(tmp_path):

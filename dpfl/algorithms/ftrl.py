@@ -39,6 +39,13 @@ radius, and each client is charged one such mechanism each epoch it takes part i
 over the epochs without amplification. Swapping one client's data for another's (replace-one)
 moves a sum by up to 2S: the same ε needs twice the noise. The sampler enforces the schedule:
 a population whose size changes between rounds is refused, and so are more bands than R.
+
+``client-sampling="poisson"`` (banded noise only) replaces the epochs by Choquette-Choo et al.
+2023's b-min-separated sampling (their amplified banded MF, §4 and Theorem 4): the clients are
+dealt once to b groups, and round t draws each member of group (t − 1) mod b with probability
+p = q·b (b ≤ ⌊1/q⌋); the mean divides by q·n. Neighbours add or remove a client, whose chances,
+b rounds apart, move disjoint columns of C: each is a Gaussian of multiplier z/‖c‖ entered with
+probability p, composed over ⌈T/b⌉ chances as DP-SGD's subsampled Gaussian is.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -60,13 +67,15 @@ from dpfl.algorithms.base import (
 )
 from dpfl.algorithms.local_dpsgd import LOCAL_STEPS, SERVER_LEARNING_RATE
 from dpfl.algorithms.registry import ALGORITHMS
-from dpfl.algorithms.user_level import UserLevelFedAvg
+from dpfl.algorithms.user_level import CLIENT_SAMPLING, UserLevelFedAvg, poisson_clients
 from dpfl.config import BATCH_SIZE, CLIP, FRACTION_TRAIN, LEARNING_RATE, Param, hyperparameter
 from dpfl.errors import ConfigError
-from dpfl.privacy import Query, Randomness, Relation
+from dpfl.privacy import Query, Randomness, Relation, banded, tree
 from dpfl.privacy.calibration import CALIBRATIONS, Target, accountant_noise_multiplier
-from dpfl.privacy import banded, tree
 from dpfl.privacy.randomness import SERVER
+
+if TYPE_CHECKING:
+    from dpfl.models import FlatModel
 
 SERVER_MOMENTUM = Param("server-momentum", 0.9, "DP-FTRL: heavy-ball momentum of the server's "
                         "step on the released (noisy) update, m ← βm + g̃, x ← x + γ_g·m/s; 0 = "
@@ -99,6 +108,19 @@ class FTRLHyperparameters:
     server_momentum: float = hyperparameter(SERVER_MOMENTUM)  # β
     noise_correlation: str = hyperparameter(NOISE_CORRELATION)
     bands: int = hyperparameter(BANDS)  # b
+    client_sampling: str = hyperparameter(CLIENT_SAMPLING)
+
+    def __post_init__(self) -> None:
+        if self.client_sampling == "fixed":
+            raise ConfigError("client-sampling", "dp-ftrl's accounting has no fixed-size random "
+                              "cohort: its clients take part once an epoch ('epochs'), or, "
+                              "under banded noise, Poisson-sampled from one of b groups a "
+                              "round ('poisson')", allowed=("epochs", "poisson"))
+        if self.client_sampling == "poisson" and self.noise_correlation != "banded":
+            raise ConfigError("client-sampling", "Poisson sampling amplifies banded noise "
+                              "(each client's rounds b apart); tree aggregation is accounted "
+                              "without sampling: noise-correlation=\"banded\", or "
+                              "client-sampling=\"epochs\"", allowed=("epochs",))
 
 
 class Correlation(Protocol):
@@ -159,13 +181,15 @@ class BandedNoise:
         return banded.increment(rows, list(self.coefficients), fresh)
 
 
-def banded_noise(hp: FTRLHyperparameters, epoch_rounds: int) -> BandedNoise:
-    """b bands, at most R: a client's rounds are R apart."""
-    bands = hp.bands or min(epoch_rounds, MAX_BANDS)
-    if bands > epoch_rounds:
+def banded_noise(hp: FTRLHyperparameters, separation: int) -> BandedNoise:
+    """b bands, at most ``separation``: the rounds between a client's participations."""
+    bands = hp.bands or min(separation, MAX_BANDS)
+    if bands > separation:
+        why = ("⌊1/q⌋: b groups, each drawn at rate q·b ≤ 1" if hp.client_sampling ==
+               "poisson" else "⌊n/s⌋, the rounds between a client's participations")
         raise ConfigError("bands", f"{bands} bands need a client's rounds at least {bands} "
-                          f"apart, and this run's are {epoch_rounds} apart (⌊n/s⌋)",
-                          allowed=f"1..{epoch_rounds}, or 0")
+                          f"apart, and this run allows at most {separation} ({why})",
+                          allowed=f"1..{separation}, or 0")
     return BandedNoise(tuple(banded.square_root_coefficients(bands)))
 
 
@@ -181,7 +205,8 @@ class DPFTRL(UserLevelFedAvg):
     """DP-FTRL with tree-aggregation or banded noise (see the module docstring)."""
 
     name = "dp-ftrl"
-    defaults = {"learning-rate": 0.1, "clip": 0.01}  # docs/defaults.md
+    defaults = {"learning-rate": 0.1, "clip": 0.01,  # docs/defaults.md
+                "client-sampling": "epochs"}
     Hyperparameters = FTRLHyperparameters
     protection = ("user-level central DP: each client of the round's cohort clips its whole "
                   "update, the trusted server adds noise correlated across rounds (tree "
@@ -192,9 +217,16 @@ class DPFTRL(UserLevelFedAvg):
     exchanges = (Exchange("train", ("x",), {"delta": Upload("model", central=True)}),)
     zero_out = True  # the schedule is public and fixed
 
-    def __init__(self, hp: FTRLHyperparameters, model, num_clients: int, **kwargs) -> None:
+    def __init__(self, hp: FTRLHyperparameters, model: FlatModel, num_clients: int,
+                 **kwargs) -> None:
         super().__init__(hp, model, num_clients, **kwargs)
-        self.correlation = CORRELATIONS[hp.noise_correlation](hp, self.epoch_rounds)
+        poisson = hp.client_sampling == "poisson"
+        separation = int(1 / hp.fraction_train + 1e-9) if poisson else self.epoch_rounds
+        self.correlation = CORRELATIONS[hp.noise_correlation](hp, separation)
+        #: rounds between a client's chances to take part: R, or b groups under Poisson
+        self.period = self.correlation.rows + 1 if poisson else self.epoch_rounds
+        #: a member's chance to be drawn in its group's round: 1, or p = q·b under Poisson
+        self.sample_rate = min(1.0, hp.fraction_train * self.period) if poisson else 1.0
 
     @property
     def relation(self) -> Relation:
@@ -205,14 +237,17 @@ class DPFTRL(UserLevelFedAvg):
         return ()
 
     @property
-    def cohort(self) -> int:
-        """s: the clients of every round, the denominator of the mean."""
+    def cohort(self) -> float:
+        """The denominator of the mean: s, the clients of every round, or under Poisson
+        sampling the expected cohort q·n."""
+        if self.hp.client_sampling == "poisson":
+            return self.hp.fraction_train * self.num_clients
         return sample_size(self.hp.fraction_train, self.num_clients)
 
     @property
     def epoch_rounds(self) -> int:
         """R = ⌊n/s⌋: the rounds of an epoch, the leaves of its tree."""
-        return self.num_clients // self.cohort
+        return self.num_clients // sample_size(self.hp.fraction_train, self.num_clients)
 
     def position(self, server_round: int) -> tuple[int, int]:
         """(epoch, position in its tree) of ``server_round``, both from 1."""
@@ -226,16 +261,24 @@ class DPFTRL(UserLevelFedAvg):
     def participants(self, server_round: int, clients: list[int], rng: Randomness) -> list[int]:
         """The ``position``-th block of s clients of the epoch's permutation (stream
         ``epochs`` of the server, keyed by the epoch; the first epoch's for every epoch where
-        the correlation needs a cyclic schedule): each client at most once an epoch."""
+        the correlation needs a cyclic schedule): each client at most once an epoch. Under
+        Poisson sampling the first epoch's permutation deals the clients to b groups (every
+        b-th of it) and round t draws each member of group (t − 1) mod b with probability
+        p = q·b (Choquette-Choo et al. 2023's b-min-separated sampling): a client's rounds
+        are b apart or more."""
         if len(clients) != self.num_clients:
-            raise ConfigError("num-partitions", f"dp-ftrl's tree assumes a fixed population of "
-                              f"{self.num_clients} clients, and round {server_round} offers "
+            raise ConfigError("num-partitions", f"dp-ftrl's schedule assumes a fixed population "
+                              f"of {self.num_clients} clients, and round {server_round} offers "
                               f"{len(clients)}", allowed=str(self.num_clients))
         epoch, position = self.position(server_round)
         order = rng.permutation(SERVER, 1 if self.correlation.cyclic else epoch, "epochs",
-                                len(clients))
-        block = order[(position - 1) * self.cohort:position * self.cohort]
-        return sorted(clients[i] for i in block.tolist())
+                                len(clients)).tolist()
+        if self.hp.client_sampling == "poisson":
+            group = order[(server_round - 1) % self.period::self.period]
+            return sorted(poisson_clients(self.sample_rate, server_round,
+                                          [clients[i] for i in group], rng))
+        size = sample_size(self.hp.fraction_train, self.num_clients)
+        return sorted(clients[i] for i in order[(position - 1) * size:position * size])
 
     def noise_multipliers(self, queries: list[Query], multiplier: float) -> list[float]:
         """``noise-multiplier`` is z, each draw's std over S (a tree node's: Kairouz et al.'s
@@ -264,19 +307,22 @@ class DPFTRL(UserLevelFedAvg):
 
     def server_queries(self) -> list[Query]:
         """One participation: radius S·√h (a round in h tree nodes) or S·‖c‖ (a column of
-        the banded factor), one an epoch."""
+        the banded factor), one an epoch; under Poisson sampling one chance every b rounds,
+        sampled at rate p = q·b."""
         return [Query("model", "train", radius=self.hp.clip * self.correlation.norm,
-                      relation=self.relation, side="server", stream="model-noise")]
+                      relation=self.relation, sample_rate=self.sample_rate, side="server",
+                      stream="model-noise")]
 
     def server_step(self, exchange: str, state: State, sums: State,
                     ctx: ServerContext) -> State:
         """The sum plus the round's correlated noise, then the momentum step; the server's
-        ledger is charged each epoch at its first round (one participation of every client)."""
+        ledger is charged once a period, at its first round (one chance for every client)."""
         _, position = self.position(ctx.server_round)
         total = sums["delta"]
         noise, rows = self.correlation.step(state["noise"], ctx.server_round, position,
                                             ctx.noise("model", total))
-        released = ctx.publish("model", total + noise, charge=position == 1)
+        released = ctx.publish("model", total + noise,
+                               charge=(ctx.server_round - 1) % self.period == 0)
         momentum = self.hp.server_momentum * state["momentum"] + released
         return {"x": state["x"] + self.hp.server_learning_rate * momentum / self.cohort,
                 "momentum": momentum, "noise": rows}
@@ -285,8 +331,9 @@ class DPFTRL(UserLevelFedAvg):
 @CALIBRATIONS.register("accountant", "dp-ftrl")
 def participation_accountant(algorithm: DPFTRL, query: Query, target: Target, options: None) -> float:
     """The smallest multiplier of one participation whose composition over those a client can
-    make, ⌈rounds / R⌉ (one an epoch), meets the target: no sample rate amplifies it."""
-    participations = math.ceil(target.rounds / algorithm.epoch_rounds)
+    make, ⌈rounds / R⌉ (one an epoch; no sample rate amplifies it), or under Poisson sampling
+    ⌈rounds / b⌉ chances each sampled at rate p, meets the target."""
+    participations = math.ceil(target.rounds / algorithm.period)
     return accountant_noise_multiplier(epsilon=target.epsilon, delta=target.delta,
-                                       sample_rate=1.0, steps=participations,
+                                       sample_rate=algorithm.sample_rate, steps=participations,
                                        accountant=target.accountant)

@@ -61,7 +61,7 @@ from dpfl.algorithms.base import (
 )
 from dpfl.algorithms.local_dpsgd import LOCAL_STEPS, plain_local_sgd
 from dpfl.algorithms.registry import ALGORITHMS
-from dpfl.algorithms.user_level import CLIENT_SAMPLING, poisson_clients
+from dpfl.algorithms.user_level import CLIENT_SAMPLING, poisson_clients, refuse_epochs
 from dpfl.config import (
     BATCH_SIZE,
     CLIP,
@@ -104,6 +104,7 @@ class QuantileHyperparameters:
     client_sampling: str = hyperparameter(CLIENT_SAMPLING)
 
     def __post_init__(self) -> None:
+        refuse_epochs(self.client_sampling, "dp-fedavg-quantile")
         if self.client_sampling == "fixed" and self.fraction_train < 1:
             raise ConfigError("client-sampling", "dp-fedavg-quantile's releases are analysed "
                               "under add/remove neighbours, which a fixed-size cohort of fewer "

@@ -43,6 +43,7 @@ from dpfl.algorithms.base import (
 from dpfl.algorithms.local_dpsgd import LOCAL_STEPS, SERVER_LEARNING_RATE, plain_local_sgd
 from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.config import BATCH_SIZE, CLIP, FRACTION_TRAIN, LEARNING_RATE, Param, hyperparameter
+from dpfl.errors import ConfigError
 from dpfl.privacy import Query, Randomness, Relation
 from dpfl.privacy.clipping import clip_by_norm
 from dpfl.privacy.randomness import SERVER
@@ -50,9 +51,20 @@ from dpfl.privacy.randomness import SERVER
 CLIENT_SAMPLING = Param("client-sampling", "poisson", "User-level algorithms: how each round's "
                         "participants are drawn: 'poisson' (each client independently with "
                         "probability fraction-train, q; add/remove neighbours; the mean divides "
-                        "by the expected cohort q·n) or 'fixed' (round(q·n) clients uniformly "
-                        "without replacement; replace-one neighbours).",
-                        choices=("poisson", "fixed"))
+                        "by the expected cohort q·n), 'fixed' (round(q·n) clients uniformly "
+                        "without replacement; replace-one neighbours) or 'epochs' (dp-ftrl's "
+                        "default: the clients in blocks of a permutation, each once an epoch; "
+                        "dp-ftrl's banded noise also takes 'poisson', sampling round t from "
+                        "one of b groups).",
+                        choices=("poisson", "fixed", "epochs"), per_algorithm=True)
+
+
+def refuse_epochs(sampling: str, name: str) -> None:
+    """The epoch schedule is dp-ftrl's: its accounting needs correlated noise."""
+    if sampling == "epochs":
+        raise ConfigError("client-sampling", f"{name} samples its cohort at random: 'epochs' "
+                          "(each client once an epoch, no amplification) is dp-ftrl's "
+                          "schedule", allowed=("poisson", "fixed"))
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,9 @@ class UserLevelHyperparameters:
     fraction_train: float = hyperparameter(FRACTION_TRAIN)  # q
     client_sampling: str = hyperparameter(CLIENT_SAMPLING)
     server_learning_rate: float = hyperparameter(SERVER_LEARNING_RATE)  # γ_g
+
+    def __post_init__(self) -> None:
+        refuse_epochs(self.client_sampling, "a user-level algorithm")
 
 
 def poisson_clients(rate: float, server_round: int, clients: list[int],
@@ -205,4 +220,4 @@ class LocalUserLevelDPFedAvg(UserLevelFedAvg):
 
 
 __all__ = ["CLIENT_SAMPLING", "LocalUserLevelDPFedAvg", "UserLevelDPFedAvg", "UserLevelFedAvg",
-           "UserLevelHyperparameters", "poisson_clients"]
+           "UserLevelHyperparameters", "poisson_clients", "refuse_epochs"]
