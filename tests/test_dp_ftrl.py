@@ -169,6 +169,22 @@ def test_each_client_takes_part_once_an_epoch(tmp_path):
         build_problem(_config(tmp_path, noise_correlation="banded", bands=5))
 
 
+def test_secure_noise_keeps_the_public_schedule(tmp_path):
+    """Under ``secure-noise`` every draw is fresh, but an epoch's rounds must read one
+    permutation (each client once an epoch, as the ledger charges), also in a process that
+    starts mid-epoch (a resume): the schedule is drawn from the seed's stream, the seeded
+    run's own."""
+    clients = list(range(40))
+    seeded = build_problem(_config(tmp_path)).algorithm
+    expected = [seeded.participants(r, clients, Randomness(3)) for r in range(1, 9)]
+    secure = build_problem(_config(tmp_path, secure_noise=True)).algorithm
+    rounds = [secure.participants(r, clients, Randomness(3, secure=True)) for r in range(1, 7)]
+    resumed = build_problem(_config(tmp_path, secure_noise=True)).algorithm
+    rounds += [resumed.participants(r, clients, Randomness(3, secure=True)) for r in (7, 8)]
+    assert rounds == expected
+    assert all(len({c for r in rounds[e:e + 4] for c in r}) == 40 for e in (0, 4))
+
+
 def test_noise_multiplier_is_each_nodes_std_over_s(tmp_path):
     """``noise-multiplier`` z: every node is N(0, (z·S)²), the tree's release multiplier is
     z/√h; the first round of a tree releases its first node alone."""

@@ -227,6 +227,7 @@ class DPFTRL(UserLevelFedAvg):
         self.period = self.correlation.rows + 1 if poisson else self.epoch_rounds
         #: a member's chance to be drawn in its group's round: 1, or p = q·b under Poisson
         self.sample_rate = min(1.0, hp.fraction_train * self.period) if poisson else 1.0
+        self._order: tuple[tuple[int, int], list[int]] = ((-1, -1), [])
 
     @property
     def relation(self) -> Relation:
@@ -271,14 +272,24 @@ class DPFTRL(UserLevelFedAvg):
                               f"of {self.num_clients} clients, and round {server_round} offers "
                               f"{len(clients)}", allowed=str(self.num_clients))
         epoch, position = self.position(server_round)
-        order = rng.permutation(SERVER, 1 if self.correlation.cyclic else epoch, "epochs",
-                                len(clients)).tolist()
+        order = self.order(rng.seed, 1 if self.correlation.cyclic else epoch)
         if self.hp.client_sampling == "poisson":
             group = order[(server_round - 1) % self.period::self.period]
             return sorted(poisson_clients(self.sample_rate, server_round,
                                           [clients[i] for i in group], rng))
         size = sample_size(self.hp.fraction_train, self.num_clients)
         return sorted(clients[i] for i in order[(position - 1) * size:position * size])
+
+    def order(self, seed: int, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s permutation of the clients, from the run seed's stream ``epochs``
+        whatever the run's randomness (``secure-noise`` included): the schedule is public and
+        no guarantee rests on its secrecy, and every round of an epoch must read the same one,
+        also after a resume. The latest is kept: a million-client permutation a round costs
+        more than the round."""
+        if self._order[0] != (seed, epoch):
+            drawn = Randomness(seed).permutation(SERVER, epoch, "epochs", self.num_clients)
+            self._order = ((seed, epoch), drawn.tolist())
+        return self._order[1]
 
     def noise_multipliers(self, queries: list[Query], multiplier: float) -> list[float]:
         """``noise-multiplier`` is z, each draw's std over S (a tree node's: Kairouz et al.'s
