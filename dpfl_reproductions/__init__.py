@@ -14,6 +14,7 @@ from dpfl_reproductions import (  # noqa: F401  (registers)
     adaptive_interpolation,
     benchmark,
     clip21,
+    cross_device,
     pcdp,
     pcdp_tuned,
     prisma,

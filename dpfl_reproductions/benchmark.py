@@ -199,6 +199,10 @@ class Plan:
     validation: int
     smoke: bool
 
+    def cells(self) -> list[Cell]:
+        """Every (setting, algorithm, ε) the plan runs."""
+        return [(s, a, e) for s in self.settings for a in self.algorithms for e in self.epsilons]
+
     def points(self, algorithm: str) -> list[Config]:
         axes = SMOKE_GRID if self.smoke else GRIDS[algorithm]
         keys = {k.replace("-", "_"): v for k, v in axes.items()}
@@ -257,8 +261,7 @@ def select(lab: Lab, plan: Plan) -> tuple[dict[Cell, Config], dict[Cell, list[Ru
     length of the last rung's points, the first rung's best :data:`CONFIRM` and the winners of
     the cell's neighbouring ε (the same setting and algorithm), which decides; each cell's
     selected point, and its rungs."""
-    candidates = {(s, a, e): plan.points(a) for s in plan.settings for a in plan.algorithms
-                  for e in plan.epsilons}
+    candidates = {cell: plan.points(cell[1]) for cell in plan.cells()}
     rungs = halving(lab.run_many, candidates, [(share, top(keep)) for share, keep in RUNGS],
                     lambda cell, point, share: plan.config(cell, point, SELECTION_SEED, share),
                     RANKING)
@@ -307,18 +310,19 @@ def benchmark(lab: Lab) -> str:
 PROBES = (2, 6)  # the estimate's two probe lengths: their difference is the cost of rounds
 
 
-def report_cost(lab: Lab, plan: Plan) -> None:
-    """Before the sweep: each algorithm's cost from two probes (its first setting, the largest
+def report_cost(lab: Lab, plan: Plan, name: str = "benchmark/epsilon") -> None:
+    """Before the sweep: each algorithm's cost from two probes (its first cell at the largest
     ε, its first point) of :data:`PROBES` rounds: per round their difference over the rounds'
     difference, per run (setup and evaluation) the rest; times the runs and rounds the
-    protocol runs."""
-    setting, epsilon = plan.settings[0], max(plan.epsilons)
-    probes = [{**plan.config((setting, a, epsilon), plan.points(a)[0], SELECTION_SEED),
+    protocol runs in its cells."""
+    epsilon = max(plan.epsilons)
+    first = {a: next(s for s, b, _ in plan.cells() if b == a) for a in plan.algorithms}
+    probes = [{**plan.config((first[a], a, epsilon), plan.points(a)[0], SELECTION_SEED),
                "num-server-rounds": n, "eval-every": n} for a in plan.algorithms for n in PROBES]
     summaries = iter(lab.run_many(probes))
-    cells = len(plan.settings) * len(plan.epsilons)
     seconds = {}
     for a in plan.algorithms:
+        cells = sum(1 for _, b, _ in plan.cells() if b == a)
         short, long = (float(next(summaries)["wall_seconds"]) for _ in PROBES)
         per_round = max(0.0, long - short) / (PROBES[1] - PROBES[0])
         per_run = max(0.0, short - PROBES[0] * per_round)
@@ -327,7 +331,7 @@ def report_cost(lab: Lab, plan: Plan) -> None:
         seconds[a] = cells * (runs * per_run + per_round * (
             rounds_per_cell(plan, a) + plan.rounds * len(plan.seeds)))
     total = sum(seconds.values())
-    print(f"benchmark/epsilon: ≈ {total / 3600:.2f} h single-thread "
+    print(f"{name}: ≈ {total / 3600:.2f} h single-thread "
           f"({total / 3600 / lab.workers:.2f} h on {lab.workers} workers)", flush=True)
     lab.text(f"Cost estimate before the sweep, from two probes of each algorithm "
              f"({PROBES[0]} and {PROBES[1]} rounds): "
@@ -353,14 +357,19 @@ def confirmed(plan: Plan, algorithm: str) -> int:
 
 
 def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Config],
-                   results: dict[Cell, list[dict[str, Any]]]) -> None:
+                   results: dict[Cell, list[dict[str, Any]]], *,
+                   families: dict[str, tuple[str, ...]] = FAMILIES, caption: str = "δ = 1e-5"
+                   ) -> None:
+    """``setting``'s tables (test accuracy with the best per ε and its ties; the selected
+    points) and figure (a panel per family of ``families``), over the algorithms the plan runs
+    in it."""
     tests = {cell: [final_accuracy(s) for s in runs] for cell, runs in results.items()
              if cell[0] == setting}
-    best = {e: max((a for a in plan.algorithms),
-                   key=lambda a: statistics.fmean(tests[(setting, a, e)]))
+    algorithms = [a for a in plan.algorithms if (setting, a, plan.epsilons[0]) in tests]
+    best = {e: max(algorithms, key=lambda a: statistics.fmean(tests[(setting, a, e)]))
             for e in plan.epsilons}
     rows = []
-    for a in plan.algorithms:
+    for a in algorithms:
         row = [a]
         for e in plan.epsilons:
             values = tests[(setting, a, e)]
@@ -380,9 +389,9 @@ def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Co
               f"per ε in bold, (tie): its paired {LEVEL:.0%} interval against the best contains 0",
               ["algorithm", *[f"ε = {e:g}" for e in plan.epsilons]], rows)
     fig = family_figure(f"{title}: test accuracy (%), mean ± std over seeds "
-                        f"{', '.join(map(str, plan.seeds))} (δ = 1e-5, RDP accountant)",
+                        f"{', '.join(map(str, plan.seeds))} ({caption}, RDP accountant)",
                         plan.epsilons, {a: [tests[(setting, a, e)] for e in plan.epsilons]
-                                        for a in plan.algorithms}, FAMILIES)
+                                        for a in algorithms}, families)
     lab.figure(f"accuracy-{setting.name}-{setting.federation}", fig,
                f"{title}: test accuracy against ε, a panel per family, mean ± std over the "
                f"seeds; grey: the best of any family at each ε")
@@ -395,8 +404,8 @@ def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Co
 
     lab.table(f"{title}: the selected points (edge: an axis at an end of the algorithm's grid)",
               ["algorithm", *[f"ε = {e:g}" for e in plan.epsilons]],
-              [[a, *[selected(a, e) for e in plan.epsilons]] for a in plan.algorithms])
-    first = (setting, plan.algorithms[0], plan.epsilons[-1])
+              [[a, *[selected(a, e) for e in plan.epsilons]] for a in algorithms])
+    first = (setting, algorithms[0], plan.epsilons[-1])
     lab.text(f"Rerun a cell alone, e.g. {first[1]} at ε = {first[2]:g}: "
              f"`{command(plan.config(first, chosen[first], plan.seeds[0]))}`")
 

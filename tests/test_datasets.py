@@ -599,3 +599,40 @@ def test_leaf_synthetic_draws_each_client_from_its_own_stream():
     assert split.num_validation > 0 and split.num_train < small.num_train
     with pytest.raises(ConfigError, match="test-fraction"):
         load_dataset("leaf-synthetic", seed=4, test_fraction=1.5)
+
+
+def _unseen_clients_accuracy(dataset, train_clients: int) -> float:
+    """A logistic model fitted on the first ``train_clients`` clients' rows, scored on the
+    others' (clients it never saw)."""
+    cut = sum(dataset.client_sizes[:train_clients])
+    x, y = dataset.train_x, dataset.train_y
+    model = torch.nn.Linear(x.shape[1], dataset.num_classes)
+    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=200)
+
+    def loss():
+        optimizer.zero_grad()
+        value = torch.nn.functional.cross_entropy(model(x[:cut]), y[:cut])
+        value.backward()
+        return value
+
+    optimizer.step(loss)
+    return (model(x[cut:]).argmax(1) == y[cut:]).float().mean().item()
+
+
+def test_leaf_synthetic_iid_shares_one_model_a_population_can_learn():
+    """Synthetic IID labels every client by one (W, b) from the seed's own stream, with the
+    clients' counts unchanged; a global model fitted on some clients then predicts unseen
+    clients well, while under Synthetic(1, 1) each client's own model leaves it near chance."""
+    from dpfl.datasets.leaf_synthetic import shared_model
+
+    iid = load_dataset("leaf-synthetic", seed=4, num_clients=60, max_samples=200, iid=True)
+    own = load_dataset("leaf-synthetic", seed=4, num_clients=60, max_samples=200)
+    assert iid.client_sizes == own.client_sizes
+    weights, bias = shared_model(4, 60, 10)
+    labels = (iid.train_x.double() @ torch.from_numpy(weights).T
+              + torch.from_numpy(bias)).argmax(1)
+    assert torch.equal(labels, iid.train_y)
+    assert _unseen_clients_accuracy(iid, 40) > 0.8
+    assert _unseen_clients_accuracy(own, 40) < 0.3
+    with pytest.raises(ConfigError, match="iid"):
+        load_dataset("leaf-synthetic", seed=4, iid="yes")

@@ -10,6 +10,16 @@ clients' models differ, β how much their inputs do; Synthetic(0, 0) is the IID-
 the papers call "Synthetic IID" only when W and v are shared, which this generator does not do.
 A client's sample count is ⌊lognormal(4, 2)⌋ + 50 (LEAF's), capped at ``max_samples``.
 
+With independent models W_k, nothing is shared across clients but the input's scales: over a
+large population a single global model has nothing to learn (by symmetry every label is equally
+likely given x, so accuracy is chance, 10%), whatever the training. The papers use 30 clients,
+whose test samples come from the same 30 models. ``iid=true`` is FedProx's Synthetic IID
+(its ``synthetic_iid`` generator): one W and b, N(0, 1) entries drawn from the run seed's own
+stream, label every client's samples, and every client's inputs are centred at 0; α and β are
+then unused. The clients still draw their counts and samples from their own streams, the same
+counts as without ``iid``. That task is a population with one shared model, learnable at any
+size: the cross-device benchmark's.
+
 Every client is drawn from its own stream (the run seed and its index), so its data do not
 depend on how many clients the population has: the first n clients of a larger population
 are the same n clients. Each client keeps the last ``test_fraction`` of its samples (at least
@@ -39,14 +49,26 @@ def fraction(key: str, value: object, high: float) -> float:
     return float(value)
 
 
+@functools.cache
+def shared_model(seed: int, dim: int, classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Synthetic IID's one (W, b), entries N(0, 1), from the run seed's own stream (entropy
+    ``[seed]``, apart from every client's ``[seed, k]``)."""
+    rng = np.random.default_rng([seed])
+    return rng.normal(0.0, 1.0, size=(classes, dim)), rng.normal(0.0, 1.0, size=classes)
+
+
 def client_samples(seed: int, client: int, *, alpha: float, beta: float, dim: int,
-                   classes: int, max_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """Client ``client``'s samples ``([n, dim] float32, [n] int64)`` from its own stream."""
+                   classes: int, max_samples: int, iid: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Client ``client``'s samples ``([n, dim] float32, [n] int64)`` from its own stream;
+    ``iid``: labelled by :func:`shared_model`, centred at 0."""
     rng = np.random.default_rng([seed, client])
     u, shift = rng.normal(0.0, np.sqrt(alpha)), rng.normal(0.0, np.sqrt(beta))
     weights = rng.normal(u, 1.0, size=(classes, dim))
     bias = rng.normal(u, 1.0, size=classes)
     centre = rng.normal(shift, 1.0, size=dim)
+    if iid:  # the client's own draws above are made all the same: its count and samples follow
+        (weights, bias), centre = shared_model(seed, dim, classes), np.zeros(dim)
     n = min(max_samples, int(rng.lognormal(4.0, 2.0)) + 50)
     scale = np.arange(1, dim + 1, dtype=np.float64) ** -0.6  # √(j^−1.2)
     x = centre + rng.standard_normal((n, dim)) * scale
@@ -58,10 +80,10 @@ Splits = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
 def client_splits(seed: int, client: int, *, alpha: float, beta: float, test_share: float,
-                  validation_share: float, **shape: int) -> Splits:
+                  validation_share: float, iid: bool, **shape: int) -> Splits:
     """Client ``client``'s samples split: the last ``test_share`` (at least one) for testing,
     ``validation_share`` of the rest before them for validation, the others for training."""
-    x, y = client_samples(seed, client, alpha=alpha, beta=beta, **shape)
+    x, y = client_samples(seed, client, alpha=alpha, beta=beta, iid=iid, **shape)
     held = max(1, int(round(test_share * len(y))))
     rest = len(y) - held
     checked = int(round(validation_share * rest))
@@ -78,9 +100,10 @@ def load_leaf_synthetic(*, seed: int, num_clients: int = 1000, alpha: float = 1.
                         beta: float = 1.0, dim: int = 60, classes: int = 10,
                         max_samples: int = 1000, test_fraction: float = 0.1,
                         validation_fraction: float = 0.0, lazy: bool = False,
-                        eval_clients: int = 1000) -> Dataset:
-    """Synthetic(``alpha``, ``beta``) over ``num_clients`` clients (see the module
-    docstring); task ``"classification"``, natural split one block of rows per client.
+                        eval_clients: int = 1000, iid: bool = False) -> Dataset:
+    """Synthetic(``alpha``, ``beta``) over ``num_clients`` clients, or with ``iid`` Synthetic
+    IID (see the module docstring); task ``"classification"``, natural split one block of rows
+    per client.
     ``lazy``: the clients' training rows are made when a round needs them
     (:class:`~dpfl.datasets.population.Population`), and the test (validation) set is the
     union of the first ``eval_clients`` clients' test (validation) samples."""
@@ -93,8 +116,11 @@ def load_leaf_synthetic(*, seed: int, num_clients: int = 1000, alpha: float = 1.
     validation_share = fraction("validation-fraction", validation_fraction, 1.0)
     shape = {"dim": positive_int("dim", dim), "classes": positive_int("classes", classes),
              "max_samples": positive_int("max-samples", max_samples)}
+    if not isinstance(iid, bool):
+        raise ConfigError("iid", f"must be true or false, got {iid!r}", allowed="true, false")
     split = functools.partial(client_splits, seed, alpha=float(alpha), beta=float(beta),
-                              test_share=test_share, validation_share=validation_share, **shape)
+                              test_share=test_share, validation_share=validation_share,
+                              iid=iid, **shape)
     held_clients = min(clients, positive_int("eval-clients", eval_clients)) if lazy else clients
     splits: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {
         "train": [], "validation": [], "test": []}
