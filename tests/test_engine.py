@@ -204,3 +204,20 @@ def test_a_sweeps_runs_log_a_warning_they_share_once(small_config, caplog):
                          echo=False) for seed in (1, 2, 3)]
     assert sum(NON_PRIVATE in message for message in caplog.messages) == 1
     assert all(s["privacy"]["note"] == NON_PRIVATE for s in summaries)
+
+
+def test_a_rounds_record_lists_the_clients_it_charged_and_the_summary_every_one(small_config):
+    """Under partial participation a round's ``epsilon`` holds its participants' ε alone (a
+    line the size of the cohort, however many clients took part before), and summary.json every
+    client's."""
+    summary = run(small_config(num_partitions=12, fraction_train=0.25, num_server_rounds=4),
+                  echo=False)
+    rounds = [json.loads(line) for line in
+              (Path(summary["results"]) / "rounds.jsonl").read_text().splitlines()]
+    assert all(len(r["epsilon"]) == r["participants"] == 3 for r in rounds)
+    listed = {c for r in rounds for c in r["epsilon"]}
+    assert listed == {str(c) for c in summary["epsilon"]} and len(listed) > 3
+    for r in rounds:  # each as the summary has it where that client took no later part
+        later = {c for s in rounds if s["round"] > r["round"] for c in s["epsilon"]}
+        assert all(summary["epsilon"][int(c)] == e for c, e in r["epsilon"].items()
+                   if c not in later)

@@ -166,6 +166,7 @@ class Accounting:
         self.clients: defaultdict[int, PrivacyLedger] = defaultdict(fresh)
         self.server = PrivacyLedger(accountant, "client-level (server-side noise)")
         self.charged: set[int] = set()  # clients that released something of their own
+        self.changed: set[int] = set()  # those charged since :meth:`take_changed`
         # each client's own share of split noise alone (recorded for split releases only)
         self.unmasked: defaultdict[int, PrivacyLedger] = defaultdict(fresh)
         # how many times each client was charged each release, by name (what its node reports)
@@ -218,6 +219,7 @@ class Accounting:
                 self._record(c, release)
                 self.counts[c][release.name] += 1
                 self.charged.add(c)
+                self.changed.add(c)
 
     def reconcile(self, client: int, reported: Mapping[str, int]) -> tuple[bool, dict[str, int]]:
         """Compare the counts of releases ``client``'s node reports charging it (its own
@@ -233,6 +235,7 @@ class Accounting:
                 self._record(client, releases[name])
             own[name] += times
             self.charged.add(client)
+            self.changed.add(client)
         return any(int(reported.get(name, 0)) < n for name, n in own.items()), extra
 
     def charge_population(self, exchange: str) -> None:
@@ -264,12 +267,17 @@ class Accounting:
             return f"max-epsilon: round {server_round} would take ε to {worst:.4g} > {self.limit:g}"
         return None
 
-    def report(self) -> dict[int, float]:
-        """ε of every :meth:`reported_clients` client, by client id (computed once per distinct
-        history)."""
+    def take_changed(self) -> list[int]:
+        """The clients charged something of their own since the last call (increasing id)."""
+        changed, self.changed = sorted(self.changed), set()
+        return changed
+
+    def report(self, clients: Iterable[int] | None = None) -> dict[int, float]:
+        """ε of every :meth:`reported_clients` client (or of ``clients``, which must be
+        among them), by client id (computed once per distinct history)."""
         by_history: dict[tuple[Event, ...], float] = {}
         report = {}
-        for c in self.reported_clients():
+        for c in self.reported_clients() if clients is None else clients:
             own = self.clients.get(c)
             key = tuple(own.history) if own is not None else ()
             if key not in by_history:

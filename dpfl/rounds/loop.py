@@ -336,7 +336,10 @@ class RoundLoop:
                 record["evaluate_fn"] = {k: float(v) for k, v in own.items()}
         epsilon_max, epsilon_min = self.accounting.extremes()
         record.update({
-            "epsilon": self.accounting.report(), **population_epsilon(self.accounting),
+            # the clients whose ε moved: a round's record stays the size of its cohort however
+            # many clients took part before (summary.json lists them all)
+            "epsilon": self.accounting.report(self.accounting.take_changed()),
+            **population_epsilon(self.accounting),
             "epsilon_max": epsilon_max, "epsilon_min": epsilon_min,
             "clip": self.algorithm.clip_radius(self.state),
             "participants": len(participants),
