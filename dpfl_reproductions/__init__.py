@@ -16,6 +16,7 @@ from dpfl_reproductions import (  # noqa: F401  (registers)
     clip21,
     cross_device,
     pcdp,
+    pcdp_clipping,
     pcdp_tuned,
     prisma,
     prisma_verdict,

@@ -324,6 +324,7 @@ def test_unknown_experiment_names_the_allowed_ones(capsys):
         "clip21/mnist-dp, clip21/mnist-dp-epochs, clip21/mnist-dp-epochs-unit, " \
         "clip21/noise-mapping, clip21/partial, " \
         "clip21/partial-epochs, pcdp/centralized-fmnist, pcdp/centralized-mnist, " \
+        "pcdp/clipping-functions, " \
         "pcdp/federated-fmnist, pcdp/federated-fmnist-tuned, pcdp/federated-mnist, " \
         "pcdp/federated-mnist-local, " \
         "pcdp/federated-mnist-tuned, pcdp/noniid, prisma/cifar10, prisma/least-squares, " \
