@@ -72,6 +72,7 @@ def test_registered_dataset_names():
             "duke",
             "fashion-mnist",
             "leaf-synthetic",
+            "leukemia",
             "mnist",
             "npz",
             "prisma-least-squares",
@@ -142,6 +143,21 @@ def test_duke_is_44_by_7129_and_tested_on_its_training_set():
     duke = load("duke")
     assert duke.train_x.shape == (44, 7129) and int((duke.train_y > 0).sum()) == 23
     assert duke.test_x is duke.train_x and duke.test_y is duke.train_y
+
+
+def test_leukemia_is_38_training_and_34_test_rows_or_all_72_joined():
+    """leu: 11 AML (−1), 27 ALL (+1); leu.t: 14 and 20 (the data folder's README); joined, the
+    test rows follow the training rows and every row is tested."""
+    leukemia = load("leukemia")
+    assert leukemia.train_x.shape == (38, 7129) and leukemia.test_x.shape == (34, 7129)
+    assert int((leukemia.train_y > 0).sum()) == 27 and int((leukemia.test_y > 0).sum()) == 20
+    joined = load("leukemia", join_test=True)
+    assert torch.equal(joined.train_x, torch.cat([leukemia.train_x, leukemia.test_x]))
+    assert joined.test_x is joined.train_x
+    with pytest.raises(ConfigError, match="join_test"):
+        load("duke", join_test=True)
+    with pytest.raises(ConfigError, match="num_validation"):
+        load("leukemia", join_test=True, num_validation=5)
 
 
 def test_w8a_is_49749_by_300_with_1479_positives():

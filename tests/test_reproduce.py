@@ -48,7 +48,8 @@ def smoke(tmp_path_factory):
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("name", ["logreg", "mnist-dp", "partial", "noise-mapping"])
+@pytest.mark.parametrize("name", ["logreg", "logreg-leukemia", "mnist-dp", "partial",
+                                  "noise-mapping"])
 def test_smoke_reproduction_writes_a_report(name, smoke):
     folder = smoke(name)
     report = (folder / "report.md").read_text()
@@ -320,7 +321,7 @@ def test_unknown_experiment_names_the_allowed_ones(capsys):
     assert main(["reproduce", "clip21", "cifar"]) == 2
     assert "allowed: adaptive/interpolation, adaptive/t1, adaptive/t2, adaptive/t3, " \
         "adaptive/t4, benchmark/clients, benchmark/cross-device, benchmark/epsilon, " \
-        "clip21/logreg, " \
+        "clip21/logreg, clip21/logreg-leukemia, " \
         "clip21/mnist-dp, clip21/mnist-dp-epochs, clip21/mnist-dp-epochs-unit, " \
         "clip21/noise-mapping, clip21/partial, " \
         "clip21/partial-epochs, pcdp/centralized-fmnist, pcdp/centralized-mnist, " \
