@@ -16,11 +16,13 @@ noniid``.
   (the ``server-lr`` axis, ``--only server-lr=…``; γ_g = 50 comes closest to the paper's
   DP-FedAvg cells, but runs of every method collapse to chance there at random);
   DP-FedAvg and DP FedProx (μ = 0.01) with local DP-SGD, FedPDP, FedPCDP; σ ∈ {4, 6, 8, 10};
-  3 runs. FedLRS is not implemented. ``federated-mnist-tuned`` / ``-fmnist-tuned``
-  (:mod:`dpfl_reproductions.pcdp_tuned`) select each method's γ_g on a validation split instead.
+  3 runs. ``federated-mnist-tuned`` / ``-fmnist-tuned`` (:mod:`dpfl_reproductions.pcdp_tuned`)
+  select each method's γ_g on a validation split instead; ``federated-mnist-baselines`` /
+  ``-fmnist-baselines`` put FedLRS, MOON and simplified PFA beside FedPCDP the same way.
 * **noniid** (Fig. 4): the same federation split one label shard per client (flwr-datasets'
   ShardPartitioner), MNIST at σ = 4 and without DP (σ = 0, c = 10⁴), DP-FedAvg, DP FedProx,
-  DP-SCAFFOLD and FedPCDP; 3 runs. MOON and simplified PFA are not implemented.
+  DP-SCAFFOLD and FedPCDP; 3 runs (``noniid-baselines``: MOON and simplified PFA beside
+  FedPCDP, each at its own γ_g).
 
 **Optimizer reading.** The paper's Algorithm 1 steps with plain SGD; with c = 0.01 and γ = 1
 that moves the model by at most 0.01 a step, and the CNN stays near chance for epochs. The first
@@ -59,7 +61,12 @@ OPTIMIZER = {"code": "SGD with momentum 0.9, the learning rate ÷10 at half and 
 LABEL = {"dp-sgd": "DP-SGD", "pdp-sgd": "PDP-SGD", "rpdp-sgd": "RPDP-SGD",
          "rsdp-sgd": "RSDP-SGD", "pcdp-sgd": "PCDP-SGD", "dp-fedavg": "DP-FedAvg",
          "dp-fedprox": "DP FedProx", "fedpdp": "FedPDP", "fedpcdp": "FedPCDP",
-         "dp-scaffold": "DP-SCAFFOLD"}
+         "dp-scaffold": "DP-SCAFFOLD", "fedlrs": "FedLRS", "moon": "MOON",
+         "pfa-simplified": "simplified PFA"}
+#: the federated methods whose clients run local DP-SGD on the whole gradient (no subspace):
+#: Poisson batches; and those of them without the optimizer's momentum and milestones
+LOCAL_SGD = ("dp-fedavg", "dp-scaffold", "fedlrs", "moon")
+PLAIN_SGD = ("dp-scaffold", "fedlrs", "moon")
 # the paper's revealed cells, test accuracy % (mean, std) by (method, σ); FMNIST is held back
 PAPER = {
     "centralized-mnist": {
@@ -165,7 +172,7 @@ def config_of(setting: Setting, method: str, sigma: float, seed: int, reading: s
                        else setting.local_steps})
         if setting.partitioner == "shards":
             values["shards-per-partition"] = 1
-        if algorithm in ("dp-fedavg", "dp-scaffold"):
+        if algorithm in LOCAL_SGD:
             values["sampling"] = "poisson"
         if method == "dp-fedprox":
             values["proximal-mu"] = 0.01
@@ -174,7 +181,7 @@ def config_of(setting: Setting, method: str, sigma: float, seed: int, reading: s
             values["server-learning-rate"] = server_lr
     else:
         values.update({"num-partitions": 1, "local-steps": 2 if smoke else 40})
-    if algorithm not in ("dp-fedavg", "dp-scaffold"):
+    if algorithm not in LOCAL_SGD:
         dim = 100 if method != "rpdp-sgd" else (800 if setting.dataset == "mnist" else 1000)
         if method != "rsdp-sgd" and method != "dp-sgd":
             values["projection-dim"] = 10 if smoke else dim
@@ -182,7 +189,7 @@ def config_of(setting: Setting, method: str, sigma: float, seed: int, reading: s
             values["random-basis"] = "qr"
             if not smoke:
                 values["projection-interval"] = RPDP_INTERVAL
-    if algorithm != "dp-scaffold":
+    if algorithm not in PLAIN_SGD:
         values.update(READINGS[reading])
         milestones = sorted({epochs // 2, 3 * epochs // 4} - {0})
         if reading == "code" and milestones:

@@ -92,6 +92,9 @@ class Plan:
     seeds: tuple[int, ...]
     num_validation: int
     smoke: bool
+    #: the verdicts: each of ``compared`` against ``baseline``, seed by seed
+    compared: tuple[str, ...] = COMPARED
+    baseline: str = BASELINE
 
     def config(self, cell: Cell, server_lr: float, seed: int, rounds: int | None = None
                ) -> Config:
@@ -114,7 +117,8 @@ class Plan:
         return len(self.cells) * (len(self.server_lrs) + len(self.seeds))
 
 
-def plan_of(lab: Lab, setting: Setting, methods: tuple[str, ...] | None = None) -> Plan:
+def plan_of(lab: Lab, setting: Setting, methods: tuple[str, ...] | None = None,
+            compared: tuple[str, ...] = COMPARED, baseline: str = BASELINE) -> Plan:
     """The cells, grid and seeds of ``setting`` (``--smoke``: DP-FedAvg and FedPCDP, σ = 0 and
     the first σ, two γ_g, two fresh seeds: 12 runs), as ``--only`` restricts them: ``method``
     and ``sigma`` restrict the cells (σ = 0 is DP-FedAvg's alone), ``seed`` the fresh seeds
@@ -132,7 +136,7 @@ def plan_of(lab: Lab, setting: Setting, methods: tuple[str, ...] | None = None) 
         raise UsageError(f"--only: no cell left (σ = 0 is {LABEL[NON_DP]}'s alone)")
     seeds = tuple(int(s) for s in lab.restrict("seed", SMOKE_SEEDS if smoke else SEEDS))
     return Plan(setting, reading, cells, SMOKE_SERVER_LRS if smoke else SERVER_LRS, seeds,
-                SMOKE_VALIDATION if smoke else NUM_VALIDATION, smoke)
+                SMOKE_VALIDATION if smoke else NUM_VALIDATION, smoke, compared, baseline)
 
 
 def derive_tuned(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -196,10 +200,11 @@ def run_seeds(lab: Lab, plan: Plan, chosen: dict[Cell, float]) -> SeedRuns:
 
 
 def reproduce_tuned(lab: Lab, name: str, setting: Setting | None = None,
-                    methods: tuple[str, ...] | None = None) -> str:
+                    methods: tuple[str, ...] | None = None, *,
+                    compared: tuple[str, ...] = COMPARED, baseline: str = BASELINE) -> str:
     """The protocol on ``SETTINGS[name]`` (``setting``: a variant of it), for ``methods``
-    (default: the setting's)."""
-    plan = plan_of(lab, setting or SETTINGS[name], methods)
+    (default: the setting's), each of ``compared`` against ``baseline``."""
+    plan = plan_of(lab, setting or SETTINGS[name], methods, compared, baseline)
     run_tuned(lab, name, plan)
     return (f"{plan.setting.title}, each method at its own server step selected on a "
             f"validation split")
@@ -277,26 +282,27 @@ def report_protocol(lab: Lab, plan: Plan, per_run: dict[str, float], seconds: fl
 
 def report_verdicts(lab: Lab, plan: Plan, chosen: dict[Cell, float], seeds: SeedRuns) -> None:
     rows, lines = [], []
-    for ours in COMPARED:
+    baseline = plan.baseline
+    for ours in plan.compared:
         for sigma in sorted({s for _, s in plan.cells if s}):
-            a, b = (ours, sigma), (BASELINE, sigma)
+            a, b = (ours, sigma), (baseline, sigma)
             if a not in seeds or b not in seeds:
                 continue
             result = paired(tests(seeds[a]), tests(seeds[b]))
-            rows.append([f"{LABEL[ours]} − {LABEL[BASELINE]}", f"{sigma:g}",
+            rows.append([f"{LABEL[ours]} − {LABEL[baseline]}", f"{sigma:g}",
                          f"{chosen[a]:g} / {chosen[b]:g}",
                          *[f"{d:+.2f}" for d in result.differences], f"{result.mean:+.2f}",
-                         interval(result), verdict(result, ours, BASELINE)])
-            if ours == COMPARED[0]:
-                lines.append(f"- σ = {sigma:g}: {verdict(result, ours, BASELINE)} "
+                         interval(result), verdict(result, ours, baseline)])
+            if ours == plan.compared[0]:
+                lines.append(f"- σ = {sigma:g}: {verdict(result, ours, baseline)} "
                              f"({result.mean:+.2f} points, {LEVEL:.0%} interval "
                              f"{interval(result)})")
-    lab.text(f"## Does {LABEL[COMPARED[0]]} beat {LABEL[BASELINE]}?\n\n"
+    lab.text(f"## Does {LABEL[plan.compared[0]]} beat {LABEL[baseline]}?\n\n"
              + ("\n".join(lines) or "(no σ > 0 with both methods in this invocation: "
                                      "see --only)"))
     lab.table(f"Paired differences of final test accuracy (points), seed by seed at each "
               f"method's selected γ_g; mean and {LEVEL:.0%} t-interval (n = {len(plan.seeds)})",
-              ["difference", "σ", f"γ_g selected (method / {LABEL[BASELINE]})",
+              ["difference", "σ", f"γ_g selected (method / {LABEL[baseline]})",
                *[f"seed {s}" for s in plan.seeds], "mean", f"{LEVEL:.0%} t-interval",
                "verdict"], rows)
 
@@ -350,6 +356,26 @@ for _name in ("federated-mnist", "federated-fmnist"):
                f"{SETTINGS[_name].title}, each method's γ_g selected on a validation split",
                axes=("method", "sigma", "seed", "reading"))(
         lambda lab, name=_name: reproduce_tuned(lab, name))
+
+# The PCDP paper's other federated baselines (§G: FedLRS, MOON, simplified PFA), whose
+# coefficients it does not give: each at its defaults (docs/algorithms.md) and its own γ_g from
+# the same grid, beside FedPCDP, at the largest-ε σ of the tables and of Fig. 4
+BASELINES = ("fedpcdp", "fedlrs", "moon", "pfa-simplified")
+for _name in ("federated-mnist", "federated-fmnist"):
+    experiment("pcdp", f"{_name}-baselines",
+               f"{SETTINGS[_name].title}: FedLRS, MOON and simplified PFA beside FedPCDP at "
+               f"σ = 4, each method's γ_g selected on a validation split",
+               axes=("method", "sigma", "seed", "reading"))(
+        lambda lab, name=_name: reproduce_tuned(
+            lab, name, replace(SETTINGS[name], sigmas=(4,)), BASELINES,
+            compared=BASELINES[1:], baseline=BASELINES[0]))
+experiment("pcdp", "noniid-baselines", "Fig. 4's one label shard per client: MOON and "
+           "simplified PFA beside FedPCDP at σ = 4, each method's γ_g selected on a validation "
+           "split", axes=("method", "sigma", "seed", "reading"))(
+    lambda lab: reproduce_tuned(lab, "noniid", replace(
+        SETTINGS["noniid"], sigmas=(4,), server_lrs=SERVER_LRS), ("fedpcdp", "moon",
+                                                                  "pfa-simplified"),
+        compared=("moon", "pfa-simplified"), baseline="fedpcdp"))
 
 # Local settings that fit the paper's federated ε as well as B = 250, T = 5 (its ε depends on
 # q²·T_c, q = B/5,000 and T_c = 80·T local steps: ≈ 1.0 for each)

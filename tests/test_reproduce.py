@@ -326,9 +326,10 @@ def test_unknown_experiment_names_the_allowed_ones(capsys):
         "clip21/noise-mapping, clip21/partial, " \
         "clip21/partial-epochs, pcdp/centralized-fmnist, pcdp/centralized-mnist, " \
         "pcdp/clipping-functions, " \
-        "pcdp/federated-fmnist, pcdp/federated-fmnist-tuned, pcdp/federated-mnist, " \
-        "pcdp/federated-mnist-local, " \
-        "pcdp/federated-mnist-tuned, pcdp/noniid, prisma/cifar10, prisma/least-squares, " \
+        "pcdp/federated-fmnist, pcdp/federated-fmnist-baselines, pcdp/federated-fmnist-tuned, " \
+        "pcdp/federated-mnist, pcdp/federated-mnist-baselines, pcdp/federated-mnist-local, " \
+        "pcdp/federated-mnist-tuned, pcdp/noniid, pcdp/noniid-baselines, prisma/cifar10, " \
+        "prisma/least-squares, " \
         "prisma/least-squares-verdict" \
         in capsys.readouterr().err
 
