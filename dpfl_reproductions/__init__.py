@@ -14,6 +14,7 @@ from dpfl_reproductions import (  # noqa: F401  (registers)
     adaptive_interpolation,
     benchmark,
     clip21,
+    clip21_amplified,
     cross_device,
     pcdp,
     pcdp_clipping,

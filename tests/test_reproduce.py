@@ -321,7 +321,7 @@ def test_unknown_experiment_names_the_allowed_ones(capsys):
     assert main(["reproduce", "clip21", "cifar"]) == 2
     assert "allowed: adaptive/interpolation, adaptive/t1, adaptive/t2, adaptive/t3, " \
         "adaptive/t4, benchmark/clients, benchmark/cross-device, benchmark/epsilon, " \
-        "clip21/logreg, clip21/logreg-leukemia, " \
+        "clip21/amplified, clip21/logreg, clip21/logreg-leukemia, " \
         "clip21/mnist-dp, clip21/mnist-dp-epochs, clip21/mnist-dp-epochs-unit, " \
         "clip21/noise-mapping, clip21/partial, " \
         "clip21/partial-epochs, pcdp/centralized-fmnist, pcdp/centralized-mnist, " \
