@@ -21,8 +21,8 @@ noniid``.
   ``-fmnist-baselines`` put FedLRS, MOON and simplified PFA beside FedPCDP the same way.
 * **noniid** (Fig. 4): the same federation split one label shard per client (flwr-datasets'
   ShardPartitioner), MNIST at σ = 4 and without DP (σ = 0, c = 10⁴), DP-FedAvg, DP FedProx,
-  DP-SCAFFOLD and FedPCDP; 3 runs (``noniid-baselines``: MOON and simplified PFA beside
-  FedPCDP, each at its own γ_g).
+  DP-SCAFFOLD and FedPCDP; 3 runs (``noniid-tuned``: each at its own validated γ_g, with MOON
+  and simplified PFA beside them).
 
 **Optimizer reading.** The paper's Algorithm 1 steps with plain SGD; with c = 0.01 and γ = 1
 that moves the model by at most 0.01 a step, and the CNN stays near chance for epochs. The first

@@ -1,13 +1,18 @@
-"""``dpfl reproduce pcdp federated-mnist-baselines|federated-fmnist-baselines|noniid-baselines``:
+"""``dpfl reproduce pcdp federated-mnist-baselines|federated-fmnist-baselines|noniid-tuned``:
 FedLRS, MOON and simplified PFA beside FedPCDP, each at its own server step, and the runs of the
-paper's other methods unchanged by their addition."""
+paper's other methods unchanged by their addition; Fig. 4 with every method at its own server
+step."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from dpfl.runconfig import RunConfig
+from dpfl_reproductions.lab import Lab
 from dpfl_reproductions.pcdp import SETTINGS, config_of
+from dpfl_reproductions.pcdp_tuned import NONIID_METHODS, SERVER_LRS, plan_of
 
 
 @pytest.mark.parametrize("method", ["fedlrs", "moon", "pfa-simplified"])
@@ -44,3 +49,15 @@ def test_the_smoke_run_decides_each_baseline_against_fedpcdp(tmp_path):
     for text in ("## Does FedLRS beat FedPCDP?", "| FedLRS − FedPCDP | 4 |",
                  "| MOON − FedPCDP | 4 |", "| simplified PFA − FedPCDP | 4 |"):
         assert text in report, text
+
+
+def test_fig4_tuned_decides_every_method_against_fedpcdp_at_its_own_step(tmp_path):
+    plan = plan_of(Lab(tmp_path, smoke=False), replace(SETTINGS["noniid"], sigmas=(4,),
+                                                        server_lrs=SERVER_LRS),
+                   NONIID_METHODS, NONIID_METHODS[1:], NONIID_METHODS[0])
+    # with DP-FedAvg without DP (σ = 0), the non-private reference
+    assert set(plan.cells) == {(m, 4.0) for m in NONIID_METHODS} | {("dp-fedavg", 0.0)}
+    assert plan.server_lrs == SERVER_LRS and plan.baseline == "fedpcdp"
+    for cell in plan.cells:
+        values = RunConfig({**plan.config(cell, 8.0, 1), "results-dir": str(tmp_path)})
+        assert values["shards-per-partition"] == 1 and values["server-learning-rate"] == 8.0
