@@ -15,6 +15,7 @@ from dpfl_reproductions import (  # noqa: F401  (registers)
     benchmark,
     clip21,
     clip21_amplified,
+    clip21_validated,
     cross_device,
     pcdp,
     pcdp_clipping,

@@ -323,6 +323,7 @@ def test_unknown_experiment_names_the_allowed_ones(capsys):
         "adaptive/t4, benchmark/clients, benchmark/cross-device, benchmark/epsilon, " \
         "clip21/amplified, clip21/logreg, clip21/logreg-leukemia, " \
         "clip21/mnist-dp, clip21/mnist-dp-epochs, clip21/mnist-dp-epochs-unit, " \
+        "clip21/mnist-dp-validated, " \
         "clip21/noise-mapping, clip21/partial, " \
         "clip21/partial-epochs, pcdp/centralized-fmnist, pcdp/centralized-mnist, " \
         "pcdp/clipping-functions, " \
