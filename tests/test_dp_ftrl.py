@@ -294,6 +294,9 @@ def test_the_amplified_banded_ledger_equals_dp_accountings_poisson_gaussians(tmp
         0.4, dp_accounting.GaussianDpEvent(z / norm)), 3)
     expected = accountant.get_epsilon(1e-4)
     assert summary["server_epsilon"] == pytest.approx(expected, rel=0.02)
+    # every client is charged its group's 3 chances, drawn or not: one ε for the population
+    assert summary["epsilon_population"] == pytest.approx(expected, rel=0.02)
+    assert summary["epsilon_max"] == pytest.approx(expected, rel=0.02) and not summary["epsilon"]
     assert summary["epsilon_max"] <= 4.0 * (1 + 1e-4)
     unamplified = run(_config(tmp_path, "cyclic", noise_correlation="banded"), echo=False)
     assert release["noise_multiplier"] < unamplified["releases"]["server"][0]["noise_multiplier"]

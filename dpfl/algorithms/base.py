@@ -357,6 +357,12 @@ class Algorithm(ABC, Generic[H]):
         return {u.release: e.name for e in self.exchanges for u in e.uploads.values()
                 if u.central and u.population}
 
+    def population_round(self, server_round: int) -> bool:
+        """Whether ``server_round`` charges the population releases (:meth:`population_releases`):
+        every round, unless one release is amplified over a period of rounds, each client having
+        one chance a period (DP-FTRL's banded noise over Poisson-sampled groups)."""
+        return True
+
     def zero_sums(self, exchange: str) -> State:
         """The sums of ``exchange`` over no client: what the server steps on in a round whose
         client sampling drew no one (Poisson sampling; a fixed-size draw is never empty)."""

@@ -291,6 +291,18 @@ class DPFTRL(UserLevelFedAvg):
             self._order = ((seed, epoch), drawn.tolist())
         return self._order[1]
 
+    def population_releases(self) -> dict[str, str]:
+        """Under Poisson-sampled groups the release is amplified: every client is charged its
+        group's chance, drawn or not (:meth:`population_round`); over epochs each participant
+        is charged its participation."""
+        return self.central_releases() if self.hp.client_sampling == "poisson" else {}
+
+    def population_round(self, server_round: int) -> bool:
+        """One chance a period for every client: charged at the period's first round (a group
+        whose rounds come later in the period is charged early, at most one chance more than it
+        has by the run's end)."""
+        return (server_round - 1) % self.period == 0
+
     def noise_multipliers(self, queries: list[Query], multiplier: float) -> list[float]:
         """``noise-multiplier`` is z, each draw's std over S (a tree node's: Kairouz et al.'s
         and TFF's noise multiplier; a round's z_t for banded noise): a participation's own

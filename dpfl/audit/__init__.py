@@ -485,7 +485,8 @@ def ledger_epsilon(problem: Problem, clients: list[int], rounds: int, *,
     accounting = problem.accounting()
     for server_round in range(1, rounds + 1):
         for exchange in problem.algorithm.round_exchanges(server_round):
-            accounting.charge_population(exchange.name)
+            if problem.algorithm.population_round(server_round):
+                accounting.charge_population(exchange.name)
             if taken is None or server_round <= taken:
                 accounting.charge(clients, exchange.name)
     if unmasked:

@@ -251,13 +251,14 @@ class Accounting:
         return self.ledger(client).epsilon(self.delta)
 
     def refusal(self, server_round: int, participants: Iterable[int],
-                exchanges: Iterable[str]) -> str | None:
-        """Why round ``server_round``, which runs ``exchanges``, must not run (a participant's ε
-        would pass ``limit``), or None."""
+                exchanges: Iterable[str], *, population: bool = True) -> str | None:
+        """Why round ``server_round``, which runs ``exchanges`` (and charges the population
+        releases where ``population``), must not run (a participant's ε would pass ``limit``),
+        or None."""
         if self.limit <= 0:
             return None
         names = set(exchanges)
-        shared = [r for r in self.population if r.exchange in names]
+        shared = [r for r in self.population if population and r.exchange in names]
         worst = max((self.ledger(c).epsilon_after(
             [r for r in self.client_releases(c) if r.exchange in names] + shared, self.delta)
             for c in participants), default=0.0)

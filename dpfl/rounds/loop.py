@@ -224,7 +224,9 @@ class RoundLoop:
         participants = sorted(self.algorithm.participants(
             server_round, list(range(self.problem.num_clients)), self.rng))
         exchanges = [e.name for e in self.algorithm.round_exchanges(server_round)]
-        if reason := self.accounting.refusal(server_round, participants, exchanges):
+        if reason := self.accounting.refusal(
+                server_round, participants, exchanges,
+                population=self.algorithm.population_round(server_round)):
             self.stop_reason = reason
             return False
         started, before = time.perf_counter(), self.state
@@ -268,7 +270,8 @@ class RoundLoop:
                 raise TypeError(f"{self.algorithm.name}: exchange {exchange.name!r} broadcast "
                                 f"{tuple(broadcast)}, declared {exchange.broadcast}")
             self.pending = (exchange.name, list(ctx.participants))
-            self.accounting.charge_population(exchange.name)  # released whoever replies
+            if self.algorithm.population_round(server_round):  # released whoever replies
+                self.accounting.charge_population(exchange.name)
             try:
                 replies: Replies = (
                     (yield ExchangeRequest(exchange.name, server_round, broadcast,
