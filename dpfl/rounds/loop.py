@@ -110,6 +110,16 @@ def population_epsilon(accounting: Accounting) -> dict[str, float]:
     return {} if value is None else {"epsilon_population": value}
 
 
+def round_epsilon(accounting: Accounting) -> dict[str, Any]:
+    """A round record's ε: of the clients charged in it (so that a record stays the size of its
+    cohort however many clients took part before; summary.json lists them all), the
+    population's, and the extremes over every client."""
+    epsilon_max, epsilon_min = accounting.extremes()
+    return {"epsilon": accounting.report(accounting.take_changed()),
+            **population_epsilon(accounting), "epsilon_max": epsilon_max,
+            "epsilon_min": epsilon_min}
+
+
 def client_sizes(problem: Problem) -> list[int] | dict[str, int]:
     """Every client's record count; a population's size and fewest rows instead (its clients
     are made per round)."""
@@ -337,14 +347,8 @@ class RoundLoop:
             self.report.last_eval = last_eval
             if self.evaluate_fn and (own := self.evaluate_fn(server_round, x)):
                 record["evaluate_fn"] = {k: float(v) for k, v in own.items()}
-        epsilon_max, epsilon_min = self.accounting.extremes()
         record.update({
-            # the clients whose ε moved: a round's record stays the size of its cohort however
-            # many clients took part before (summary.json lists them all)
-            "epsilon": self.accounting.report(self.accounting.take_changed()),
-            **population_epsilon(self.accounting),
-            "epsilon_max": epsilon_max, "epsilon_min": epsilon_min,
-            "clip": self.algorithm.clip_radius(self.state),
+            **round_epsilon(self.accounting), "clip": self.algorithm.clip_radius(self.state),
             "participants": len(participants),
             **self.traffic,
         })
