@@ -203,6 +203,14 @@ class Plan:
         """Every (setting, algorithm, ε) the plan runs."""
         return [(s, a, e) for s in self.settings for a in self.algorithms for e in self.epsilons]
 
+    def families(self) -> dict[str, tuple[str, ...]]:
+        """The report's figure panels: a family's name and its algorithms."""
+        return FAMILIES
+
+    def caption(self, setting: Setting) -> str:
+        """The privacy a setting's figure states beside its ε."""
+        return "δ = 1e-5"
+
     def points(self, algorithm: str) -> list[Config]:
         axes = SMOKE_GRID if self.smoke else GRIDS[algorithm]
         keys = {k.replace("-", "_"): v for k, v in axes.items()}
@@ -286,6 +294,21 @@ def seed_runs(lab: Lab, plan: Plan, chosen: dict[Cell, Config]
     return Runner(plan.config, lab.run_many).on_seeds(chosen, plan.seeds)
 
 
+def run_protocol(lab: Lab, plan: Plan, name: str = "benchmark/epsilon"
+                 ) -> tuple[dict[Cell, Config], dict[Cell, list[dict[str, Any]]]]:
+    """The protocol of every plan, in the report's order: the cost estimate
+    (:func:`report_cost`, under ``name``), the :func:`select`\ ion, the selected points' seeds,
+    each setting's tables and figure (:func:`report_setting`) and every configuration tried
+    (:func:`write_tried`); the selected points and the seeds' runs."""
+    report_cost(lab, plan, name)
+    chosen, tried = select(lab, plan)
+    results = seed_runs(lab, plan, chosen)
+    for setting in plan.settings:
+        report_setting(lab, plan, setting, chosen, results)
+    write_tried(lab, tried)
+    return chosen, results
+
+
 # ---- the experiment ----------------------------------------------------------------------------
 
 @experiment("benchmark", "epsilon", "Which algorithm at which ε: every algorithm tuned alike "
@@ -295,12 +318,7 @@ def seed_runs(lab: Lab, plan: Plan, chosen: dict[Cell, Config]
 def benchmark(lab: Lab) -> str:
     plan = plan_of(lab)
     report_protocol(lab, plan)
-    report_cost(lab, plan)
-    chosen, tried = select(lab, plan)
-    results = seed_runs(lab, plan, chosen)
-    for setting in plan.settings:
-        report_setting(lab, plan, setting, chosen, results)
-    write_tried(lab, tried)
+    chosen, _ = run_protocol(lab, plan)
     write_selected(lab, plan, chosen)
     return "Which algorithm at which ε: every algorithm tuned alike at the same accountant ε"
 
@@ -357,12 +375,10 @@ def confirmed(plan: Plan, algorithm: str) -> int:
 
 
 def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Config],
-                   results: dict[Cell, list[dict[str, Any]]], *,
-                   families: dict[str, tuple[str, ...]] = FAMILIES, caption: str = "δ = 1e-5"
-                   ) -> None:
+                   results: dict[Cell, list[dict[str, Any]]]) -> None:
     """``setting``'s tables (test accuracy with the best per ε and its ties; the selected
-    points) and figure (a panel per family of ``families``), over the algorithms the plan runs
-    in it."""
+    points) and figure (a panel per family of the plan's :meth:`Plan.families`), over the
+    algorithms the plan runs in it."""
     tests = {cell: [final_accuracy(s) for s in runs] for cell, runs in results.items()
              if cell[0] == setting}
     algorithms = [a for a in plan.algorithms if (setting, a, plan.epsilons[0]) in tests]
@@ -389,9 +405,9 @@ def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Co
               f"per ε in bold, (tie): its paired {LEVEL:.0%} interval against the best contains 0",
               ["algorithm", *[f"ε = {e:g}" for e in plan.epsilons]], rows)
     fig = family_figure(f"{title}: test accuracy (%), mean ± std over seeds "
-                        f"{', '.join(map(str, plan.seeds))} ({caption}, RDP accountant)",
+                        f"{', '.join(map(str, plan.seeds))} ({plan.caption(setting)}, RDP accountant)",
                         plan.epsilons, {a: [tests[(setting, a, e)] for e in plan.epsilons]
-                                        for a in algorithms}, families)
+                                        for a in algorithms}, plan.families())
     lab.figure(f"accuracy-{setting.name}-{setting.federation}", fig,
                f"{title}: test accuracy against ε, a panel per family, mean ± std over the "
                f"seeds; grey: the best of any family at each ε")

@@ -22,7 +22,6 @@ example-wise clipping; its ε values are not given. Here, in the matched-ε prot
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from dpfl.config import format_options
@@ -31,16 +30,12 @@ from dpfl_reproductions.benchmark import (
     Cell,
     Plan,
     Setting,
-    report_cost,
-    report_setting,
-    seed_runs,
-    select,
-    write_tried,
+    run_protocol,
 )
 from dpfl_reproductions.lab import Lab
 from dpfl_reproductions.pcdp import interval
 from dpfl_reproductions.registry import experiment
-from dpfl_reproductions.selection import LEVEL, Config, final_accuracy, grid, paired
+from dpfl_reproductions.selection import LEVEL, Config, decided, final_accuracy, grid, paired
 
 EPSILONS = (3.0, 9.0, 27.0)
 EPOCHS = 150
@@ -67,6 +62,12 @@ class AmplifiedPlan(Plan):
     """The benchmark's plan on E3's federation (``settings``: the dataset)."""
 
     clients: int = CLIENTS
+
+    def families(self) -> dict[str, tuple[str, ...]]:
+        return {"Fig. J.1": tuple(METHODS)}
+
+    def caption(self, setting: Setting) -> str:
+        return "δ = 1e-3"
 
     def points(self, algorithm: str) -> list[Config]:
         axes = SMOKE["grid"] if self.smoke else GRID
@@ -118,23 +119,17 @@ seeds {', '.join(map(str, plan.seeds))}. "Competitive" (the paper's word) is dec
 the paired {LEVEL:.0%} interval of Clip21-SGD2M+ − Clip-SGD: confirmed unless it lies wholly
 below 0.
 """)
-    report_cost(lab, plan, "clip21/amplified")
-    chosen, tried = select(lab, plan)
-    results = seed_runs(lab, plan, chosen)
+    _, results = run_protocol(lab, plan, "clip21/amplified")
     setting = plan.settings[0]
-    report_setting(lab, plan, setting, chosen, results,
-                   families={"Fig. J.1": tuple(METHODS)}, caption="δ = 1e-3")
     rows = []
     for epsilon in plan.epsilons:
         ours, theirs = (results.get((setting, m, epsilon)) for m in (CHALLENGER, REFERENCE))
         if ours is None or theirs is None:
             continue
         diff = paired([final_accuracy(s) for s in ours], [final_accuracy(s) for s in theirs])
-        word = ("undecided (one seed)" if math.isnan(diff.low) else
-                "refuted (below)" if diff.high < 0 else "confirmed")
-        rows.append([f"{epsilon:g}", f"{diff.mean:+.2f}", interval(diff), word])
+        rows.append([f"{epsilon:g}", f"{diff.mean:+.2f}", interval(diff),
+                     decided(diff, competitive=True)])
     lab.table(f"Is Clip21-SGD2M+ competitive with example-wise Clip-SGD? Clip21-SGD2M+ − "
               f"Clip-SGD in test accuracy (points), paired by seed, {LEVEL:.0%} t-interval",
               ["ε", "mean difference", "interval", "verdict"], rows)
-    write_tried(lab, tried)
     return "Clip21 E5: Clip21-SGD2M+ against example-wise Clip-SGD, amplified by sampling"

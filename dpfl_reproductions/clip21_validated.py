@@ -22,7 +22,6 @@ with the practice calibration's T in epochs, the paper's reading) and changes th
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
@@ -32,17 +31,13 @@ from dpfl_reproductions.benchmark import (
     Cell,
     Plan,
     Setting,
-    report_cost,
-    report_setting,
-    seed_runs,
-    select,
-    write_tried,
+    run_protocol,
 )
 from dpfl_reproductions.clip21 import EPSILONS, MNIST_GRIDS, SMOKE_GRIDS, e3_base, epoch_steps
 from dpfl_reproductions.lab import Lab
 from dpfl_reproductions.pcdp import interval
 from dpfl_reproductions.registry import experiment
-from dpfl_reproductions.selection import LEVEL, Config, final_accuracy, paired
+from dpfl_reproductions.selection import LEVEL, Config, decided, final_accuracy, paired
 
 POINTS = 16  # each method's search
 DRAW_SEED = 2502  # the draw of each grid's points (arXiv:2502.11682)
@@ -66,6 +61,12 @@ def drawn(method: str, grid: list[Config]) -> list[Config]:
 class ValidatedPlan(Plan):
     """The benchmark's plan on E3's federation: ``rounds`` the full run's, the grids the
     paper's drawn down to :data:`POINTS`."""
+
+    def families(self) -> dict[str, tuple[str, ...]]:
+        return {"Table 1 (MLP)": self.algorithms}
+
+    def caption(self, setting: Setting) -> str:
+        return "δ = 1e-3"
 
     def points(self, algorithm: str) -> list[Config]:
         return drawn(algorithm, (SMOKE_GRIDS if self.smoke else MNIST_GRIDS)[algorithm])
@@ -108,12 +109,8 @@ confirmation; then seeds {', '.join(map(str, plan.seeds))} on the test set. "Cli
 best method" is confirmed at an ε where its paired {LEVEL:.0%} interval against every other
 method lies above 0, refuted where one lies below.
 """)
-    report_cost(lab, plan, "clip21/mnist-dp-validated")
-    chosen, tried = select(lab, plan)
-    results = seed_runs(lab, plan, chosen)
+    _, results = run_protocol(lab, plan, "clip21/mnist-dp-validated")
     setting = plan.settings[0]
-    report_setting(lab, plan, setting, chosen, results,
-                   families={"Table 1 (MLP)": plan.algorithms}, caption="δ = 1e-3")
     rows = []
     for epsilon in plan.epsilons:
         ours = results.get((setting, OURS, epsilon))
@@ -123,17 +120,13 @@ method lies above 0, refuted where one lies below.
         diffs = {m: paired([final_accuracy(s) for s in ours],
                            [final_accuracy(s) for s in results[(setting, m, epsilon)]])
                  for m in others}
-        if any(math.isnan(d.low) for d in diffs.values()):
-            word = "undecided (one seed)"
-        elif any(d.high < 0 for d in diffs.values()):
-            word = "refuted"
-        else:
-            word = "confirmed" if all(d.low > 0 for d in diffs.values()) else "undecided"
+        words = {decided(d) for d in diffs.values()}
+        word = next(w for w in ("undecided (one seed)", "refuted", "undecided", "confirmed")
+                    if w in words)
         rows.append([f"{epsilon:g}", *[f"{d.mean:+.2f} {interval(d)}" for d in diffs.values()],
                      word])
     if rows:
         lab.table(f"Is Clip21-SGD2M the best method? Clip21-SGD2M − each other method in test "
                   f"accuracy (points), paired by seed, {LEVEL:.0%} t-interval",
                   ["ε", *[m for m in plan.algorithms if m != OURS], "verdict"], rows)
-    write_tried(lab, tried)
     return "Clip21 Table 1 (MLP): every method with the same search, selected on validation"

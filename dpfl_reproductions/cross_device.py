@@ -36,11 +36,7 @@ from dpfl_reproductions.benchmark import (
     Cell,
     Plan,
     Setting,
-    report_cost,
-    report_setting,
-    seed_runs,
-    select,
-    write_tried,
+    run_protocol,
 )
 from dpfl_reproductions.lab import Lab
 from dpfl_reproductions.registry import experiment
@@ -101,6 +97,12 @@ class CrossDevicePlan(Plan):
     def size(self, setting: Setting) -> int:
         return dict(self.populations)[setting.federation]
 
+    def families(self) -> dict[str, tuple[str, ...]]:
+        return FAMILIES
+
+    def caption(self, setting: Setting) -> str:
+        return f"δ = 1/{self.size(setting):,}"
+
     def cells(self) -> list[Cell]:
         return [cell for cell in super().cells()
                 if cell[1] not in STATEFUL or self.size(cell[0]) <= EAGER_UP_TO]
@@ -150,13 +152,7 @@ def plan_of(lab: Lab) -> CrossDevicePlan:
 def cross_device(lab: Lab) -> str:
     plan = plan_of(lab)
     report_protocol(lab, plan)
-    report_cost(lab, plan, "benchmark/cross-device")
-    chosen, tried = select(lab, plan)
-    results = seed_runs(lab, plan, chosen)
-    for setting in plan.settings:
-        report_setting(lab, plan, setting, chosen, results, families=FAMILIES,
-                       caption=f"δ = 1/{plan.size(setting):,}")
-    write_tried(lab, tried)
+    run_protocol(lab, plan, "benchmark/cross-device")
     return "Which user-level mechanism at which ε across devices"
 
 
