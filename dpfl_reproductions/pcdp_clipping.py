@@ -28,7 +28,6 @@ and narrows the gap between them. Here, in the protocol of the tuned federated t
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +42,7 @@ from dpfl_reproductions.selection import (
     accuracy,
     best,
     command,
+    decided,
     final_accuracy,
     mean_std,
     paired,
@@ -156,10 +156,8 @@ without it, DP-SGD's.
                 continue
             diff = paired([final_accuracy(s) for s in seeds[pair[1]]],
                           [final_accuracy(s) for s in seeds[pair[0]]])
-            word = ("undecided (one seed)" if math.isnan(diff.low) else "confirmed"
-                    if diff.low > 0 else "refuted" if diff.high < 0 else "undecided")
             verdicts.append([dataset, LABEL[function], f"{diff.mean:+.2f}", interval(diff),
-                             word])
+                             decided(diff)])
     lab.table(f"Does pre-projection enhance each clipping function? PCDP-SGD − DP-SGD in test "
               f"accuracy (points), paired by seed, {LEVEL:.0%} t-interval",
               ["dataset", "function", "mean difference", "interval", "verdict"], verdicts)

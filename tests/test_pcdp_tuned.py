@@ -64,6 +64,20 @@ def test_the_paired_interval_is_the_t_interval_of_the_per_seed_differences():
     assert verdict(paired([91], [90]), "fedpcdp", "dp-fedavg").startswith("undecided")
 
 
+def test_a_claim_is_decided_by_where_its_interval_lies():
+    """``decided``: above 0 confirms, below refutes, across is undecided; a claim of being
+    competitive (not worse) is confirmed unless the interval lies below 0."""
+    from dpfl_reproductions.selection import decided
+
+    above, across, below = (paired([91, 92, 93], [90, 90.5, 91]),
+                            paired([91.0, 90.0, 92.5], [90.0, 90.5, 91.0]),
+                            paired([80, 81, 82], [90, 90.5, 91]))
+    assert [decided(d) for d in (above, across, below)] == ["confirmed", "undecided", "refuted"]
+    assert [decided(d, competitive=True) for d in (above, across, below)] == [
+        "confirmed", "confirmed", "refuted"]
+    assert decided(paired([91], [90])) == "undecided (one seed)"
+
+
 def test_the_full_protocol_plan(tmp_path):
     """17 cells (DP-FedAvg at σ = 0 and four methods at four σ) × (5 γ_g + 3 seeds) = 136 runs;
     the fresh seeds are not the selection seed, and every run holds out the validation split;

@@ -28,7 +28,7 @@ block, never a copy of one:
 * **confirmation and seed runs** (:mod:`.runs`): a :class:`Runner` runs a cell's point at a
   seed; :meth:`Runner.on_seeds` runs each cell's chosen point on tuning seeds (a
   confirmation, then ranked with :func:`best`) or on fresh seeds (the reported runs).
-* **paired intervals** (:mod:`.intervals`): :func:`mean_std`, :func:`paired`.
+* **paired intervals** (:mod:`.intervals`): :func:`mean_std`, :func:`paired`, :func:`decided`.
 
 How each experiment composes them (the reported accuracies are always the test set's):
 
@@ -74,7 +74,7 @@ from dpfl_reproductions.selection.halving import (
     survivors,
     top,
 )
-from dpfl_reproductions.selection.intervals import LEVEL, Paired, mean_std, paired
+from dpfl_reproductions.selection.intervals import LEVEL, Paired, decided, mean_std, paired
 from dpfl_reproductions.selection.ranking import (
     Ranking,
     Split,
@@ -93,7 +93,7 @@ __all__ = [
     "BELOW_GRID", "CONFIRMATION", "LEVEL", "Cell", "Config", "Keep", "Paired", "Ranking", "Rung",
     "Runner",
     "Runs", "Search", "Split", "StepLadder", "StepRung", "Summary", "Walked", "accuracy", "best",
-    "command", "edge_axes", "final_accuracy", "final_loss", "grid", "grid_floor", "halving",
+    "command", "decided", "edge_axes", "final_accuracy", "final_loss", "grid", "grid_floor", "halving",
     "mean_std", "neighbours", "paired", "past_edge", "point_key", "ranked", "same_end",
     "seed_runs", "select", "smaller_steps", "survivors", "top", "walk_past_edge",
     "walk_past_edges",

@@ -38,3 +38,15 @@ def paired(ours: Sequence[float], theirs: Sequence[float], level: float = LEVEL)
     half = (stats.t.ppf(1 - (1 - level) / 2, len(diffs) - 1) * statistics.stdev(diffs)
             / math.sqrt(len(diffs)))
     return Paired(diffs, mean, mean - half, mean + half)
+
+
+def decided(diff: Paired, *, competitive: bool = False) -> str:
+    """A claim decided by the paired interval of its difference: "refuted" when the interval
+    lies below 0; else "confirmed" when it lies above 0, or for a claim of being competitive
+    (not worse) whenever it does not lie below; else "undecided". "undecided (one seed)" without
+    an interval."""
+    if math.isnan(diff.low):
+        return "undecided (one seed)"
+    if diff.high < 0:
+        return "refuted"
+    return "confirmed" if competitive or diff.low > 0 else "undecided"
