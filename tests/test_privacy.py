@@ -375,3 +375,38 @@ def test_calibration_rounds_give_a_short_run_the_noise_of_the_full_one(algorithm
     assert stds[1] == stds[0] and all(a > b for a, b in zip(stds[1], stds[2], strict=True))
     with pytest.raises(ConfigError, match="calibration-rounds.*allowed: 0 or at least"):
         build_problem(RunConfig({**base, "num-server-rounds": 12, "calibration-rounds": 3}))
+
+
+def test_the_extremes_are_the_largest_and_smallest_client_epsilon_through_a_checkpoint():
+    """``Accounting.extremes`` keeps each charged client's history as it is charged (one ε per
+    distinct history a round, not one per client): it equals the max and min over every
+    reported client and the population's ε, after charges, a node's reconciliation and a
+    checkpoint's round trip."""
+    import random
+
+    own = Release("q", "train", radius=1.0, relation="replace-one", noise_multiplier=1.0,
+                  sample_rate=0.2)
+    shared = Release("c", "train", radius=1.0, relation="replace-one", noise_multiplier=3.0,
+                     sample_rate=0.1)
+    accounting = Accounting(num_clients=50, releases=lambda c: [own], accountant="rdp",
+                            relation="replace-one", delta=1e-5, central=(shared,),
+                            population=(shared,))
+
+    def brute() -> tuple[float, float]:
+        values = [*accounting.report().values(), accounting.population_epsilon()]
+        return max(values), min(values)
+
+    rng = random.Random(0)
+    for _ in range(30):
+        accounting.charge_population("train")
+        accounting.charge(rng.sample(range(50), 5), "train")
+        assert accounting.extremes() == pytest.approx(brute(), rel=1e-12)
+    accounting.reconcile(3, {"q": accounting.counts[3]["q"] + 20})  # a node counts 20 more
+    assert accounting.extremes() == pytest.approx(brute(), rel=1e-12)
+    assert accounting.extremes()[0] == pytest.approx(accounting.epsilon(3), rel=1e-12)
+    again = Accounting(num_clients=50, releases=lambda c: [own], accountant="rdp",
+                       relation="replace-one", delta=1e-5, central=(shared,),
+                       population=(shared,))
+    again.load_state_dict(json.loads(json.dumps(accounting.state_dict())))
+    assert again.extremes() == accounting.extremes()
+    assert again.holders == accounting.holders

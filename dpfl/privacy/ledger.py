@@ -166,6 +166,10 @@ class Accounting:
         self.clients: defaultdict[int, PrivacyLedger] = defaultdict(fresh)
         self.server = PrivacyLedger(accountant, "client-level (server-side noise)")
         self.charged: set[int] = set()  # clients that released something of their own
+        # each charged client's own history, and how many hold each: the distinct histories
+        # :meth:`extremes` reads each round, kept as clients are charged
+        self.keys: dict[int, tuple[Event, ...]] = {}
+        self.holders: Counter[tuple[Event, ...]] = Counter()
         self.changed: set[int] = set()  # those charged since :meth:`take_changed`
         # each client's own share of split noise alone (recorded for split releases only)
         self.unmasked: defaultdict[int, PrivacyLedger] = defaultdict(fresh)
@@ -201,11 +205,27 @@ class Accounting:
         return self.ledger_of(()).epsilon(self.delta)
 
     def extremes(self) -> tuple[float, float]:
-        """The largest and smallest client ε (0 before any release)."""
-        values = list(self.report().values())
+        """The largest and smallest client ε (0 before any release): one ε per distinct
+        history, whatever the number of clients."""
+        values = [self.ledger_of(history).epsilon(self.delta) for history in self.holders]
         if (population := self.population_epsilon()) is not None:
             values.append(population)
         return (max(values), min(values)) if values else (0.0, 0.0)
+
+    def _charged(self, client: int) -> None:
+        """``client`` released something of its own: reported, and its history counted."""
+        self.charged.add(client)
+        self.changed.add(client)
+        own = self.clients.get(client)
+        history = tuple(own.history) if own is not None else ()
+        before = self.keys.get(client)
+        if before != history:
+            if before is not None:
+                self.holders[before] -= 1
+                if not self.holders[before]:
+                    del self.holders[before]
+            self.holders[history] += 1
+            self.keys[client] = history
 
     def _record(self, client: int, release: Release) -> None:
         self.clients[client].record(release)
@@ -218,8 +238,7 @@ class Accounting:
             for release in self.client_releases(c, exchange):
                 self._record(c, release)
                 self.counts[c][release.name] += 1
-                self.charged.add(c)
-                self.changed.add(c)
+                self._charged(c)
 
     def reconcile(self, client: int, reported: Mapping[str, int]) -> tuple[bool, dict[str, int]]:
         """Compare the counts of releases ``client``'s node reports charging it (its own
@@ -234,8 +253,7 @@ class Accounting:
             for _ in range(times):
                 self._record(client, releases[name])
             own[name] += times
-            self.charged.add(client)
-            self.changed.add(client)
+            self._charged(client)
         return any(int(reported.get(name, 0)) < n for name, n in own.items()), extra
 
     def charge_population(self, exchange: str) -> None:
@@ -343,7 +361,10 @@ class Accounting:
         self.shared.load_state_dict(saved.get("population", []))
         self.participations = Counter({int(c): n for c, n in
                                        saved.get("participations", {}).items()})
-        self.charged = set(saved["charged"])
+        changed, self.charged, self.keys, self.holders = set(self.changed), set(), {}, Counter()
+        for c in saved["charged"]:
+            self._charged(c)
+        self.changed = changed  # a checkpoint charges no one
         # a checkpoint of an older dpfl has no counts: a node's report then charges again what
         # this ledger already holds (never fewer releases than happened)
         self.counts.clear()
