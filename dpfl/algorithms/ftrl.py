@@ -298,10 +298,11 @@ class DPFTRL(UserLevelFedAvg):
         return self.central_releases() if self.hp.client_sampling == "poisson" else {}
 
     def population_round(self, server_round: int) -> bool:
-        """One chance a period for every client: charged at the period's first round (a group
-        whose rounds come later in the period is charged early, at most one chance more than it
-        has by the run's end)."""
-        return (server_round - 1) % self.period == 0
+        """Under Poisson-sampled groups, one chance a period for every client: charged at the
+        period's first round (a group whose rounds come later in the period is charged early,
+        at most one chance more than it has by the run's end); else every round, as any
+        algorithm (there is no population release to charge)."""
+        return self.hp.client_sampling != "poisson" or (server_round - 1) % self.period == 0
 
     def noise_multipliers(self, queries: list[Query], multiplier: float) -> list[float]:
         """``noise-multiplier`` is z, each draw's std over S (a tree node's: Kairouz et al.'s
