@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@echo "installing dpfl and its pinned dependencies into $(VENV) (a few minutes the first time: PyTorch, Flower, Ray)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,text]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,text,blt]"
 	touch $@
 
 install: $(VENV)/.installed

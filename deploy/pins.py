@@ -4,12 +4,13 @@ Run it with the interpreter of an environment where dpfl is installed and its te
 
     .venv/bin/python deploy/pins.py
 
-It walks the dependency closure of ``[project].dependencies`` and of the ``text`` extra (extras
-and environment markers evaluated for this interpreter and platform) through the installed
-distributions and writes the installed version of each as an exact pin, twice: ``constraints.txt`` (for ``pip install -c``)
-and ``[tool.uv] constraint-dependencies`` in ``pyproject.toml`` (which ``uv sync`` honours, and
-with it Flower's runtime dependency installation of the FAB, whose ``pyproject.toml`` keeps the
-table). Packages that only other platforms need are not pinned.
+It walks the dependency closure of ``[project].dependencies`` and of the ``text`` and ``blt``
+extras (extras and environment markers evaluated for this interpreter and platform) through the
+installed distributions and writes the installed version of each as an exact pin, twice:
+``constraints.txt`` (for ``pip install -c``) and ``[tool.uv] constraint-dependencies`` in
+``pyproject.toml`` (which ``uv sync`` honours, and with it Flower's runtime dependency
+installation of the FAB, whose ``pyproject.toml`` keeps the table). Packages that only other
+platforms need are not pinned.
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ def main() -> None:
     pyproject = ROOT / "pyproject.toml"
     text = pyproject.read_text()
     project = tomllib.loads(text)["project"]
-    # the default install and the text extra (examples/sms_spam_lora), which make install adds
-    wanted = project["dependencies"] + project["optional-dependencies"]["text"]
+    # the default install and the extras make install adds: text (examples/sms_spam_lora) and
+    # blt (dp-ftrl's BLT noise)
+    extras = project["optional-dependencies"]
+    wanted = project["dependencies"] + extras["text"] + extras["blt"]
     pins = {k: v for k, v in closure(wanted).items() if k != project["name"]}
     header = HEADER.format(platform=f"{platform.system()} {platform.machine()}",
                            python=platform.python_version())

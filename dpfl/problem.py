@@ -398,6 +398,7 @@ def assemble(config: RunConfig, dataset: Dataset, parts: Sequence[np.ndarray],
                                                      num_clients=len(parts), public=public)
     rounds = config.run.num_server_rounds
     algorithm.check_run(rounds)
+    algorithm.calibrated_for(config.privacy.calibration_rounds or rounds)
     if dataset.population is not None:
         check_stateless(algorithm)
     calibrated = config.privacy.calibration_rounds

@@ -405,7 +405,8 @@ def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Co
               f"per ε in bold, (tie): its paired {LEVEL:.0%} interval against the best contains 0",
               ["algorithm", *[f"ε = {e:g}" for e in plan.epsilons]], rows)
     fig = family_figure(f"{title}: test accuracy (%), mean ± std over seeds "
-                        f"{', '.join(map(str, plan.seeds))} ({plan.caption(setting)}, RDP accountant)",
+                        f"{', '.join(map(str, plan.seeds))} "
+                        f"({plan.caption(setting)}, RDP accountant)",
                         plan.epsilons, {a: [tests[(setting, a, e)] for e in plan.epsilons]
                                         for a in algorithms}, plan.families())
     lab.figure(f"accuracy-{setting.name}-{setting.federation}", fig,

@@ -59,6 +59,7 @@ METHODS: dict[str, Config] = {
     "dp-ftrl-banded": {"algorithm": "dp-ftrl", "noise-correlation": "banded"},
     "dp-ftrl-banded-poisson": {"algorithm": "dp-ftrl", "noise-correlation": "banded",
                                "client-sampling": "poisson"},
+    "dp-ftrl-blt": {"algorithm": "dp-ftrl", "noise-correlation": "blt"},
     "clip21-sgd2m": {"algorithm": "clip21-sgd2m"},
     "dp-sgd": {"algorithm": "dp-sgd"},
 }
@@ -77,7 +78,8 @@ GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
 }
 FAMILIES: dict[str, tuple[str, ...]] = {
     "DP-FedAvg (amplified by sampling)": ("dp-fedavg-user", "dp-fedavg-quantile"),
-    "DP-FTRL (correlated noise)": ("dp-ftrl-tree", "dp-ftrl-banded", "dp-ftrl-banded-poisson"),
+    "DP-FTRL (correlated noise)": ("dp-ftrl-tree", "dp-ftrl-banded", "dp-ftrl-banded-poisson",
+                                   "dp-ftrl-blt"),
     "record-level": ("clip21-sgd2m", "dp-sgd"),
 }
 SMOKE = {"populations": {"population-200": 200}, "cohort": 20, "rounds": 8,

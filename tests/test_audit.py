@@ -3,6 +3,7 @@ its calibration) and has power (a deliberately broken variant, built only here, 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -315,7 +316,9 @@ def test_dpfl_audit_refuses_bad_arguments_in_one_line(args, key, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("correlation", ["tree", "banded"])
+@pytest.mark.parametrize("correlation", [
+    "tree", "banded", pytest.param("blt", marks=pytest.mark.skipif(
+        importlib.util.find_spec("jax_privacy") is None, reason="needs dpfl[blt]"))])
 def test_correlated_noise_is_audited_on_its_whole_trajectory(correlation):
     """dp-ftrl over epochs of 4 rounds (8 clients with the canary client, 2 a round, 8 rounds):
     the world without the canary is the world with it zeroed out (the same schedule), every

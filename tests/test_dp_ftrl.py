@@ -5,6 +5,8 @@ resumed run, and Flower = engine."""
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import json
 import math
 
@@ -17,11 +19,13 @@ import torch
 from dpfl.algorithms import ServerContext
 from dpfl.engine import run
 from dpfl.errors import ConfigError
-from dpfl.privacy import Randomness, banded
+from dpfl.privacy import Randomness, banded, blt
 from dpfl.privacy.tree import increment, tree_depth
 from dpfl.problem import build_problem
 from dpfl.runconfig import RunConfig
 
+NEEDS_BLT = pytest.mark.skipif(importlib.util.find_spec("jax_privacy") is None,
+                               reason="noise-correlation='blt' needs dpfl[blt] (jax_privacy)")
 VALUES = {"algorithm": "dp-ftrl", "dataset": "digits", "model": "logistic",
           "num-partitions": 40, "num-server-rounds": 12, "batch-size": 16, "local-steps": 2,
           "learning-rate": 0.5, "clip": 0.1, "fraction-train": 0.25, "epsilon": 4.0,
@@ -232,15 +236,21 @@ def test_the_banded_ledger_equals_dp_accountings_gaussians(tmp_path):
     """Banded noise: each of a client's 3 participations (every 4 rounds, b = 4) is a Gaussian
     of multiplier z/‖c‖, composed: dp-accounting's RDP of that Gaussian, composed 3 times."""
     summary = run(_config(tmp_path, noise_correlation="banded"), echo=False)
+    _assert_charged_gaussians(summary, banded.column_norm(banded.square_root_coefficients(4)))
+
+
+def _assert_charged_gaussians(summary: dict, norm: float) -> float:
+    """Every client's ε is dp-accounting's RDP of 3 Gaussians of multiplier z/``norm`` (the
+    release declared with radius S·``norm``), within ε = 4; returns z, each draw's std over S."""
     (release,) = summary["releases"]["server"]
-    z = release["noise_multiplier"] * release["radius"] / 0.1  # each draw's std over S
-    norm = banded.column_norm(banded.square_root_coefficients(4))
+    z = release["noise_multiplier"] * release["radius"] / 0.1
     assert release["radius"] == pytest.approx(0.1 * norm)
     accountant = dp_accounting.rdp.RdpAccountant()
     accountant.compose(dp_accounting.GaussianDpEvent(z / norm), 3)
     expected = accountant.get_epsilon(1e-4)
     assert all(e == pytest.approx(expected, rel=0.02) for e in summary["epsilon"].values())
     assert summary["epsilon_max"] <= 4.0 * (1 + 1e-4)
+    return z
 
 
 POISSON = {"noise_correlation": "banded", "client_sampling": "poisson", "fraction_train": 0.1,
@@ -302,16 +312,17 @@ def test_the_amplified_banded_ledger_equals_dp_accountings_poisson_gaussians(tmp
     assert release["noise_multiplier"] < unamplified["releases"]["server"][0]["noise_multiplier"]
 
 
-@pytest.mark.parametrize("correlation", ["tree", "banded"])
+@pytest.mark.parametrize("correlation", ["tree", "banded", pytest.param("blt", marks=NEEDS_BLT)])
 def test_a_run_resumed_mid_epoch_equals_the_uninterrupted_one(tmp_path, correlation):
-    """The live nodes (or the last increments) and the momentum are server state: a run
-    stopped at round 6 (an epoch and a half) and continued to 12 equals the run started with
-    12."""
+    """The live nodes (the last increments, the BLT's buffers) and the momentum are server
+    state: a run stopped at round 6 (an epoch and a half) and continued to 12 equals the run
+    started with 12 (a BLT optimised for 12 rounds in both: calibration-rounds)."""
     from dpfl.cli import main
     from tests.test_resume import assert_same_run
 
     values = {**VALUES, "noise-multiplier": 1.0, "checkpoint-every": 1,
-              "noise-correlation": correlation, "results-dir": str(tmp_path)}
+              "noise-correlation": correlation, "results-dir": str(tmp_path),
+              **({"calibration-rounds": 12} if correlation == "blt" else {})}
     run(RunConfig({**values, "num-server-rounds": 6, "run-name": "short"}), echo=False)
     assert main(["run", "-q", "--resume", str(tmp_path / "short"), "-c",
                  "num-server-rounds=12"]) == 0
@@ -319,8 +330,9 @@ def test_a_run_resumed_mid_epoch_equals_the_uninterrupted_one(tmp_path, correlat
     assert_same_run(tmp_path / "short", tmp_path / "long")
 
 
-@pytest.mark.parametrize("correlation,sampling", [("tree", "epochs"), ("banded", "epochs"),
-                                                   ("banded", "poisson")])
+@pytest.mark.parametrize("correlation,sampling", [
+    ("tree", "epochs"), ("banded", "epochs"), ("banded", "poisson"),
+    pytest.param("blt", "epochs", marks=NEEDS_BLT)])
 def test_flower_code_path_equals_engine(tmp_path, correlation, sampling):
     """Two epochs of four rounds (or, Poisson-sampled, two passes over 4 groups): the noise's
     state crosses rounds and an epoch."""
@@ -329,10 +341,92 @@ def test_flower_code_path_equals_engine(tmp_path, correlation, sampling):
     assert_flower_equals_engine(tmp_path, {**VALUES, "num-partitions": 8,
                                            "fraction-train": 0.25 if sampling == "epochs"
                                            else 0.125, "num-server-rounds": 8,
-                                           "noise-correlation": correlation, "bands": 4,
+                                           "noise-correlation": correlation,
+                                           "bands": 4 if correlation == "banded" else 0,
                                            "client-sampling": sampling}, 8)
 
 
 def test_its_noise_cannot_be_split_over_a_secure_sum(tmp_path):
     with pytest.raises(ConfigError, match="secure-aggregation"):
         _config(tmp_path, secure_aggregation=True)
+
+
+# ---- BLT noise (jax_privacy's strategy, checked here without it) ------------------------------
+
+def _worst_sensitivities(factor: np.ndarray, separation: int, most: int) -> list[float]:
+    """Δ_j² for j = 1 … ``most``: the largest ‖Σ of j columns of C‖², over every choice of j
+    rounds at least ``separation`` apart, by enumeration."""
+    rounds = factor.shape[0]
+    return [max(float(np.sum(factor[:, list(taken)].sum(axis=1) ** 2))
+                for taken in itertools.combinations(range(rounds), j)
+                if all(b - a >= separation for a, b in zip(taken, taken[1:])))
+            for j in range(1, most + 1)]
+
+
+@NEEDS_BLT
+def test_blt_noise_streams_its_factors_inverse_and_its_sensitivity_is_the_worst_pattern(
+        tmp_path):
+    """12 rounds, a client every R = 4 (k = 3): the streamed noise is C⁻¹ (numpy's inverse of
+    the Toeplitz matrix of the BLT's coefficients), C's coefficients are positive and
+    non-increasing (what the min-separation bound needs), and ν² is the largest Δ_j²/j over
+    every pattern of rounds 4 apart, enumerated."""
+    algorithm = build_problem(_config(tmp_path, noise_correlation="blt")).algorithm
+    strategy = algorithm.correlation.strategy
+    assert (strategy.horizon, strategy.separation, strategy.participations) == (12, 4, 3)
+    coefficients = strategy.coefficients(12)
+    assert all(a >= b > 0 for a, b in zip(coefficients, coefficients[1:]))
+    factor = _banded_factor(coefficients, 12)
+    assert np.allclose(algorithm.noise_matrix(12).numpy(), np.linalg.inv(factor), atol=1e-12)
+    worst = _worst_sensitivities(factor, 4, 3)
+    assert strategy.norm ** 2 == pytest.approx(max(d / j for j, d in enumerate(worst, 1)),
+                                               rel=1e-9)
+    assert 3 * strategy.norm ** 2 >= worst[-1] * (1 - 1e-12)
+    assert worst[-1] > 3 * float(np.sum(factor[:, 0] ** 2))  # the columns overlap
+    assert algorithm.correlation.rows == len(strategy.decay) <= 10  # buffers, not rounds
+
+
+@NEEDS_BLT
+def test_the_blt_ledger_equals_dp_accountings_gaussian_at_the_worst_sensitivity(tmp_path):
+    """Each of a client's 3 participations is charged a Gaussian of multiplier z/ν: composed,
+    a Gaussian of multiplier z/(ν√3), at least the worst pattern's z/Δ_3 (dp-accounting's RDP,
+    ν from the enumeration above)."""
+    summary = run(_config(tmp_path, noise_correlation="blt"), echo=False)
+    factor = _banded_factor(blt.optimised(12, 4).coefficients(12), 12)
+    worst = _worst_sensitivities(factor, 4, 3)
+    z = _assert_charged_gaussians(summary, math.sqrt(max(d / j for j, d in enumerate(worst, 1))))
+    exact = dp_accounting.rdp.RdpAccountant()
+    exact.compose(dp_accounting.GaussianDpEvent(z / math.sqrt(worst[-1])))
+    assert exact.get_epsilon(1e-4) <= summary["epsilon_max"] * (1 + 1e-9)
+
+
+@NEEDS_BLT
+def test_blt_runs_it_cannot_serve_are_refused(tmp_path):
+    """Bands (banded noise's), Poisson sampling (amplification is accounted for banded noise
+    only), a round past the horizon, buffers of another horizon's BLT (the server state keeps
+    its horizon), and a resume to more rounds than the BLT was optimised for (its releases
+    differ)."""
+    from dpfl.cli import main
+
+    for changes, key in (({"bands": 2}, "bands"), ({"client_sampling": "poisson",
+                                                    "fraction_train": 0.1}, "client-sampling")):
+        with pytest.raises(ConfigError, match=key):
+            build_problem(_config(tmp_path, noise_correlation="blt", **changes))
+    problem = build_problem(_config(tmp_path, noise_correlation="blt", noise_multiplier=1.0))
+    algorithm, (release,) = problem.algorithm, problem.server_releases()
+    state = algorithm.init_server_state(problem.x0)
+
+    def step(server_round: int) -> None:
+        ctx = ServerContext(server_round, Randomness(0), [], 40, releases={"model": release},
+                            charge=lambda _: None)
+        algorithm.server_step("train", state, algorithm.zero_sums("train"), ctx)
+
+    step(12)
+    with pytest.raises(ConfigError, match="num-server-rounds"):
+        step(13)
+    algorithm.calibrated_for(6)
+    with pytest.raises(ConfigError, match="calibration-rounds"):
+        step(1)
+    run(_config(tmp_path, "short", noise_correlation="blt", noise_multiplier=1.0,
+                num_server_rounds=6, checkpoint_every=1), echo=False)
+    assert main(["run", "-q", "--resume", str(tmp_path / "short"), "-c",
+                 "num-server-rounds=12"]) == 2

@@ -321,6 +321,11 @@ class Algorithm(ABC, Generic[H]):
         them); none by default."""
         return ()
 
+    def calibrated_for(self, rounds: int) -> None:
+        """Told, before the first round, the rounds the run's noise is calibrated for
+        (``calibration-rounds``, else ``num-server-rounds``); nothing by default (DP-FTRL
+        optimises its BLT noise for them)."""
+
     def check_run(self, num_rounds: int) -> None:
         """Raise :class:`~dpfl.errors.ConfigError` where a run of ``num_rounds`` rounds cannot
         be served (e.g. public records it needs are missing); nothing by default."""

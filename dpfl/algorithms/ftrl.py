@@ -7,7 +7,9 @@ DP-FTRLM), §5's federated form, the tree restarted each epoch (Appendix D); the
 production keyboard models were trained with (Xu et al., "Federated Learning of Gboard Language
 Models with Differential Privacy", ACL 2023). ``noise-correlation="banded"`` replaces the tree
 by banded matrix-factorization noise (Choquette-Choo et al., ICML 2023 and NeurIPS 2023; the
-banded square root of Kalinin & Lampert, NeurIPS 2024: :mod:`dpfl.privacy.banded`). No client
+banded square root of Kalinin & Lampert, NeurIPS 2024: :mod:`dpfl.privacy.banded`), and
+``"blt"`` by a buffered linear Toeplitz factorization optimised by jax_privacy for the run
+(McMahan, Xu, Zhang, EMNLP 2024's BLT-DP-FTRL: :mod:`dpfl.privacy.blt`). No client
 sampling is assumed random: the server goes through the population in epochs, and the
 guarantee comes from the correlated noise, not from amplification. Each round t, at position
 p of its epoch:
@@ -22,7 +24,7 @@ p of its epoch:
 * the server releases the sum of the clipped updates plus the round's correlated noise: the
   tree's increment e_p (:mod:`dpfl.privacy.tree`; summed over the epoch's rounds, the releases
   are the noisy prefix sums of Algorithm 1, each node drawn N(0, (z·S)² I)), or the banded
-  factor's (C⁻¹Z)_t, each z_t drawn N(0, (z·S)² I);
+  (or BLT) factor's (C⁻¹Z)_t, each z_t drawn N(0, (z·S)² I);
 * the server steps with heavy-ball momentum on the release: m ← β·m + g̃, x ← x + γ_g·m/s (the
   paper's DP-FTRLM, whose momentum on the noisy prefix sums is this momentum on their
   increments; β = 0 is DP-FTRL).
@@ -33,8 +35,10 @@ data replaced by data whose update is zero (Kairouz et al.'s zero-out relation, 
 ``REPLACE_SPECIAL``), which moves a round's sum by at most S, as adding or removing a client
 does; the ledger keeps it under add/remove, whose sensitivity it shares. A participation is a
 Gaussian mechanism of sensitivity S·√h for the tree (its round enters at most
-h = ⌈log2(R + 1)⌉ nodes of its epoch's tree) and S·‖c‖ for banded noise (a column of the
-factor; columns of rounds b or more apart do not overlap): the release is declared with that
+h = ⌈log2(R + 1)⌉ nodes of its epoch's tree), S·‖c‖ for banded noise (a column of the
+factor; columns of rounds b or more apart do not overlap) and S·ν for BLT noise (its columns
+overlap: ν² = max_j Δ_j²/j over the worst j participations R apart, :mod:`dpfl.privacy.blt`):
+the release is declared with that
 radius, and each client is charged one such mechanism each epoch it takes part in, composed
 over the epochs without amplification. Swapping one client's data for another's (replace-one)
 moves a sum by up to 2S: the same ε needs twice the noise. The sampler enforces the schedule:
@@ -50,6 +54,7 @@ probability p, composed over ⌈T/b⌉ chances as DP-SGD's subsampled Gaussian i
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,7 +75,7 @@ from dpfl.algorithms.registry import ALGORITHMS
 from dpfl.algorithms.user_level import CLIENT_SAMPLING, UserLevelFedAvg, poisson_clients
 from dpfl.config import BATCH_SIZE, CLIP, FRACTION_TRAIN, LEARNING_RATE, Param, hyperparameter
 from dpfl.errors import ConfigError
-from dpfl.privacy import Query, Randomness, Relation, banded, tree
+from dpfl.privacy import Query, Randomness, Relation, banded, blt, tree
 from dpfl.privacy.calibration import CALIBRATIONS, Target, accountant_noise_multiplier
 from dpfl.privacy.randomness import SERVER
 
@@ -88,8 +93,11 @@ NOISE_CORRELATION = Param("noise-correlation", "tree", "DP-FTRL: how the server'
                           "correlated across rounds: 'tree' (tree aggregation, restarted each "
                           "epoch; each epoch a fresh order of the clients) or 'banded' (banded "
                           "square-root matrix factorization over the whole run; one cyclic "
-                          "order, each client every R rounds, R ≥ bands).",
-                          choices=("tree", "banded"))
+                          "order, each client every R rounds, R ≥ bands) or 'blt' (a buffered "
+                          "linear Toeplitz factorization optimised by jax_privacy for the run's "
+                          "rounds, its R and its participations; the same cyclic order; needs "
+                          "pip install 'dpfl[blt]').",
+                          choices=("tree", "banded", "blt"))
 MAX_BANDS = 32  # bands=0 takes min(R, this): the state holds bands − 1 model-sized vectors
 BANDS = Param("bands", 0, "DP-FTRL with noise-correlation='banded': b, the bands of the "
               "factor C (1 = independent noise); at most R = ⌊n/s⌋, the rounds between a "
@@ -116,6 +124,13 @@ class FTRLHyperparameters:
                               "cohort: its clients take part once an epoch ('epochs'), or, "
                               "under banded noise, Poisson-sampled from one of b groups a "
                               "round ('poisson')", allowed=("epochs", "poisson"))
+        if self.noise_correlation == "blt" and self.bands:
+            raise ConfigError("bands", "sets banded noise's bands; a BLT's buffers are "
+                              "optimised with it (noise-correlation=\"blt\")", allowed=("0",))
+        if self.noise_correlation == "blt" and importlib.util.find_spec("jax_privacy") is None:
+            raise ConfigError("noise-correlation", "'blt' is optimised by jax_privacy, which is "
+                              "not installed: pip install 'dpfl[blt]'",
+                              allowed=("tree", "banded"))
         if self.client_sampling == "poisson" and self.noise_correlation != "banded":
             raise ConfigError("client-sampling", "Poisson sampling amplifies banded noise "
                               "(each client's rounds b apart); tree aggregation is accounted "
@@ -181,6 +196,32 @@ class BandedNoise:
         return banded.increment(rows, list(self.coefficients), fresh)
 
 
+@dataclass(frozen=True)
+class BLTNoise:
+    """A buffered linear Toeplitz factorization for the run's horizon (:mod:`dpfl.privacy.blt`):
+    one buffer a decay, participations at least R rounds apart, ν each."""
+
+    strategy: blt.Strategy
+    cyclic: ClassVar[bool] = True
+
+    @property
+    def rows(self) -> int:
+        return len(self.strategy.decay)
+
+    @property
+    def norm(self) -> float:
+        return self.strategy.norm
+
+    def step(self, rows: Tensor, server_round: int, position: int,
+             fresh: Tensor) -> tuple[Tensor, Tensor]:
+        if server_round > self.strategy.horizon:
+            raise ConfigError("num-server-rounds", f"round {server_round} is past the "
+                              f"{self.strategy.horizon} rounds this run's BLT noise was "
+                              f"optimised and accounted for",
+                              allowed=f"1..{self.strategy.horizon}")
+        return blt.increment(rows, self.strategy, fresh)
+
+
 def banded_noise(hp: FTRLHyperparameters, separation: int) -> BandedNoise:
     """b bands, at most ``separation``: the rounds between a client's participations."""
     bands = hp.bands or min(separation, MAX_BANDS)
@@ -193,10 +234,20 @@ def banded_noise(hp: FTRLHyperparameters, separation: int) -> BandedNoise:
     return BandedNoise(tuple(banded.square_root_coefficients(bands)))
 
 
-#: the noise correlations by their run-config name
-CORRELATIONS: dict[str, Callable[[FTRLHyperparameters, int], Correlation]] = {
-    "tree": lambda hp, epoch_rounds: TreeNoise(epoch_rounds),
-    "banded": banded_noise,
+def blt_noise(hp: FTRLHyperparameters, separation: int, horizon: int) -> BLTNoise:
+    """jax_privacy's BLT for ``horizon`` rounds, a client's at least ``separation`` apart."""
+    if horizon < 1:
+        raise ValueError("BLT noise is optimised for the run's rounds: "
+                         "DPFTRL.calibrated_for first")
+    return BLTNoise(blt.optimised(horizon, separation))
+
+
+#: the noise correlations by their run-config name, from the hyperparameters, the rounds
+#: between a client's participations and the rounds the noise is calibrated for
+CORRELATIONS: dict[str, Callable[[FTRLHyperparameters, int, int], Correlation]] = {
+    "tree": lambda hp, epoch_rounds, horizon: TreeNoise(epoch_rounds),
+    "banded": lambda hp, separation, horizon: banded_noise(hp, separation),
+    "blt": blt_noise,
 }
 
 
@@ -222,12 +273,30 @@ class DPFTRL(UserLevelFedAvg):
         super().__init__(hp, model, num_clients, **kwargs)
         poisson = hp.client_sampling == "poisson"
         separation = int(1 / hp.fraction_train + 1e-9) if poisson else self.epoch_rounds
-        self.correlation = CORRELATIONS[hp.noise_correlation](hp, separation)
+        #: the rounds between a client's participations (at least), and the rounds the noise
+        #: is calibrated for (:meth:`calibrated_for`): what the correlation is built for
+        self.separation, self.horizon = separation, 0
+        self._correlation: Correlation | None = None
         #: rounds between a client's chances to take part: R, or b groups under Poisson
         self.period = self.correlation.rows + 1 if poisson else self.epoch_rounds
         #: a member's chance to be drawn in its group's round: 1, or p = q·b under Poisson
         self.sample_rate = min(1.0, hp.fraction_train * self.period) if poisson else 1.0
         self._order: tuple[tuple[int, int], list[int]] = ((-1, -1), [])
+
+    @property
+    def correlation(self) -> Correlation:
+        """The noise's correlation (:data:`CORRELATIONS`), built when first read."""
+        if self._correlation is None:
+            self._correlation = CORRELATIONS[self.hp.noise_correlation](
+                self.hp, self.separation, self.horizon)
+        return self._correlation
+
+    def calibrated_for(self, rounds: int) -> None:
+        """The correlation for the rounds the noise is calibrated for (a BLT is optimised for
+        them), built now: one the run cannot serve is refused before its first round."""
+        self.horizon = rounds
+        self._correlation = CORRELATIONS[self.hp.noise_correlation](
+            self.hp, self.separation, rounds)
 
     @property
     def relation(self) -> Relation:
@@ -307,7 +376,8 @@ class DPFTRL(UserLevelFedAvg):
     def noise_multipliers(self, queries: list[Query], multiplier: float) -> list[float]:
         """``noise-multiplier`` is z, each draw's std over S (a tree node's: Kairouz et al.'s
         and TFF's noise multiplier; a round's z_t for banded noise): a participation's own
-        multiplier is z·S / (S·√h) for the tree, z·S / (S·‖c‖) for banded noise."""
+        multiplier is z·S / (S·√h) for the tree, z·S / (S·‖c‖) for banded noise, z·S / (S·ν)
+        for BLT noise."""
         return [multiplier / self.correlation.norm for _ in queries]
 
     def queries(self, num_samples: int) -> list[Query]:
@@ -326,13 +396,16 @@ class DPFTRL(UserLevelFedAvg):
 
     # ---- server --------------------------------------------------------------------------
     def init_server_state(self, x0: Tensor) -> State:
-        return {"x": x0.clone(), "momentum": torch.zeros_like(x0),
-                "noise": torch.zeros(self.correlation.rows, x0.numel(), dtype=x0.dtype)}
+        state = {"x": x0.clone(), "momentum": torch.zeros_like(x0),
+                 "noise": torch.zeros(self.correlation.rows, x0.numel(), dtype=x0.dtype)}
+        if self.hp.noise_correlation == "blt":  # the buffers belong to this horizon's BLT
+            state["horizon"] = torch.tensor(float(self.horizon), dtype=torch.float64)
+        return state
 
     def server_queries(self) -> list[Query]:
-        """One participation: radius S·√h (a round in h tree nodes) or S·‖c‖ (a column of
-        the banded factor), one an epoch; under Poisson sampling one chance every b rounds,
-        sampled at rate p = q·b."""
+        """One participation: radius S·√h (a round in h tree nodes), S·‖c‖ (a column of
+        the banded factor) or S·ν (BLT), one an epoch; under Poisson sampling one chance every
+        b rounds, sampled at rate p = q·b."""
         return [Query("model", "train", radius=self.hp.clip * self.correlation.norm,
                       relation=self.relation, sample_rate=self.sample_rate, side="server",
                       stream="model-noise")]
@@ -342,13 +415,18 @@ class DPFTRL(UserLevelFedAvg):
         """The sum plus the round's correlated noise, then the momentum step; the server's
         ledger is charged once a period, at its first round (one chance for every client)."""
         _, position = self.position(ctx.server_round)
+        if "horizon" in state and int(state["horizon"]) != self.horizon:
+            raise ConfigError("calibration-rounds", f"this run's BLT noise was optimised for "
+                              f"{int(state['horizon'])} rounds and its buffers hold that "
+                              f"factorization's state: resume it with the same horizon",
+                              allowed=str(int(state["horizon"])))
         total = sums["delta"]
         noise, rows = self.correlation.step(state["noise"], ctx.server_round, position,
                                             ctx.noise("model", total))
         released = ctx.publish("model", total + noise,
                                charge=(ctx.server_round - 1) % self.period == 0)
         momentum = self.hp.server_momentum * state["momentum"] + released
-        return {"x": state["x"] + self.hp.server_learning_rate * momentum / self.cohort,
+        return {**state, "x": state["x"] + self.hp.server_learning_rate * momentum / self.cohort,
                 "momentum": momentum, "noise": rows}
 
 

@@ -1,0 +1,113 @@
+"""Buffered-linear-Toeplitz (BLT) matrix-factorization noise, optimised by jax_privacy.
+
+Dvijotham, McKenna, Pillutla, Rush, Thakurta, "Efficient and Near-Optimal Noise Generation for
+Streaming Differential Privacy", FOCS 2024 (arXiv:2404.16706), for the mechanism; McMahan, Xu,
+Zhang, "A Hassle-free Algorithm for Private Learning in Practice: Don't Use Tree Aggregation,
+Use BLTs", EMNLP 2024 (arXiv:2408.08868), for its multi-participation form in federated
+learning (BLT-DP-FTRL).
+
+As for banded noise (:mod:`dpfl.privacy.banded`), the released prefix sums are A(G + C⁻¹Z), C
+lower-triangular Toeplitz, and round t releases g_t plus (C⁻¹Z)_t. A BLT is a Toeplitz matrix
+whose first column is c_0 = 1, c_k = Σ_j ω_j θ_j^{k−1} (k ≥ 1): the buffers' decays θ and
+output scales ω. C⁻¹ is a BLT too, (θ', ω'), so the noise streams with one model-sized buffer
+per decay, whatever the horizon (:func:`increment`):
+
+    e_t = z_t + Σ_j ω'_j s_j,    then s_j ← θ'_j s_j + z_t.
+
+The strategy C is jax_privacy's ``buffered_toeplitz.optimize`` for the horizon n (the rounds
+the noise is calibrated for), min-separation R (the rounds between a client's participations)
+and k = ⌈n/R⌉ participations, minimising the largest prefix-sum error: a library written for
+this by the mechanism's authors, which optimises the buffers with their closed forms and checks
+the result (a dependency of ``dpfl[blt]`` only; see :func:`optimised`).
+
+Sensitivity. C's columns overlap (c_k > 0 for every k), so unlike banded noise j
+participations do not move CG by √j·‖c‖. For non-negative, non-increasing c, the worst j
+participations at least R apart move it by Δ_j = ‖Σ_{i<j} C e_{iR}‖ (Kalinin & Lampert, NeurIPS
+2024, arXiv:2405.13763, Theorem 2; jax_privacy's ``toeplitz.minsep_sensitivity_squared``). The
+ledger composes one Gaussian per participation: each is declared with sensitivity ν per unit
+of contribution, ν² = max_{j ≤ k} Δ_j²/j, so that j participations compose to j·ν² ≥ Δ_j² for
+every j ≤ k (Gaussian mechanisms compose by adding their squared sensitivities over σ²): exact
+at the horizon where Δ_j²/j is largest there, and an upper bound before it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A BLT factor C for ``horizon`` rounds: its buffers (``decay`` θ, ``scale`` ω), its
+    inverse's (θ', ω'), and ``norm`` ν, a participation's sensitivity over the contribution's
+    norm (module docstring)."""
+
+    horizon: int
+    separation: int
+    decay: tuple[float, ...]
+    scale: tuple[float, ...]
+    inverse_decay: tuple[float, ...]
+    inverse_scale: tuple[float, ...]
+    norm: float
+
+    @property
+    def participations(self) -> int:
+        """k = ⌈n/R⌉: the most a client takes part in over the horizon."""
+        return math.ceil(self.horizon / self.separation)
+
+    def coefficients(self, n: int) -> list[float]:
+        """C's first column to n entries: c_0 = 1, c_k = Σ_j ω_j θ_j^{k−1}."""
+        return [1.0] + [sum(w * d ** (k - 1) for d, w in zip(self.decay, self.scale,
+                                                             strict=True))
+                        for k in range(1, n)]
+
+
+def optimised(horizon: int, separation: int) -> Strategy:
+    """jax_privacy's max-error BLT for ``horizon`` rounds, participations at least
+    ``separation`` apart (at most ⌈horizon/separation⌉), computed once a process for each
+    pair (tens of seconds on a CPU). jax_privacy evaluates in float64 inside its own
+    ``jax.enable_x64`` context: the process's jax settings are left as they are."""
+    if horizon < 1 or separation < 1:
+        raise ValueError(f"a BLT needs horizon and separation >= 1, got {horizon}, "
+                         f"{separation}")
+    return _optimised(horizon, separation)
+
+
+@functools.cache
+def _optimised(horizon: int, separation: int) -> Strategy:
+    import jax
+    from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz
+
+    k = math.ceil(horizon / separation)
+    with jax.enable_x64(True):
+        blt = buffered_toeplitz.optimize(n=horizon, min_sep=separation, max_participations=k,
+                                         error="max")
+        inverse = blt.inverse()
+        coefficients = blt.toeplitz_coefs(horizon)
+        ratios = [float(toeplitz.minsep_sensitivity_squared(
+            strategy_coef=coefficients, min_sep=separation, max_participations=j)) / j
+            for j in range(1, k + 1)]
+        return Strategy(horizon, separation, _floats(blt.buf_decay),
+                        _floats(blt.output_scale), _floats(inverse.buf_decay),
+                        _floats(inverse.output_scale), math.sqrt(max(ratios)))
+
+
+def _floats(values) -> tuple[float, ...]:
+    return tuple(float(v) for v in values)
+
+
+def increment(buffers: torch.Tensor, strategy: Strategy,
+              fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round's noise e_t = z_t + Σ_j ω'_j s_j and the buffers after it, s_j ← θ'_j s_j +
+    z_t, from ``buffers [nbuf, d]`` (zeros before the first round) and ``fresh``, the round's
+    z_t ``[d]``. ``buffers`` is not modified."""
+    noise = fresh.clone()
+    after = torch.empty_like(buffers)
+    for j, (decay, scale) in enumerate(zip(strategy.inverse_decay, strategy.inverse_scale,
+                                           strict=True)):
+        noise.add_(buffers[j], alpha=scale)
+        after[j] = buffers[j] * decay + fresh
+    return noise, after
