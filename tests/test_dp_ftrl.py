@@ -430,3 +430,29 @@ def test_blt_runs_it_cannot_serve_are_refused(tmp_path):
                 num_server_rounds=6, checkpoint_every=1), echo=False)
     assert main(["run", "-q", "--resume", str(tmp_path / "short"), "-c",
                  "num-server-rounds=12"]) == 2
+
+
+@NEEDS_BLT
+@pytest.mark.slow
+def test_the_running_sums_noise_at_equal_epsilon_is_what_docs_privacy_says(tmp_path):
+    """docs/privacy.md's "Which noise" rows for T = 60, R = 20: z calibrated for ε = 2 over 3
+    participations, and the largest and RMS std of the running sums' noise, z·S·‖(A C⁻¹)_t‖."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "privacy.md").read_text()
+    rows = re.findall(r"^  \| 60, 20 \| (.+?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", page,
+                      re.M)
+    assert len(rows) == 4
+    keys = {"independent (`banded`, `bands=1`)": {"noise_correlation": "banded", "bands": 1},
+            "`tree`": {}, "`banded` (b = 20)": {"noise_correlation": "banded"},
+            "`blt`": {"noise_correlation": "blt"}}
+    for name, *numbers in rows:
+        problem = build_problem(_config(tmp_path, num_partitions=60, fraction_train=0.05,
+                                        num_server_rounds=60, epsilon=2.0, delta=1e-5,
+                                        clip=1.0, batch_size=4, **keys[name]))
+        (release,) = problem.server_releases()
+        z = release.noise_multiplier * release.radius
+        error = torch.cumsum(problem.algorithm.noise_matrix(60), 0).pow(2).sum(1).sqrt() * z
+        measured = (z, error.max().item(), error.pow(2).mean().sqrt().item())
+        assert [f"{v:.2f}" for v in measured] == numbers, name
