@@ -456,3 +456,23 @@ def test_the_running_sums_noise_at_equal_epsilon_is_what_docs_privacy_says(tmp_p
         error = torch.cumsum(problem.algorithm.noise_matrix(60), 0).pow(2).sum(1).sqrt() * z
         measured = (z, error.max().item(), error.pow(2).mean().sqrt().item())
         assert [f"{v:.2f}" for v in measured] == numbers, name
+
+
+@NEEDS_BLT
+def test_an_optimised_blt_is_kept_in_the_user_cache_and_read_back_exactly(tmp_path,
+                                                                          monkeypatch):
+    """The optimisation runs once per (horizon, separation): a second process reads the same
+    floats from the cache file; a damaged file is optimised again and rewritten."""
+    from dpfl.privacy.blt import _kept, cache_file
+
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
+    _kept.cache_clear()
+    first = blt.optimised(6, 3)
+    assert cache_file(6, 3).parent == tmp_path / "blt" and cache_file(6, 3).is_file()
+    _kept.cache_clear()
+    assert blt.optimised(6, 3) == first  # read back: tuples of the same floats
+    cache_file(6, 3).write_text("{not json")
+    _kept.cache_clear()
+    assert blt.optimised(6, 3) == first
+    assert json.loads(cache_file(6, 3).read_text())["norm"] == first.norm
+    _kept.cache_clear()

@@ -3,7 +3,7 @@
 Flower's SuperNode starts a fresh ClientApp process for every message it pulls, so whatever
 the ClientApp builds in memory is gone after each reply. A node therefore keeps, under
 ``nodes`` in dpfl's per-user cache folder (``$DPFL_CACHE_DIR``, default ``~/.cache/dpfl`` on
-Linux; :func:`dpfl.datasets.loading.user_cache`):
+Linux; :func:`dpfl.folders.user_cache`):
 
 * ``data-<key>.pt``: its clients' training rows and the public records
   (:meth:`Problem.node_data`), keyed by the settings that decide them
@@ -41,7 +41,8 @@ import torch
 from dpfl.atomic import write_atomically
 from dpfl.config import parse_options
 from dpfl.datasets import arrays
-from dpfl.datasets.loading import CACHE_DIR_ENV, stamp, user_cache
+from dpfl.datasets.loading import stamp
+from dpfl.folders import CACHE_DIR_ENV, user_cache
 from dpfl.datasets.site import site_node_data
 from dpfl.errors import ConfigError
 from dpfl.problem import Problem, cached_problem, data_dir, data_key

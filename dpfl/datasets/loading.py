@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import sys
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 from dpfl.datasets.base import Dataset
 from dpfl.errors import ConfigError
+from dpfl.folders import user_cache
 from dpfl.registry import Registry
 
 Loader = Callable[..., Dataset]
@@ -30,24 +30,7 @@ Loader = Callable[..., Dataset]
 DATASETS: Registry[Loader] = Registry("dataset")
 
 DATA_DIR_ENV = "DPFL_DATA_DIR"
-CACHE_DIR_ENV = "DPFL_CACHE_DIR"
 PROVIDED = ("seed", "data_dir", "cache_dir", "download")  # options the run config sets
-
-
-def user_cache() -> Path:
-    """dpfl's per-user cache folder: ``$DPFL_CACHE_DIR``, else ``dpfl`` in the platform's user
-    cache directory (``$XDG_CACHE_HOME`` or ``~/.cache`` on Linux, ``~/Library/Caches`` on
-    macOS, ``%LOCALAPPDATA%`` on Windows)."""
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV]).expanduser().absolute()
-    if sys.platform == "win32":
-        base = os.environ.get("LOCALAPPDATA") or "~/AppData/Local"
-    elif sys.platform == "darwin":
-        base = "~/Library/Caches"
-    else:  # the XDG base directory spec: a relative $XDG_CACHE_HOME is ignored
-        xdg = os.environ.get("XDG_CACHE_HOME", "")
-        base = xdg if Path(xdg).is_absolute() else "~/.cache"
-    return Path(base).expanduser() / "dpfl"
 
 
 def data_folder(data_dir: str | os.PathLike[str] | None = None) -> Path:

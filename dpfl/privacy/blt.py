@@ -32,11 +32,18 @@ at the horizon where Δ_j²/j is largest there, and an upper bound before it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
 from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
 
 import torch
+
+from dpfl.atomic import write_atomically
+from dpfl.folders import user_cache
 
 
 @dataclass(frozen=True)
@@ -67,16 +74,42 @@ class Strategy:
 
 def optimised(horizon: int, separation: int) -> Strategy:
     """jax_privacy's max-error BLT for ``horizon`` rounds, participations at least
-    ``separation`` apart (at most ⌈horizon/separation⌉), computed once a process for each
-    pair (tens of seconds on a CPU). jax_privacy evaluates in float64 inside its own
-    ``jax.enable_x64`` context: the process's jax settings are left as they are."""
+    ``separation`` apart (at most ⌈horizon/separation⌉). The optimisation takes tens of
+    seconds on a CPU, so its result is kept: in the process, and in ``blt`` in dpfl's user
+    cache folder (:func:`dpfl.folders.user_cache`), one JSON file per (jax_privacy version,
+    horizon, separation), written whole; an unreadable one is computed again. A strategy is
+    public (it depends on the schedule alone), so the file holds nothing private. jax_privacy
+    evaluates in float64 inside its own ``jax.enable_x64`` context: the process's jax settings
+    are left as they are."""
     if horizon < 1 or separation < 1:
         raise ValueError(f"a BLT needs horizon and separation >= 1, got {horizon}, "
                          f"{separation}")
-    return _optimised(horizon, separation)
+    return _kept(horizon, separation)
+
+
+def cache_file(horizon: int, separation: int) -> Path:
+    """Where :func:`optimised` keeps the strategy for (``horizon``, ``separation``)."""
+    return user_cache() / "blt" / f"{version('jax-privacy')}-{horizon}-{separation}.json"
 
 
 @functools.cache
+def _kept(horizon: int, separation: int) -> Strategy:
+    path = cache_file(horizon, separation)
+    try:
+        strategy = Strategy(**{k: tuple(v) if isinstance(v, list) else v
+                               for k, v in json.loads(path.read_text()).items()})
+        if (strategy.horizon, strategy.separation) == (horizon, separation):
+            return strategy
+    except (OSError, ValueError, TypeError):
+        pass
+    strategy = _optimised(horizon, separation)
+    try:
+        write_atomically(path, lambda p: p.write_text(json.dumps(dataclasses.asdict(strategy))))
+    except OSError:  # a read-only cache costs the next run the optimisation, nothing more
+        pass
+    return strategy
+
+
 def _optimised(horizon: int, separation: int) -> Strategy:
     import jax
     from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz
