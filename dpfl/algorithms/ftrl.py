@@ -261,7 +261,7 @@ class DPFTRL(UserLevelFedAvg):
     Hyperparameters = FTRLHyperparameters
     protection = ("user-level central DP: each client of the round's cohort clips its whole "
                   "update, the trusted server adds noise correlated across rounds (tree "
-                  "aggregation, or banded matrix factorization); each client takes part at "
+                  "aggregation, banded or BLT matrix factorization); each client takes part at "
                   "most once an epoch; "
                   "zero-out neighbours (one client's update replaced by zero, sensitivity S "
                   "as under add/remove); no amplification")
