@@ -297,9 +297,9 @@ def seed_runs(lab: Lab, plan: Plan, chosen: dict[Cell, Config]
 def run_protocol(lab: Lab, plan: Plan, name: str = "benchmark/epsilon"
                  ) -> tuple[dict[Cell, Config], dict[Cell, list[dict[str, Any]]]]:
     """The protocol of every plan, in the report's order: the cost estimate
-    (:func:`report_cost`, under ``name``), the :func:`select`\ ion, the selected points' seeds,
-    each setting's tables and figure (:func:`report_setting`) and every configuration tried
-    (:func:`write_tried`); the selected points and the seeds' runs."""
+    (:func:`report_cost`, under ``name``), the selection (:func:`select`), the selected points'
+    seeds, each setting's tables and figure (:func:`report_setting`) and every configuration
+    tried (:func:`write_tried`); the selected points and the seeds' runs."""
     report_cost(lab, plan, name)
     chosen, tried = select(lab, plan)
     results = seed_runs(lab, plan, chosen)

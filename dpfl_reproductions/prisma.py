@@ -147,7 +147,8 @@ Confirmed = dict[tuple[str, int], dict[int, tuple[Config, list[dict[str, Any]]]]
 
 class Figure1:
     """The least-squares sweep's stages (see the module docstring) for one lab. The search
-    (:attr:`search`, at tuning seed 0) ranks points within a (method, N, T) cell: at one seed
+    (:attr:`search`, at tuning seed 0, or on its mean over ``search_seeds``) ranks points
+    within a (method, N, T) cell: at one seed
     the configurations of one T share every random draw up to their last round, so their
     comparison is paired, while across T the final iterates see different draws (a single
     seed's ranking across T follows the luck of the last rounds); T is chosen by the mean over
@@ -156,13 +157,14 @@ class Figure1:
     by (a :func:`score` name)."""
 
     def __init__(self, lab: Lab, *, axes: dict[str, dict[str, tuple[float, ...]]] | None = None,
-                 calibration: str = "paper") -> None:
+                 calibration: str = "paper",
+                 search_seeds: Sequence[int] = TUNING_SEEDS[:1]) -> None:
         self.lab = lab
         self.axes = axes or (SMOKE_AXES if lab.smoke else AXES)
         self.calibration = calibration
         self.sizes = lab.restrict("size", SIZES[:2] if lab.smoke else SIZES)
         self.simulate = functools.partial(least_squares.simulate, fused=not lab.smoke)
-        self.search = Search(Runner(self.config, self.run), TUNING_SEEDS[0])
+        self.search = Search(Runner(self.config, self.run), search_seeds)
         #: the runs of a (method, N) cell's point, its T included (confirmations, trials)
         self.trials = Runner(lambda cell, point, seed: config_of(
             cell[0], point, cell[1], seed, self.calibration), self.run)

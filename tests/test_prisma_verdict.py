@@ -168,3 +168,47 @@ def test_the_smoke_verdict_reports_both_claims_for_both_arms_and_metrics(tmp_pat
         runs = [json.loads(line) for line in f]
     assert {r["config"]["calibration"] for r in runs} == {"paper", "accountant"}
     assert {r["config"]["seed"] for r in runs} >= {100, 101, 102}
+
+
+def test_a_search_over_several_seeds_ranks_every_point_on_its_mean():
+    """``Search`` with seeds (0, 1, 2): each point runs at every seed, and the best is the best
+    mean, not seed 0's winner."""
+    from dpfl_reproductions.selection import Ranking, Runner, Search
+
+    norms = {("a", 0): 1.0, ("a", 1): 9.0, ("a", 2): 9.0,  # wins seed 0 by luck
+             ("b", 0): 2.0, ("b", 1): 2.0, ("b", 2): 2.0}
+    asked = []
+
+    def run_many(configs):
+        asked.extend(configs)
+        return [{"norm": norms[(c["name"], c["seed"])]} for c in configs]
+
+    runner = Runner(lambda cell, point, seed: {**point, "seed": seed}, run_many)
+    lowest = Ranking(lambda summary: summary["norm"])
+    one, three = Search(runner, (0,)), Search(runner, (0, 1, 2))
+    for search in (one, three):
+        search.run({"cell": [{"name": "a"}, {"name": "b"}]})
+    assert one.best("cell", lowest) == {"name": "a"}
+    assert three.best("cell", lowest) == {"name": "b"}
+    assert sorted((c["name"], c["seed"]) for c in asked[2:]) == sorted(norms)
+    three.run({"cell": [{"name": "a"}]})  # searched already: nothing runs again
+    assert len(asked) == 8
+
+
+@pytest.mark.smoke
+def test_the_hardened_smoke_verdict_searches_every_point_on_three_seeds(tmp_path, capsys):
+    assert cli.main(["reproduce", "prisma", "least-squares-hardened", "--smoke",
+                     "--only", "calibration=paper", "--results-dir", str(tmp_path)]) == 0
+    assert "least-squares-hardened: ≈" in capsys.readouterr().out
+    folder = tmp_path / "reproduce-prisma-least-squares-hardened-smoke"
+    report = (folder / "report.md").read_text()
+    assert "configurations searched at tuning seeds 0, 1, 2" in report
+    assert "best by its mean over tuning seeds 0, 1, 2 confirmed" in report
+    with gzip.open(folder / ARCHIVE, "rt") as f:
+        runs = [json.loads(line)["config"] for line in f]
+    searched = {}  # every point the search ran, by its seeds
+    for c in runs:
+        if c["seed"] in (0, 1, 2):
+            key = json.dumps({k: v for k, v in c.items() if k != "seed"}, sort_keys=True)
+            searched.setdefault(key, set()).add(c["seed"])
+    assert searched and all(seeds == {0, 1, 2} for seeds in searched.values())

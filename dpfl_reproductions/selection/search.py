@@ -1,9 +1,10 @@
-"""A search at one tuning seed: the points of each cell run once and are remembered, a cell's
-best by a ranking, and the local search around it."""
+"""A search at one or more tuning seeds: the points of each cell run once a seed and are
+remembered, a cell's best by a ranking of its mean over the seeds, and the local search around
+it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dpfl_reproductions.selection.grids import Cell, Config, neighbours
 from dpfl_reproductions.selection.ranking import Ranking, Summary, best
@@ -16,24 +17,29 @@ def point_key(point: Config) -> str:
 
 
 class Search:
-    """The points searched in each cell at tuning seed ``seed``, run by ``runner``:
-    ``searched[cell][point_key(point)]`` is the run's summary and the point."""
+    """The points searched in each cell at the tuning ``seeds``, run by ``runner``:
+    ``searched[cell][point_key(point)]`` is the point's runs (one a seed, in ``seeds``' order)
+    and the point. A ranking reads a point's mean over its seeds: with several seeds (each
+    drawing its own data where the seed draws the dataset) a point does not win by one seed's
+    luck."""
 
-    def __init__(self, runner: Runner, seed: int) -> None:
-        self.runner, self.seed = runner, seed
-        self.searched: dict[Cell, dict[str, tuple[Summary, Config]]] = {}
+    def __init__(self, runner: Runner, seeds: Sequence[int]) -> None:
+        if not seeds:
+            raise ValueError("a search needs at least one tuning seed")
+        self.runner, self.seeds = runner, tuple(seeds)
+        self.searched: dict[Cell, dict[str, tuple[list[Summary], Config]]] = {}
 
     def run(self, points: dict[Cell, list[Config]]) -> None:
-        """Run the ``points`` of each cell not searched yet, and remember them."""
+        """Run the ``points`` of each cell not searched yet on every seed, and remember them."""
         jobs = [(cell, p) for cell, ps in points.items() for p in ps
                 if point_key(p) not in self.searched.setdefault(cell, {})]
-        for (cell, p), (summary,) in zip(jobs, self.runner.runs(jobs, [self.seed]),
-                                         strict=True):
-            self.searched[cell][point_key(p)] = (summary, p)
+        for (cell, p), runs in zip(jobs, self.runner.runs(jobs, self.seeds), strict=True):
+            self.searched[cell][point_key(p)] = (runs, p)
 
     def best(self, cell: Cell, ranking: Ranking) -> Config:
-        """The best point searched in ``cell`` (the first searched of equal ones)."""
-        return best(((p, [s]) for s, p in self.searched[cell].values()), ranking)
+        """The best point searched in ``cell`` by its mean over the seeds (the first searched
+        of equal ones)."""
+        return best(((p, runs) for runs, p in self.searched[cell].values()), ranking)
 
     def local(self, ranking: Ranking, axes: Callable[[Cell], dict[str, tuple[float, ...]]],
               limit: int) -> int:
