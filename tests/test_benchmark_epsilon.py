@@ -216,6 +216,19 @@ def test_the_smoke_clients_experiment_tables_accuracy_and_clients_needed(tmp_pat
     assert "| clip21-sgd2m | – | – |" in alone
 
 
+def test_the_clients_experiment_runs_three_seeds_and_the_archive_holds_the_first(capsys,
+                                                                                 tmp_path):
+    """Every cell on seeds 1, 2, 3 (the verdict rule's three): the committed report's archive
+    holds seed 1's 36 runs, so a plan over it has the other 72 to do."""
+    from dpfl.cli import main
+    from tests.conftest import ROOT
+
+    archive = ROOT / "reports" / "benchmark-clients" / "runs.jsonl.gz"
+    assert main(["reproduce", "benchmark", "clients", "--plan", "--results-dir", str(tmp_path),
+                 "--reuse", str(archive)]) == 0
+    assert "72 of its 108 runs" in capsys.readouterr().out
+
+
 def test_an_extrapolation_far_past_the_measured_counts_gives_its_order_of_magnitude_only():
     from dpfl_reproductions.benchmark import needed_text
 
