@@ -24,14 +24,39 @@ def secure_run(name: str, tmp_path, run_name: str, **keys) -> dict:
                echo=False)
 
 
+def streams_drawn(monkeypatch) -> list[tuple[int, int, str]]:
+    """Every secure stream (client, round, purpose) drawn from here on, once per draw."""
+    drawn: list[tuple[int, int, str]] = []
+    source = Randomness.source
+
+    def recorded(self, client: int, server_round: int, purpose: str):
+        if self.secure:
+            drawn.append((client, server_round, purpose))
+        return source(self, client, server_round, purpose)
+
+    monkeypatch.setattr(Randomness, "source", recorded)
+    return drawn
+
+
+def assert_each_stream_drawn_once(drawn: list[tuple[int, int, str]]) -> None:
+    """A seeded or keyed stream drawn twice gives the same numbers; a secure one does not. Code
+    that reads a stream twice (a subspace drawn by a client and again by the server, a batch
+    drawn twice) agrees with itself only when seeded: under secure noise each stream must be
+    drawn once."""
+    twice = sorted({key for key in drawn if drawn.count(key) > 1})
+    assert not twice, f"secure streams drawn more than once: {twice[:5]}"
+
+
 @pytest.mark.parametrize("name", ALGORITHMS.names())
 def test_every_algorithm_runs_with_no_seeded_draw(name, tmp_path, monkeypatch):
     """A secure Randomness has no seeded stream (``key`` raises): a run that completes drew
-    nothing from one. The CSPRNG is also counted, so a noisy algorithm is seen to use it."""
+    nothing from one. The CSPRNG is also counted, so a noisy algorithm is seen to use it, and
+    no secure stream is drawn twice (:func:`assert_each_stream_drawn_once`)."""
     taken = []
     urandom = randomness_module.os.urandom
     monkeypatch.setattr(randomness_module.os, "urandom",
                         lambda n: taken.append(n) or urandom(n))
+    drawn = streams_drawn(monkeypatch)
     keys = {"secure-noise": True}
     if "fraction-train" in RunConfig({"algorithm": name}).reads:  # client sampling too
         keys["fraction-train"] = 0.5
@@ -39,6 +64,28 @@ def test_every_algorithm_runs_with_no_seeded_draw(name, tmp_path, monkeypatch):
     assert summary["rounds_completed"] == ROUNDS
     if not ALGORITHMS.get(name).noise_free:
         assert sum(taken) > 0
+    assert_each_stream_drawn_once(drawn)
+
+
+@pytest.mark.parametrize("name,keys", [
+    ("rpdp-sgd", {"random-basis": "rotation"}), ("rpdp-sgd", {"random-basis": "qr"}),
+    ("pcdp-sgd", {"public-batching": "ibs", "public-batch-size": 20}),
+    ("fedpcdp", {"public-batching": "ibs", "public-batch-size": 20}),
+    ("pcdp-sgd", {"public-batch-size": 20}),  # rbs: a random public batch a subspace
+    ("dp-ftrl", {"noise-correlation": "banded"}),
+    ("dp-ftrl", {"noise-correlation": "banded", "client-sampling": "poisson",
+                 "fraction-train": 0.25}),
+])
+def test_the_variants_that_draw_subspaces_and_schedules_draw_each_secure_stream_once(
+        name, keys, tmp_path, monkeypatch):
+    """The random subspaces (each drawn by the client that projects with it, once), the
+    public batches and DP-FTRL's schedules (drawn from the public seed, not the secure
+    source): no secure stream is read twice, where a second read would disagree."""
+    drawn = streams_drawn(monkeypatch)
+    summary = secure_run(name, tmp_path, name, **{"secure-noise": True, **keys})
+    assert summary["rounds_completed"] == ROUNDS
+    assert drawn
+    assert_each_stream_drawn_once(drawn)
 
 
 def test_secure_mode_refuses_seeded_streams():
