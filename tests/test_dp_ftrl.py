@@ -462,7 +462,8 @@ def test_the_running_sums_noise_at_equal_epsilon_is_what_docs_privacy_says(tmp_p
 def test_an_optimised_blt_is_kept_in_the_user_cache_and_read_back_exactly(tmp_path,
                                                                           monkeypatch):
     """The optimisation runs once per (horizon, separation): a second process reads the same
-    floats from the cache file; a damaged file is optimised again and rewritten."""
+    floats from the cache file; a damaged file, or one whose coefficients are not positive and
+    non-increasing, is optimised again and rewritten."""
     from dpfl.privacy.blt import _kept, cache_file
 
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
@@ -474,5 +475,9 @@ def test_an_optimised_blt_is_kept_in_the_user_cache_and_read_back_exactly(tmp_pa
     cache_file(6, 3).write_text("{not json")
     _kept.cache_clear()
     assert blt.optimised(6, 3) == first
-    assert json.loads(cache_file(6, 3).read_text())["norm"] == first.norm
+    kept = json.loads(cache_file(6, 3).read_text())
+    assert "norm" not in kept  # ν is dpfl's own, from θ and ω: a file cannot bring its own
+    cache_file(6, 3).write_text(json.dumps({**kept, "scale": [-s for s in kept["scale"]]}))
+    _kept.cache_clear()
+    assert blt.optimised(6, 3) == first  # coefficients the bound does not cover: optimised again
     _kept.cache_clear()

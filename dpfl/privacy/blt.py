@@ -27,7 +27,10 @@ participations at least R apart move it by Δ_j = ‖Σ_{i<j} C e_{iR}‖ (Kalin
 ledger composes one Gaussian per participation: each is declared with sensitivity ν per unit
 of contribution, ν² = max_{j ≤ k} Δ_j²/j, so that j participations compose to j·ν² ≥ Δ_j² for
 every j ≤ k (Gaussian mechanisms compose by adding their squared sensitivities over σ²): exact
-at the horizon where Δ_j²/j is largest there, and an upper bound before it.
+at the horizon where Δ_j²/j is largest there, and an upper bound before it. dpfl computes ν
+itself from θ and ω (:func:`sensitivity`), after checking that c is positive and
+non-increasing, the theorem's condition: jax_privacy supplies the buffers, never the number
+the guarantee rests on, and a cached strategy cannot bring its own.
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ from dpfl.folders import user_cache
 
 @dataclass(frozen=True)
 class Strategy:
-    """A BLT factor C for ``horizon`` rounds: its buffers (``decay`` θ, ``scale`` ω), its
-    inverse's (θ', ω'), and ``norm`` ν, a participation's sensitivity over the contribution's
-    norm (module docstring)."""
+    """A BLT factor C for ``horizon`` rounds: its buffers (``decay`` θ, ``scale`` ω) and its
+    inverse's (θ', ω'); :attr:`norm` is ν, a participation's sensitivity over the
+    contribution's norm (module docstring)."""
 
     horizon: int
     separation: int
@@ -58,7 +61,6 @@ class Strategy:
     scale: tuple[float, ...]
     inverse_decay: tuple[float, ...]
     inverse_scale: tuple[float, ...]
-    norm: float
 
     @property
     def participations(self) -> int:
@@ -70,6 +72,31 @@ class Strategy:
         return [1.0] + [sum(w * d ** (k - 1) for d, w in zip(self.decay, self.scale,
                                                              strict=True))
                         for k in range(1, n)]
+
+    @functools.cached_property
+    def norm(self) -> float:
+        """ν = √(max_{j ≤ k} Δ_j²/j) (:func:`sensitivity`)."""
+        return sensitivity(self.coefficients(self.horizon), self.separation,
+                           self.participations)
+
+
+def sensitivity(coefficients: list[float], separation: int, participations: int) -> float:
+    """ν for the Toeplitz C of first column ``coefficients`` (n = their number of rounds): Δ_j,
+    the norm of the sum of C's columns 0, R, …, (j − 1)R, is the worst j participations at
+    least R = ``separation`` apart where the coefficients are positive and non-increasing
+    (Kalinin & Lampert 2024, Theorem 2), which is checked; ν² = max_{j ≤ k} Δ_j²/j."""
+    c = torch.tensor(coefficients, dtype=torch.float64)
+    if not (bool((c > 0).all()) and bool((c[1:] <= c[:-1]).all())):
+        raise ValueError("a BLT's coefficients must be positive and non-increasing for its "
+                         "min-separation sensitivity")
+    n, moved, ratios = len(c), torch.zeros(len(c), dtype=torch.float64), []
+    for j in range(participations):
+        start = j * separation
+        if start >= n:
+            break
+        moved[start:] += c[:n - start]  # column j·R of C
+        ratios.append(float(moved.square().sum()) / (j + 1))
+    return math.sqrt(max(ratios))
 
 
 def optimised(horizon: int, separation: int) -> Strategy:
@@ -99,6 +126,7 @@ def _kept(horizon: int, separation: int) -> Strategy:
         strategy = Strategy(**{k: tuple(v) if isinstance(v, list) else v
                                for k, v in json.loads(path.read_text()).items()})
         if (strategy.horizon, strategy.separation) == (horizon, separation):
+            strategy.norm  # noqa: B018 (checks the coefficients: a bad file is computed again)
             return strategy
     except (OSError, ValueError, TypeError):
         pass
@@ -119,13 +147,16 @@ def _optimised(horizon: int, separation: int) -> Strategy:
         blt = buffered_toeplitz.optimize(n=horizon, min_sep=separation, max_participations=k,
                                          error="max")
         inverse = blt.inverse()
-        coefficients = blt.toeplitz_coefs(horizon)
-        ratios = [float(toeplitz.minsep_sensitivity_squared(
-            strategy_coef=coefficients, min_sep=separation, max_participations=j)) / j
-            for j in range(1, k + 1)]
-        return Strategy(horizon, separation, _floats(blt.buf_decay),
-                        _floats(blt.output_scale), _floats(inverse.buf_decay),
-                        _floats(inverse.output_scale), math.sqrt(max(ratios)))
+        strategy = Strategy(horizon, separation, _floats(blt.buf_decay),
+                            _floats(blt.output_scale), _floats(inverse.buf_decay),
+                            _floats(inverse.output_scale))
+        theirs = float(toeplitz.minsep_sensitivity_squared(
+            strategy_coef=blt.toeplitz_coefs(horizon), min_sep=separation,
+            max_participations=k)) / k
+    if theirs > strategy.norm ** 2 * (1 + 1e-6):  # ours is the larger, max_j Δ_j²/j
+        raise RuntimeError(f"jax_privacy's sensitivity {theirs} exceeds dpfl's "
+                           f"{strategy.norm ** 2} for this BLT")
+    return strategy
 
 
 def _floats(values) -> tuple[float, ...]:
