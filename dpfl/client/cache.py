@@ -42,9 +42,9 @@ from dpfl.atomic import write_atomically
 from dpfl.config import parse_options
 from dpfl.datasets import arrays
 from dpfl.datasets.loading import stamp
-from dpfl.folders import CACHE_DIR_ENV, user_cache
 from dpfl.datasets.site import site_node_data
 from dpfl.errors import ConfigError
+from dpfl.folders import CACHE_DIR_ENV, user_cache
 from dpfl.problem import Problem, cached_problem, data_dir, data_key
 from dpfl.reference import is_reference
 from dpfl.runconfig import RunConfig
