@@ -26,6 +26,7 @@ not counted: which runs they hold depends on that stage's results.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gzip
 import hashlib
@@ -548,3 +549,23 @@ class Lab:
         written (not ``final``), also every run the folder's archive held before."""
         return write_archive(self.folder / ARCHIVE,
                              self.used if final else {**self.kept, **self.used})
+
+
+def sweep_main(sweep: Callable[[Lab], Path], argv: list[str] | None, *, description: str,
+               results: Path, smoke: str) -> int:
+    """The command line of a sweep script of its own (an example's ``sweep.py``, outside ``dpfl
+    reproduce``): ``--results-dir`` (default ``results``), ``--reuse ARCHIVE`` (repeatable:
+    runs that count as finished), ``--workers``, and ``--smoke`` (``smoke`` says what it
+    reduces; its lab writes to a ``smoke`` subfolder); runs ``sweep`` on that lab and prints
+    the report's path."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--results-dir", type=Path, default=results)
+    parser.add_argument("--reuse", type=Path, action="append", default=[],
+                        help="an archive (runs.jsonl.gz) whose runs count as finished")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help=smoke)
+    args = parser.parse_args(argv)
+    folder = args.results_dir / ("smoke" if args.smoke else "")
+    lab = Lab(folder, smoke=args.smoke, workers=args.workers, reuse=args.reuse)
+    print(f"report: {sweep(lab)}")
+    return 0

@@ -15,7 +15,6 @@ roles for 2 rounds.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ from data import shakespeare  # noqa: E402
 
 from dpfl.config import parse_options  # noqa: E402
 from dpfl.datasets.loading import data_folder  # noqa: E402
-from dpfl_reproductions.lab import Lab  # noqa: E402
+from dpfl_reproductions.lab import Lab, sweep_main  # noqa: E402
 
 SETTING: dict[str, Any] = {
     "dataset": "data:shakespeare", "partitioner": "natural", "num-partitions": 180,
@@ -124,17 +123,8 @@ def sweep(lab: Lab) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results-dir", type=Path, default=HERE / "results")
-    parser.add_argument("--reuse", type=Path, action="append", default=[],
-                        help="an archive (runs.jsonl.gz) whose runs count as finished")
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true", help="4 roles, 2 rounds")
-    args = parser.parse_args(argv)
-    folder = args.results_dir / ("smoke" if args.smoke else "")
-    lab = Lab(folder, smoke=args.smoke, workers=args.workers, reuse=args.reuse)
-    print(f"report: {sweep(lab)}")
-    return 0
+    return sweep_main(sweep, argv, description=__doc__.splitlines()[0],
+                      results=HERE / "results", smoke="4 roles, 2 rounds")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ the same protocol on 200 lines for 2 rounds.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(HERE))  # the lab's forked workers import data.py and mod
 from data import rows  # noqa: E402
 
 from dpfl.datasets.loading import data_folder  # noqa: E402
-from dpfl_reproductions.lab import Lab  # noqa: E402
+from dpfl_reproductions.lab import Lab, sweep_main  # noqa: E402
 
 ROUNDS = 100
 COMMON: dict[str, Any] = {
@@ -125,17 +124,8 @@ def sweep(lab: Lab) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results-dir", type=Path, default=HERE / "results")
-    parser.add_argument("--reuse", type=Path, action="append", default=[],
-                        help="an archive (runs.jsonl.gz) whose runs count as finished")
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true", help="200 lines, 2 rounds")
-    args = parser.parse_args(argv)
-    folder = args.results_dir / ("smoke" if args.smoke else "")
-    lab = Lab(folder, smoke=args.smoke, workers=args.workers, reuse=args.reuse)
-    print(f"report: {sweep(lab)}")
-    return 0
+    return sweep_main(sweep, argv, description=__doc__.splitlines()[0],
+                      results=HERE / "results", smoke="200 lines, 2 rounds")
 
 
 if __name__ == "__main__":
