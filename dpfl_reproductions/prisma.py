@@ -29,6 +29,7 @@ data.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -45,13 +46,16 @@ from dpfl_reproductions.selection import (
     Ranking,
     Runner,
     Search,
+    Neighbourhood,
     accuracy,
+    axis_neighbours,
     best,
     command,
     edge_axes,
     final_accuracy,
     grid,
     mean_std,
+    neighbours,
     ranked,
 )
 from dpfl.privacy import PrivacyLedger
@@ -85,6 +89,12 @@ LS_BASE: Config = {"dataset": "prisma-least-squares", "model": "least-squares",
 TUNING_SEEDS = (0, 1, 2, 3, 4)
 TRIAL_SEEDS = tuple(range(100, 125))
 LOCAL_LIMIT = 4  # rounds of the local search
+#: how the methods' searches are sized. "paper": each method its own grid (PriSMA's coarse start
+#: is 216 points a cell and its local search up to 80 neighbours a round, DPSGD-GC's 45 and 8).
+#: "equal": a cell's search has as many configurations as DPSGD-GC's whole (extended) grid, which
+#: DPSGD-GC searches exhaustively; PriSMA starts from the same 45 points of the paper's (η, C1),
+#: each with the next coarse (γ, C3) pair, then searches one axis at a time up to that number
+BUDGETS = ("paper", "equal")
 THEORY_SLOPE = {"prisma": -2 / 5, "dpsgd-gc": -1 / 3}
 # Measured single-thread cost of the simulator (float64, fused): per round, the draws of one
 # federation (≈ 0.35 ms per 2000 records per client) and each configuration (≈ 40 µs + 20 µs
@@ -153,13 +163,15 @@ class Figure1:
     comparison is paired, while across T the final iterates see different draws (a single
     seed's ranking across T follows the luck of the last rounds); T is chosen by the mean over
     the tuning seeds. ``axes`` (default: the paper's grid) bound the local search;
-    ``calibration`` sets every run's noise; the stages that rank take the ``metric`` they rank
-    by (a :func:`score` name)."""
+    ``calibration`` sets every run's noise; ``budget`` (one of :data:`BUDGETS`) sizes the two
+    methods' searches; the stages that rank take the ``metric`` they rank by (a :func:`score`
+    name)."""
 
     def __init__(self, lab: Lab, *, axes: dict[str, dict[str, tuple[float, ...]]] | None = None,
-                 calibration: str = "paper",
-                 search_seeds: Sequence[int] = TUNING_SEEDS[:1]) -> None:
+                 calibration: str = "paper", search_seeds: Sequence[int] = TUNING_SEEDS[:1],
+                 budget: str = "paper") -> None:
         self.lab = lab
+        self.budget = budget
         self.axes = axes or (SMOKE_AXES if lab.smoke else AXES)
         self.calibration = calibration
         self.sizes = lab.restrict("size", SIZES[:2] if lab.smoke else SIZES)
@@ -187,19 +199,49 @@ class Figure1:
                          self.calibration)
 
     def coarse(self) -> dict[Cell, list[Config]]:
-        """DPSGD-GC's whole grid; PriSMA's with :data:`COARSE` (smoke: its whole grid)."""
+        """Where each cell's search starts. The paper's budget: DPSGD-GC's whole grid, PriSMA's
+        with :data:`COARSE` (smoke: its whole grid). Equal budgets: DPSGD-GC's whole grid (of
+        :attr:`axes`, extended where they are: all of its budget); for PriSMA the paper's grid
+        of (η, C1) that DPSGD-GC's starts from, each point with the next of the coarse (γ, C3)
+        pairs in turn (smoke: the smoke grid's), so that every η and every C1 meets several
+        pairs."""
         out = {}
+        paper = SMOKE_AXES if self.lab.smoke else AXES
+        plane = grid(**{k.replace("-", "_"): v for k, v in paper["dpsgd-gc"].items()
+                        if k != "num-server-rounds"})
+        pairs = list(itertools.product(*(
+            (paper["prisma"] if self.lab.smoke else COARSE)[k] for k in ("gamma", "clip-diff"))))
         for cell in self.cells():
             axes = dict(self.tuned(cell[0]))
-            if cell[0] == "prisma" and not self.lab.smoke:
+            if cell[0] == "prisma" and self.budget == "equal":
+                out[cell] = [{**p, "gamma": pairs[i % len(pairs)][0],
+                              "clip-diff": pairs[i % len(pairs)][1]}
+                             for i, p in enumerate(plane)]
+                continue
+            if cell[0] == "prisma" and not self.lab.smoke and self.budget == "paper":
                 axes.update(COARSE)
             out[cell] = grid(**{k.replace("-", "_"): v for k, v in axes.items()})
         return out
 
+    def neighbourhood(self, cell: Cell) -> Neighbourhood:
+        """The local search's points around a cell's best: one grid step on any axes at once,
+        or under equal budgets one step on one axis for PriSMA (2·4 = 8 on its four axes, where
+        any axes at once would give 80)."""
+        return axis_neighbours if self.budget == "equal" and cell[0] == "prisma" else neighbours
+
+    def budget_of(self, cell: Cell) -> int | None:
+        """The most configurations a cell's search may run: under equal budgets the size of
+        DPSGD-GC's grid of :attr:`axes`, else no bound."""
+        if self.budget == "paper":
+            return None
+        return math.prod(len(v) for v in self.tuned("dpsgd-gc").values())
+
     def local(self, metric: str = "grad_norm", limit: int = LOCAL_LIMIT) -> int:
         """The local search around each cell's best by ``metric`` on the grid :attr:`axes`
-        (:meth:`~dpfl_reproductions.selection.Search.local`); returns how many rounds ran."""
-        return self.search.local(ranking(metric), lambda cell: self.tuned(cell[0]), limit)
+        (:meth:`~dpfl_reproductions.selection.Search.local`, each cell's
+        :meth:`neighbourhood` within its :meth:`budget_of`); returns how many rounds ran."""
+        return self.search.local(ranking(metric), lambda cell: self.tuned(cell[0]), limit,
+                                 self.neighbourhood, self.budget_of)
 
     def confirm(self, metric: str = "grad_norm") -> Confirmed:
         """Each T's best point (by ``metric``) of every (method, N) on every tuning seed."""

@@ -33,6 +33,14 @@ verdict survives what that protocol cannot rule out:
   arms' searches rank every point on its mean over tuning seeds 0, 1 and 2 (:data:`HARDENED`:
   three datasets, since the seed draws the data), for both methods alike, at three times the
   search's runs.
+* **the search's budget**: the paper's grids give PriSMA about 8× DPSGD-GC's configurations
+  (a coarse start of 216 points a cell against 45, local rounds of up to 80 neighbours against
+  8). ``least-squares-equal`` searches as ``least-squares-hardened`` does with equal budgets
+  (:data:`~dpfl_reproductions.prisma.BUDGETS`): per (method, N, T) cell as many configurations
+  as DPSGD-GC's extended grid, which DPSGD-GC searches whole; PriSMA from the same points of
+  (η, C1) with the coarse (γ, C3) pairs in turn, then one axis at a time. Each arm starts alike
+  (the accountant arm does not start from the paper arm's points), and every report counts each
+  method's configurations, runs and cost.
 
 Verdicts (:func:`claim_below`, :func:`claim_faster`): claim 1 is confirmed where PriSMA is
 significantly lower at every N, refuted where at some N DPSGD-GC is significantly lower or the
@@ -80,7 +88,6 @@ from dpfl_reproductions.selection import (
     command,
     edge_axes,
     grid,
-    neighbours,
     paired,
     point_key,
 )
@@ -110,8 +117,11 @@ def seed_points(fig: Figure1, start: Figure1 | None) -> dict[Cell, list[Config]]
     """Where an arm's search starts. The paper arm: the figure's coarse grid (the runs of
     ``least-squares``, reused from its archive). The accountant arm: η whole and C1 on the
     coarse values, PriSMA's γ and C3 those of the paper arm's best point of the cell by each
-    metric (``start``)."""
+    metric (``start``). Under equal budgets each arm starts alike, from
+    :meth:`~dpfl_reproductions.prisma.Figure1.coarse` (``start`` is not given)."""
     paper = SMOKE_AXES if fig.lab.smoke else AXES
+    if fig.budget == "equal":
+        return fig.coarse()
     if start is None:
         return Figure1(fig.lab, axes=paper, calibration=fig.calibration).coarse()
     return {cell: restart(fig, cell, {(b["gamma"], b["clip-diff"]) for b in (
@@ -145,14 +155,15 @@ def local_round_bound(fig: Figure1) -> list[Config]:
     for cell in fig.cells():
         axes = fig.tuned(cell[0])
         middle = {k: v[len(v) // 2] for k, v in axes.items()}
-        configs += [fig.config(cell, p, seed) for p in neighbours(middle, axes)
+        configs += [fig.config(cell, p, seed) for p in fig.neighbourhood(cell)(middle, axes)
                     for seed in fig.search.seeds]
     return configs
 
 
 def paper_search(lab: Lab, axes: dict[str, dict[str, tuple[float, ...]]],
                  metrics: Sequence[str], search_seeds: Sequence[int]) -> Figure1:
-    """The paper arm's search alone (where the accountant arm runs without it: its start)."""
+    """The paper arm's search alone (where the accountant arm runs without it: its start, at
+    the paper's budget)."""
     fig = Figure1(lab, axes=axes, calibration="paper", search_seeds=search_seeds)
     fig.search.run(seed_points(fig, None))
     for metric in metrics:
@@ -197,8 +208,9 @@ def pool(fig: Figure1, confirmed: dict[str, Confirmed], metric: str) -> Choice:
 
 def run_arm(lab: Lab, calibration: str, axes: dict[str, dict[str, tuple[float, ...]]],
             metrics: Sequence[str], seeds: Sequence[int], start: Figure1 | None,
-            search_seeds: Sequence[int]) -> Arm:
-    fig = Figure1(lab, axes=axes, calibration=calibration, search_seeds=search_seeds)
+            search_seeds: Sequence[int], budget: str) -> Arm:
+    fig = Figure1(lab, axes=axes, calibration=calibration, search_seeds=search_seeds,
+                  budget=budget)
     fig.search.run(seed_points(fig, start))
     arm = Arm(calibration, fig, {}, {}, {}, {})
     for metric in metrics:
@@ -314,20 +326,31 @@ def least_squares_hardened(lab: Lab) -> str:
     return figure1_decided(lab, HARDENED, "least-squares-hardened")
 
 
-def figure1_decided(lab: Lab, search_seeds: Sequence[int], name: str) -> str:
-    """Both arms (:func:`run_arm`) with searches at ``search_seeds``, their verdicts and
-    report."""
+@experiment("prisma", "least-squares-equal",
+            "Figure 1 decided as least-squares-hardened, with equal searches: per cell as many "
+            "configurations as DPSGD-GC's extended grid, which it searches whole; PriSMA from "
+            "the same 45 points of (η, C1), then one axis at a time",
+            axes=("size", "calibration", "metric"))
+def least_squares_equal(lab: Lab) -> str:
+    return figure1_decided(lab, HARDENED, "least-squares-equal", budget="equal")
+
+
+def figure1_decided(lab: Lab, search_seeds: Sequence[int], name: str,
+                    budget: str = "paper") -> str:
+    """Both arms (:func:`run_arm`) with searches at ``search_seeds`` sized by ``budget``
+    (:data:`~dpfl_reproductions.prisma.BUDGETS`), their verdicts and report."""
     paper_axes = SMOKE_AXES if lab.smoke else AXES
     axes = extended(paper_axes, SMOKE_EXTRA if lab.smoke else EXTRA)
     calibrations = lab.restrict("calibration", CALIBRATIONS)
     metrics = lab.restrict("metric", tuple(METRICS))
     seeds = TRIAL_SEEDS[:3] if lab.smoke else TRIAL_SEEDS
-    report_cost(lab, axes, calibrations, metrics, seeds, search_seeds, name)
+    report_cost(lab, axes, calibrations, metrics, seeds, search_seeds, name, budget)
     arms: list[Arm] = []
     for calibration in calibrations:
-        start = None if calibration == "paper" else (
+        start = None if calibration == "paper" or budget == "equal" else (
             arms[0].fig if arms else paper_search(lab, axes, metrics, search_seeds))
-        arms.append(run_arm(lab, calibration, axes, metrics, seeds, start, search_seeds))
+        arms.append(run_arm(lab, calibration, axes, metrics, seeds, start, search_seeds,
+                            budget))
     verdicts = [decide(arm.fig.sizes, arm, selection, metric) for arm in arms
                 for selection, metric in arm.chosen]
     report_verdicts(lab, verdicts, search_seeds)
@@ -340,14 +363,16 @@ def figure1_decided(lab: Lab, search_seeds: Sequence[int], name: str) -> str:
 
 def report_cost(lab: Lab, axes: dict[str, dict[str, tuple[float, ...]]],
                 calibrations: Sequence[str], metrics: Sequence[str],
-                seeds: Sequence[int], search_seeds: Sequence[int], name: str) -> None:
+                seeds: Sequence[int], search_seeds: Sequence[int], name: str,
+                budget: str) -> None:
     """The cost model's estimate, printed before the sweep and kept in the report."""
     lines = []
     total = 0.0
     for calibration in calibrations:
-        fig = Figure1(lab, axes=axes, calibration=calibration, search_seeds=search_seeds)
+        fig = Figure1(lab, axes=axes, calibration=calibration, search_seeds=search_seeds,
+                      budget=budget)
         # the accountant arm's start as if the paper arm's two metrics chose two (γ, C3) pairs
-        starts = (seed_points(fig, None) if calibration == "paper" else
+        starts = (seed_points(fig, None) if calibration == "paper" or budget == "equal" else
                   {cell: restart(fig, cell, {(0.05, 0.005), (0.05, 0.01)})
                    for cell in fig.cells()})
         start = [fig.config(cell, p, seed) for cell, ps in starts.items() for p in ps
@@ -409,6 +434,21 @@ tuning-seed mean among every point either metric's confirmation ran).
                 f"{v.slopes['prisma']:.3f}, {v.slopes['dpsgd-gc']:.3f}"] for v in verdicts])
 
 
+def search_budget(fig: Figure1) -> list[tuple[str, list[Config], list[Config]]]:
+    """Each method's searched points over its cells and their runs (one a tuning seed): the
+    budget its selection had, before the confirmations (the same for both: each T's best on
+    every tuning seed)."""
+    out = []
+    for method in METHODS:
+        cells = [(cell, searched) for cell, searched in fig.search.searched.items()
+                 if cell[0] == method]
+        points = [p for _, searched in cells for _, p in searched.values()]
+        runs = [fig.config(cell, p, seed) for cell, searched in cells
+                for _, p in searched.values() for seed in fig.search.seeds]
+        out.append((method, points, runs))
+    return out
+
+
 def report_arm(lab: Lab, arm: Arm, paper_axes: dict[str, dict[str, tuple[float, ...]]],
                verdicts: list[Verdict]) -> None:
     fig1 = arm.fig
@@ -417,6 +457,10 @@ def report_arm(lab: Lab, arm: Arm, paper_axes: dict[str, dict[str, tuple[float, 
     lab.text(f"## Noise: {arm.calibration}\n\n{searched} configurations searched at tuning "
              f"seeds {', '.join(map(str, fig1.search.seeds))}; local search rounds by metric: "
              + ", ".join(f"{m} {r}" for m, r in arm.local_rounds.items()) + f" (limit {LIMIT}).")
+    lab.table(f"{arm.calibration} noise: each method's search ({fig1.budget} budget)",
+              ["method", "configurations", "runs", "single-thread hours (cost model)"],
+              [[LABEL[m], len(points), len(runs), f"{estimate_seconds(runs) / 3600:.2f}"]
+               for m, points, runs in search_budget(fig1)])
     for v in verdicts:
         runs, chosen = arm.trials[(v.selection, v.metric)], arm.chosen[(v.selection, v.metric)]
         which = "" if v.selection == "protocol" else f", {v.selection} selection"

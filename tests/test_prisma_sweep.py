@@ -14,7 +14,7 @@ from dpfl.engine.runner import EngineTransport
 from dpfl_reproductions import least_squares
 from dpfl_reproductions.lab import ARCHIVE, Lab
 from dpfl_reproductions.prisma import config_of, estimate_seconds
-from dpfl_reproductions.selection import neighbours
+from dpfl_reproductions.selection import axis_neighbours, neighbours
 from dpfl.problem import build_problem
 from dpfl.rounds import RoundLoop, drive
 from dpfl.runconfig import RunConfig
@@ -126,6 +126,17 @@ def test_neighbours_step_once_on_every_axis_and_stop_at_the_grid_ends():
     axes = {"a": (1, 2, 3), "b": (0.1, 0.2)}
     assert len(neighbours({"a": 2, "b": 0.1}, axes)) == 3 * 2
     assert {p["a"] for p in neighbours({"a": 3, "b": 0.2}, axes)} == {2, 3}
+
+
+def test_axis_neighbours_step_on_one_axis_at_a_time():
+    """Two a coordinate inside the grid (8 on four axes, where any axes at once give 80), one
+    at a grid end, the point itself first."""
+    axes = {k: (1, 2, 3) for k in "abcd"}
+    middle = dict.fromkeys("abcd", 2)
+    points = axis_neighbours(middle, axes)
+    assert points[0] == middle and len(points) == 1 + 2 * 4 and len(neighbours(middle, axes)) == 81
+    assert all(sum(p[k] != 2 for k in "abcd") == 1 for p in points[1:])
+    assert len(axis_neighbours({**middle, "a": 3}, axes)) == 1 + 1 + 2 * 3
 
 
 def test_the_cost_estimate_grows_with_rounds_records_and_configurations():

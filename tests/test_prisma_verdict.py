@@ -195,17 +195,68 @@ def test_a_search_over_several_seeds_ranks_every_point_on_its_mean():
     assert len(asked) == 8
 
 
+def test_a_local_search_stops_at_its_cells_budget():
+    """``Search.local`` with a budget runs a cell's neighbours in their order only up to it, and
+    a cell without one runs them all."""
+    from dpfl_reproductions.selection import Ranking, Runner, Search
+
+    runner = Runner(lambda cell, point, seed: {**point, "seed": seed},
+                    lambda configs: [{"norm": abs(c["x"] - 7) + abs(c["y"] - 7)} for c in configs])
+    search = Search(runner, (0,))
+    axes = {"x": tuple(range(10)), "y": tuple(range(10))}
+    search.run({"capped": [{"x": 0, "y": 0}], "free": [{"x": 0, "y": 0}]})
+    rounds = search.local(Ranking(lambda s: s["norm"]), lambda cell: axes, 20,
+                          budget=lambda cell: 6 if cell == "capped" else None)
+    assert len(search.searched["capped"]) == 6
+    assert search.best("free", Ranking(lambda s: s["norm"])) == {"x": 7, "y": 7}
+    assert 0 < rounds < 20
+
+
+def _paper_arm_smoke(name, tmp_path, capsys):
+    """The smoke run of experiment ``name``'s arm at Theorem 3's noise: its report, and the
+    configurations of its archived runs."""
+    assert cli.main(["reproduce", "prisma", name, "--smoke", "--only", "calibration=paper",
+                     "--results-dir", str(tmp_path)]) == 0
+    assert f"{name}: ≈" in capsys.readouterr().out  # the estimate, first
+    folder = tmp_path / f"reproduce-prisma-{name}-smoke"
+    with gzip.open(folder / ARCHIVE, "rt") as f:
+        return (folder / "report.md").read_text(), [json.loads(line)["config"] for line in f]
+
+
+@pytest.mark.smoke
+def test_the_equal_smoke_verdict_gives_both_methods_one_budget(tmp_path, capsys):
+    """Every (method, N, T) cell searches as many configurations as DPSGD-GC's extended grid
+    has; PriSMA's start is DPSGD-GC's (η, C1) plane with the (γ, C3) pairs in turn, and the
+    report counts each method's search."""
+    from dpfl_reproductions.prisma import SMOKE_AXES
+
+    report, runs = _paper_arm_smoke("least-squares-equal", tmp_path, capsys)
+    assert "each method's search (equal budget)" in report
+    assert "| PriSMA | 64 | 192 |" in report and "| DPSGD-GC | 64 | 192 |" in report
+    cells = {}  # (method, N by its batch, T) -> the points searched at seed 0
+    for c in runs:
+        if c["seed"] == 0:
+            cell = (c["algorithm"], c["batch-size"], c["num-server-rounds"])
+            cells.setdefault(cell, set()).add((c["learning-rate"], c["clip"],
+                                               c.get("gamma"), c.get("clip-diff")))
+    extended = 4 * 4  # the smoke grid's 3 × 3 of (η, C1), each axis one value past its end
+    assert len(cells) == 8 and all(len(points) == extended for points in cells.values())
+    plane = {(lr, clip) for lr in SMOKE_AXES["dpsgd-gc"]["learning-rate"]
+             for clip in SMOKE_AXES["dpsgd-gc"]["clip"]}
+    for (method, _, _), points in cells.items():
+        assert plane <= {(lr, clip) for lr, clip, _, _ in points}
+        if method == "prisma":  # every (γ, C3) pair of the smoke grid in the start
+            assert {(g, c3) for lr, clip, g, c3 in points if (lr, clip) in plane} >= {
+                (g, c3) for g in SMOKE_AXES["prisma"]["gamma"]
+                for c3 in SMOKE_AXES["prisma"]["clip-diff"]}
+
+
 @pytest.mark.smoke
 def test_the_hardened_smoke_verdict_searches_every_point_on_three_seeds(tmp_path, capsys):
-    assert cli.main(["reproduce", "prisma", "least-squares-hardened", "--smoke",
-                     "--only", "calibration=paper", "--results-dir", str(tmp_path)]) == 0
-    assert "least-squares-hardened: ≈" in capsys.readouterr().out
-    folder = tmp_path / "reproduce-prisma-least-squares-hardened-smoke"
-    report = (folder / "report.md").read_text()
+    report, runs = _paper_arm_smoke("least-squares-hardened", tmp_path, capsys)
     assert "configurations searched at tuning seeds 0, 1, 2" in report
     assert "best by its mean over tuning seeds 0, 1, 2 confirmed" in report
-    with gzip.open(folder / ARCHIVE, "rt") as f:
-        runs = [json.loads(line)["config"] for line in f]
+    assert "each method's search (paper budget)" in report
     searched = {}  # every point the search ran, by its seeds
     for c in runs:
         if c["seed"] in (0, 1, 2):

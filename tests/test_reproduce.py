@@ -330,7 +330,7 @@ def test_unknown_experiment_names_the_allowed_ones(capsys):
         "pcdp/federated-fmnist, pcdp/federated-fmnist-baselines, pcdp/federated-fmnist-tuned, " \
         "pcdp/federated-mnist, pcdp/federated-mnist-baselines, pcdp/federated-mnist-local, " \
         "pcdp/federated-mnist-tuned, pcdp/noniid, pcdp/noniid-tuned, prisma/cifar10, " \
-        "prisma/least-squares, prisma/least-squares-hardened, " \
+        "prisma/least-squares, prisma/least-squares-equal, prisma/least-squares-hardened, " \
         "prisma/least-squares-verdict" \
         in capsys.readouterr().err
 

@@ -6,7 +6,8 @@ block, never a copy of one:
 
 * **grid** (:mod:`.grids`): :func:`grid`, the product of axes; :func:`edge_axes`, a point's
   axes on the grid's edge (a selection there is weaker than an interior one); the points next to
-  one, inside the grid (:func:`neighbours`) or past its edge (:func:`past_edge`).
+  one, inside the grid (:func:`neighbours`, on any axes at once; :func:`axis_neighbours`, on
+  one) or past its edge (:func:`past_edge`).
 * **rank** (:mod:`.ranking`): a :class:`Ranking` is a run's metric (higher or lower better),
   the mean over a point's seeds, a non-finite mean last, and one tie rule: the ranking's
   ``then`` metric, else the order the points were given in (the first wins). Points are ranked
@@ -23,7 +24,7 @@ block, never a copy of one:
   (:func:`smaller_steps`), and its :func:`seed_runs`.
 * **a walk past the grid's edge** (:mod:`.walks`): :func:`walk_past_edges`, × or ÷ a factor
   per axis while the mean over the seeds improves; :func:`walk_past_edge` along one axis.
-* **a local search at one tuning seed** (:mod:`.search`): :class:`Search`, every grid
+* **a local search at one or more tuning seeds** (:mod:`.search`): :class:`Search`, every grid
   neighbour of a cell's best until it is interior to what was searched.
 * **confirmation and seed runs** (:mod:`.runs`): a :class:`Runner` runs a cell's point at a
   seed; :meth:`Runner.on_seeds` runs each cell's chosen point on tuning seeds (a
@@ -40,9 +41,11 @@ How each experiment composes them (the reported accuracies are always the test s
   then validation loss; fresh seeds by :meth:`Runner.on_seeds`. ``secagg gain`` and ``pcdp
   *-tuned``: one grid axis at a selection seed ranked by validation accuracy, the axis in
   increasing order (a tie takes the smaller step).
-* ``prisma least-squares*``: a coarse :func:`grid` and a :class:`Search` at tuning seed 0 per
-  (method, N, T), each T's best confirmed on the tuning seeds and the T of the lowest mean
-  taken (:func:`best`); ``prisma cifar10``: the best of a grid at one seed by test accuracy
+* ``prisma least-squares*``: a coarse :func:`grid` and a :class:`Search` at tuning seed 0
+  (``-hardened``, ``-equal``: on the mean over seeds 0–2) per (method, N, T), each T's best
+  confirmed on the tuning seeds and the T of the lowest mean taken (:func:`best`); ``-equal``
+  bounds each cell's search by a budget and walks PriSMA's grid by :func:`axis_neighbours`;
+  ``prisma cifar10``: the best of a grid at one seed by test accuracy
   (:func:`ranked`).
 * ``adaptive t*``: the grid on two seeds ranked by the mean lowest training loss, then
   :func:`walk_past_edges` on (η, C); ``adaptive interpolation``: the best grid point of each
@@ -53,6 +56,7 @@ from dpfl_reproductions.selection.grids import (
     BELOW_GRID,
     Cell,
     Config,
+    axis_neighbours,
     edge_axes,
     grid,
     grid_floor,
@@ -86,15 +90,14 @@ from dpfl_reproductions.selection.ranking import (
     ranked,
 )
 from dpfl_reproductions.selection.runs import Runner, Runs, command
-from dpfl_reproductions.selection.search import Search, point_key
+from dpfl_reproductions.selection.search import Neighbourhood, Search, point_key
 from dpfl_reproductions.selection.walks import Walked, walk_past_edge, walk_past_edges
 
 __all__ = [
-    "BELOW_GRID", "CONFIRMATION", "LEVEL", "Cell", "Config", "Keep", "Paired", "Ranking", "Rung",
-    "Runner",
-    "Runs", "Search", "Split", "StepLadder", "StepRung", "Summary", "Walked", "accuracy", "best",
-    "command", "decided", "edge_axes", "final_accuracy", "final_loss", "grid", "grid_floor", "halving",
-    "mean_std", "neighbours", "paired", "past_edge", "point_key", "ranked", "same_end",
-    "seed_runs", "select", "smaller_steps", "survivors", "top", "walk_past_edge",
-    "walk_past_edges",
+    "BELOW_GRID", "CONFIRMATION", "Cell", "Config", "Keep", "LEVEL", "Neighbourhood", "Paired",
+    "Ranking", "Rung", "Runner", "Runs", "Search", "Split", "StepLadder", "StepRung", "Summary",
+    "Walked", "accuracy", "axis_neighbours", "best", "command", "decided", "edge_axes",
+    "final_accuracy", "final_loss", "grid", "grid_floor", "halving", "mean_std", "neighbours",
+    "paired", "past_edge", "point_key", "ranked", "same_end", "seed_runs", "select",
+    "smaller_steps", "survivors", "top", "walk_past_edge", "walk_past_edges",
 ]

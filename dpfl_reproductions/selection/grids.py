@@ -1,5 +1,6 @@
 """The grids a selection searches, their edges, and the points next to a point: one grid step
-away inside the grid (:func:`neighbours`) or one step past its edge (:func:`past_edge`)."""
+away inside the grid on any axes at once (:func:`neighbours`) or on one axis
+(:func:`axis_neighbours`), or one step past its edge (:func:`past_edge`)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,17 @@ def neighbours(point: Config, axes: dict[str, tuple[float, ...]]) -> list[Config
         i = values.index(point[key])
         options.append(values[max(0, i - 1): i + 2])
     return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*options)]
+
+
+def axis_neighbours(point: Config, axes: dict[str, tuple[float, ...]]) -> list[Config]:
+    """``point`` and every point one grid step away on exactly one of ``axes``: two a
+    coordinate, where :func:`neighbours` has 3^k − 1 (a search over k axes that is to spend no
+    more than one over fewer, as 8 = 2·4 on four axes against 3² − 1 on two)."""
+    out = [point]
+    for key, values in axes.items():
+        i = values.index(point[key])
+        out += [{**point, key: values[j]} for j in (i - 1, i + 1) if 0 <= j < len(values)]
+    return out
 
 
 def past_edge(point: Config, searched: list[Config], axes: Sequence[str],

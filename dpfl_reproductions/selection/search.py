@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from dpfl_reproductions.selection.grids import Cell, Config, neighbours
+
+#: the points next to a point on a grid's axes (:func:`~.grids.neighbours` or
+#: :func:`~.grids.axis_neighbours`)
+Neighbourhood = Callable[[Config, dict[str, tuple[float, ...]]], list[Config]]
 from dpfl_reproductions.selection.ranking import Ranking, Summary, best
 from dpfl_reproductions.selection.runs import Runner
 
@@ -42,14 +46,19 @@ class Search:
         return best(((p, runs) for runs, p in self.searched[cell].values()), ranking)
 
     def local(self, ranking: Ranking, axes: Callable[[Cell], dict[str, tuple[float, ...]]],
-              limit: int) -> int:
-        """Every neighbour on the grid ``axes(cell)`` (one step on any axes at once) of each
-        cell's best, until every best is interior to what was searched or ``limit`` rounds
-        ran; returns how many ran."""
+              limit: int, around: Callable[[Cell], Neighbourhood] = lambda cell: neighbours,
+              budget: Callable[[Cell], int | None] = lambda cell: None) -> int:
+        """Every neighbour on the grid ``axes(cell)`` of each cell's best (``around(cell)``'s:
+        by default one step on any axes at once), until every best is interior to what was
+        searched, ``limit`` rounds ran, or a cell has searched ``budget(cell)`` points (the
+        neighbours taken in their order up to it); returns how many rounds ran."""
         for step in range(limit):
-            todo = {cell: [p for p in neighbours(self.best(cell, ranking), axes(cell))
-                           if point_key(p) not in self.searched[cell]]
-                    for cell in self.searched}
+            todo = {}
+            for cell, searched in self.searched.items():
+                new = [p for p in around(cell)(self.best(cell, ranking), axes(cell))
+                       if point_key(p) not in searched]
+                most = budget(cell)
+                todo[cell] = new if most is None else new[:max(0, most - len(searched))]
             if not any(todo.values()):
                 return step
             self.run(todo)
