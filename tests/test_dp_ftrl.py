@@ -24,8 +24,18 @@ from dpfl.privacy.tree import increment, tree_depth
 from dpfl.problem import build_problem
 from dpfl.runconfig import RunConfig
 
-NEEDS_BLT = pytest.mark.skipif(importlib.util.find_spec("jax_privacy") is None,
-                               reason="noise-correlation='blt' needs dpfl[blt] (jax_privacy)")
+#: the BLT tests' marks: skipped without dpfl[blt], and run on one worker, so that the strategy
+#: they share (12 rounds, a client every 4) is optimised once a session
+NEEDS_BLT = [pytest.mark.skipif(importlib.util.find_spec("jax_privacy") is None,
+                                reason="noise-correlation='blt' needs dpfl[blt] (jax_privacy)"),
+             pytest.mark.xdist_group("blt")]
+
+
+def needs_blt(test):
+    for mark in NEEDS_BLT:
+        test = mark(test)
+    return test
+
 VALUES = {"algorithm": "dp-ftrl", "dataset": "digits", "model": "logistic",
           "num-partitions": 40, "num-server-rounds": 12, "batch-size": 16, "local-steps": 2,
           "learning-rate": 0.5, "clip": 0.1, "fraction-train": 0.25, "epsilon": 4.0,
@@ -335,7 +345,7 @@ def test_a_run_resumed_mid_epoch_equals_the_uninterrupted_one(tmp_path, correlat
     pytest.param("blt", "epochs", marks=NEEDS_BLT)])
 def test_flower_code_path_equals_engine(tmp_path, correlation, sampling):
     """Two epochs of four rounds (or, Poisson-sampled, two passes over 4 groups): the noise's
-    state crosses rounds and an epoch."""
+    state crosses rounds and an epoch (a BLT optimised for 12 rounds, the other tests')."""
     from tests.inprocess_grid import assert_flower_equals_engine
 
     assert_flower_equals_engine(tmp_path, {**VALUES, "num-partitions": 8,
@@ -343,7 +353,9 @@ def test_flower_code_path_equals_engine(tmp_path, correlation, sampling):
                                            else 0.125, "num-server-rounds": 8,
                                            "noise-correlation": correlation,
                                            "bands": 4 if correlation == "banded" else 0,
-                                           "client-sampling": sampling}, 8)
+                                           "client-sampling": sampling,
+                                           **({"calibration-rounds": 12}
+                                              if correlation == "blt" else {})}, 8)
 
 
 def test_its_noise_cannot_be_split_over_a_secure_sum(tmp_path):
@@ -363,7 +375,7 @@ def _worst_sensitivities(factor: np.ndarray, separation: int, most: int) -> list
             for j in range(1, most + 1)]
 
 
-@NEEDS_BLT
+@needs_blt
 def test_blt_noise_streams_its_factors_inverse_and_its_sensitivity_is_the_worst_pattern(
         tmp_path):
     """12 rounds, a client every R = 4 (k = 3): the streamed noise is C⁻¹ (numpy's inverse of
@@ -385,7 +397,7 @@ def test_blt_noise_streams_its_factors_inverse_and_its_sensitivity_is_the_worst_
     assert algorithm.correlation.rows == len(strategy.decay) <= 10  # buffers, not rounds
 
 
-@NEEDS_BLT
+@needs_blt
 def test_the_blt_ledger_equals_dp_accountings_gaussian_at_the_worst_sensitivity(tmp_path):
     """Each of a client's 3 participations is charged a Gaussian of multiplier z/ν: composed,
     a Gaussian of multiplier z/(ν√3), at least the worst pattern's z/Δ_3 (dp-accounting's RDP,
@@ -399,7 +411,7 @@ def test_the_blt_ledger_equals_dp_accountings_gaussian_at_the_worst_sensitivity(
     assert exact.get_epsilon(1e-4) <= summary["epsilon_max"] * (1 + 1e-9)
 
 
-@NEEDS_BLT
+@needs_blt
 def test_blt_runs_it_cannot_serve_are_refused(tmp_path):
     """Bands (banded noise's) and Poisson sampling (amplification is accounted for banded noise
     only)."""
@@ -409,7 +421,7 @@ def test_blt_runs_it_cannot_serve_are_refused(tmp_path):
             build_problem(_config(tmp_path, noise_correlation="blt", **changes))
 
 
-@NEEDS_BLT
+@needs_blt
 @pytest.mark.slow
 def test_blt_noise_past_its_horizon_is_refused(tmp_path):
     """A round past the horizon, buffers of another horizon's BLT (the server state keeps its
@@ -438,7 +450,7 @@ def test_blt_noise_past_its_horizon_is_refused(tmp_path):
                  "num-server-rounds=12"]) == 2
 
 
-@NEEDS_BLT
+@needs_blt
 @pytest.mark.slow
 def test_the_running_sums_noise_at_equal_epsilon_is_what_docs_privacy_says(tmp_path):
     """docs/privacy.md's "Which noise" rows for T = 60, R = 20: z calibrated for ε = 2 over 3
@@ -464,7 +476,7 @@ def test_the_running_sums_noise_at_equal_epsilon_is_what_docs_privacy_says(tmp_p
         assert [f"{v:.2f}" for v in measured] == numbers, name
 
 
-@NEEDS_BLT
+@needs_blt
 def test_an_optimised_blt_is_kept_in_the_user_cache_and_read_back_exactly(tmp_path,
                                                                           monkeypatch):
     """The optimisation runs once per (horizon, separation): a second process reads the same
