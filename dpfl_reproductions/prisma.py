@@ -94,6 +94,7 @@ LOCAL_LIMIT = 4  # rounds of the local search
 #: "equal": a cell's search has as many configurations as DPSGD-GC's whole (extended) grid, which
 #: DPSGD-GC searches exhaustively; PriSMA starts from the same 45 points of the paper's (η, C1),
 #: each with the next coarse (γ, C3) pair, then searches one axis at a time up to that number
+#: (each metric's walk its share of what the start leaves)
 BUDGETS = ("paper", "equal")
 THEORY_SLOPE = {"prisma": -2 / 5, "dpsgd-gc": -1 / 3}
 # Measured single-thread cost of the simulator (float64, fused): per round, the draws of one
@@ -207,8 +208,6 @@ class Figure1:
         pairs."""
         out = {}
         paper = SMOKE_AXES if self.lab.smoke else AXES
-        plane = grid(**{k.replace("-", "_"): v for k, v in paper["dpsgd-gc"].items()
-                        if k != "num-server-rounds"})
         pairs = list(itertools.product(*(
             (paper["prisma"] if self.lab.smoke else COARSE)[k] for k in ("gamma", "clip-diff"))))
         for cell in self.cells():
@@ -216,12 +215,18 @@ class Figure1:
             if cell[0] == "prisma" and self.budget == "equal":
                 out[cell] = [{**p, "gamma": pairs[i % len(pairs)][0],
                               "clip-diff": pairs[i % len(pairs)][1]}
-                             for i, p in enumerate(plane)]
+                             for i, p in enumerate(self.plane())]
                 continue
             if cell[0] == "prisma" and not self.lab.smoke and self.budget == "paper":
                 axes.update(COARSE)
             out[cell] = grid(**{k.replace("-", "_"): v for k, v in axes.items()})
         return out
+
+    def plane(self) -> list[Config]:
+        """The paper's grid of (η, C1) (smoke: the smoke grid's)."""
+        paper = SMOKE_AXES if self.lab.smoke else AXES
+        return grid(**{k.replace("-", "_"): v for k, v in paper["dpsgd-gc"].items()
+                       if k != "num-server-rounds"})
 
     def neighbourhood(self, cell: Cell) -> Neighbourhood:
         """The local search's points around a cell's best: one grid step on any axes at once,
@@ -229,19 +234,27 @@ class Figure1:
         any axes at once would give 80)."""
         return axis_neighbours if self.budget == "equal" and cell[0] == "prisma" else neighbours
 
-    def budget_of(self, cell: Cell) -> int | None:
-        """The most configurations a cell's search may run: under equal budgets the size of
-        DPSGD-GC's grid of :attr:`axes`, else no bound."""
+    def budget_of(self, cell: Cell, share: float = 1.0) -> int | None:
+        """The most configurations a cell's search may have run by the end of a local search
+        given ``share`` of what the start leaves: under equal budgets the whole is the size of
+        DPSGD-GC's grid of :attr:`axes` (DPSGD-GC's start, all of it); PriSMA's start is the
+        :meth:`plane`, and each metric's walk its share of the rest. Under the paper's budget,
+        no bound."""
         if self.budget == "paper":
             return None
-        return math.prod(len(v) for v in self.tuned("dpsgd-gc").values())
+        whole = math.prod(len(v) for v in self.tuned("dpsgd-gc").values())
+        start = whole if cell[0] == "dpsgd-gc" else len(self.plane())
+        return start + math.floor((whole - start) * share + 1e-9)
 
-    def local(self, metric: str = "grad_norm", limit: int = LOCAL_LIMIT) -> int:
+    def local(self, metric: str = "grad_norm", limit: int = LOCAL_LIMIT,
+              share: float = 1.0) -> int:
         """The local search around each cell's best by ``metric`` on the grid :attr:`axes`
         (:meth:`~dpfl_reproductions.selection.Search.local`, each cell's
-        :meth:`neighbourhood` within its :meth:`budget_of`); returns how many rounds ran."""
+        :meth:`neighbourhood` within its :meth:`budget_of` at ``share``: where several metrics
+        walk one after the other, the first would otherwise spend the whole budget); returns
+        how many rounds ran."""
         return self.search.local(ranking(metric), lambda cell: self.tuned(cell[0]), limit,
-                                 self.neighbourhood, self.budget_of)
+                                 self.neighbourhood, lambda cell: self.budget_of(cell, share))
 
     def confirm(self, metric: str = "grad_norm") -> Confirmed:
         """Each T's best point (by ``metric``) of every (method, N) on every tuning seed."""

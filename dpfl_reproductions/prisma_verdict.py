@@ -38,9 +38,10 @@ verdict survives what that protocol cannot rule out:
   8). ``least-squares-equal`` searches as ``least-squares-hardened`` does with equal budgets
   (:data:`~dpfl_reproductions.prisma.BUDGETS`): per (method, N, T) cell as many configurations
   as DPSGD-GC's extended grid, which DPSGD-GC searches whole; PriSMA from the same points of
-  (η, C1) with the coarse (γ, C3) pairs in turn, then one axis at a time. Each arm starts alike
-  (the accountant arm does not start from the paper arm's points), and every report counts each
-  method's configurations, runs and cost.
+  (η, C1) with the coarse (γ, C3) pairs in turn, then one axis at a time, each metric's walk
+  taking its share of what the start leaves (the first would otherwise spend it all). Each arm
+  starts alike (the accountant arm does not start from the paper arm's points), and every
+  report counts each method's configurations, runs and cost.
 
 Verdicts (:func:`claim_below`, :func:`claim_faster`): claim 1 is confirmed where PriSMA is
 significantly lower at every N, refuted where at some N DPSGD-GC is significantly lower or the
@@ -166,8 +167,8 @@ def paper_search(lab: Lab, axes: dict[str, dict[str, tuple[float, ...]]],
     the paper's budget)."""
     fig = Figure1(lab, axes=axes, calibration="paper", search_seeds=search_seeds)
     fig.search.run(seed_points(fig, None))
-    for metric in metrics:
-        fig.local(METRICS[metric], LIMIT)
+    for i, metric in enumerate(metrics, 1):
+        fig.local(METRICS[metric], LIMIT, i / len(metrics))
     return fig
 
 
@@ -213,9 +214,9 @@ def run_arm(lab: Lab, calibration: str, axes: dict[str, dict[str, tuple[float, .
                   budget=budget)
     fig.search.run(seed_points(fig, start))
     arm = Arm(calibration, fig, {}, {}, {}, {})
-    for metric in metrics:
+    for i, metric in enumerate(metrics, 1):
         name = METRICS[metric]
-        arm.local_rounds[metric] = fig.local(name, LIMIT)
+        arm.local_rounds[metric] = fig.local(name, LIMIT, i / len(metrics))
         arm.confirmed[metric] = fig.confirm(name)
         arm.chosen[("protocol", metric)] = {cell: select(by_t, name)
                                             for cell, by_t in arm.confirmed[metric].items()}

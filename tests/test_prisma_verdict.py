@@ -212,6 +212,27 @@ def test_a_local_search_stops_at_its_cells_budget():
     assert 0 < rounds < 20
 
 
+def test_equal_budgets_give_prisma_dpsgd_gcs_whole_grid_and_split_its_walk_between_metrics(
+        tmp_path):
+    """Under equal budgets a cell may hold as many configurations as DPSGD-GC's extended grid
+    (the smoke grid's 3 × 3 of (η, C1), each axis one value past an end: 16); PriSMA starts from the 9
+    of the plane and the first of two metrics' walks may take half the 7 left; the paper's
+    budget has no bound."""
+    from dpfl_reproductions.lab import Lab
+    from dpfl_reproductions.prisma import SMOKE_AXES, Figure1
+    from dpfl_reproductions.prisma_verdict import SMOKE_EXTRA
+
+    lab = Lab(tmp_path, smoke=True)
+    axes = extended(SMOKE_AXES, SMOKE_EXTRA)
+    equal = Figure1(lab, axes=axes, budget="equal")
+    prisma, dpsgd = ("prisma", 2000, 20), ("dpsgd-gc", 2000, 20)
+    assert [equal.budget_of(prisma, share) for share in (0.5, 1.0)] == [9 + 3, 16]
+    assert [equal.budget_of(dpsgd, share) for share in (0.5, 1.0)] == [16, 16]
+    start = equal.coarse()
+    assert len(start[prisma]) == 9 and len(start[dpsgd]) == 16
+    assert Figure1(lab, axes=axes).budget_of(prisma) is None
+
+
 def _paper_arm_smoke(name, tmp_path, capsys):
     """The smoke run of experiment ``name``'s arm at Theorem 3's noise: its report, and the
     configurations of its archived runs."""
@@ -239,7 +260,7 @@ def test_the_equal_smoke_verdict_gives_both_methods_one_budget(tmp_path, capsys)
             cell = (c["algorithm"], c["batch-size"], c["num-server-rounds"])
             cells.setdefault(cell, set()).add((c["learning-rate"], c["clip"],
                                                c.get("gamma"), c.get("clip-diff")))
-    extended = 4 * 4  # the smoke grid's 3 × 3 of (η, C1), each axis one value past its end
+    extended = 4 * 4  # the smoke grid's 3 × 3 of (η, C1), each axis one value past an end
     assert len(cells) == 8 and all(len(points) == extended for points in cells.values())
     plane = {(lr, clip) for lr in SMOKE_AXES["dpsgd-gc"]["learning-rate"]
              for clip in SMOKE_AXES["dpsgd-gc"]["clip"]}
