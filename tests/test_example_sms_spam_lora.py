@@ -249,17 +249,23 @@ def test_the_sweep_tunes_each_setting_on_validation_and_runs_its_best_point_on_t
         example, tmp_path, monkeypatch):
     """``sweep.py``'s protocol with the runs stood in for (a real run is minutes): each
     setting's 9 grid points at seed 0 on the validation lines, evaluated once at round 100;
-    the best by validation accuracy, ties broken by the lower loss, on seeds 1–3 on the test
-    lines, evaluated every 20 rounds; the report's table and figure."""
+    the best by validation accuracy, ties broken by the lower loss, walked past the grid's edge
+    (÷ or × 3) while the accuracy rises, at most 2 steps; then on seeds 1–3 on the test lines,
+    evaluated every 20 rounds; the report's tables and figure."""
     import sweep
 
     from dpfl_reproductions.lab import Lab
 
     ran: list[dict] = []
 
-    def accuracy(c: dict) -> float:  # best at lr 3 (tied with lr 10 for LoRA), any clip
-        return 0.9 if c["learning-rate"] == 3.0 or (
-            c["learning-rate"] == 10.0 and c["model"] == "model:minilm_lora") else 0.5
+    def accuracy(c: dict) -> float:
+        """LoRA: best at lr 3 and 10 alike, any clip (the loss prefers lr 10 and clip 0.1, a
+        corner whose three steps past it do no better); the head: best at lr 3, and better
+        still with every clip below the grid's."""
+        if c["model"] == "model:minilm_head":
+            return 0.5 if c["learning-rate"] != 3.0 else 0.9 + 0.02 * (
+                (c["clip"] < 0.1) + (c["clip"] < 0.03))
+        return 0.9 if c["learning-rate"] in (3.0, 10.0) else 0.5
 
     def run_many(configs, *, derive=None, rounds=False):
         ran.extend(configs)
@@ -279,16 +285,22 @@ def test_the_sweep_tunes_each_setting_on_validation_and_runs_its_best_point_on_t
     monkeypatch.setattr(lab, "run_many", run_many)
     report = sweep.sweep(lab).read_text()
     tuning = [c for c in ran if c["seed"] == 0]
-    assert len(tuning) == 45 and len(ran) == 60
+    # the grids, then LoRA's corner three steps a setting, the head's one step twice
+    assert len(tuning) == 45 + 3 * 3 + 2 * 2 and len(ran) == len(tuning) + 15
     assert all("validation=true" in c["dataset-options"] and c["eval-every"] == 100
                for c in tuning)
     finals = [c for c in ran if c["seed"] != 0]
     assert all("validation" not in c["dataset-options"] and c["eval-every"] == 20
                and c["num-server-rounds"] == 100 for c in finals)
     chosen = {(c["model"], c.get("epsilon"), c["learning-rate"], c["clip"]) for c in finals}
+    walked = 0.1 / 3 / 3  # two steps below the grid's clips, the limit
     assert chosen == {("model:minilm_lora", 1.0, 10.0, 0.1), ("model:minilm_lora", 8.0, 10.0, 0.1),
                       ("model:minilm_lora", None, 10.0, 0.1),
-                      ("model:minilm_head", 1.0, 3.0, 0.1), ("model:minilm_head", 8.0, 3.0, 0.1)}
+                      ("model:minilm_head", 1.0, 3.0, walked),
+                      ("model:minilm_head", 8.0, 3.0, walked)}
     assert "| LoRA, ε = 8 | 92.00% | 1.00% | 91.00% 92.00% 93.00% |" in report
+    assert "learning-rate=10 clip=0.1 (on the grid)" in report
+    assert "learning-rate=3 clip=0.0111 (past the grid, still at an edge)" in report
+    assert "| LoRA, ε = 1 | lr 30, clip 0.0333 | 50.00% |" in report  # a step that did not help
     assert "| always ham (on the 1,125 test lines) | 86.58% |" in report
     assert (tmp_path / "accuracy.png").is_file()
