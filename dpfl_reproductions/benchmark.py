@@ -21,9 +21,11 @@ same accountant ε, under one protocol:
   of the full-length run (``calibration-rounds``), so that it is selected at the noise it will
   run with;
 * **seeds**: the selected point on fresh seeds 1–3 (one seed gives every algorithm the same
-  data, partition and initial model); test accuracy mean ± std, and per ε the paired difference
-  of every algorithm against the column's best (95% t-interval): an interval containing 0 is a
-  tie.
+  data, partition and initial model), then seeds 4–10 (:data:`SECOND_STAGE`) for the best of
+  each ε and every algorithm whose paired interval against it contains 0 after those three
+  (:func:`unseparated`); test accuracy mean ± std, and per ε the paired difference of every
+  algorithm against the column's best over the seeds both ran (95% t-interval): an interval
+  containing 0 is a tie.
 
 ``--only dataset=NAME`` runs it on any registered dataset with a validation split (e.g.
 ``digits``) or on a user's own arrays (``--only dataset=FILE.npz``, the ``npz`` dataset), the
@@ -56,6 +58,7 @@ from dpfl_reproductions.selection import (
     CONFIRMATION,
     LEVEL,
     Config,
+    Paired,
     Ranking,
     Rung,
     Runner,
@@ -81,6 +84,11 @@ ROUNDS = 200
 NUM_VALIDATION = 5000
 SELECTION_SEED = 0
 SEEDS = (1, 2, 3)
+#: the second stage: this many seeds after the plan's, run once for the best algorithm of each
+#: (setting, ε) and every algorithm whose paired interval against it contains 0 after the first
+#: (:func:`unseparated`), so that a tie is not three seeds' doing. One fixed stage, decided on
+#: all the seeds at once: seeds added until an interval clears 0 would inflate its error rate
+SECOND_STAGE = 7
 RUNGS = ((4, 4), (2, 2), (1, 1))  # (a 1/k share of the rounds, how many points go on)
 #: the first rung's best points that the full-length confirmation reruns (with the last
 #: rung's and the neighbouring ε's winners), so that no proxy rung cuts the best point alone
@@ -211,6 +219,11 @@ class Plan:
         """The privacy a setting's figure states beside its ε."""
         return "δ = 1e-5"
 
+    def second_seeds(self) -> tuple[int, ...]:
+        """The second stage's seeds: :data:`SECOND_STAGE` after the plan's (smoke: one)."""
+        first = max(self.seeds) + 1
+        return tuple(range(first, first + (1 if self.smoke else SECOND_STAGE)))
+
     def points(self, algorithm: str) -> list[Config]:
         axes = SMOKE_GRID if self.smoke else GRIDS[algorithm]
         keys = {k.replace("-", "_"): v for k, v in axes.items()}
@@ -291,7 +304,38 @@ def select(lab: Lab, plan: Plan) -> tuple[dict[Cell, Config], dict[Cell, list[Ru
 
 def seed_runs(lab: Lab, plan: Plan, chosen: dict[Cell, Config]
               ) -> dict[Cell, list[dict[str, Any]]]:
-    return Runner(plan.config, lab.run_many).on_seeds(chosen, plan.seeds)
+    """The selected points on the plan's seeds, then on its :meth:`~Plan.second_seeds` where
+    those cannot separate them (:func:`unseparated`; not where ``--only seed`` chose the
+    seeds): each cell's runs in seed order."""
+    runner = Runner(plan.config, lab.run_many)
+    results = runner.on_seeds(chosen, plan.seeds)
+    if "seed" in lab.only:
+        return results
+    more = runner.on_seeds({cell: chosen[cell] for cell in unseparated(plan, results)},
+                           plan.second_seeds())
+    return {cell: runs + more.get(cell, []) for cell, runs in results.items()}
+
+
+def tied(diff: Paired) -> bool:
+    """Whether a paired interval against the best contains 0."""
+    return not math.isnan(diff.high) and diff.high >= 0
+
+
+def unseparated(plan: Plan, results: dict[Cell, list[dict[str, Any]]]) -> list[Cell]:
+    """Per (setting, ε), the best algorithm by mean test accuracy and every algorithm
+    :func:`tied` with it by their paired interval over their seeds, where there is one."""
+    out = []
+    for setting in plan.settings:
+        for epsilon in plan.epsilons:
+            tests = {cell: [final_accuracy(s) for s in runs] for cell, runs in results.items()
+                     if cell[0] == setting and cell[2] == epsilon}
+            if not tests:
+                continue
+            best = max(tests, key=lambda cell: statistics.fmean(tests[cell]))
+            ties = [cell for cell in tests
+                    if cell != best and tied(paired(tests[cell], tests[best], common=True))]
+            out += [best, *ties] if ties else []
+    return out
 
 
 def run_protocol(lab: Lab, plan: Plan, name: str = "benchmark/epsilon"
@@ -344,15 +388,17 @@ def report_cost(lab: Lab, plan: Plan, name: str = "benchmark/epsilon") -> None:
         short, long = (float(next(summaries)["wall_seconds"]) for _ in PROBES)
         per_round = max(0.0, long - short) / (PROBES[1] - PROBES[0])
         per_run = max(0.0, short - PROBES[0] * per_round)
-        runs = (len(plan.points(a)) + sum(keep for _, keep in RUNGS[:-1]) + len(plan.seeds)
+        seeds = len(plan.seeds) + len(plan.second_seeds())  # at most: every cell unseparated
+        runs = (len(plan.points(a)) + sum(keep for _, keep in RUNGS[:-1]) + seeds
                 + confirmed(plan, a))
         seconds[a] = cells * (runs * per_run + per_round * (
-            rounds_per_cell(plan, a) + plan.rounds * len(plan.seeds)))
+            rounds_per_cell(plan, a) + plan.rounds * seeds))
     total = sum(seconds.values())
     print(f"{name}: ≈ {total / 3600:.2f} h single-thread "
           f"({total / 3600 / lab.workers:.2f} h on {lab.workers} workers)", flush=True)
     lab.text(f"Cost estimate before the sweep, from two probes of each algorithm "
-             f"({PROBES[0]} and {PROBES[1]} rounds): "
+             f"({PROBES[0]} and {PROBES[1]} rounds; the second stage of seeds counted for "
+             f"every cell, its most): "
              f"{total / 3600:.2f} h single-thread in all; per algorithm: "
              + ", ".join(f"{a} {s / 3600:.2f} h" for a, s in
                          sorted(seconds.items(), key=lambda x: -x[1])) + ".")
@@ -390,19 +436,20 @@ def report_setting(lab: Lab, plan: Plan, setting: Setting, chosen: dict[Cell, Co
         for e in plan.epsilons:
             values = tests[(setting, a, e)]
             mean, std = mean_std(values)
-            text = f"{mean:.1f} ± {std:.1f}"
+            text = f"{mean:.1f} ± {std:.1f}" + ("⁺" if len(values) > len(plan.seeds) else "")
             if a == best[e]:
                 text = f"**{text}**"
-            else:
-                diff = paired(values, tests[(setting, best[e], e)])
-                if not math.isnan(diff.high) and diff.high >= 0:
-                    text += " (tie)"
+            elif tied(paired(values, tests[(setting, best[e], e)], common=True)):
+                text += " (tie)"
             row.append(text)
         rows.append(row)
     title = f"{setting.name}, {setting.federation}"
+    more = plan.second_seeds()
     lab.table(f"{title}: test accuracy (%), mean ± std over seeds "
-              f"{', '.join(map(str, plan.seeds))} at each algorithm's selected point; the best "
-              f"per ε in bold, (tie): its paired {LEVEL:.0%} interval against the best contains 0",
+              f"{', '.join(map(str, plan.seeds))} at each algorithm's selected point (⁺: and "
+              f"seeds {more[0]}–{more[-1]}, run for the best of an ε and those the first seeds "
+              f"could not separate from it); the best per ε in bold, (tie): its paired "
+              f"{LEVEL:.0%} interval against the best, over the seeds both ran, contains 0",
               ["algorithm", *[f"ε = {e:g}" for e in plan.epsilons]], rows)
     fig = family_figure(f"{title}: test accuracy (%), mean ± std over seeds "
                         f"{', '.join(map(str, plan.seeds))} "
@@ -469,7 +516,9 @@ part in every round; the default MLP, batch 32. Each algorithm's own {len(plan.p
 {SELECTION_SEED} (a quarter of the rounds, the best 4 half, the best 2 all; every proxy with
 the full-length run's noise), then a confirmation at full length of those 2, the quarter rung's
 best {CONFIRM} and the points selected at the neighbouring ε, which decides; then seeds
-{', '.join(map(str, plan.seeds))}. The selection never reads the test set.
+{', '.join(map(str, plan.seeds))}, and seeds {plan.second_seeds()[0]}–{plan.second_seeds()[-1]}
+for the best of each ε and every algorithm whose paired interval against it contains 0 after
+them (one fixed second stage). The selection never reads the test set.
 """)
     fixed = [f"{a}: " + ", ".join(f'{k}="{v}"' for k, v in FIXED[a].items())
              for a in plan.algorithms if a in FIXED]

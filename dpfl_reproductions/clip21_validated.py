@@ -16,8 +16,10 @@ with the practice calibration's T in epochs, the paper's reading) and changes th
   then a full-length confirmation with the quarter rung's best 4 and the neighbouring ε's
   points) on 5,000 training images held out, at seed 0; every proxy with the full-length run's
   noise;
-* seeds 1–3 on the test set, and per ε the paired interval of Clip21-SGD2M against each other
-  method: "best" is confirmed where every interval lies above 0, refuted where one lies below.
+* seeds 1–3 on the test set (4–10 where three cannot separate a method from the best:
+  :func:`~dpfl_reproductions.benchmark.seed_runs`), and per ε the paired interval of
+  Clip21-SGD2M against each other method over the seeds both ran: "best" is confirmed where
+  every interval lies above 0, refuted where one lies below.
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ method lies above 0, refuted where one lies below.
         if ours is None or not others:
             continue
         diffs = {m: paired([final_accuracy(s) for s in ours],
-                           [final_accuracy(s) for s in results[(setting, m, epsilon)]])
+                           [final_accuracy(s) for s in results[(setting, m, epsilon)]],
+                           common=True)
                  for m in others}
         words = {decided(d) for d in diffs.values()}
         word = next(w for w in ("undecided (one seed)", "refuted", "undecided", "confirmed")

@@ -21,7 +21,8 @@ and a guarantee for each client's whole data (user-level, ε ∈ :data:`EPSILONS
   over a lazy population); DP-SGD, the matched-ε benchmark's record-level reference (each
   client's record-level guarantee, a weaker unit than a user's);
 * **the same search** for every method (:data:`GRIDS`), selected on validation at seed 0, then
-  seeds 1–3 on the test samples.
+  seeds 1–3 on the test samples (4–10 where three cannot separate a method from the best:
+  :func:`~dpfl_reproductions.benchmark.seed_runs`).
 """
 
 from __future__ import annotations

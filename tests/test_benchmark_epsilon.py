@@ -5,6 +5,7 @@ and the smoke run."""
 from __future__ import annotations
 
 import csv
+import statistics
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -310,3 +311,72 @@ def test_a_point_a_proxy_rung_cut_is_confirmed_at_full_length():
     assert [p for p, _ in chosen.runs] == [{"p": "a"}, {"p": "b"}, {"p": "c"}, {"p": "d"}]
     assert final[("s", "x", 2.0)].ranked[0][0] == {"p": "c"}  # the neighbour's point, added
     assert {"p": "f", "rounds": 8} not in ran  # beyond the quarter rung's best 4: never rerun
+
+
+
+def test_seeds_that_cannot_separate_an_algorithm_from_the_best_get_a_second_stage(tmp_path):
+    """Seeds 1–3 leave B tied with A (the best) and C below both: seeds 4–10 run for A and B
+    alone, once; the table reads every seed each ran (⁺), and B, 0.6 points below A on every
+    new seed, is no longer a tie. Seeds chosen with ``--only seed`` get no second stage."""
+    from dpfl_reproductions.benchmark import Plan, report_setting, seed_runs, unseparated
+
+    spread = {1: 0.0, 2: 1.0, 3: 2.0, 4: 0.5, 5: 1.5, 6: 0.2, 7: 0.8, 8: 1.2, 9: 1.8, 10: 1.1}
+    below = {1: 0.4, 2: -0.4, 3: 0.1, **dict.fromkeys(range(4, 11), 0.6)}  # A − B by seed
+    accuracy = {"a": lambda s: 80 + spread[s], "b": lambda s: 80 + spread[s] - below[s],
+                "c": lambda s: 70 + spread[s]}
+
+    class Stood(Plan):  # a run's configuration: its algorithm and seed; a grid of one point
+        def config(self, cell, point, seed, share=1):
+            return {"algorithm": cell[1], "seed": seed}
+
+        def points(self, algorithm):
+            return [{"learning-rate": 0.1}]
+
+    def lab_of(folder, only=None):
+        lab = Lab(folder, smoke=False, only=only)
+        lab.asked = []
+
+        def run_many(configs, **_):
+            lab.asked.extend(configs)
+            return [{"test_accuracy": accuracy[c["algorithm"]](c["seed"]) / 100}
+                    for c in configs]
+
+        lab.run_many = run_many
+        return lab
+
+    setting = Setting("digits", "silo-iid")
+    plan = Stood((setting,), ("a", "b", "c"), (1.0,), (1, 2, 3), 4, 100, smoke=False)
+    chosen = {(setting, a, 1.0): {"learning-rate": 0.1} for a in "abc"}
+    lab = lab_of(tmp_path / "full")
+    results = seed_runs(lab, plan, chosen)
+    assert plan.second_seeds() == tuple(range(4, 11))
+    assert sorted((c["algorithm"], c["seed"]) for c in lab.asked) == sorted(
+        [(a, s) for a in "abc" for s in (1, 2, 3)] + [(a, s) for a in "ab" for s in range(4, 11)])
+    assert [len(results[(setting, a, 1.0)]) for a in "abc"] == [10, 10, 3]
+    assert unseparated(plan, {cell: runs[:3] for cell, runs in results.items()}) == [
+        (setting, "a", 1.0), (setting, "b", 1.0)]
+    assert unseparated(plan, results) == []
+    report_setting(lab, plan, setting, chosen, results)
+    rows = {cells[0]: cells[1] for cells in (
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in lab.sections[0].splitlines() if line.startswith("| "))}
+
+    def shown(algorithm, seeds):
+        values = [accuracy[algorithm](s) for s in seeds]
+        return f"{statistics.fmean(values):.1f} ± {statistics.stdev(values):.1f}"
+
+    assert rows["a"] == f"**{shown('a', range(1, 11))}⁺**"
+    assert rows["b"] == f"{shown('b', range(1, 11))}⁺"
+    assert rows["c"] == shown("c", (1, 2, 3))  # below A on the three seeds both ran: no tie
+
+    only = lab_of(tmp_path / "only", only={"seed": ["1", "2", "3"]})
+    assert [len(runs) for runs in seed_runs(only, plan, chosen).values()] == [3, 3, 3]
+
+
+def test_a_paired_interval_over_common_seeds_reads_the_seeds_both_ran():
+    from dpfl_reproductions.selection import paired
+
+    longer, shorter = [3.0, 1.0, 2.0, 9.0, 9.0], [1.0, 0.0, 0.0]
+    assert paired(longer, shorter, common=True) == paired(longer[:3], shorter)
+    with pytest.raises(ValueError):
+        paired(longer, shorter)

@@ -28,9 +28,14 @@ class Paired:
     high: float
 
 
-def paired(ours: Sequence[float], theirs: Sequence[float], level: float = LEVEL) -> Paired:
+def paired(ours: Sequence[float], theirs: Sequence[float], level: float = LEVEL, *,
+           common: bool = False) -> Paired:
     """``ours`` − ``theirs`` seed by seed (the same seeds, in the same order) and the t-interval
-    mean ± t(1 − (1 − level)/2, n − 1)·s/√n."""
+    mean ± t(1 − (1 − level)/2, n − 1)·s/√n. ``common``: over the seeds both have, where one
+    list runs further along the same seeds (a second stage of seeds run for some cells only)."""
+    if common:
+        n = min(len(ours), len(theirs))
+        ours, theirs = ours[:n], theirs[:n]
     diffs = tuple(a - b for a, b in zip(ours, theirs, strict=True))
     mean = statistics.fmean(diffs)
     if len(diffs) < 2:
