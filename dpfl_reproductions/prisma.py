@@ -33,7 +33,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -43,10 +43,10 @@ from dpfl_reproductions.lab import Lab
 from dpfl_reproductions.registry import experiment
 from dpfl_reproductions.selection import (
     Config,
+    Neighbourhood,
     Ranking,
     Runner,
     Search,
-    Neighbourhood,
     accuracy,
     axis_neighbours,
     best,
@@ -95,7 +95,8 @@ LOCAL_LIMIT = 4  # rounds of the local search
 #: DPSGD-GC searches exhaustively; PriSMA starts from the same 45 points of the paper's (η, C1),
 #: each with the next coarse (γ, C3) pair, then searches one axis at a time up to that number
 #: (each metric's walk its share of what the start leaves)
-BUDGETS = ("paper", "equal")
+Budget = Literal["paper", "equal"]
+BUDGETS: tuple[Budget, ...] = ("paper", "equal")
 THEORY_SLOPE = {"prisma": -2 / 5, "dpsgd-gc": -1 / 3}
 # Measured single-thread cost of the simulator (float64, fused): per round, the draws of one
 # federation (≈ 0.35 ms per 2000 records per client) and each configuration (≈ 40 µs + 20 µs
@@ -170,7 +171,7 @@ class Figure1:
 
     def __init__(self, lab: Lab, *, axes: dict[str, dict[str, tuple[float, ...]]] | None = None,
                  calibration: str = "paper", search_seeds: Sequence[int] = TUNING_SEEDS[:1],
-                 budget: str = "paper") -> None:
+                 budget: Budget = "paper") -> None:
         self.lab = lab
         self.budget = budget
         self.axes = axes or (SMOKE_AXES if lab.smoke else AXES)

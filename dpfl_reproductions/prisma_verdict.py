@@ -69,6 +69,7 @@ from dpfl_reproductions.prisma import (
     SMOKE_AXES,
     TRIAL_SEEDS,
     TUNING_SEEDS,
+    Budget,
     Cell,
     Confirmed,
     Figure1,
@@ -209,7 +210,7 @@ def pool(fig: Figure1, confirmed: dict[str, Confirmed], metric: str) -> Choice:
 
 def run_arm(lab: Lab, calibration: str, axes: dict[str, dict[str, tuple[float, ...]]],
             metrics: Sequence[str], seeds: Sequence[int], start: Figure1 | None,
-            search_seeds: Sequence[int], budget: str) -> Arm:
+            search_seeds: Sequence[int], budget: Budget) -> Arm:
     fig = Figure1(lab, axes=axes, calibration=calibration, search_seeds=search_seeds,
                   budget=budget)
     fig.search.run(seed_points(fig, start))
@@ -337,7 +338,7 @@ def least_squares_equal(lab: Lab) -> str:
 
 
 def figure1_decided(lab: Lab, search_seeds: Sequence[int], name: str,
-                    budget: str = "paper") -> str:
+                    budget: Budget = "paper") -> str:
     """Both arms (:func:`run_arm`) with searches at ``search_seeds`` sized by ``budget``
     (:data:`~dpfl_reproductions.prisma.BUDGETS`), their verdicts and report."""
     paper_axes = SMOKE_AXES if lab.smoke else AXES
@@ -365,7 +366,7 @@ def figure1_decided(lab: Lab, search_seeds: Sequence[int], name: str,
 def report_cost(lab: Lab, axes: dict[str, dict[str, tuple[float, ...]]],
                 calibrations: Sequence[str], metrics: Sequence[str],
                 seeds: Sequence[int], search_seeds: Sequence[int], name: str,
-                budget: str) -> None:
+                budget: Budget) -> None:
     """The cost model's estimate, printed before the sweep and kept in the report."""
     lines = []
     total = 0.0
