@@ -59,9 +59,9 @@ def neighbours(point: Config, axes: dict[str, tuple[float, ...]]) -> list[Config
 
 
 def axis_neighbours(point: Config, axes: dict[str, tuple[float, ...]]) -> list[Config]:
-    """``point`` and every point one grid step away on exactly one of ``axes``: two a
-    coordinate, where :func:`neighbours` has 3^k − 1 (a search over k axes that is to spend no
-    more than one over fewer, as 8 = 2·4 on four axes against 3² − 1 on two)."""
+    """``point`` and every point one grid step away on exactly one of ``axes``: two an axis,
+    2k on k axes where :func:`neighbours` gives 3^k − 1, so that a search over four axes takes
+    8 a round, as one over two does with :func:`neighbours`."""
     out = [point]
     for key, values in axes.items():
         i = values.index(point[key])
